@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv in the repo root, pinned CPU torch, meshd (editable)
+# with its test extras, and the embedded default model in the model cache.
+# Re-running is cheap: the install is skipped while pyproject/constraints are unchanged.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    echo "[setup] creating .venv"
+    "$py" -m venv .venv
+fi
+stamp=".venv/.meshd-install-stamp"
+want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "[setup] installing dependencies (torch pinned by constraints.txt)"
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,bench]"
+    echo "$want" > "$stamp"
+fi
+.venv/bin/meshd model pull --quiet
