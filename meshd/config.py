@@ -1,0 +1,187 @@
+"""Daemon configuration: one typed dataclass, four layers of precedence.
+
+defaults < TOML file < ``MESHD_*`` environment < command-line flags.
+
+The layering is a pure function (:func:`load_config`) of its inputs so it can be
+tested without touching the real environment; systemd units and containers
+set environment variables, humans pass flags, and packagers ship the TOML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket as _socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshd.errors import MeshdError
+from meshd.paths import default_socket_path
+
+DEFAULT_CONFIG_PATH = Path("/etc/meshd/meshd.toml")
+DEFAULT_PORT = 7410
+DEFAULT_PAIRING_PORT = 7411
+
+
+class ConfigError(MeshdError):
+    """The configuration file, an environment variable or a flag is invalid."""
+
+
+def _default_state_dir(env: Mapping[str, str]) -> Path:
+    state = env.get("STATE_DIRECTORY")  # systemd StateDirectory=
+    if state:
+        return Path(state.split(":")[0])
+    home = env.get("HOME")
+    return (Path(home) if home else Path.home()) / ".local" / "state" / "meshd"
+
+
+def _default_memory_budget_mb() -> int:
+    """Half of physical memory: the device is someone's laptop, not a server."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1024
+    return max(256, int(total / 2 / 2**20))
+
+
+@dataclass
+class Config:
+    state_dir: Path | None = None  # None: $STATE_DIRECTORY or ~/.local/state/meshd
+    socket: Path | None = None  # None: meshd.paths.default_socket_path()
+    name: str = field(default_factory=_socket.gethostname)  # human-readable device name
+    listen: str = "0.0.0.0"  # address the transport and pairing endpoints bind
+    port: int = DEFAULT_PORT  # transport (CURVE) port; 0 = any free port
+    pairing_port: int = DEFAULT_PAIRING_PORT  # token pairing port; 0 = any free port
+    interface: str | None = None  # restrict mDNS + advertised address: name or IP
+    heartbeat_interval_s: float = 1.0
+    suspect_after_s: float = 3.0  # no heartbeat for this long: suspect
+    gone_after_s: float = 6.0  # no heartbeat for this long: gone
+    replan_debounce_s: float = 1.0
+    memory_budget_mb: int = field(default_factory=_default_memory_budget_mb)
+    model: str | None = None  # None: embedded default; "none": no model (control plane only)
+    plan_layers: int = 30  # layer count planned when no model is loaded
+    invite_ttl_s: float = 15 * 60
+    log_format: str = "json"
+    log_level: str = "info"
+
+    def resolved_state_dir(self, env: Mapping[str, str] | None = None) -> Path:
+        env = os.environ if env is None else env
+        return Path(self.state_dir).expanduser() if self.state_dir else _default_state_dir(env)
+
+    def resolved_socket(self, env: Mapping[str, str] | None = None) -> Path:
+        env = os.environ if env is None else env
+        if self.socket:
+            return Path(self.socket).expanduser()
+        return default_socket_path(env)
+
+    @property
+    def model_enabled(self) -> bool:
+        return (self.model or "").lower() != "none"
+
+    def validate(self) -> Config:
+        if not (0 < self.heartbeat_interval_s < self.suspect_after_s < self.gone_after_s):
+            raise ConfigError(
+                "need 0 < heartbeat_interval_s < suspect_after_s < gone_after_s, got "
+                f"{self.heartbeat_interval_s}, {self.suspect_after_s}, {self.gone_after_s}"
+            )
+        for key in ("port", "pairing_port"):
+            if not 0 <= getattr(self, key) < 65536:
+                raise ConfigError(f"{key} must be a TCP port, got {getattr(self, key)}")
+        if self.log_format not in ("json", "console"):
+            raise ConfigError(f"log_format must be json or console, got {self.log_format!r}")
+        return self
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    """Convert a TOML/env/flag value to the field's type, with a clear error."""
+    ftype = str(FIELDS[key].type)
+    try:
+        if value is None:
+            return None
+        if "list" in ftype:
+            if isinstance(value, str):
+                return [v.strip() for v in value.split(",") if v.strip()]
+            return [str(v) for v in value]
+        if ftype.startswith("Path"):
+            return Path(str(value)).expanduser()
+        if ftype == "bool":
+            if isinstance(value, bool):
+                return value
+            low = str(value).strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if ftype == "int":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if ftype == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: invalid value {value!r} for {key} ({ftype})") from None
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    # Accept both a flat file and one with a [meshd] table.
+    if isinstance(data.get("meshd"), dict):
+        data = {**{k: v for k, v in data.items() if k != "meshd"}, **data["meshd"]}
+    return data
+
+
+def load_config(
+    path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the effective Config.
+
+    ``path`` None means the default file, which may be absent; an explicit path
+    that does not exist is an error. ``overrides`` are flags: keys whose value
+    is None are "not given" and do not override anything.
+    """
+    env = os.environ if env is None else env
+    if path is None:
+        path_env = env.get("MESHD_CONFIG")
+        explicit = bool(path_env)
+        path = Path(path_env) if path_env else DEFAULT_CONFIG_PATH
+    else:
+        explicit = True
+    if explicit and not Path(path).is_file():
+        raise ConfigError(f"config file not found: {path}")
+    cfg = Config()
+    values: dict[str, Any] = {}
+    for key, value in read_toml(Path(path)).items():
+        if key not in FIELDS:
+            raise ConfigError(f"{path}: unknown setting {key!r}")
+        values[key] = _coerce(key, value, str(path))
+    for key in FIELDS:
+        env_key = "MESHD_" + key.upper()
+        if env_key in env and key != "socket":  # MESHD_SOCKET is read by meshd.paths
+            values[key] = _coerce(key, env[env_key], env_key)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = _coerce(key, value, "--" + key.replace("_", "-"))
+    return dataclasses.replace(cfg, **values).validate()

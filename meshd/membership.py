@@ -1,0 +1,161 @@
+"""Membership: which admitted peers are alive, as a pure clock-driven state machine.
+
+mDNS only *finds* peers; liveness comes from heartbeats over the authenticated
+transport. Each peer moves through::
+
+    joining --heartbeat--> ready --silence > suspect_after--> suspect
+    suspect --heartbeat--> ready;  any --silence > gone_after or "bye"--> gone
+    gone --heard of again--> joining / ready
+
+Nothing here does I/O or reads a clock: callers pass ``now``, so tests drive it
+with a fake clock, and every method returns the state changes it caused.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class PeerState(str, enum.Enum):
+    JOINING = "joining"
+    READY = "ready"
+    SUSPECT = "suspect"
+    GONE = "gone"
+
+
+@dataclass(frozen=True)
+class Change:
+    node_id: str
+    old: PeerState | None
+    new: PeerState
+
+
+@dataclass
+class Peer:
+    node_id: str
+    state: PeerState
+    since: float  # when it entered this state
+    last_seen: float  # last heartbeat (or first observation while joining)
+    info: dict[str, Any] = field(default_factory=dict)  # latest heartbeat payload
+
+
+class Membership:
+    def __init__(self, self_id: str, suspect_after_s: float, gone_after_s: float):
+        if not 0 < suspect_after_s < gone_after_s:
+            raise ValueError("need 0 < suspect_after_s < gone_after_s")
+        self.self_id = self_id
+        self.suspect_after_s = suspect_after_s
+        self.gone_after_s = gone_after_s
+        self.peers: dict[str, Peer] = {}
+
+    def _set(self, peer: Peer, state: PeerState, now: float) -> list[Change]:
+        if peer.state is state:
+            return []
+        old, peer.state, peer.since = peer.state, state, now
+        return [Change(peer.node_id, old, state)]
+
+    def observe(self, node_id: str, now: float) -> list[Change]:
+        """A peer was discovered (mDNS/static seed) and is admitted: start talking to it."""
+        if node_id == self.self_id:
+            return []
+        peer = self.peers.get(node_id)
+        if peer is None:
+            self.peers[node_id] = Peer(node_id, PeerState.JOINING, now, now)
+            return [Change(node_id, None, PeerState.JOINING)]
+        if peer.state is PeerState.GONE:
+            peer.last_seen = now
+            return self._set(peer, PeerState.JOINING, now)
+        return []
+
+    def heartbeat(self, node_id: str, now: float, info: dict[str, Any] | None = None) -> list[Change]:
+        """A heartbeat arrived over the authenticated transport: the peer is ready."""
+        if node_id == self.self_id:
+            return []
+        changes: list[Change] = []
+        peer = self.peers.get(node_id)
+        if peer is None:
+            peer = self.peers[node_id] = Peer(node_id, PeerState.READY, now, now)
+            changes.append(Change(node_id, None, PeerState.READY))
+        peer.last_seen = max(peer.last_seen, now)
+        if info is not None:
+            peer.info = dict(info)
+        return changes + self._set(peer, PeerState.READY, now)
+
+    def leave(self, node_id: str, now: float) -> list[Change]:
+        """The peer said goodbye (graceful shutdown): gone without waiting for timeouts."""
+        peer = self.peers.get(node_id)
+        return self._set(peer, PeerState.GONE, now) if peer else []
+
+    def tick(self, now: float) -> list[Change]:
+        """Apply timeouts. Call this periodically (every heartbeat interval is plenty)."""
+        changes: list[Change] = []
+        for peer in self.peers.values():
+            silent = now - peer.last_seen
+            if peer.state is PeerState.GONE:
+                continue
+            if silent > self.gone_after_s:
+                changes += self._set(peer, PeerState.GONE, now)
+            elif silent > self.suspect_after_s and peer.state is PeerState.READY:
+                changes += self._set(peer, PeerState.SUSPECT, now)
+        return changes
+
+    def state_of(self, node_id: str) -> PeerState | None:
+        peer = self.peers.get(node_id)
+        return peer.state if peer else None
+
+    def ready_ids(self) -> list[str]:
+        """Ready peers plus this node, sorted: the set the planner partitions over."""
+        ids = {n for n, p in self.peers.items() if p.state is PeerState.READY}
+        ids.add(self.self_id)
+        return sorted(ids)
+
+    def leader(self) -> str:
+        """Deterministic coordinator: the lowest node id among ready members."""
+        return self.ready_ids()[0]
+
+
+_ACTIVE = (PeerState.READY, PeerState.SUSPECT)
+
+
+def affects_plan(changes: list[Change]) -> bool:
+    """A peer entering or leaving the active set (ready or suspect) changes the stages.
+
+    ready -> suspect alone is only a warning (it may be a lost packet); the
+    re-plan comes when the peer is declared gone, or when it recovers nothing
+    has to move at all.
+    """
+    return any((c.old in _ACTIVE) != (c.new in _ACTIVE) for c in changes)
+
+
+class Debouncer:
+    """Coalesces bursts of membership changes into one re-plan.
+
+    ``poke(now)`` (re)arms the timer; ``due(now)`` is True once, ``delay_s``
+    after the last poke. A cap (``max_delay_s``) keeps a flapping peer from
+    postponing the re-plan forever.
+    """
+
+    def __init__(self, delay_s: float, max_delay_s: float | None = None):
+        self.delay_s = delay_s
+        self.max_delay_s = max_delay_s if max_delay_s is not None else 5 * delay_s
+        self._first: float | None = None
+        self._last: float | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._last is not None
+
+    def poke(self, now: float) -> None:
+        if self._first is None:
+            self._first = now
+        self._last = now
+
+    def due(self, now: float) -> bool:
+        if self._last is None or self._first is None:
+            return False
+        if now - self._last >= self.delay_s or now - self._first >= self.max_delay_s:
+            self._first = self._last = None
+            return True
+        return False

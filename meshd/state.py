@@ -1,0 +1,238 @@
+"""The state directory: everything a device remembers across restarts.
+
+Layout (all under ``$STATE_DIRECTORY`` or ``~/.local/state/meshd``)::
+
+    node_id            this device's stable id (hex), created on first start
+    home.json          {"home_id", "name"}: which home this device belongs to
+    members.json       known members: node_id -> {name, public_key}; this IS the
+                       allow-list the transport's ZAP handler admits
+    invites.json       pending one-time invite tokens, stored hashed with expiry
+    keys/              this device's CURVE keypair (see meshd.keys)
+    profiles/          device profiles (partition profiler output)
+    models/            model cache
+
+Writes are atomic (write to a temp file, rename) so a crash or a concurrent
+``meshd invite`` never leaves a half-written file that the daemon then reads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshd.errors import MeshdError
+
+
+class StateError(MeshdError):
+    """The state directory is missing, unreadable or inconsistent."""
+
+
+@dataclass(frozen=True)
+class Home:
+    home_id: str
+    name: str
+
+    @property
+    def digest(self) -> str:
+        """What mDNS advertises: identifies the home without revealing its id."""
+        return home_digest(self.home_id)
+
+
+def home_digest(home_id: str) -> str:
+    return hashlib.sha256(b"meshd-home\0" + home_id.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    name: str
+    public_key: str  # z85 CURVE public key
+
+    def to_json(self) -> dict[str, str]:
+        return {"node_id": self.node_id, "name": self.name, "public_key": self.public_key}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Member:
+        return Member(str(d["node_id"]), str(d.get("name", "")), str(d["public_key"]))
+
+
+def key_fingerprint(public_key: str) -> str:
+    return hashlib.sha256(public_key.encode()).hexdigest()[:16]
+
+
+def members_digest(members: dict[str, Member]) -> str:
+    """Order-independent digest of the allow-list, compared in heartbeats."""
+    h = hashlib.sha256()
+    for node_id in sorted(members):
+        m = members[node_id]
+        h.update(f"{node_id}\0{m.public_key}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+class StateDir:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    # -- layout -----------------------------------------------------------
+    @property
+    def keys_dir(self) -> Path:
+        return self.root / "keys"
+
+    @property
+    def profiles_dir(self) -> Path:
+        return self.root / "profiles"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "models"
+
+    def ensure(self) -> StateDir:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            for d in (self.keys_dir, self.profiles_dir, self.models_dir):
+                d.mkdir(exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise StateError(f"cannot create state directory {self.root}: {exc}") from None
+        return self
+
+    @contextmanager
+    def locked(self):
+        """Serialise read-modify-write of state files between daemon and CLI."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _read_json(self, name: str, default: Any) -> Any:
+        path = self.root / name
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return default
+        except (OSError, ValueError) as exc:
+            raise StateError(f"cannot read {path}: {exc}") from None
+
+    def _write_json(self, name: str, value: Any) -> None:
+        atomic_write(self.root / name, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+    # -- node id ----------------------------------------------------------
+    def node_id(self) -> str:
+        path = self.root / "node_id"
+        with self.locked():
+            try:
+                value = path.read_text().strip()
+                if value:
+                    return value
+            except FileNotFoundError:
+                pass
+            value = secrets.token_hex(8)
+            atomic_write(path, (value + "\n").encode(), mode=0o644)
+            return value
+
+    # -- home -------------------------------------------------------------
+    def home(self) -> Home | None:
+        d = self._read_json("home.json", None)
+        if not d:
+            return None
+        return Home(str(d["home_id"]), str(d["name"]))
+
+    def set_home(self, home: Home) -> None:
+        with self.locked():
+            self._write_json("home.json", {"home_id": home.home_id, "name": home.name})
+
+    def create_home(self, name: str) -> Home:
+        if self.home() is not None:
+            raise StateError(f"this device already belongs to home {self.home().name!r}")
+        home = Home(secrets.token_hex(16), name)
+        self.set_home(home)
+        return home
+
+    # -- members / allow-list --------------------------------------------
+    def members(self) -> dict[str, Member]:
+        raw = self._read_json("members.json", {})
+        return {nid: Member.from_json({**m, "node_id": nid}) for nid, m in raw.items()}
+
+    def add_members(self, members: list[Member]) -> list[Member]:
+        """Merge members into the allow-list; returns the ones that were new or changed."""
+        with self.locked():
+            current = self.members()
+            changed = [m for m in members if current.get(m.node_id) != m]
+            if changed:
+                for m in changed:
+                    current[m.node_id] = m
+                self._write_json(
+                    "members.json",
+                    {nid: {"name": m.name, "public_key": m.public_key} for nid, m in current.items()},
+                )
+            return changed
+
+    # -- invites ----------------------------------------------------------
+    def invites(self) -> list[dict[str, Any]]:
+        return list(self._read_json("invites.json", []))
+
+    def add_invite(self, token_id: str, key_hash: str, expires_at: float) -> None:
+        import time
+
+        with self.locked():
+            now = time.time()
+            keep = [i for i in self.invites() if i["expires_at"] > now]
+            keep.append({"id": token_id, "key": key_hash, "expires_at": expires_at})
+            self._write_json("invites.json", keep)
+
+    def take_invite(self, token_id: str, now: float) -> dict[str, Any] | None:
+        """Remove and return the unexpired invite ``token_id`` (one-time use)."""
+        with self.locked():
+            invites = self.invites()
+            found = next((i for i in invites if i["id"] == token_id), None)
+            keep = [i for i in invites if i is not found and i["expires_at"] > now]
+            if found is not None or len(keep) != len(invites):
+                self._write_json("invites.json", keep)
+            if found is None or found["expires_at"] <= now:
+                return None
+            return found
+
+    def peek_invite(self, token_id: str, now: float) -> dict[str, Any] | None:
+        found = next((i for i in self.invites() if i["id"] == token_id), None)
+        if found is None or found["expires_at"] <= now:
+            return None
+        return found
+
+    # -- profiles ---------------------------------------------------------
+    def own_profile(self) -> dict[str, Any] | None:
+        """The newest profile the profiler wrote for this device, if any."""
+        files = sorted(self.profiles_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        for path in reversed(files):
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return None
