@@ -1,0 +1,193 @@
+"""GGUF models (llama.cpp format): memory-mapped, dequantised per tensor on demand.
+
+llama.cpp stores Llama/Mistral q and k projections with rows permuted for its
+interleaved RoPE; we undo that so the same rotate-half RoPE as Hugging Face
+applies. Qwen2 GGUFs are not permuted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from decoding.config import SUPPORTED_ARCHS, ModelConfig
+from decoding.errors import ModelLoadError, UnsupportedArchitecture
+from decoding.loader.source import ModelSource
+
+_LAYER_MAP = {
+    "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
+    "attn_output": "o", "ffn_norm": "mlp_norm", "ffn_gate": "gate", "ffn_up": "up",
+    "ffn_down": "down",
+}
+_GLOBAL_MAP = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
+               "output.weight": "lm_head"}
+_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert-time permute(w, n_head)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource(ModelSource):
+    def __init__(self, path: Path, cache_root: Path | None = None):
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self._reader = gguf.GGUFReader(str(self.path), "r")
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({exc})") from exc
+        self._cache_root = cache_root
+        self._tensors = {}
+        for t in self._reader.tensors:
+            canon = self._canonical(t.name)
+            if canon:
+                self._tensors[canon] = t
+        missing = [n for n in ("embed", "final_norm") if n not in self._tensors]
+        if missing:
+            raise ModelLoadError(f"{self.path}: GGUF lacks tensors {missing}")
+
+    # -- metadata -----------------------------------------------------------
+    def _field(self, key: str, default=None):
+        f = self._reader.fields.get(key)
+        if f is None:
+            return default
+        v = f.contents()
+        return v
+
+    @cached_property
+    def arch(self) -> str:
+        return str(self._field("general.architecture", "?"))
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        arch = self.arch
+        if arch not in SUPPORTED_ARCHS:
+            raise UnsupportedArchitecture(
+                f"{self.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        g = lambda k, d=None: self._field(f"{arch}.{k}", d)  # noqa: E731
+        n_heads = int(g("attention.head_count"))
+        hidden = int(g("embedding_length"))
+        head_dim = int(g("attention.key_length", hidden // n_heads))
+        scaling = None
+        st = g("rope.scaling.type")
+        if st and st != "none":
+            scaling = {"type": st, "factor": float(g("rope.scaling.factor", 1.0))}
+        eos = self._field("tokenizer.ggml.eos_token_id")
+        embed = self._tensors["embed"]
+        vocab = int(g("vocab_size", embed.shape[1]))
+        return ModelConfig(
+            arch=arch, vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
+            num_heads=n_heads, num_kv_heads=int(g("attention.head_count_kv", n_heads)),
+            head_dim=head_dim, rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position=int(g("context_length", 2048)),
+            tie_embeddings="lm_head" not in self._tensors,
+            attention_bias="layers.0.q_bias" in self._tensors,
+            sliding_window=None,
+            bos_id=self._field("tokenizer.ggml.bos_token_id"),
+            eos_ids=(int(eos),) if eos is not None else (),
+        )
+
+    @staticmethod
+    def _canonical(name: str) -> str | None:
+        if name in _GLOBAL_MAP:
+            return _GLOBAL_MAP[name]
+        if name == "rope_freqs.weight":
+            return "rope_freqs"
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk":
+            base = _LAYER_MAP.get(parts[2])
+            if base is None:
+                return None
+            if parts[3] == "bias":
+                return f"layers.{parts[1]}.{base}_bias"
+            return f"layers.{parts[1]}.{base}"
+        return None
+
+    # -- tensors --------------------------------------------------------------
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        import gguf
+
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} missing")
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path}: cannot dequantise {t.name} ({t.tensor_type.name}): {exc}") from exc
+        arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if self.arch in _PERMUTED_ARCHS:
+            if name.endswith(".q") or name.endswith(".q_bias"):
+                arr = unpermute_rows(arr, self.config.num_heads)
+            elif name.endswith(".k") or name.endswith(".k_bias"):
+                arr = unpermute_rows(arr, self.config.num_kv_heads)
+        return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))  # writable, owned
+
+    def rope_freq_factors(self):
+        return self.read_tensor("rope_freqs") if "rope_freqs" in self._tensors else None
+
+    # -- identity and tokenizer ---------------------------------------------
+    @cached_property
+    def identity(self) -> str:
+        st = self.path.stat()
+        index = self._cache_dir() / "identity.json"
+        key = [str(self.path.resolve()), st.st_size, st.st_mtime_ns]
+        if index.is_file():
+            cached = json.loads(index.read_text())
+            if cached.get("key") == key:
+                return cached["identity"]
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        ident = f"{self.path.name}@{h.hexdigest()[:16]}"
+        index.parent.mkdir(parents=True, exist_ok=True)
+        index.write_text(json.dumps({"key": key, "identity": ident}))
+        return ident
+
+    def _cache_dir(self) -> Path:
+        from meshd.model_store import meshd_home
+
+        root = self._cache_root or (meshd_home() / "tokenizers")
+        st = self.path.stat()
+        tag = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        return root / f"{self.path.stem}-{tag}"
+
+    def _load_tokenizer(self):
+        from decoding.loader.tokenizer import TokenizerMeta, load_cache, save_cache
+
+        cache = self._cache_dir()
+        tok = load_cache(cache)
+        if tok is not None:
+            return tok
+        from meshd.log import get_logger
+
+        get_logger("loader").info("tokenizer_convert", model=str(self.path), cache=str(cache))
+        try:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path}: cannot build a tokenizer from GGUF metadata ({exc})") from exc
+        cfg = self.config
+        add_bos = bool(self._field("tokenizer.ggml.add_bos_token", False))
+        meta = TokenizerMeta(
+            chat_template=self._field("tokenizer.chat_template"), bos_id=cfg.bos_id,
+            eos_ids=cfg.eos_ids, add_bos=add_bos,
+            bos_token=hf.bos_token, eos_token=hf.eos_token,
+        )
+        save_cache(cache, hf.backend_tokenizer, meta)
+        return load_cache(cache)

@@ -1,0 +1,70 @@
+"""What every model format must provide: a config, named tensors on demand, a tokenizer.
+
+Stages ask only for the tensors of their layer range, so a device holding layers
+[10, 20) never materialises the others (memory per stage ~ its share of the model).
+
+Canonical tensor names (HF orientation, weight = [out_features, in_features]):
+``embed``, ``final_norm``, ``lm_head`` and, per layer i, ``layers.{i}.`` +
+``attn_norm q k v o q_bias k_bias v_bias mlp_norm gate up down``.
+"""
+
+from __future__ import annotations
+
+import abc
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from decoding.config import ModelConfig
+
+LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
+BIAS_TENSORS = ("q_bias", "k_bias", "v_bias")
+
+
+def layer_tensor_names(config: ModelConfig, i: int) -> list[str]:
+    names = [f"layers.{i}.{n}" for n in LAYER_TENSORS]
+    if config.attention_bias:
+        names += [f"layers.{i}.{n}" for n in BIAS_TENSORS]
+    return names
+
+
+class ModelSource(abc.ABC):
+    """A model on local disk. Subclasses read one file format."""
+
+    path: Path
+
+    @property
+    @abc.abstractmethod
+    def config(self) -> ModelConfig: ...
+
+    @abc.abstractmethod
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """One canonical tensor as float32 (dequantised if needed)."""
+
+    def has_tensor(self, name: str) -> bool:
+        return True
+
+    @abc.abstractmethod
+    def rope_freq_factors(self) -> torch.Tensor | None:
+        """Per-dimension RoPE frequency divisors shipped with the weights (llama3 GGUF), if any."""
+
+    @abc.abstractmethod
+    def _load_tokenizer(self): ...
+
+    @property
+    @abc.abstractmethod
+    def identity(self) -> str:
+        """A stable id of these exact weights (for profiles and plan agreement)."""
+
+    @cached_property
+    def tokenizer(self):
+        return self._load_tokenizer()
+
+    def load_stage(self, first: int, last: int, dtype: torch.dtype = torch.float32):
+        from decoding.stage import StageModel
+
+        return StageModel.from_source(self, first, last, dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path})"

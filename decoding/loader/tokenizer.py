@@ -1,0 +1,102 @@
+"""Tokenizer + chat template, loaded in milliseconds from a cached ``tokenizer.json``.
+
+Converting a GGUF vocabulary with transformers takes seconds, so it is done once
+per model file and the result (tokenizer.json + a small meta file holding the
+chat template and special ids) is cached next to the model cache. Daemons that
+restart, and every CLI call, then load with the `tokenizers` library directly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+from decoding.errors import ModelLoadError
+
+
+@dataclass
+class TokenizerMeta:
+    chat_template: str | None
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    add_bos: bool
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: Path, meta: TokenizerMeta):
+        try:
+            self._tok = _HFTokenizer.from_file(str(tokenizer_json))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise ModelLoadError(f"{tokenizer_json}: not a valid tokenizer.json ({exc})") from exc
+        self.meta = meta
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.meta.eos_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.meta.add_bos if add_bos is None else add_bos) and self.meta.bos_id is not None:
+            ids = [self.meta.bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id) or ""
+
+    @cached_property
+    def _template(self):
+        if not self.meta.chat_template:
+            return None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise ModelLoadError(f"chat template error: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.meta.chat_template)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            # A base model without a template: plain concatenation is the honest fallback.
+            return "\n".join(m["content"] for m in messages) + "\n"
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.meta.bos_token or "", eos_token=self.meta.eos_token or "",
+        )
+
+    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat prompt; the template already places special tokens."""
+        text = self.render_chat(messages, add_generation_prompt)
+        has_bos_in_text = self.meta.bos_token and text.startswith(self.meta.bos_token)
+        return self.encode(text, add_bos=self.meta.add_bos and not has_bos_in_text)
+
+
+def save_cache(cache_dir: Path, hf_tokenizer, meta: TokenizerMeta) -> None:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / "tokenizer.json.partial"
+    hf_tokenizer.save(str(tmp))
+    tmp.replace(cache_dir / "tokenizer.json")
+    (cache_dir / "tokenizer_meta.json").write_text(json.dumps(meta.__dict__ | {"eos_ids": list(meta.eos_ids)}))
+
+
+def load_cache(cache_dir: Path) -> Tokenizer | None:
+    tj, mj = cache_dir / "tokenizer.json", cache_dir / "tokenizer_meta.json"
+    if not (tj.is_file() and mj.is_file()):
+        return None
+    raw = json.loads(mj.read_text())
+    raw["eos_ids"] = tuple(raw["eos_ids"])
+    return Tokenizer(tj, TokenizerMeta(**raw))
