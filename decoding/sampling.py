@@ -1,0 +1,78 @@
+"""Token selection: greedy, or temperature / top-k / top-p sampling with a seed.
+
+A request's sampler owns its own torch.Generator, seeded once, and draws exactly
+one uniform number per sampled token. Wherever the last stage lives, the same
+seed therefore yields the same tokens as the single-device reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshd.errors import MeshdError
+
+
+class BadSamplingParams(MeshdError):
+    pass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise BadSamplingParams(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BadSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise BadSamplingParams(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed}
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution actually sampled from (after temperature, top-k, top-p), float32 [vocab]."""
+    logits = logits.float() / max(p.temperature, 1e-6)
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        drop = cum - sorted_p >= p.top_p  # keep the smallest prefix reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum()
+    return probs
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._gen = None
+        if not params.greedy:
+            self._gen = torch.Generator()
+            self._gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] of the position to predict."""
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        probs = filtered_probs(logits, self.params)
+        u = torch.rand((), generator=self._gen, dtype=torch.float64).item()
+        # Inverse-CDF with one uniform draw: deterministic given the seed.
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        return int(min(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64)).item(),
+                       probs.shape[-1] - 1))
