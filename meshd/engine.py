@@ -1,0 +1,331 @@
+"""The seam between the client API and whatever produces tokens.
+
+The API layer only knows :class:`Engine`: a tokenizer, a context length, a
+model id, and :meth:`Engine.stream`, which turns a :class:`GenerationRequest`
+into :class:`TokenEvent` values. Engines (the whole model on this device, the
+cross-daemon pipeline, a test fake) implement one small method,
+:meth:`Engine.token_ids`, that yields raw token ids. Everything that must
+behave identically whatever the engine — incremental detokenisation, stop
+strings (never emitted), EOS, ``max_tokens``, finish reasons, usage — lives
+here, once, in :meth:`Engine.stream`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from meshd.errors import MeshdError
+from meshd.log import get_logger
+
+log = get_logger("meshd.engine")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class EngineError(MeshdError):
+    """A generation could not be served; ``http_status`` is what the API answers."""
+
+    http_status = 500
+    error_type = "server_error"
+    code: str | None = "generation_failed"
+
+
+class PromptTooLong(EngineError):
+    """The prompt alone fills the model's context (or the cache the plan allows)."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+    code = "context_length_exceeded"
+
+
+class NoPlan(EngineError):
+    """No partition of the model fits the devices currently in the mesh."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+    code = "no_plan"
+
+
+class EngineUnavailable(EngineError):
+    """No engine can take requests right now (model loading, mesh re-planning)."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+    code = "engine_unavailable"
+
+
+class GenerationFailed(EngineError):
+    """A generation broke half way (a device left, the runtime raised)."""
+
+    http_status = 500
+    error_type = "server_error"
+    code = "generation_failed"
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
+@dataclass
+class GenerationRequest:
+    """One generation, already tokenised by the API layer.
+
+    ``prompt_ids`` is authoritative; ``messages`` is kept for engines that want
+    the conversation (e.g. to log it, or to forward it to a cloud helper).
+    ``max_tokens`` is the resolved budget (the API clips it to the context).
+    ``temperature == 0`` means greedy.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    messages: list[dict[str, Any]] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of a generation.
+
+    Every generated token gives one event (``text`` may be empty while a
+    multi-byte character or a possible stop string is held back). The last
+    event has ``finish_reason`` ("stop" or "length"), ``usage``, no token id,
+    and whatever text was still held back.
+    """
+
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class Tokenizer(Protocol):
+    eos_ids: Sequence[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+
+# --------------------------------------------------------------------------- text helpers
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding ids one at a time is wrong for byte-level BPE (a character can
+    span tokens) and for tokenizers whose spacing depends on the neighbour, so
+    we re-decode a short window and emit only what became stable — the same
+    prefix/read offset scheme as vLLM and TGI.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # ids already turned into emitted text
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+            delta = text[len(prefix_text) :]
+            self._prefix, self._read = self._read, len(self._ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Text of ids still held back (e.g. an incomplete character at the end)."""
+        if self._read == len(self._ids):
+            return ""
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(prefix_text) :].rstrip("\ufffd")
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string, which is never emitted.
+
+    Text that could be the start of a stop string is held back until the next
+    delta proves it is not, so a client never sees half of a stop string.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        """Return the text that is now safe to emit; sets ``stopped`` on a match."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return delta
+        buf = self._held + delta
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return buf[:cut]
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class Engine(abc.ABC):
+    """Produces tokens for the API. Subclasses implement :meth:`token_ids`."""
+
+    model_id: str
+    context_length: int
+    tokenizer: Tokenizer
+
+    @abc.abstractmethod
+    def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        """Yield generated token ids for ``req`` (at most ``req.max_tokens``).
+
+        May raise :class:`EngineError` subclasses before the first id (no plan,
+        prompt too long for the plan's cache) or later (a device left). When
+        the consumer stops early the iterator is closed (``aclose``): the
+        engine must then stop computing for this request.
+        """
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.eos_ids or ())
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """Raise :class:`PromptTooLong` if no token could be generated after it."""
+        if len(prompt_ids) >= self.context_length:
+            raise PromptTooLong(
+                f"prompt is {len(prompt_ids)} tokens; the model's context is "
+                f"{self.context_length} tokens and at least one must be left to answer"
+            )
+
+    async def stream(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Text events for ``req``; the one place stop strings and EOS are applied."""
+        self.check_prompt(req.prompt_ids)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stops = StopMatcher(req.stop)
+        eos = self.eos_ids
+        produced = 0
+        finish = "length"
+        async with contextlib.aclosing(self.token_ids(req)) as ids:
+            async for tid in ids:
+                if tid in eos:
+                    finish = "stop"
+                    break
+                produced += 1
+                text = stops.feed(detok.push(tid))
+                if stops.stopped:
+                    finish = "stop"
+                    yield TokenEvent(tid, text)
+                    break
+                yield TokenEvent(tid, text)
+                if produced >= req.max_tokens:
+                    finish = "length"
+                    break
+            else:
+                # The engine ended without EOS before the budget: treat as a
+                # natural stop (e.g. the engine's own end-of-context).
+                finish = "stop" if produced < req.max_tokens else "length"
+        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
+        yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced))
+
+
+# --------------------------------------------------------------------------- threads
+
+
+async def iterate_in_thread(
+    make_iter, *, executor=None, cancel: threading.Event | None = None
+) -> AsyncIterator[Any]:
+    """Run a blocking iterator in a worker thread and yield its items here.
+
+    ``make_iter(cancel)`` is called in the worker and must return an iterator
+    that checks ``cancel`` between items (torch work cannot be interrupted
+    mid-kernel). Closing the async generator sets ``cancel`` and waits for the
+    worker to notice, so an abandoned request stops using the CPU and the next
+    request never overlaps it.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancel = cancel or threading.Event()
+    done = object()
+
+    def put(item) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # loop closed while the worker was finishing
+            pass
+
+    def work() -> None:
+        try:
+            it: Iterator[Any] = make_iter(cancel)
+            for item in it:
+                put(("item", item))
+                if cancel.is_set():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+            put(("error", exc))
+        finally:
+            put(("done", done))
+
+    future = loop.run_in_executor(executor, work)
+    try:
+        while True:
+            kind, value = await queue.get()
+            if kind == "item":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                break
+    finally:
+        cancel.set()
+        # Shielded so that a cancelled consumer still waits for the worker to
+        # stop before the next generation may start on the same thread/model.
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(future)

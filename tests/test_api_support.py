@@ -1,0 +1,161 @@
+"""Shared fakes for the client-API tests: a deterministic engine and a server thread.
+
+The fake engine tokenises one character per token, so stop strings always
+span several tokens and the byte-level corner cases are exercised for free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from meshd.api.server import create_app, start_api
+from meshd.engine import Engine, GenerationRequest
+
+EOS = 0
+REPLY = "Hello from the fake mesh. It is deterministic."
+
+STATUS = {
+    "node_id": "n-abc123",
+    "home": "smith-home",
+    "members": [
+        {"node_id": "n-abc123", "name": "desk-pc", "state": "active",
+         "address": "192.168.1.10:7400", "memory_budget": 6 * 2**30, "layers": [0, 18],
+         "last_seen_s": 0.0},
+        {"node_id": "n-def456", "name": "kitchen-pi", "state": "joining",
+         "address": "192.168.1.20:7400", "memory_budget": 1536 * 2**20, "layers": [18, 30],
+         "last_seen_s": 3.2},
+    ],
+    "not_admitted": [
+        {"name": "neighbour-nas", "address": "192.168.1.50:7400", "reason": "another home"},
+    ],
+    "interfaces": [{"name": "eth0", "addresses": ["192.168.1.10"]}],
+    "plan": {"version": 3, "stages": [[0, 18], [18, 30]],
+             "predicted_bottleneck": "kitchen-pi 41 ms/token"},
+}
+
+
+class CharTokenizer:
+    eos_ids = (EOS,)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i) for i in ids if i != EOS)
+
+    def apply_chat(self, messages) -> list[int]:
+        return self.encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
+
+
+class FakeEngine(Engine):
+    """Replies ``reply`` then EOS; can be slowed down or made to fail."""
+
+    model_id = "fake-model"
+
+    def __init__(self, reply: str = REPLY, context_length: int = 512):
+        self.tokenizer = CharTokenizer()
+        self.context_length = context_length
+        self.reply = reply
+        self.delay_s = 0.0
+        self.fail_before: Exception | None = None
+        self.fail_after: tuple[int, Exception] | None = None
+        self.active = 0
+        self.started = 0
+        self.finished_normally = 0
+        self.closed_early = 0
+        self.requests: list[GenerationRequest] = []
+
+    async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        self.requests.append(req)
+        if self.fail_before is not None:
+            raise self.fail_before
+        self.active += 1
+        self.started += 1
+        done = False
+        try:
+            for i, tid in enumerate([*self.tokenizer.encode(self.reply), EOS]):
+                if self.fail_after is not None and i == self.fail_after[0]:
+                    raise self.fail_after[1]
+                await asyncio.sleep(self.delay_s)
+                yield tid
+            done = True
+        finally:
+            self.active -= 1
+            if done:
+                self.finished_normally += 1
+            else:
+                self.closed_early += 1
+
+
+class ServerThread:
+    """The API on a unix socket, served by its own event loop in a thread.
+
+    Blocking clients (the ``openai`` package, ``MeshdClient``, the CLI) can then
+    be used from the test's own thread.
+    """
+
+    def __init__(self, engine: Engine | None, status: dict | None = None, listen: str | None = None):
+        self.engine = engine
+        self.status = dict(STATUS if status is None else status)
+        self.listen = listen
+        # pytest's tmp_path can exceed the 107-byte unix socket limit.
+        self.dir = Path(tempfile.mkdtemp(prefix="meshd-api-", dir="/tmp"))
+        self.socket_path = self.dir / "run" / "meshd.sock"
+        self.loop = asyncio.new_event_loop()
+        self.app = create_app(engine, lambda: self.status)
+        self.runner = None
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def call(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self.runner = self.call(start_api(self.app, self.socket_path, self.listen))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(Exception):
+            self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def server(engine):
+    with ServerThread(engine) as srv:
+        yield srv
+
+
+@pytest.fixture
+def short_tmp():
+    d = Path(tempfile.mkdtemp(prefix="meshd-t-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def wait_until(pred, timeout: float = 10.0) -> bool:
+    """Poll ``pred`` (for effects in the server thread); no wall-clock assertions."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
