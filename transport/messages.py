@@ -1,0 +1,449 @@
+"""Typed messages of the mesh, and the one place that encodes/decodes them.
+
+Every message is a dataclass registered with ``@message``. Fields typed as
+``torch.Tensor`` / ``numpy.ndarray`` (optionally ``| None``) travel as raw
+tensor frames; every other field goes into the msgpack header and is checked
+against its type hint on decode, so a handler only ever sees a well-typed
+message. Other packages add their own messages with the same decorator;
+the registry maps the class name (the wire ``type``) to the class.
+
+``Envelope`` carries what belongs to the link rather than to the message:
+the link-level request id used to match replies (0 = one-way, no reply
+expected), the sender's sequence number and node id. Note the difference with
+``StageForward.request_id``: that one names a *generation* request and is
+a string chosen by the client API.
+
+Fields marked with ``activation()`` are float32 hidden states that may be sent
+at reduced precision (``encode(..., activation_dtype="float16")``); see
+``transport.wire.REDUCED_PRECISION_ERROR`` for the error that adds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence, Union, get_args, get_origin
+
+import numpy as np
+import torch
+
+from transport import wire
+from transport.errors import ProtocolError
+from transport.wire import DEFAULT_LIMITS, Limits
+
+__all__ = [
+    "Message",
+    "Envelope",
+    "message",
+    "activation",
+    "registry",
+    "encode",
+    "decode",
+    "Hello",
+    "HelloReply",
+    "Heartbeat",
+    "HeartbeatAck",
+    "StageForward",
+    "TokenResult",
+    "Truncate",
+    "FreeSequence",
+    "ForkSequence",
+    "Ack",
+    "ErrorReply",
+    "PlanUpdate",
+]
+
+Message = Any  # any instance of a registered message class
+
+_REGISTRY: dict[str, type] = {}
+_SPECS: dict[type, "_ClassSpec"] = {}
+
+
+@dataclass(frozen=True)
+class _FieldSpec:
+    name: str
+    hint: Any
+    tensor_kind: str | None  # "torch", "numpy", "any" or None (header field)
+    activation: bool
+    required: bool
+
+
+@dataclass(frozen=True)
+class _ClassSpec:
+    type_name: str
+    cls: type
+    fields: tuple[_FieldSpec, ...]
+    by_name: dict[str, _FieldSpec]
+
+
+def activation(**kwargs: Any) -> Any:
+    """A float32 tensor field that may travel at reduced precision."""
+    kwargs.setdefault("default", None)
+    return field(metadata={"activation": True}, **kwargs)
+
+
+def _tensor_kind(hint: Any) -> str | None:
+    args = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    kinds = {"torch" if a is torch.Tensor else "numpy" for a in args if a in (torch.Tensor, np.ndarray)}
+    if not kinds:
+        return None
+    if any(a not in (torch.Tensor, np.ndarray, type(None)) for a in args):
+        raise TypeError(f"tensor field hint {hint!r} may only mix torch.Tensor, numpy.ndarray and None")
+    return kinds.pop() if len(kinds) == 1 else "any"
+
+
+_SCALARS = (int, float, str, bool, bytes, type(None))
+
+
+def _check_hint(hint: Any) -> None:
+    """Refuse, at class definition time, hints the decoder cannot verify."""
+    if hint is Any or hint in _SCALARS:
+        return
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType, list, tuple, dict):
+        for a in get_args(hint):
+            if a is not Ellipsis:
+                _check_hint(a)
+        return
+    if origin is Literal or hint in (list, dict, tuple):
+        return
+    raise TypeError(f"unsupported field type {hint!r} in a message (use plain types, list, dict, tuple)")
+
+
+def message(cls: type | None = None, *, name: str | None = None):
+    """Register a dataclass as a wire message (its ``type`` is the class name)."""
+
+    def wrap(c: type) -> type:
+        if not dataclasses.is_dataclass(c):
+            c = dataclass(c)
+        type_name = name or c.__name__
+        if type_name in _REGISTRY and _REGISTRY[type_name] is not c:
+            raise TypeError(f"message type {type_name!r} is already registered")
+        hints = typing.get_type_hints(c)
+        specs = []
+        for f in dataclasses.fields(c):
+            hint = hints[f.name]
+            kind = _tensor_kind(hint)
+            if kind is None:
+                _check_hint(hint)
+            act = bool(f.metadata.get("activation"))
+            if act and kind is None:
+                raise TypeError(f"{type_name}.{f.name}: activation() is for tensor fields")
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            specs.append(_FieldSpec(f.name, hint, kind, act, required))
+        _REGISTRY[type_name] = c
+        _SPECS[c] = _ClassSpec(type_name, c, tuple(specs), {s.name: s for s in specs})
+        return c
+
+    return wrap(cls) if cls is not None else wrap
+
+
+def registry() -> dict[str, type]:
+    """A copy of the type-name -> class map (for docs and tests)."""
+    return dict(_REGISTRY)
+
+
+# ------------------------------------------------------------------ coercion
+
+_BAD = object()
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """Return ``value`` made to fit ``hint`` (lists->tuples, int->float) or _BAD."""
+    if hint is Any:
+        return value
+    if hint is type(None):
+        return None if value is None else _BAD
+    if hint is bool:
+        return value if isinstance(value, bool) else _BAD
+    if hint is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _BAD
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return _BAD
+    if hint is str:
+        return value if isinstance(value, str) else _BAD
+    if hint is bytes:
+        return value if isinstance(value, bytes) else _BAD
+    if hint is list:
+        return value if isinstance(value, list) else _BAD
+    if hint is dict:
+        return value if isinstance(value, dict) else _BAD
+    if hint is tuple:
+        return tuple(value) if isinstance(value, (list, tuple)) else _BAD
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        for a in args:
+            out = _coerce(value, a)
+            if out is not _BAD:
+                return out
+        return _BAD
+    if origin is Literal:
+        return value if value in args and not isinstance(value, (list, dict)) else _BAD
+    if origin is list:
+        if not isinstance(value, list):
+            return _BAD
+        out = [_coerce(v, args[0]) for v in value]
+        return _BAD if any(v is _BAD for v in out) else out
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            return _BAD
+        if len(args) == 2 and args[1] is Ellipsis:
+            out = [_coerce(v, args[0]) for v in value]
+        elif len(args) != len(value):
+            return _BAD
+        else:
+            out = [_coerce(v, a) for v, a in zip(value, args)]
+        return _BAD if any(v is _BAD for v in out) else tuple(out)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return _BAD
+        kh, vh = args
+        out = {}
+        for k, v in value.items():
+            ck, cv = _coerce(k, kh), _coerce(v, vh)
+            if ck is _BAD or cv is _BAD:
+                return _BAD
+            out[ck] = cv
+        return out
+    return _BAD
+
+
+def _hint_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+# ------------------------------------------------------------------ envelope
+
+
+@dataclass
+class Envelope:
+    """A message plus what the link needs to route it and match its reply."""
+
+    message: Any
+    request_id: int = 0  # link-level; 0 means one-way (no reply expected)
+    seq: int = 0  # sender's running message counter
+    sender: str = ""  # sender's node id
+
+
+def encode(
+    msg: Any,
+    *,
+    request_id: int = 0,
+    seq: int = 0,
+    sender: str = "",
+    activation_dtype: str | None = None,
+) -> list[Any]:
+    """Encode one message (or an ``Envelope``) into ZeroMQ frames.
+
+    ``activation_dtype`` ("float16"/"bfloat16") sends float32 tensors in
+    ``activation()`` fields at that precision; the receiver restores float32.
+    """
+    if isinstance(msg, Envelope):
+        request_id, seq, sender, msg = msg.request_id, msg.seq, msg.sender, msg.message
+    spec = _SPECS.get(type(msg))
+    if spec is None:
+        raise ProtocolError(f"{type(msg).__name__} is not a registered message type")
+    fields: dict[str, Any] = {}
+    tensors: list[tuple[str, Any, str | None]] = []
+    for f in spec.fields:
+        value = getattr(msg, f.name)
+        if f.tensor_kind is None:
+            fields[f.name] = value
+        elif value is not None:
+            tensors.append((f.name, value, activation_dtype if f.activation else None))
+    return wire.encode_frames(
+        spec.type_name, fields, tensors, request_id=request_id, seq=seq, sender=sender
+    )
+
+
+def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelope:
+    """Decode frames into an ``Envelope``; anything malformed -> ``ProtocolError``.
+
+    Never raises anything else for bad input: the receiving loop relies on it
+    to answer with an error reply and carry on.
+    """
+    header = wire.decode_header(frames, limits)
+    rid = header.request_id
+
+    cls = _REGISTRY.get(header.type)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {header.type!r}", request_id=rid)
+    spec = _SPECS[cls]
+    kwargs: dict[str, Any] = {}
+    for name, value in header.fields.items():
+        f = spec.by_name.get(name)
+        if f is None:
+            raise ProtocolError(f"{header.type} has no field {name!r}", request_id=rid)
+        if f.tensor_kind is not None:
+            if value is not None:
+                raise ProtocolError(f"{header.type}.{name} is a tensor field but came in the header", request_id=rid)
+            kwargs[name] = None
+            continue
+        out = _coerce(value, f.hint)
+        if out is _BAD:
+            raise ProtocolError(
+                f"{header.type}.{name} should be {_hint_name(f.hint)}, got {type(value).__name__}",
+                request_id=rid,
+            )
+        kwargs[name] = out
+    for ts in header.tensors:
+        f = spec.by_name.get(ts.name)
+        if f is None or f.tensor_kind is None:
+            raise ProtocolError(f"{header.type} has no tensor field {ts.name!r}", request_id=rid)
+        kind = None if f.tensor_kind == "any" else f.tensor_kind
+        try:
+            kwargs[ts.name] = wire.decode_tensor(frames[ts.frame], ts, kind)
+        except ProtocolError as e:
+            raise ProtocolError(f"{header.type}.{e}", request_id=rid) from None
+    missing = [f.name for f in spec.fields if f.required and f.name not in kwargs]
+    if missing:
+        raise ProtocolError(f"{header.type} is missing field(s) {', '.join(missing)}", request_id=rid)
+    try:
+        msg = cls(**kwargs)
+    except Exception as e:  # a __post_init__ refusing the values
+        raise ProtocolError(f"invalid {header.type}: {e}", request_id=rid) from None
+    return Envelope(msg, rid, header.seq, header.sender)
+
+
+# ------------------------------------------------------------------ messages
+# Every message that concerns a plan carries plan_version, so a stage can
+# refuse work computed against a stale partition instead of mixing layers.
+
+
+@message
+@dataclass
+class Hello:
+    """First contact: who I am and which plan I run."""
+
+    node_id: str
+    plan_version: int
+    key_fingerprint: str
+    address: str = ""  # where this node's StageServer listens, if anywhere
+
+
+@message
+@dataclass
+class HelloReply:
+    node_id: str
+    plan_version: int
+    key_fingerprint: str
+    accepted: bool = True
+    reason: str = ""
+
+
+@message
+@dataclass
+class Heartbeat:
+    node_id: str
+    state: str  # e.g. "idle", "serving", "draining"
+    load: float  # 0..1 share of the node's compute in use
+    plan_version: int
+    timestamp: float  # sender's time.time(), for liveness and clock-skew hints
+
+
+@message
+@dataclass
+class HeartbeatAck:
+    node_id: str
+    plan_version: int
+    timestamp: float
+
+
+@message
+@dataclass
+class StageForward:
+    """One chunk of work for the next pipeline stage.
+
+    ``hidden`` carries activations ([tokens, hidden] float32, may travel as
+    float16/bfloat16); the first stage gets ``token_ids`` instead. The final
+    stage sends its ``TokenResult`` to ``reply_to``.
+    """
+
+    request_id: str
+    plan_version: int
+    seq_id: int
+    position_offset: int
+    chunk_index: int = 0
+    hidden: torch.Tensor | None = activation()
+    token_ids: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    reply_to: str = ""
+    is_last_chunk: bool = True
+
+
+@message
+@dataclass
+class TokenResult:
+    request_id: str
+    plan_version: int
+    seq_id: int
+    token_ids: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_probs: torch.Tensor | None = None
+    logprobs: list[float] | None = None
+    chunk_index: int = 0
+
+
+@message
+@dataclass
+class Truncate:
+    """Cut a sequence's KV cache back to ``new_length`` (rejected drafts)."""
+
+    plan_version: int
+    seq_id: int
+    new_length: int
+
+
+@message
+@dataclass
+class FreeSequence:
+    plan_version: int
+    seq_id: int
+
+
+@message
+@dataclass
+class ForkSequence:
+    """Start ``seq_id`` sharing the first ``prefix_length`` KV entries of ``parent_id``."""
+
+    plan_version: int
+    seq_id: int
+    parent_id: int
+    prefix_length: int
+
+
+@message
+@dataclass
+class Ack:
+    """Generic success reply for control messages that return nothing."""
+
+    plan_version: int = 0
+    detail: str = ""
+
+
+@message
+@dataclass
+class ErrorReply:
+    """The receiver could not handle a message; the client raises ``RemoteError``.
+
+    ``code``: "protocol" (malformed message), "handler" (the handler raised),
+    "unknown_type" (no handler for that message), "stale_plan", ...
+    """
+
+    code: str
+    message: str
+    request_id: str = ""  # the generation request concerned, if any
+
+
+@message
+@dataclass
+class PlanUpdate:
+    """A new partition plan: ``assignment`` maps node id -> its stage description."""
+
+    plan_version: int
+    assignment: dict[str, Any]

@@ -1,0 +1,492 @@
+"""The wire format: a msgpack header frame followed by raw tensor frames.
+
+One mesh message is one ZeroMQ multipart message::
+
+    frame 0      msgpack map  {version, type, request_id, seq, sender,
+                               fields: {...}, tensors: [descriptor, ...]}
+    frame 1..n   the raw bytes of each tensor, in descriptor order
+
+A tensor descriptor is ``{name, dtype, shape, nbytes, frame, kind}`` plus
+``wire_dtype`` when the payload travels in a narrower type than it is restored
+to (reduced-precision activations, see ``REDUCED_PRECISION_ERROR``).
+
+Why this shape: tensors are the bulk of the bytes, and keeping them out of the
+serialiser lets us hand their memory to ZeroMQ as-is (``copy=False``) on the
+way out and wrap the received frame with ``numpy.frombuffer`` on the way in, so
+a hidden-state tensor is never copied by Python on either side. The header is
+small, self-describing and cheap to validate *before* any tensor is touched,
+which is what lets a malformed or hostile message be refused with a
+``ProtocolError`` instead of crashing a stage.
+
+This module knows nothing about message classes (see ``transport.messages``);
+it turns (type name, plain fields, tensors) into frames and back, and enforces
+the limits. Byte order on the wire is little-endian, the native order of every
+device we target (x86-64, ARM64); big-endian numpy input is converted on send.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+from meshd.log import get_logger
+from transport.errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "DTYPES",
+    "Limits",
+    "DEFAULT_LIMITS",
+    "Header",
+    "TensorSpec",
+    "ProtocolError",
+    "REDUCED_PRECISION_ERROR",
+    "WireStats",
+    "stats",
+    "encode_frames",
+    "decode_header",
+    "decode_tensor",
+]
+
+log = get_logger("transport.wire")
+
+PROTOCOL_VERSION = 1
+
+# Largest finite float16; larger activations would become inf on the wire.
+_FLOAT16_MAX = 65504.0
+
+REDUCED_PRECISION_ERROR = {
+    # Round-to-nearest-even conversion from float32. Bounds hold for every
+    # finite value in range; measured figures are in bench/RESULTS.md
+    # ("Transport") and checked by tests/test_transport_wire.py.
+    "float16": {
+        "max_rel_error": 2.0**-11,  # 4.88e-4 for |x| >= 6.1e-5 (normal range)
+        "max_abs_error_subnormal": 2.0**-25,  # 2.98e-8 for |x| < 6.1e-5
+        "range": _FLOAT16_MAX,  # tensors exceeding it are sent as float32
+    },
+    "bfloat16": {
+        "max_rel_error": 2.0**-8,  # 3.91e-3, full float32 range
+        "range": float(torch.finfo(torch.float32).max),
+    },
+}
+"""Worst-case error added by sending a float32 activation as float16/bfloat16.
+
+float16 keeps 11 significant bits, so each value is off by at most half a unit
+in the last place: relative error <= 2**-11 (0.049 %). bfloat16 keeps 8
+significant bits: relative error <= 2**-8 (0.39 %), but it has float32's
+exponent range so nothing overflows. A float32 tensor whose magnitude exceeds
+float16's range is sent as float32 instead of becoming inf.
+"""
+
+
+@dataclass(frozen=True)
+class _DType:
+    name: str
+    numpy: np.dtype  # the dtype of the payload as numpy sees it
+    torch: torch.dtype
+    itemsize: int
+
+
+# The allow-list of dtypes. bfloat16 has no numpy dtype: its 16-bit payload is
+# carried as uint16 and reinterpreted by torch, bit for bit.
+DTYPES: dict[str, _DType] = {
+    d.name: d
+    for d in (
+        _DType("float32", np.dtype("<f4"), torch.float32, 4),
+        _DType("float16", np.dtype("<f2"), torch.float16, 2),
+        _DType("bfloat16", np.dtype("<u2"), torch.bfloat16, 2),
+        _DType("float64", np.dtype("<f8"), torch.float64, 8),
+        _DType("int64", np.dtype("<i8"), torch.int64, 8),
+        _DType("int32", np.dtype("<i4"), torch.int32, 4),
+        _DType("int16", np.dtype("<i2"), torch.int16, 2),
+        _DType("int8", np.dtype("i1"), torch.int8, 1),
+        _DType("uint8", np.dtype("u1"), torch.uint8, 1),
+        _DType("bool", np.dtype("?"), torch.bool, 1),
+    )
+}
+_TORCH_NAMES = {d.torch: d.name for d in DTYPES.values()}
+_NUMPY_NAMES = {d.numpy.newbyteorder("="): d.name for d in DTYPES.values() if d.name != "bfloat16"}
+_REDUCIBLE = {"float16", "bfloat16"}
+KINDS = ("torch", "numpy")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds a receiver enforces before it trusts a message.
+
+    They bound the memory a single (possibly hostile) message can make us touch
+    and turn absurd headers into a clear ``ProtocolError``. ``max_total_bytes``
+    is also set as the socket's ZMQ_MAXMSGSIZE, so a single frame larger than
+    it makes libzmq drop that connection before the bytes are buffered.
+    """
+
+    max_header_bytes: int = 64 * 1024
+    max_frames: int = 64
+    max_tensor_bytes: int = 512 * 1024 * 1024
+    max_total_bytes: int = 1024 * 1024 * 1024
+    max_ndim: int = 8
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass
+class WireStats:
+    """Counters that make the copies we cannot avoid visible (tests read them)."""
+
+    contiguous_copies: int = 0  # non-contiguous input made contiguous on send
+    device_copies: int = 0  # tensors moved from an accelerator to host memory
+    unaligned_copies: int = 0  # received payloads not aligned for their dtype
+    reduced_precision_fallbacks: int = 0  # float16 requested but out of range
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+stats = WireStats()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One validated tensor descriptor from a header."""
+
+    name: str
+    dtype: str  # dtype the receiver restores
+    shape: tuple[int, ...]
+    nbytes: int
+    frame: int
+    kind: str  # "torch" or "numpy": what the sender passed
+    wire_dtype: str  # dtype of the payload bytes (== dtype unless reduced)
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "frame": self.frame,
+            "kind": self.kind,
+        }
+        if self.wire_dtype != self.dtype:
+            d["wire_dtype"] = self.wire_dtype
+        return d
+
+
+@dataclass
+class Header:
+    """A decoded, validated header frame."""
+
+    type: str
+    request_id: int = 0
+    seq: int = 0
+    sender: str = ""
+    fields: dict[str, Any] = field(default_factory=dict)
+    tensors: list[TensorSpec] = field(default_factory=list)
+    version: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------- encode
+
+
+def _msgpack_default(obj: Any) -> Any:
+    # numpy scalars sneak into sampling params and metrics; send them as the
+    # Python value they stand for rather than failing the whole message.
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"cannot put a {type(obj).__name__} in a message header")
+
+
+def _reduce_torch(t: torch.Tensor, wire: str) -> torch.Tensor | None:
+    """float32 -> float16/bfloat16, or None when float16 would overflow."""
+    if wire == "float16" and t.numel():
+        lo, hi = torch.aminmax(t)
+        if max(-float(lo), float(hi)) > _FLOAT16_MAX:
+            return None
+    return t.to(DTYPES[wire].torch)
+
+
+def _payload(value: Any, wire_dtype: str | None) -> tuple[np.ndarray, str, str, str, tuple[int, ...]]:
+    """Return (contiguous numpy payload, dtype, wire dtype, kind, shape)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type != "cpu":
+            stats.device_copies += 1
+            t = t.cpu()
+        name = _TORCH_NAMES.get(t.dtype)
+        if name is None:
+            raise ProtocolError(f"dtype {t.dtype} is not allowed on the wire (allowed: {', '.join(DTYPES)})")
+        wire = name
+        if wire_dtype and name == "float32" and wire_dtype != name:
+            reduced = _reduce_torch(t, wire_dtype)
+            if reduced is None:
+                stats.reduced_precision_fallbacks += 1
+                log.debug("reduced_precision_fallback", reason="float16 overflow", shape=tuple(t.shape))
+            else:
+                t, wire = reduced, wire_dtype
+        if not t.is_contiguous():
+            # The one visible copy: ZeroMQ needs one flat buffer per frame.
+            stats.contiguous_copies += 1
+            t = t.contiguous()
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.uint16) if hasattr(torch, "uint16") else t.view(torch.int16)
+        return t.numpy(), name, wire, "torch", tuple(value.shape)
+
+    if isinstance(value, np.ndarray):
+        a = value
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        name = _NUMPY_NAMES.get(a.dtype.newbyteorder("="))
+        if name is None:
+            raise ProtocolError(f"dtype {a.dtype} is not allowed on the wire (allowed: {', '.join(DTYPES)})")
+        wire = name
+        if wire_dtype and name == "float32" and wire_dtype != name:
+            reduced = _reduce_torch(torch.from_numpy(np.ascontiguousarray(a)), wire_dtype)
+            if reduced is None:
+                stats.reduced_precision_fallbacks += 1
+            else:
+                wire = wire_dtype
+                r = reduced.view(torch.int16) if wire == "bfloat16" else reduced
+                a = r.numpy()
+        if not a.flags.c_contiguous:
+            stats.contiguous_copies += 1
+            a = np.ascontiguousarray(a)
+        return a, name, wire, "numpy", tuple(value.shape)
+
+    raise ProtocolError(f"expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
+
+
+def encode_frames(
+    type_name: str,
+    fields: dict[str, Any],
+    tensors: Iterable[tuple[str, Any, str | None]] = (),
+    *,
+    request_id: int = 0,
+    seq: int = 0,
+    sender: str = "",
+) -> list[Any]:
+    """Build the frames of one message.
+
+    ``tensors`` yields ``(name, tensor, wire_dtype)``; ``wire_dtype`` is None,
+    or "float16"/"bfloat16" to send a float32 tensor at reduced precision.
+    Tensor frames are ``zmq.Frame(buffer, copy=False)``: ZeroMQ reads the
+    tensor's own memory, so the caller must not modify a tensor in place after
+    handing it to ``send`` (fresh activations never are).
+    """
+    specs: list[dict[str, Any]] = []
+    frames: list[Any] = [b""]
+    for name, value, wire_dtype in tensors:
+        if wire_dtype is not None and wire_dtype not in _REDUCIBLE:
+            raise ProtocolError(f"activation dtype must be one of {sorted(_REDUCIBLE)}, not {wire_dtype!r}")
+        arr, dtype, wire, kind, shape = _payload(value, wire_dtype)
+        nbytes = arr.nbytes
+        # A flat uint8 view of the same memory: every dtype (bool, 0-d, empty)
+        # then exposes a plain byte buffer to ZeroMQ.
+        flat = arr.reshape(-1).view(np.uint8)
+        frames.append(zmq.Frame(flat, copy=False))
+        specs.append(
+            TensorSpec(name, dtype, shape, nbytes, len(frames) - 1, kind, wire).to_wire()
+        )
+    header = {
+        "version": PROTOCOL_VERSION,
+        "type": type_name,
+        "request_id": request_id,
+        "seq": seq,
+        "sender": sender,
+        "fields": fields,
+        "tensors": specs,
+    }
+    try:
+        frames[0] = msgpack.packb(header, use_bin_type=True, default=_msgpack_default)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"cannot encode {type_name}: {e}", request_id=request_id) from e
+    return frames
+
+
+# --------------------------------------------------------------------- decode
+
+
+def _buffer(frame: Any) -> memoryview:
+    if isinstance(frame, zmq.Frame):
+        return frame.buffer
+    return memoryview(frame)
+
+
+def _frame_len(frame: Any) -> int:
+    if isinstance(frame, zmq.Frame):
+        return len(frame)
+    return memoryview(frame).nbytes
+
+
+def _is_uint(v: Any, bits: int = 64) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << bits)
+
+
+def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Header:
+    """Parse and validate frame 0 against the frames that follow it.
+
+    Everything a tensor decode later relies on (dtype allowed, byte length ==
+    dtype x shape, frame present and of that length, limits) is checked here,
+    so a message that passes can be rebuilt without further surprises.
+    """
+    if len(frames) == 0:
+        raise ProtocolError("empty message (no header frame)")
+    if len(frames) > limits.max_frames:
+        raise ProtocolError(f"message has {len(frames)} frames, limit is {limits.max_frames}")
+    hlen = _frame_len(frames[0])
+    if hlen > limits.max_header_bytes:
+        raise ProtocolError(f"header is {hlen} bytes, limit is {limits.max_header_bytes}")
+    total = sum(_frame_len(f) for f in frames)
+    if total > limits.max_total_bytes:
+        raise ProtocolError(f"message is {total} bytes, limit is {limits.max_total_bytes}")
+    try:
+        raw = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises a zoo of types on garbage
+        raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"header must be a map, got {type(raw).__name__}")
+
+    rid = raw.get("request_id", 0)
+    rid = rid if _is_uint(rid) else 0
+
+    def fail(msg: str) -> ProtocolError:
+        return ProtocolError(msg, request_id=rid)
+
+    version = raw.get("version")
+    if version != PROTOCOL_VERSION:
+        raise fail(f"unsupported protocol version {version!r} (this node speaks {PROTOCOL_VERSION})")
+    unknown = set(raw) - {"version", "type", "request_id", "seq", "sender", "fields", "tensors"}
+    if unknown:
+        raise fail(f"unknown header keys: {sorted(map(str, unknown))}")
+    type_name = raw.get("type")
+    if not isinstance(type_name, str) or not type_name:
+        raise fail("header has no message type")
+    if not _is_uint(raw.get("request_id", 0)):
+        raise fail("request_id must be an unsigned 64-bit integer")
+    seq = raw.get("seq", 0)
+    if not _is_uint(seq):
+        raise fail("seq must be an unsigned 64-bit integer")
+    sender = raw.get("sender", "")
+    if not isinstance(sender, str):
+        raise fail("sender must be a string")
+    fields = raw.get("fields", {})
+    if not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):
+        raise fail("fields must be a map with string keys")
+    descs = raw.get("tensors", [])
+    if not isinstance(descs, list):
+        raise fail("tensors must be a list")
+    if len(descs) != len(frames) - 1:
+        raise fail(
+            f"{type_name}: header describes {len(descs)} tensor(s) but {len(frames) - 1} "
+            f"tensor frame(s) arrived"
+        )
+
+    specs: list[TensorSpec] = []
+    names: set[str] = set()
+    for i, d in enumerate(descs, start=1):
+        specs.append(_tensor_spec(d, i, frames[i], names, limits, fail, type_name))
+    return Header(type_name, rid, seq, sender, fields, specs, version)
+
+
+def _tensor_spec(d, index, frame, names, limits, fail, type_name) -> TensorSpec:
+    if not isinstance(d, dict):
+        raise fail(f"{type_name}: tensor descriptor {index} is not a map")
+    extra = set(d) - {"name", "dtype", "shape", "nbytes", "frame", "kind", "wire_dtype"}
+    if extra:
+        raise fail(f"{type_name}: tensor descriptor {index} has unknown keys {sorted(map(str, extra))}")
+    name = d.get("name")
+    if not isinstance(name, str) or not name:
+        raise fail(f"{type_name}: tensor descriptor {index} has no name")
+    if name in names:
+        raise fail(f"{type_name}: tensor {name!r} appears twice")
+    names.add(name)
+    dtype = d.get("dtype")
+    if dtype not in DTYPES:
+        raise fail(f"{type_name}.{name}: dtype {dtype!r} is not allowed (allowed: {', '.join(DTYPES)})")
+    wire = d.get("wire_dtype", dtype)
+    if wire != dtype and not (dtype == "float32" and wire in _REDUCIBLE):
+        raise fail(f"{type_name}.{name}: cannot restore {dtype!r} from wire dtype {wire!r}")
+    kind = d.get("kind", "torch")
+    if kind not in KINDS:
+        raise fail(f"{type_name}.{name}: kind must be 'torch' or 'numpy', not {kind!r}")
+    shape = d.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > limits.max_ndim
+        or not all(_is_uint(s, 63) for s in shape)
+    ):
+        raise fail(
+            f"{type_name}.{name}: shape must be a list of at most {limits.max_ndim} "
+            f"non-negative integers, got {shape!r}"
+        )
+    nbytes = d.get("nbytes")
+    if not _is_uint(nbytes):
+        raise fail(f"{type_name}.{name}: nbytes must be a non-negative integer")
+    expected = math.prod(shape) * DTYPES[wire].itemsize
+    if nbytes != expected:
+        raise fail(
+            f"{type_name}.{name}: nbytes {nbytes} does not match {wire} x {tuple(shape)} = {expected}"
+        )
+    if nbytes > limits.max_tensor_bytes:
+        raise fail(f"{type_name}.{name}: {nbytes} bytes exceeds the tensor limit {limits.max_tensor_bytes}")
+    if d.get("frame") != index or isinstance(d.get("frame"), bool):
+        raise fail(f"{type_name}.{name}: frame index {d.get('frame')!r} should be {index}")
+    got = _frame_len(frame)
+    if got != nbytes:
+        raise fail(f"{type_name}.{name}: frame {index} holds {got} bytes, header says {nbytes}")
+    return TensorSpec(name, dtype, tuple(shape), nbytes, index, kind, wire)
+
+
+def decode_tensor(frame: Any, spec: TensorSpec, kind: str | None = None) -> torch.Tensor | np.ndarray:
+    """Rebuild a tensor over the frame's memory (no copy).
+
+    The result keeps the frame alive through numpy's ``base`` chain. Copies
+    happen only where the bytes cannot be used as they are, and are counted in
+    ``stats``: a payload not aligned to its item size (libzmq packs small
+    messages into a shared buffer) and reduced-precision payloads restored to
+    float32. ``kind`` overrides the sender's choice of torch/numpy.
+    """
+    kind = kind or spec.kind
+    wire = DTYPES[spec.wire_dtype]
+    if spec.nbytes == 0:
+        arr = np.empty(spec.shape, dtype=wire.numpy)
+    else:
+        arr = np.frombuffer(_buffer(frame), dtype=wire.numpy)
+        if not arr.flags.aligned:
+            stats.unaligned_copies += 1
+            arr = arr.copy()
+        arr = arr.reshape(spec.shape)
+    if spec.wire_dtype == "bool" and arr.size and arr.view(np.uint8).max() > 1:
+        # Any byte other than 0/1 is not a bool; torch would carry it as UB.
+        raise ProtocolError(f"{spec.name}: bool tensor holds bytes other than 0 and 1")
+
+    if kind == "numpy" and spec.wire_dtype == spec.dtype:
+        if spec.dtype == "bfloat16":
+            raise ProtocolError(f"{spec.name}: bfloat16 cannot be received as a numpy array (use torch)")
+        return arr
+
+    if arr.flags.writeable:
+        t = torch.from_numpy(arr)
+    else:
+        # Frames from pyzmq's Cython backend are writable; other backends or
+        # bytes objects give a read-only buffer. Sharing it is still safe: the
+        # frame is ours alone, nobody else reads those bytes after us, so the
+        # "undefined behaviour on write" torch warns about cannot bite.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            t = torch.from_numpy(arr)
+    if spec.wire_dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    if spec.wire_dtype != spec.dtype:
+        t = t.to(DTYPES[spec.dtype].torch)
+    if kind == "numpy":
+        return t.numpy()
+    return t
