@@ -329,3 +329,95 @@ async def iterate_in_thread(
         # stop before the next generation may start on the same thread/model.
         with contextlib.suppress(BaseException):
             await asyncio.shield(future)
+
+
+# --------------------------------------------------------------------------- local
+
+
+def model_id_of(source) -> str:
+    """A readable model id for ``/v1/models``: the file (or directory) name without extension."""
+    from pathlib import Path
+
+    path = Path(getattr(source, "path", "") or "model")
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+class LocalEngine(Engine):
+    """The whole model on this device, using the reference runtime in ``decoding``.
+
+    torch work runs in one dedicated worker thread (so the event loop keeps
+    serving status and other clients) and tokens come back through an asyncio
+    queue. One generation runs at a time; later requests wait their turn on a
+    lock, in arrival order. Constructing it loads the weights (blocking; use
+    :meth:`open` from async code).
+    """
+
+    def __init__(self, source, *, dtype=None, max_context: int | None = None, stages: int = 1):
+        import concurrent.futures
+
+        import torch
+
+        from decoding.pipeline_local import LocalPipeline
+
+        self.source = source
+        self.tokenizer = source.tokenizer
+        self.model_id = model_id_of(source)
+        self.vocab_size = source.config.vocab_size
+        ctx = source.config.max_position
+        self.context_length = min(ctx, max_context) if max_context else ctx
+        self._pipeline = LocalPipeline.from_source(source, stages, dtype or torch.float32)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshd-generate")
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, path=None, **kw) -> LocalEngine:
+        """Open ``path`` (None: the embedded default model) and load it off the event loop."""
+        from decoding.loader import open_model
+
+        return await asyncio.to_thread(lambda: cls(open_model(path), **kw))
+
+    async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        from decoding.errors import ContextOverflow
+
+        async with self._lock:
+            log.debug("generation_start", request_id=req.request_id, prompt_tokens=len(req.prompt_ids))
+            try:
+                async for tid in iterate_in_thread(
+                    lambda cancel: self._generate(req, cancel), executor=self._executor
+                ):
+                    yield tid
+            except ContextOverflow as exc:
+                raise PromptTooLong(str(exc)) from exc
+            except EngineError:
+                raise
+            except MeshdError as exc:
+                raise GenerationFailed(str(exc)) from exc
+            except Exception as exc:  # noqa: BLE001 - a runtime bug must not kill the daemon
+                log.exception("generation_failed", request_id=req.request_id)
+                raise GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}") from exc
+
+    def _generate(self, req: GenerationRequest, cancel: threading.Event) -> Iterator[int]:
+        """Blocking token loop (worker thread); checks ``cancel`` before each forward."""
+        import torch
+
+        from decoding.sampling import Sampler, SamplingParams
+
+        sampler = Sampler(SamplingParams(temperature=req.temperature, top_k=req.top_k,
+                                         top_p=req.top_p, seed=req.seed))
+        eos = self.eos_ids
+        pipe, seq = self._pipeline, req.request_id
+        pipe.create(seq, len(req.prompt_ids) + req.max_tokens)
+        try:
+            with torch.inference_mode():
+                logits = pipe.prefill(seq, list(req.prompt_ids))
+                for i in range(req.max_tokens):
+                    tok = sampler(logits[-1])
+                    yield tok
+                    if tok in eos or i + 1 >= req.max_tokens or cancel.is_set():
+                        return
+                    logits = pipe.forward(seq, torch.tensor([tok], dtype=torch.long))
+        finally:
+            pipe.free(seq)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,207 @@
+"""``meshd status``: who is in the mesh, what each device runs, how fast it goes.
+
+Reads ``GET /v1/mesh/status`` from the local daemon. The renderer is a pure
+function of the status dict and tolerates missing keys, because the daemon's
+status grows over time and an old CLI must still print a new daemon's status.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from meshd.client import MeshdClient
+from meshd.errors import MeshdError
+
+DASH = "-"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "status", help="show the mesh: devices, layers, plan, speed",
+        description="Show the local daemon's view of the mesh.",
+    )
+    p.add_argument("--socket", help="daemon socket (default: $MESHD_SOCKET, $RUNTIME_DIRECTORY, "
+                                    "$XDG_RUNTIME_DIR/meshd/meshd.sock)")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    client = MeshdClient(args.socket, timeout=10.0)
+    if args.watch is None:
+        print(_show(client.status(), args.json))
+        return 0
+    interval = max(args.watch, 0.2)
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() and not args.json else ""
+    try:
+        while True:
+            try:
+                text = _show(client.status(), args.json)
+            except MeshdError as exc:  # keep watching: the daemon may be restarting
+                text = f"{exc}\n(retrying every {interval:g} s; Ctrl-C to stop)"
+            print(clear + text, flush=True)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _show(status: dict[str, Any], as_json: bool) -> str:
+    return json.dumps(status, indent=2, sort_keys=True) if as_json else render_status(status)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render_status(s: dict[str, Any]) -> str:
+    """The human-readable status: header, device table, plan, performance, extras."""
+    lines: list[str] = []
+    head = "meshd"
+    if s.get("home"):
+        head += f" - home {s['home']}"
+    if s.get("node_id"):
+        head += f", this node {s['node_id']}"
+    lines.append(head)
+    lines.append(f"model: {_model(s.get('model'))}")
+    lines.append("")
+
+    members = s.get("members") or []
+    rows = [
+        [
+            _text(m.get("name") or m.get("node_id")),
+            _text(m.get("state")),
+            _text(m.get("address")),
+            _bytes(m.get("memory_budget", m.get("memory"))),
+            _layers(m.get("layers")),
+            _ago(m.get("last_seen_s")),
+        ]
+        for m in members
+        if isinstance(m, dict)
+    ]
+    if rows:
+        lines += _table(["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "LAST SEEN"], rows)
+    else:
+        lines.append("no devices in the mesh yet")
+    lines.append("")
+
+    lines.append(_plan(s.get("plan")))
+    lines.append(_performance(s.get("recent"), s.get("requests_in_flight")))
+
+    ifaces = s.get("interfaces")
+    if ifaces:
+        lines.append("advertising on: " + ", ".join(_iface(i) for i in ifaces))
+    api = s.get("api")
+    if isinstance(api, dict) and api:
+        lines.append("api: " + ", ".join(f"{k} {v}" for k, v in sorted(api.items())))
+
+    seen = [n for n in (s.get("not_admitted") or []) if isinstance(n, dict)]
+    if seen:
+        lines.append("")
+        lines.append("seen on the network but not admitted:")
+        lines += _table(
+            ["NAME", "ADDRESS", "REASON"],
+            [[_text(n.get("name")), _text(n.get("address")), _text(n.get("reason"))] for n in seen],
+            indent="  ",
+        )
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _table(header: list[str], rows: list[list[str]], indent: str = "") -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return [fmt(header), *(fmt(r) for r in rows)]
+
+
+def _text(v: Any) -> str:
+    return DASH if v is None or v == "" else str(v)
+
+
+def _model(m: Any) -> str:
+    if isinstance(m, dict):
+        return _text(m.get("id") or m.get("name") or json.dumps(m, sort_keys=True))
+    return _text(m) if m else "none loaded"
+
+
+def _bytes(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return _text(v)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(v) >= size:
+            return f"{v / size:.1f} {unit}"
+    return f"{int(v)} B"
+
+
+def _layers(v: Any) -> str:
+    """``[first, last)`` pairs print as ``first-(last-1)``; several ranges join with commas."""
+    if v is None or v == [] or v == "":
+        return DASH
+    if isinstance(v, dict):
+        v = [v.get("first"), v.get("last")]
+    if isinstance(v, (list, tuple)):
+        if len(v) == 2 and all(isinstance(x, int) for x in v):
+            return f"{v[0]}-{v[1] - 1}" if v[1] > v[0] else DASH
+        if all(isinstance(x, (list, tuple, dict)) for x in v):
+            return ",".join(_layers(x) for x in v)
+    return str(v)
+
+
+def _ago(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return _text(v)
+    if v < 1:
+        return "now"
+    if v < 120:
+        return f"{v:.0f}s ago"
+    if v < 7200:
+        return f"{v / 60:.0f}m ago"
+    return f"{v / 3600:.0f}h ago"
+
+
+def _plan(p: Any) -> str:
+    if not p:
+        return "plan: none (no plan fits the devices in the mesh yet)"
+    if not isinstance(p, dict):
+        return f"plan: {p}"
+    parts = [f"plan v{_text(p.get('version'))}"]
+    stages = p.get("stages")
+    if isinstance(stages, list):
+        parts.append(f"{len(stages)} stage{'s' if len(stages) != 1 else ''}")
+    elif stages is not None:
+        parts.append(f"{stages} stages")
+    b = p.get("predicted_bottleneck")
+    if b is not None:
+        if isinstance(b, dict):
+            b = ", ".join(f"{k} {v}" for k, v in b.items())
+        parts.append(f"predicted bottleneck: {b}")
+    return ", ".join(parts)
+
+
+def _performance(recent: Any, in_flight: Any) -> str:
+    recent = recent if isinstance(recent, dict) else {}
+    tps, ttft = recent.get("tokens_per_s"), recent.get("ttft_s")
+    parts = [
+        f"{tps:.1f} tokens/s" if isinstance(tps, (int, float)) else "tokens/s -",
+        f"TTFT {ttft:.2f} s" if isinstance(ttft, (int, float)) else "TTFT -",
+    ]
+    n = recent.get("requests")
+    if isinstance(n, int):
+        parts.append(f"over the last {n} request{'s' if n != 1 else ''}")
+    text = "recent: " + ", ".join(parts)
+    if in_flight is not None:
+        text += f"; {in_flight} in flight"
+    return text
+
+
+def _iface(i: Any) -> str:
+    if isinstance(i, dict):
+        name = i.get("name") or DASH
+        addrs = i.get("addresses") or i.get("address")
+        if isinstance(addrs, list):
+            addrs = " ".join(map(str, addrs))
+        return f"{name} ({addrs})" if addrs else str(name)
+    return str(i)
+

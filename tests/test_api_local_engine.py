@@ -1,0 +1,67 @@
+"""LocalEngine: the real embedded model served through the API."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from meshd.engine import LocalEngine
+from tests.test_api_support import ServerThread
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def local_engine(real_source):
+    eng = LocalEngine(real_source)
+    yield eng
+    eng.close()
+
+
+def test_local_engine_streams_the_reference_greedy_answer_through_the_api(local_engine, real_source):
+    from decoding.generate import generate
+    from decoding.pipeline_local import LocalPipeline
+
+    tok = real_source.tokenizer
+    ref = generate(LocalPipeline(local_engine._pipeline.stages), tok.apply_chat(QUESTION),
+                   MAX_TOKENS, eos_ids=tok.eos_ids, tokenizer=tok)
+
+    with ServerThread(local_engine) as srv:
+        client = openai.OpenAI(
+            base_url="http://localhost/v1", api_key="unused", max_retries=0,
+            http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path))),
+        )
+        chunks = list(client.chat.completions.create(
+            model=local_engine.model_id, messages=QUESTION, stream=True,
+            max_tokens=MAX_TOKENS, temperature=0, stream_options={"include_usage": True},
+        ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert text.strip()
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-2].choices[0].finish_reason == ref.finish_reason
+
+
+def test_seeded_sampling_is_repeatable_and_stop_strings_apply(local_engine):
+    with ServerThread(local_engine) as srv:
+        client = openai.OpenAI(
+            base_url="http://localhost/v1", api_key="unused", max_retries=0,
+            http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path))),
+        )
+
+        def ask(**kw):
+            return client.chat.completions.create(model="meshd", messages=QUESTION,
+                                                  max_tokens=MAX_TOKENS, **kw).choices[0]
+
+        a, b = ask(temperature=0.9, seed=5), ask(temperature=0.9, seed=5)
+        assert a.message.content == b.message.content
+        greedy = ask(temperature=0).message.content
+        cut = greedy.split()[1] if len(greedy.split()) > 1 else greedy[-1]
+        stopped = ask(temperature=0, stop=[cut])
+        assert cut not in stopped.message.content
+        assert greedy.startswith(stopped.message.content)
+        assert stopped.finish_reason == "stop"

@@ -1,0 +1,101 @@
+"""``meshd status`` and ``meshd chat`` against a served fake engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshd.cli import main
+from meshd.commands.chat import summary_line
+from meshd.commands.status import render_status
+from tests.test_api_support import REPLY, STATUS, engine, server, short_tmp  # noqa: F401
+
+
+def test_status_json_prints_the_daemon_status(server, capsys):
+    assert main(["status", "--socket", str(server.socket_path), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["home"] == "smith-home" and s["model"] == "fake-model"
+    assert s["plan"]["version"] == 3
+
+
+def test_status_table_has_one_row_per_device_then_plan_and_performance(server, capsys):
+    assert main(["status", "--socket", str(server.socket_path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("NAME"))
+    assert lines[header].split() == ["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "LAST", "SEEN"]
+    assert lines[header + 1].split()[:6] == ["desk-pc", "active", "192.168.1.10:7400", "6.0", "GiB", "0-17"]
+    assert lines[header + 2].split()[:6] == ["kitchen-pi", "joining", "192.168.1.20:7400", "1.5", "GiB", "18-29"]
+    assert "3s ago" in lines[header + 2]
+    assert "plan v3, 2 stages, predicted bottleneck: kitchen-pi 41 ms/token" in out
+    assert "recent:" in out and "0 in flight" in out
+    assert "advertising on: eth0 (192.168.1.10)" in out
+    assert "neighbour-nas" in out and "another home" in out
+
+
+def test_status_without_a_daemon_says_so_and_exits_1(short_tmp, capsys):
+    path = short_tmp / "meshd.sock"
+    assert main(["status", "--socket", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "no meshd daemon is running" in err and str(path) in err
+
+
+def test_status_uses_the_shared_default_socket_path(server, capsys, monkeypatch):
+    monkeypatch.setenv("MESHD_SOCKET", str(server.socket_path))
+    assert main(["status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["node_id"] == "n-abc123"
+
+
+def test_status_watch_refreshes_until_interrupted(server, capsys, monkeypatch):
+    import meshd.commands.status as status_cmd
+
+    sleeps = []
+
+    def fake_sleep(s):
+        sleeps.append(s)
+        if len(sleeps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(status_cmd.time, "sleep", fake_sleep)
+    assert main(["status", "--socket", str(server.socket_path), "--watch", "0.5"]) == 0
+    assert capsys.readouterr().out.count("kitchen-pi") == 4  # table + plan line, twice
+    assert sleeps == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("status", [
+    {},
+    {"members": None, "plan": None, "recent": None},
+    {"members": [{}], "not_admitted": [{}], "interfaces": ["wlan0"], "plan": "pending"},
+    {"members": [{"name": "x", "layers": [[0, 4], [8, 12]], "memory_budget": "2G",
+                  "last_seen_s": 9000}], "plan": {"stages": 2, "predicted_bottleneck": {"x": 1}}},
+])
+def test_status_renders_whatever_keys_are_missing_or_odd(status):
+    text = render_status(status)
+    assert text.startswith("meshd")
+    assert "plan" in text
+
+
+def test_render_handles_partial_members():
+    text = render_status({"members": [{"name": "x", "layers": [[0, 4], [8, 12]]}]})
+    assert "0-3,8-11" in text
+
+
+def test_chat_streams_the_answer_to_stdout_and_a_summary_to_stderr(server, capsys, engine):
+    rc = main(["chat", "--socket", str(server.socket_path), "--max-tokens", "20",
+               "--temperature", "0", "Why", "is", "the", "sky", "blue?"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert out == REPLY[:20] + "\n"
+    assert err.strip().startswith("[20 tokens in") and "finish: length" in err
+    assert engine.requests[-1].messages == [{"role": "user", "content": "Why is the sky blue?"}]
+
+
+def test_chat_without_a_daemon_says_so(short_tmp, capsys):
+    assert main(["chat", "--socket", str(short_tmp / "x.sock"), "hi"]) == 1
+    assert "no meshd daemon is running" in capsys.readouterr().err
+
+
+def test_summary_line_reports_ttft_and_decode_speed():
+    line = summary_line({"completion_tokens": 11}, 3.0, 1.0, "stop")
+    assert line == "[11 tokens in 3.00 s: TTFT 1.00 s, 5.0 tokens/s; finish: stop]"
