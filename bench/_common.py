@@ -1,0 +1,49 @@
+"""Helpers shared by the benchmarks: setup banner, CPU pinning, peak RSS, JSON last line."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+
+import torch
+
+
+def pin(cores: list[int] | None, threads: int) -> None:
+    """Pin this process to ``cores`` and use ``threads`` torch threads (simulated device)."""
+    if cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(threads)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def median_time(fn, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def machine_banner() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def emit_json(obj: dict) -> None:
+    """The last stdout line of every benchmark run with --json."""
+    print(json.dumps(obj), flush=True)
