@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from meshd import log
 from meshd.api.server import create_app, start_api
 from meshd.engine import Engine, GenerationRequest
 
@@ -118,6 +120,10 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def __enter__(self) -> ServerThread:
+        # Another test may have configured logging onto a capsys stream that is
+        # closed by now; a failing log write would turn answers into 500s.
+        # fd 2 is still captured by pytest.
+        log.configure("console", "info", stream=sys.__stderr__)
         self._thread.start()
         self.runner = self.call(start_api(self.app, self.socket_path, self.listen))
         return self

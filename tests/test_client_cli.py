@@ -12,6 +12,14 @@ from meshd.commands.status import render_status
 from tests.test_api_support import REPLY, STATUS, engine, server, short_tmp  # noqa: F401
 
 
+@pytest.fixture(autouse=True)
+def keep_logging_config(monkeypatch):
+    """``main()`` would point logging at capsys' stream, which closes after the test."""
+    import meshd.log
+
+    monkeypatch.setattr(meshd.log, "configure", lambda *a, **k: None)
+
+
 def test_status_json_prints_the_daemon_status(server, capsys):
     assert main(["status", "--socket", str(server.socket_path), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
