@@ -65,3 +65,27 @@ def test_seeded_sampling_is_repeatable_and_stop_strings_apply(local_engine):
         assert cut not in stopped.message.content
         assert greedy.startswith(stopped.message.content)
         assert stopped.finish_reason == "stop"
+
+
+def test_concurrent_requests_queue_and_a_hang_up_frees_the_cache(local_engine):
+    import asyncio
+
+    from meshd.client import AsyncMeshdClient
+    from tests.test_api_support import wait_until
+
+    with ServerThread(local_engine) as srv:
+        async def main():
+            async with AsyncMeshdClient(srv.socket_path) as c:
+                answers = await asyncio.gather(*[
+                    c.chat(QUESTION, max_tokens=MAX_TOKENS, temperature=0) for _ in range(3)])
+                stream = await c.chat(QUESTION, stream=True, max_tokens=500, temperature=0)
+                async for _ in stream:
+                    break
+                await stream.aclose()
+                return answers
+
+        answers = asyncio.run(main())
+        assert len({a.text for a in answers}) == 1 and answers[0].text
+        caches = local_engine._pipeline.caches
+        assert wait_until(lambda: not local_engine._lock.locked()
+                          and all(c.sequences() == [] for c in caches))
