@@ -17,6 +17,8 @@ from meshd.errors import MeshdError
 
 # Order here is the order in ``meshd --help``.
 COMMAND_MODULES = [
+    "meshd.commands.join",
+    "meshd.commands.invite",
     "meshd.commands.demo",
     "meshd.commands.generate",
     "meshd.commands.model",

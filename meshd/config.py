@@ -64,6 +64,9 @@ class Config:
     model: str | None = None  # None: embedded default; "none": no model (control plane only)
     plan_layers: int = 30  # layer count planned when no model is loaded
     invite_ttl_s: float = 15 * 60
+    drain_timeout_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
+    api_listen: str | None = None  # also serve the API on loopback TCP, "127.0.0.1:8080"
+    engine: str | None = None  # "module:factory" returning the Engine (seam for the pipeline)
     log_format: str = "json"
     log_level: str = "info"
 

@@ -169,16 +169,16 @@ class PairingServer:
         peer = writer.get_extra_info("peername")
         try:
             member = await self._pair(reader, writer)
-            log.info("pairing_admitted", node=member.node_id, name=member.name, peer=str(peer))
+            log.info("pairing_admitted", new_node=member.node_id, new_name=member.name, remote=str(peer))
             self.on_admitted(member)
         except (PairingError, asyncio.TimeoutError, ConnectionError, ValueError) as exc:
-            log.warning("pairing_refused", peer=str(peer), error=str(exc) or type(exc).__name__)
+            log.warning("pairing_refused", remote=str(peer), error=str(exc) or type(exc).__name__)
             try:
                 await _send(writer, {"op": "error", "error": str(exc) or "refused"})
             except (ConnectionError, RuntimeError):
                 pass
         except Exception:
-            log.exception("pairing_failed", peer=str(peer))
+            log.exception("pairing_failed", remote=str(peer))
         finally:
             writer.close()
 

@@ -7,7 +7,8 @@ Layout (all under ``$STATE_DIRECTORY`` or ``~/.local/state/meshd``)::
     members.json       known members: node_id -> {name, public_key}; this IS the
                        allow-list the transport's ZAP handler admits
     invites.json       pending one-time invite tokens, stored hashed with expiry
-    keys/              this device's CURVE keypair (see meshd.keys)
+    keys/              this device's CURVE keypair and the transport's allow-list
+                       (``transport.keys``: node.key, node.key_secret, allowed_peers.json)
     profiles/          device profiles (partition profiler output)
     models/            model cache
 
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from meshd.errors import MeshdError
+from transport import keys as transport_keys
+from transport.errors import KeyStoreError
 
 
 class StateError(MeshdError):
@@ -65,7 +68,8 @@ class Member:
 
 
 def key_fingerprint(public_key: str) -> str:
-    return hashlib.sha256(public_key.encode()).hexdigest()[:16]
+    """The transport's human-comparable fingerprint (``ab12-cd34-ef56-7890``)."""
+    return transport_keys.fingerprint(public_key)
 
 
 def members_digest(members: dict[str, Member]) -> str:
@@ -176,19 +180,40 @@ class StateDir:
         self.set_home(home)
         return home
 
+    # -- keys ---------------------------------------------------------------
+    def keypair(self) -> transport_keys.Keypair:
+        try:
+            return transport_keys.load_or_create_keypair(self.root)
+        except KeyStoreError as exc:
+            raise StateError(str(exc)) from None
+
+    def allow_list(self) -> transport_keys.AllowList:
+        return transport_keys.AllowList.for_state_dir(self.root)
+
     # -- members / allow-list --------------------------------------------
     def members(self) -> dict[str, Member]:
         raw = self._read_json("members.json", {})
         return {nid: Member.from_json({**m, "node_id": nid}) for nid, m in raw.items()}
 
     def add_members(self, members: list[Member]) -> list[Member]:
-        """Merge members into the allow-list; returns the ones that were new or changed."""
+        """Merge members into members.json and the transport's allow-list.
+
+        Returns the ones that were new or changed. Keys are validated first so
+        a malformed key never reaches either file.
+        """
+        for m in members:
+            transport_keys.validate_public_key(m.public_key)
         with self.locked():
             current = self.members()
             changed = [m for m in members if current.get(m.node_id) != m]
             if changed:
+                allow = self.allow_list()
                 for m in changed:
+                    old = current.get(m.node_id)
+                    if old is not None and old.public_key != m.public_key:
+                        allow.remove(old.public_key)
                     current[m.node_id] = m
+                    allow.add(m.public_key, name=f"{m.name} ({m.node_id})")
                 self._write_json(
                     "members.json",
                     {nid: {"name": m.name, "public_key": m.public_key} for nid, m in current.items()},

@@ -1,0 +1,110 @@
+"""``meshd join``: run the daemon in the foreground (this is what systemd runs).
+
+First run on the first device: ``meshd join --new-home NAME`` creates the home.
+First run on every other device: ``meshd join --token T`` with a token from
+``meshd invite`` on a member. Afterwards plain ``meshd join`` (the systemd
+unit) rejoins the home recorded in the state directory.
+
+Settings: defaults < ``/etc/meshd/meshd.toml`` (or ``--config``) <
+``MESHD_*`` environment variables < the flags below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import structlog
+
+from meshd import log
+from meshd.config import load_config
+from meshd.errors import MeshdError
+from meshd.state import StateDir
+
+# flag -> Config field; every one defaults to None ("not given").
+_FLAGS = [
+    ("--state-dir", "state_dir", str, "state directory (default $STATE_DIRECTORY or ~/.local/state/meshd)"),
+    ("--socket", "socket", str, "client API unix socket"),
+    ("--name", "name", str, "this device's name (default: host name)"),
+    ("--listen", "listen", str, "address the transport and pairing ports bind (default 0.0.0.0)"),
+    ("--port", "port", int, "transport port (default 7410; 0 = any free port)"),
+    ("--pairing-port", "pairing_port", int, "pairing port for invites (default 7411; 0 = any)"),
+    ("--interface", "interface", str, "advertise over mDNS only on this interface (name or IPv4)"),
+    ("--memory-budget-mb", "memory_budget_mb", int, "memory this device lends to the model"),
+    ("--model", "model", str, "model path; 'none' runs the control plane only"),
+    ("--heartbeat-interval", "heartbeat_interval_s", float, "seconds between heartbeats"),
+    ("--suspect-after", "suspect_after_s", float, "silence before a member is suspect"),
+    ("--gone-after", "gone_after_s", float, "silence before a member is gone"),
+    ("--api-listen", "api_listen", str, "also serve the API on loopback TCP (HOST:PORT)"),
+    ("--engine", "engine", str, "engine factory 'module:callable' (advanced)"),
+]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "join", help="run the daemon (create or join a home on first use)",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--config", type=Path, default=None,
+                   help="TOML config file (default /etc/meshd/meshd.toml if present)")
+    first = p.add_mutually_exclusive_group()
+    first.add_argument("--new-home", metavar="NAME", help="create a new home with this device as first member")
+    first.add_argument("--token", metavar="TOKEN", help="join the home that issued this invite token")
+    for flag, dest, typ, help_text in _FLAGS:
+        p.add_argument(flag, dest=f"cfg_{dest}", type=typ, default=None, help=help_text,
+                       metavar=flag.strip("-").upper().replace("-", "_"))
+    # Own copies of the logging flags: a daemon logs JSON to stdout by default
+    # (journald), while other commands default to console lines on stderr.
+    p.add_argument("--log-format", dest="cfg_log_format", choices=["json", "console"], default=None,
+                   help="json (default, for journald) or console")
+    p.add_argument("--log-level", dest="cfg_log_level", default=None, help="default info")
+    p.set_defaults(func=run)
+
+
+def overrides_from_args(args) -> dict:
+    return {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_")}
+
+
+def run(args) -> int:
+    cfg = load_config(args.config, os.environ, overrides_from_args(args))
+    log.configure(cfg.log_format, cfg.log_level, stream=sys.stdout)
+    state = StateDir(cfg.resolved_state_dir()).ensure()
+    structlog.contextvars.bind_contextvars(node=state.node_id())
+    prepare_home(state, cfg, new_home=args.new_home, token=args.token)
+    from meshd.daemon import Daemon
+
+    return asyncio.run(Daemon(cfg).run())
+
+
+def prepare_home(state: StateDir, cfg, new_home: str | None, token: str | None) -> None:
+    """Create or pair into a home before the daemon starts (both are one-time steps)."""
+    logger = log.get_logger("meshd.join")
+    home = state.home()
+    if new_home:
+        if home is not None:
+            if home.name == new_home:
+                return  # re-running the first-time command is harmless
+            raise MeshdError(f"this device already belongs to home {home.name!r}")
+        home = state.create_home(new_home)
+        logger.info("home_created", home=home.name)
+        return
+    if token:
+        if home is not None:
+            raise MeshdError(f"this device already belongs to home {home.name!r}; "
+                             "--token is for devices that are not in a home yet")
+        from meshd.pairing import Token, join_with_token
+        from meshd.state import Member
+
+        parsed = Token.decode(token)
+        node_id = state.node_id()
+        public_key = state.keypair().public.decode()
+        home, members = asyncio.run(join_with_token(parsed, node_id, cfg.name, public_key))
+        state.add_members([*members, Member(node_id, cfg.name, public_key)])
+        state.set_home(home)
+        logger.info("home_joined", home=home.name, members=len(members))
+        return
+    if home is None:
+        raise MeshdError("this device is not in a home yet: run 'meshd join --new-home NAME' on the "
+                         "first device, or 'meshd join --token TOKEN' with a token from 'meshd invite'")

@@ -1,0 +1,60 @@
+"""Control messages between members' daemons (registered with the transport's codec).
+
+They travel on the CURVE link (``meshd.peerlink``); the transport decodes and
+type-checks them, so handlers only ever see well-formed values. Plans travel
+as ``transport.messages.PlanUpdate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transport.messages import message
+
+
+@message
+@dataclass
+class MeshHeartbeat:
+    """Sent to every known member each heartbeat interval; liveness + cheap gossip."""
+
+    node_id: str
+    name: str
+    memory_budget_mb: int
+    plan_version: int
+    members_digest: str  # differs -> the receiver sends us its member list
+    profile_digest: str  # differs from what the receiver holds -> it asks for the profile
+    timestamp: float
+    state: str = "ready"  # "ready" | "draining"
+    requests_in_flight: int = 0
+
+
+@message
+@dataclass
+class MemberList:
+    """Key sync: every member (node id, name, z85 public key) the sender knows."""
+
+    members: list[dict[str, str]] = field(default_factory=list)
+
+
+@message
+@dataclass
+class ProfileRequest:
+    node_id: str
+
+
+@message
+@dataclass
+class ProfileShare:
+    node_id: str
+    digest: str
+    profile: dict[str, Any] | None = None
+
+
+@message
+@dataclass
+class Bye:
+    """Graceful shutdown: mark me gone now rather than after the heartbeat timeout."""
+
+    node_id: str
+    reason: str = "shutdown"

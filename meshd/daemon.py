@@ -1,0 +1,591 @@
+"""The meshd daemon: one asyncio object that wires every part together.
+
+    config + state dir ─┬─ transport (CURVE control link, ZAP allow-list)
+                        ├─ pairing endpoint (invite tokens)
+                        ├─ mDNS (advertise + browse, classify sightings)
+                        ├─ membership (heartbeats -> joining/ready/suspect/gone)
+                        ├─ plan (debounced re-plan by the lowest ready node id)
+                        ├─ client API (unix socket, from meshd.api)
+                        └─ sd_notify (READY, WATCHDOG, STOPPING)
+
+I/O lives here; the decisions live in the small pure modules (membership,
+discovery.classify, plan). Bad input from the network is logged and dropped;
+nothing a peer sends can stop the daemon.
+
+Shutdown (SIGTERM/SIGINT): stop admitting requests, tell peers "bye", withdraw
+the mDNS record, give in-flight requests ``drain_timeout_s`` to finish and fail
+the rest with a clear error, close the API (removing the socket file), exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import ipaddress
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from meshd import control
+from meshd.config import Config
+from meshd.discovery import (
+    PROTOCOL_VERSION, REASON_UNREACHABLE, Advert, Discovery, Sighting, classify, select_interfaces,
+)
+from meshd.engine import Engine, EngineUnavailable, GenerationRequest
+from meshd.errors import MeshdError
+from meshd.log import get_logger
+from meshd.membership import Change, Debouncer, Membership, PeerState, affects_plan
+from meshd.pairing import PairingServer
+from meshd.peerlink import PeerLink
+from meshd.plan import MemberInput, Plan, make_plan
+from meshd.sdnotify import Notifier
+from meshd.state import Home, Member, StateDir, key_fingerprint, members_digest
+from transport.messages import Envelope, PlanUpdate
+
+log = get_logger("meshd.daemon")
+
+RUNTIME_FILE = "daemon.json"  # in the state dir while running: ports/addresses for `meshd invite`
+SHUTDOWN_MESSAGE = "meshd is shutting down on this device; retry the request"
+
+
+class DaemonError(MeshdError):
+    pass
+
+
+# --------------------------------------------------------------------------- draining engine
+
+
+class DrainingEngine(Engine):
+    """Wraps the real engine so shutdown can refuse new requests and cut running ones.
+
+    ``draining``: new requests fail at once with 503 ``engine_unavailable``.
+    ``aborting``: running ones fail at their next token with the same clear
+    message (in-band for streams), instead of a connection reset.
+    """
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+        self.draining = False
+        self.aborting = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    model_id = property(lambda self: self.inner.model_id)
+    context_length = property(lambda self: self.inner.context_length)
+    tokenizer = property(lambda self: self.inner.tokenizer)
+
+    async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        if self.draining:
+            raise EngineUnavailable(SHUTDOWN_MESSAGE)
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            async with contextlib.aclosing(self.inner.token_ids(req)) as ids:
+                async for tid in ids:
+                    if self.aborting:
+                        raise EngineUnavailable(SHUTDOWN_MESSAGE + " (the request was cut short)")
+                    yield tid
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+
+def load_engine_factory(spec: str) -> Callable[..., Any]:
+    """``module:attr`` -> the callable (the seam for the pipeline engine and test fakes)."""
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise DaemonError(f"engine must be 'module:factory', got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise DaemonError(f"cannot load engine {spec!r}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- daemon
+
+
+class Daemon:
+    def __init__(self, config: Config, env: dict[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.env = dict(os.environ if env is None else env)
+        self.clock = clock
+        self.state = StateDir(config.resolved_state_dir(self.env))
+        self.socket_path = config.resolved_socket(self.env)
+        self.notifier = Notifier(self.env)
+        self.stopping = asyncio.Event()
+        self.node_id = ""
+        self.public_key = ""
+        self.home: Home | None = None
+        self.members: dict[str, Member] = {}
+        self.by_key: dict[str, str] = {}
+        self.membership: Membership | None = None
+        self.debounce = Debouncer(config.replan_debounce_s)
+        self.plan: Plan | None = None
+        self.replans = 0
+        self.plan_listeners: list[Callable[[Plan], Any]] = []
+        self.sightings: dict[str, Sighting] = {}
+        self.addresses: dict[str, tuple[str, int]] = {}  # node id -> (ip, transport port)
+        self.profiles: dict[str, dict] = {}  # node id -> shared profile
+        self.profile_digests: dict[str, str] = {}
+        self.own_profile: dict | None = None
+        self.interfaces = []
+        self.link: PeerLink | None = None
+        self.pairing: PairingServer | None = None
+        self.discovery: Discovery | None = None
+        self.api_runner = None
+        self.api_app = None
+        self.engine: DrainingEngine | None = None
+        self.port = 0
+        self.pairing_port = 0
+        self._tasks: list[asyncio.Task] = []
+        self._started_at = 0.0
+
+    # -- lifecycle ----------------------------------------------------------
+    async def run(self) -> int:
+        """Start, serve until SIGTERM/SIGINT (or :meth:`request_stop`), stop. Returns 0."""
+        # Bind the node id before installing signal handlers: their callbacks run
+        # in the context captured here, so even "shutdown_requested" names the node.
+        self.state.ensure()
+        self.node_id = self.state.node_id()
+        structlog.contextvars.bind_contextvars(node=self.node_id)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        try:
+            await self.start()
+            await self.stopping.wait()
+        finally:
+            await self.stop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        return 0
+
+    def request_stop(self, why: str = "requested") -> None:
+        if not self.stopping.is_set():
+            log.info("shutdown_requested", reason=why)
+            self.stopping.set()
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.state.ensure()
+        self.node_id = self.state.node_id()
+        structlog.contextvars.bind_contextvars(node=self.node_id)
+        self.home = self.state.home()
+        if self.home is None:
+            raise DaemonError("this device is not in a home yet: run 'meshd join --new-home NAME' "
+                              "or 'meshd join --token TOKEN' (from 'meshd invite' on a member)")
+        keypair = self.state.keypair()
+        self.public_key = keypair.public.decode()
+        self.state.add_members([Member(self.node_id, cfg.name, self.public_key)])
+        self._reload_members()
+        self.own_profile = self.state.own_profile()
+        self.membership = Membership(self.node_id, cfg.suspect_after_s, cfg.gone_after_s)
+        self._started_at = self.clock()
+        self.interfaces = select_interfaces(cfg.interface)
+
+        self.link = PeerLink(self.node_id, self.state.root, self._on_message,
+                             send_timeout_s=max(0.2, cfg.heartbeat_interval_s))
+        self.port = await self.link.start(cfg.listen, cfg.port)
+        self.pairing = PairingServer(self.state, self._on_admitted)
+        self.pairing_port = await self.pairing.start(cfg.listen, cfg.pairing_port)
+        self._write_runtime_file()  # before the API answers, so `meshd invite` sees real ports
+
+        await self._start_api()
+        self.discovery = Discovery(self._advert(), self.interfaces, self._classify, self._on_sighting)
+        await self.discovery.start()
+        self.debounce.poke(self.clock())  # first plan: this node alone, until peers answer
+        self._tasks = [asyncio.create_task(self._maintenance_loop(), name="maintenance")]
+        if self.notifier.watchdog_interval_s:
+            self._tasks.append(asyncio.create_task(self._watchdog_loop(), name="watchdog"))
+        self.notifier.ready(f"serving home {self.home.name!r} as {self.node_id}")
+        log.info("daemon_ready", home=self.home.name, name=cfg.name, port=self.port,
+                 pairing_port=self.pairing_port, socket=str(self.socket_path),
+                 interfaces=[i.name for i in self.interfaces], fingerprint=key_fingerprint(self.public_key))
+
+    async def _start_api(self) -> None:
+        try:
+            from meshd.api.server import create_app, start_api
+        except ImportError:  # the API package is optional for the control plane
+            log.warning("api_unavailable")
+            return
+        engine = await self._make_engine()
+        self.engine = DrainingEngine(engine) if engine is not None else None
+        self.api_app = create_app(self.engine, self.status)
+        self.api_runner = await start_api(self.api_app, self.socket_path, self.config.api_listen)
+
+    async def _make_engine(self) -> Engine | None:
+        cfg = self.config
+        if cfg.engine:
+            made = load_engine_factory(cfg.engine)(self)
+            return await made if inspect.isawaitable(made) else made
+        if not cfg.model_enabled:
+            log.info("engine_disabled", reason="model = none")
+            return None
+        # The cross-daemon pipeline engine plugs in here (config ``engine``);
+        # until it exists the daemon serves the control plane only.
+        log.warning("engine_missing", reason="no engine configured; set engine = 'module:factory'")
+        return None
+
+    async def stop(self) -> None:
+        """Graceful shutdown; safe to call after a failed or partial start."""
+        self.notifier.stopping()
+        log.info("daemon_stopping", in_flight=self.engine.in_flight if self.engine else 0)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self.engine is not None:
+            self.engine.draining = True
+        if self.link is not None and self.membership is not None:
+            self.link.broadcast(control.Bye(self.node_id))
+            await self.link.flush(0.5)
+        if self.discovery is not None:
+            with contextlib.suppress(Exception):
+                await self.discovery.stop()
+            self.discovery = None
+        if self.engine is not None and self.engine.in_flight:
+            try:
+                await asyncio.wait_for(self.engine.idle.wait(), self.config.drain_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("drain_timeout", cutting=self.engine.in_flight)
+                self.engine.aborting = True
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.engine.idle.wait(), 5.0)
+        if self.api_runner is not None:
+            await self.api_runner.cleanup()  # closes the listener, removes the socket file
+            self.api_runner = None
+        if self.pairing is not None:
+            await self.pairing.stop()
+            self.pairing = None
+        if self.link is not None:
+            await self.link.stop()
+            self.link = None
+        with contextlib.suppress(FileNotFoundError):
+            (self.state.root / RUNTIME_FILE).unlink()
+        log.info("daemon_stopped")
+
+    # -- adverts & sightings ----------------------------------------------------
+    def _advert(self) -> Advert:
+        prof = self.own_profile
+        digest = _digest(prof) if prof else ""
+        return Advert(
+            node_id=self.node_id, name=self.config.name, protocol_version=PROTOCOL_VERSION,
+            home_digest=self.home.digest if self.home else "",
+            key_fingerprint=key_fingerprint(self.public_key),
+            memory_budget_mb=self.config.memory_budget_mb, profile_digest=digest,
+            port=self.port, pairing_port=self.pairing_port,
+        )
+
+    def _classify(self, advert: Advert) -> str | None:
+        return classify(advert, self.node_id, self.home.digest if self.home else None, self.members)
+
+    def _on_sighting(self, sighting: Sighting, removed: bool) -> None:
+        if removed:
+            self.sightings.pop(sighting.instance, None)
+            log.info("mdns_service_removed", instance=sighting.instance)
+            return
+        self.sightings[sighting.instance] = sighting
+        adv = sighting.advert
+        log.info("mdns_service_seen", instance=sighting.instance, peer=adv.node_id if adv else None,
+                 addresses=list(sighting.addresses), port=sighting.port,
+                 admitted=sighting.reason is None, reason=sighting.reason)
+        if sighting.reason is None and adv is not None:
+            asyncio.ensure_future(self._admit(adv, sighting.addresses))
+
+    def _pick_address(self, addresses: tuple[str, ...]) -> str | None:
+        """Prefer an address on one of our own subnets (the one we can route to)."""
+        if not addresses:
+            return None
+        ours = [ipaddress.IPv4Address(a) for i in self.interfaces for a in i.addresses]
+        for a in addresses:
+            ip = ipaddress.IPv4Address(a)
+            if any(ip == o or (ip.packed[:3] == o.packed[:3]) for o in ours):
+                return a
+        return addresses[0]
+
+    async def _admit(self, adv: Advert, addresses: tuple[str, ...]) -> None:
+        member = self.members.get(adv.node_id)
+        address = self._pick_address(addresses)
+        if member is None or address is None or self.link is None or self.membership is None:
+            return
+        self.addresses[adv.node_id] = (address, adv.port)
+        try:
+            await self.link.connect(adv.node_id, member.public_key, address, adv.port)
+        except Exception as exc:
+            log.warning("peer_connect_failed", peer=adv.node_id, error=str(exc))
+            return
+        self._apply(self.membership.observe(adv.node_id, self.clock()))
+        self._send_heartbeat(adv.node_id)
+
+    def _reclassify(self) -> None:
+        """The allow-list changed: sightings refused as "unpaired" may now be admissible."""
+        for s in list(self.sightings.values()):
+            if s.advert is None:
+                continue
+            reason = self._classify(s.advert)
+            if reason != s.reason:
+                s.reason = reason
+                if reason is None:
+                    asyncio.ensure_future(self._admit(s.advert, s.addresses))
+
+    # -- members / keys -------------------------------------------------------------
+    def _reload_members(self) -> None:
+        self.members = self.state.members()
+        self.by_key = {m.public_key: nid for nid, m in self.members.items()}
+
+    def _on_admitted(self, member: Member) -> None:
+        """Pairing admitted a device: tell every member its key (they admit it too)."""
+        self._reload_members()
+        if self.link is not None:
+            self.link.broadcast(self._member_list())
+        self._reclassify()
+
+    def _member_list(self) -> control.MemberList:
+        return control.MemberList([m.to_json() for m in self.members.values()])
+
+    def _merge_members(self, entries: list[dict[str, str]], sender: str) -> None:
+        incoming = []
+        for e in entries:
+            try:
+                incoming.append(Member.from_json(e))
+            except (KeyError, TypeError):
+                log.warning("member_entry_malformed", sender=sender)
+        # Never let gossip replace a key we already trust for a node id (that would
+        # let one member hijack another's identity); only add unknown node ids.
+        fresh = [m for m in incoming if m.node_id not in self.members]
+        try:
+            added = self.state.add_members(fresh)
+        except MeshdError as exc:
+            log.warning("member_list_rejected", sender=sender, error=str(exc))
+            return
+        if added:
+            log.info("members_learned", sender=sender, nodes=[m.node_id for m in added])
+            self._reload_members()
+            self._reclassify()
+
+    # -- messages -------------------------------------------------------------------
+    def _on_message(self, public_key: str, env: Envelope) -> None:
+        sender = self.by_key.get(public_key)
+        if sender is None:  # ZAP admitted it, so the allow-list changed under us
+            self._reload_members()
+            sender = self.by_key.get(public_key)
+        msg = env.message
+        if sender is None or self.membership is None:
+            log.warning("message_from_unknown_key", type=type(msg).__name__,
+                        fingerprint=_safe_fp(public_key))
+            return
+        now = self.clock()
+        if isinstance(msg, control.MeshHeartbeat):
+            info = {"name": msg.name, "memory_budget_mb": msg.memory_budget_mb,
+                    "plan_version": msg.plan_version, "state": msg.state,
+                    "requests_in_flight": msg.requests_in_flight}
+            self._apply(self.membership.heartbeat(sender, now, info))
+            if msg.members_digest != members_digest(self.members):
+                self.link.send(sender, self._member_list())
+            if msg.profile_digest and self.profile_digests.get(sender) != msg.profile_digest:
+                self.link.send(sender, control.ProfileRequest(self.node_id))
+            if self.plan is not None and msg.plan_version < self.plan.version:
+                self.link.send(sender, PlanUpdate(self.plan.version, self.plan.to_assignment()))
+        elif isinstance(msg, control.MemberList):
+            self._merge_members(msg.members, sender)
+        elif isinstance(msg, control.ProfileRequest):
+            prof = self.own_profile
+            self.link.send(sender, control.ProfileShare(self.node_id, _digest(prof) if prof else "", prof))
+        elif isinstance(msg, control.ProfileShare):
+            if msg.profile is not None:
+                self.profiles[sender] = msg.profile
+                self.profile_digests[sender] = msg.digest
+                self.debounce.poke(now)
+        elif isinstance(msg, PlanUpdate):
+            self._on_plan_update(msg, sender)
+        elif isinstance(msg, control.Bye):
+            log.info("peer_said_bye", peer=sender, reason=msg.reason)
+            self._apply(self.membership.leave(sender, now))
+        else:
+            log.info("message_ignored", type=type(msg).__name__, peer=sender)
+
+    def _apply(self, changes: list[Change]) -> None:
+        for c in changes:
+            log.info("member_state", peer=c.node_id, old=c.old.value if c.old else None, new=c.new.value)
+        if affects_plan(changes):
+            self.debounce.poke(self.clock())
+
+    # -- heartbeats, timeouts, re-plan --------------------------------------------------
+    def _heartbeat(self) -> control.MeshHeartbeat:
+        prof = self.own_profile
+        return control.MeshHeartbeat(
+            node_id=self.node_id, name=self.config.name, memory_budget_mb=self.config.memory_budget_mb,
+            plan_version=self.plan.version if self.plan else 0,
+            members_digest=members_digest(self.members), profile_digest=_digest(prof) if prof else "",
+            timestamp=time.time(), state="draining" if self.stopping.is_set() else "ready",
+            requests_in_flight=self.engine.in_flight if self.engine else 0,
+        )
+
+    def _send_heartbeat(self, node_id: str | None = None) -> None:
+        if self.link is None:
+            return
+        hb = self._heartbeat()
+        if node_id is None:
+            self.link.broadcast(hb)
+        else:
+            self.link.send(node_id, hb)
+
+    async def _maintenance_loop(self) -> None:
+        cfg = self.config
+        step = max(0.05, min(cfg.heartbeat_interval_s, cfg.replan_debounce_s) / 4)
+        next_beat = 0.0
+        while True:
+            now = self.clock()
+            try:
+                if now >= next_beat:
+                    self._send_heartbeat()
+                    next_beat = now + cfg.heartbeat_interval_s
+                self._apply(self.membership.tick(now))
+                if self.debounce.due(now):
+                    self._maybe_replan()
+            except Exception:  # never let one bad tick end liveness tracking
+                log.exception("maintenance_failed")
+            await asyncio.sleep(step)
+
+    async def _watchdog_loop(self) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_interval_s)
+
+    def _num_layers(self) -> int:
+        return self.config.plan_layers
+
+    def _maybe_replan(self) -> None:
+        m = self.membership
+        if m.leader() != self.node_id:
+            return  # the coordinator (lowest ready node id) plans; we wait for its PlanUpdate
+        ready = m.ready_ids()
+        seen = [int(m.peers[n].info.get("plan_version", 0)) for n in ready if n in m.peers]
+        version = max([self.plan.version if self.plan else 0, *seen]) + 1
+        inputs = []
+        for nid in ready:
+            info = m.peers[nid].info if nid in m.peers else {}
+            budget = self.config.memory_budget_mb if nid == self.node_id else int(
+                info.get("memory_budget_mb", 0) or 0)
+            profile = self.own_profile if nid == self.node_id else self.profiles.get(nid)
+            inputs.append(MemberInput(nid, budget, profile))
+        plan = make_plan(version, self.node_id, inputs, self._num_layers())
+        self.replans += 1
+        log.info("replan", version=version, members=ready, reason=plan.reason,
+                 stages=[[s.node_id, s.first, s.last] for s in plan.stages])
+        self._adopt(plan)
+        self.link.broadcast(PlanUpdate(plan.version, plan.to_assignment()),
+                            [n for n in ready if n != self.node_id])
+
+    def _on_plan_update(self, msg: PlanUpdate, sender: str) -> None:
+        try:
+            plan = Plan.from_assignment(msg.plan_version, msg.assignment)
+        except ValueError as exc:
+            log.warning("plan_rejected", peer=sender, error=str(exc))
+            return
+        cur = self.plan
+        newer = cur is None or plan.version > cur.version or (
+            plan.version == cur.version and plan.leader < cur.leader)
+        if newer:
+            self._adopt(plan)
+
+    def _adopt(self, plan: Plan) -> None:
+        self.plan = plan
+        layers = plan.layers_of(self.node_id)
+        log.info("plan_adopted", version=plan.version, leader=plan.leader,
+                 layers=list(layers) if layers else None)
+        for listener in self.plan_listeners:  # the pipeline engine redeploys layer ranges here
+            try:
+                listener(plan)
+            except Exception:
+                log.exception("plan_listener_failed")
+
+    # -- runtime file for `meshd invite` -----------------------------------------------
+    def _write_runtime_file(self) -> None:
+        from meshd.state import atomic_write
+
+        info = {"pid": os.getpid(), "node_id": self.node_id, "port": self.port,
+                "pairing_port": self.pairing_port,
+                "addresses": [a for i in self.interfaces for a in i.addresses],
+                "socket": str(self.socket_path)}
+        atomic_write(self.state.root / RUNTIME_FILE, json.dumps(info).encode(), mode=0o644)
+
+    # -- status (served by the API as GET /v1/mesh/status) ---------------------------------
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        m = self.membership
+        plan = self.plan
+        members = []
+        for nid, member in sorted(self.members.items()):
+            layers = plan.layers_of(nid) if plan else None
+            if nid == self.node_id:
+                state, last_seen, budget = "ready", 0.0, self.config.memory_budget_mb
+                address = self.interfaces[0].addresses[0] if self.interfaces else None
+                port = self.port
+            else:
+                peer = m.peers.get(nid) if m else None
+                state = peer.state.value if peer else "offline"
+                last_seen = round(now - peer.last_seen, 3) if peer else None
+                budget = peer.info.get("memory_budget_mb") if peer else None
+                address, port = self.addresses.get(nid, (None, None))
+            members.append({
+                "node_id": nid, "name": member.name, "state": state, "self": nid == self.node_id,
+                "address": f"{address}:{port}" if address else None,
+                "memory_budget": budget, "layers": list(layers) if layers else None,
+                "last_seen_s": last_seen, "fingerprint": _safe_fp(member.public_key),
+            })
+        not_admitted = []
+        for s in self.sightings.values():
+            reason = s.reason
+            adv = s.advert
+            if reason is None and adv is not None and m is not None:
+                st = m.state_of(adv.node_id)
+                if st is PeerState.GONE or (
+                    st in (None, PeerState.JOINING) and now - self._started_at > self.config.gone_after_s):
+                    reason = REASON_UNREACHABLE
+            if reason is not None:
+                not_admitted.append({
+                    "name": adv.name if adv else s.instance, "node_id": adv.node_id if adv else None,
+                    "address": f"{s.addresses[0]}:{s.port}" if s.addresses else None,
+                    "reason": reason,
+                })
+        return {
+            "node_id": self.node_id,
+            "name": self.config.name,
+            "home": {"name": self.home.name, "digest": self.home.digest} if self.home else None,
+            "state": "draining" if self.stopping.is_set() else "serving",
+            "protocol_version": PROTOCOL_VERSION,
+            "ports": {"transport": self.port, "pairing": self.pairing_port},
+            "members": members,
+            "not_admitted": sorted(not_admitted, key=lambda d: (d["reason"], str(d["name"]))),
+            "interfaces": [{"name": i.name, "addresses": list(i.addresses)} for i in self.interfaces],
+            "plan": plan.to_status() if plan else None,
+            "replans": self.replans,
+            "model": self.engine.model_id if self.engine else None,
+            "requests_in_flight": self.engine.in_flight if self.engine else 0,
+            "recent": {"tokens_per_s": None, "ttft_s": None},
+        }
+
+
+def _digest(obj: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _safe_fp(key: str) -> str:
+    try:
+        return key_fingerprint(key)
+    except Exception:
+        return "invalid"

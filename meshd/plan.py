@@ -1,0 +1,175 @@
+"""The mesh's current partition plan and how the coordinator computes a new one.
+
+A :class:`Plan` says which member runs which decoder layers ``[first, last)``.
+Its ``version`` only grows; every pipeline message carries it so a stage
+refuses work computed for another partition.
+
+Planning uses the partition package's DP (``partition.layers.partition_layers``)
+over the members' device profiles: the profile a member shared, else a profile
+shipped in ``profiles/`` (scaled to nothing — used as is with the member's
+memory budget), else nothing. When any member lacks a usable profile, or the
+planner refuses, the fallback is an equal split in node-id order, so a mesh
+always has *some* plan and says why in ``reason``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshd.log import get_logger
+
+log = get_logger("meshd.plan")
+
+PLAN_SEQ_LEN = 512  # prompt length the planner balances for
+PLAN_MAX_SEQ = 2048  # KV capacity every stage must fit
+DEFAULT_LINK = "100mbit,2ms"  # a typical home Wi-Fi hop
+
+
+@dataclass(frozen=True)
+class Stage:
+    node_id: str
+    first: int
+    last: int  # exclusive
+
+
+@dataclass(frozen=True)
+class Plan:
+    version: int
+    stages: tuple[Stage, ...]
+    num_layers: int
+    predicted_bottleneck_s: float | None = None
+    reason: str = ""
+    leader: str = ""
+
+    def layers_of(self, node_id: str) -> tuple[int, int] | None:
+        for s in self.stages:
+            if s.node_id == node_id:
+                return (s.first, s.last)
+        return None
+
+    def to_assignment(self) -> dict[str, Any]:
+        """The ``transport.messages.PlanUpdate.assignment`` form: node id -> stage."""
+        return {
+            s.node_id: {
+                "stage": i, "first": s.first, "last": s.last, "num_layers": self.num_layers,
+                "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
+                "leader": self.leader,
+            }
+            for i, s in enumerate(self.stages)
+        }
+
+    @staticmethod
+    def from_assignment(version: int, assignment: dict[str, Any]) -> Plan:
+        """Inverse of :meth:`to_assignment`; raises ValueError on inconsistent input."""
+        try:
+            rows = sorted(assignment.items(), key=lambda kv: int(kv[1]["stage"]))
+            stages = tuple(Stage(str(n), int(d["first"]), int(d["last"])) for n, d in rows)
+            any_row = rows[0][1] if rows else {}
+            num_layers = int(any_row.get("num_layers", stages[-1].last if stages else 0))
+            bottleneck = any_row.get("predicted_bottleneck_s")
+            plan = Plan(int(version), stages, num_layers,
+                        None if bottleneck is None else float(bottleneck),
+                        str(any_row.get("reason", "")), str(any_row.get("leader", "")))
+        except (KeyError, TypeError, IndexError) as exc:
+            raise ValueError(f"malformed plan assignment: {exc}") from None
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """Stages must tile [0, num_layers) contiguously, one range per node."""
+        pos = 0
+        for s in self.stages:
+            if s.first != pos or s.last <= s.first:
+                raise ValueError(f"plan stages do not tile the layers: {self.stages}")
+            pos = s.last
+        if pos != self.num_layers or len({s.node_id for s in self.stages}) != len(self.stages):
+            raise ValueError(f"plan does not cover {self.num_layers} layers once: {self.stages}")
+
+    def to_status(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "stages": [{"node_id": s.node_id, "layers": [s.first, s.last]} for s in self.stages],
+            "num_layers": self.num_layers,
+            "predicted_bottleneck": self.predicted_bottleneck_s,
+            "reason": self.reason,
+            "leader": self.leader,
+        }
+
+
+@dataclass
+class MemberInput:
+    """What the planner needs to know about one ready member."""
+
+    node_id: str
+    memory_budget_mb: int
+    profile: dict[str, Any] | None = field(default=None, repr=False)
+
+
+def equal_split(node_ids: list[str], num_layers: int) -> list[Stage]:
+    """Contiguous, near-equal ranges in node-id order (at most one node per layer)."""
+    ids = sorted(node_ids)[: max(1, num_layers)]
+    n = len(ids)
+    out, pos = [], 0
+    for i, nid in enumerate(ids):
+        size = num_layers // n + (1 if i < num_layers % n else 0)
+        out.append(Stage(nid, pos, pos + size))
+        pos += size
+    return out
+
+
+def shipped_profiles_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "profiles"
+
+
+def default_profile() -> dict[str, Any] | None:
+    """The first profile shipped in ``profiles/`` (sorted by name), if any."""
+    d = shipped_profiles_dir()
+    for path in sorted(d.glob("*.json")) if d.is_dir() else []:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def compute_stages(
+    members: list[MemberInput], num_layers: int
+) -> tuple[list[Stage], float | None, str]:
+    """Stages for ``members``: the partition DP when profiles allow it, else equal split."""
+    ids = [m.node_id for m in members]
+    fallback = default_profile()
+    profiles = []
+    for m in members:
+        data = m.profile or fallback
+        if data is None:
+            return equal_split(ids, num_layers), None, "equal split: no device profiles"
+        profiles.append((m, data))
+    try:
+        from partition.layers import partition_layers
+        from partition.link import parse_link
+        from partition.profile import DeviceProfile
+
+        devs = []
+        for m, data in profiles:
+            p = DeviceProfile.from_dict(data)
+            devs.append(dataclasses.replace(
+                p, device_id=m.node_id, memory_budget_bytes=int(m.memory_budget_mb) * 2**20))
+        if devs[0].num_layers != num_layers:
+            raise ValueError(f"profiles are for {devs[0].num_layers} layers, model has {num_layers}")
+        result = partition_layers(devs, parse_link(DEFAULT_LINK), PLAN_SEQ_LEN, PLAN_MAX_SEQ)
+    except Exception as exc:  # planner refused or profiles unusable: still have a plan
+        log.warning("planner_fallback", error=str(exc))
+        return equal_split(ids, num_layers), None, f"equal split: planner failed ({exc})"
+    stages = [Stage(devs[d].device_id, first, end) for d, first, end in result.split.stages]
+    return stages, result.split.bottleneck_s, result.reason
+
+
+def make_plan(version: int, leader: str, members: list[MemberInput], num_layers: int) -> Plan:
+    stages, bottleneck, reason = compute_stages(members, num_layers)
+    plan = Plan(version, tuple(stages), num_layers, bottleneck, reason, leader)
+    plan.check()
+    return plan

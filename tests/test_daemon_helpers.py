@@ -1,0 +1,184 @@
+"""Helpers for the daemon tests: spawn real ``meshd join`` processes and always clean up.
+
+No tests here; the mesh, pairing and lifecycle tests import these. Every
+daemon is a separate process with its own state directory, API socket and
+ephemeral ports, talking mDNS on loopback (or inside a network namespace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from meshd.client import MeshdClient
+from meshd.errors import MeshdError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Fast timings so membership changes show within a few seconds.
+FAST = ["--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--gone-after", "2.0"]
+FAST_ENV = {"MESHD_REPLAN_DEBOUNCE_S": "0.5", "MESHD_DRAIN_TIMEOUT_S": "0.5"}
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (MeshdError, OSError, KeyError, TypeError) as exc:
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+class DaemonProc:
+    def __init__(self, mesh: "Mesh", name: str, args: list[str], env: dict, prefix: list[str]):
+        self.name = name
+        self.dir = mesh.root / name
+        self.state_dir = self.dir / "state"
+        self.socket = self.dir / "api.sock"
+        self.log_path = self.dir / "daemon.log"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cmd = [*prefix, sys.executable, "-m", "meshd", "join", "--state-dir", str(self.state_dir),
+                    "--socket", str(self.socket), "--name", name, "--model", "none",
+                    "--port", "0", "--pairing-port", "0", *args]
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "DaemonProc":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=ROOT)
+        return self
+
+    def status(self) -> dict:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"daemon {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+        return MeshdClient(self.socket, timeout=5.0).status()
+
+    def wait_serving(self, timeout: float = 30.0) -> dict:
+        return wait_for(self.status, timeout, what=f"daemon {self.name} to serve its API")
+
+    def node_id(self) -> str:
+        return (self.state_dir / "node_id").read_text().strip()
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+        with contextlib.suppress(Exception):
+            self._log.close()
+
+
+class Mesh:
+    """Spawns daemons under one short temp dir (unix socket paths have a 107-byte limit)."""
+
+    def __init__(self):
+        self.root = Path(tempfile.mkdtemp(prefix="meshd-t-"))
+        self.procs: list[DaemonProc] = []
+
+    def env(self, extra: dict | None = None) -> dict:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("MESHD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC",
+                                                           "WATCHDOG_PID", "STATE_DIRECTORY",
+                                                           "RUNTIME_DIRECTORY")}
+        env.update(FAST_ENV)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(extra or {})
+        return env
+
+    def spawn(self, name: str, *args: str, new_home: str | None = None, token: str | None = None,
+              interface: str = "127.0.0.1", env: dict | None = None, prefix: list[str] | None = None,
+              start: bool = True) -> DaemonProc:
+        extra = list(args) + ["--interface", interface] + FAST
+        if new_home:
+            extra += ["--new-home", new_home]
+        if token:
+            extra += ["--token", token]
+        p = DaemonProc(self, name, extra, self.env(env), prefix or [])
+        self.procs.append(p)
+        return p.start() if start else p
+
+    def invite(self, member: DaemonProc) -> str:
+        """A token from ``meshd invite`` run against the member's state directory."""
+        rc, out = run_cli("invite", "--state-dir", str(member.state_dir), "--json")
+        assert rc == 0, out
+        return json.loads(out.strip().splitlines()[-1])["token"]
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            p.cleanup()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def mesh():
+    m = Mesh()
+    try:
+        yield m
+    finally:
+        m.cleanup()
+
+
+def states(status: dict) -> dict[str, str]:
+    """node name -> membership state, from a status dict."""
+    return {m["name"]: m["state"] for m in status.get("members", [])}
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    """Run the real ``meshd`` CLI in this process (no interpreter start-up); (exit code, stdout)."""
+    from meshd.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(list(argv))
+    return rc, buf.getvalue()
+
+
+def meshd_status_json(p: DaemonProc) -> dict:
+    """``meshd status --json --socket P``, as a user runs it."""
+    rc, out = run_cli("status", "--json", "--socket", str(p.socket))
+    assert rc == 0, out
+    return json.loads(out)
+
+
+def kill_hard(p: DaemonProc) -> None:
+    p.signal(signal.SIGKILL)
+    p.wait(10)

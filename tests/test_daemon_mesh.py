@@ -1,0 +1,67 @@
+"""Three real daemons find each other over mDNS, pair with tokens, and track liveness."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_daemon_helpers import kill_hard, mesh, meshd_status_json, states, wait_for  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+READY_WITHIN_S = 10.0  # the issue's bound, counted from when all three serve their API
+
+
+def all_ready(procs, names):
+    def check():
+        for p in procs:
+            s = p.status()
+            if states(s) != {n: "ready" for n in names}:
+                return False
+            plan = s.get("plan") or {}
+            if sorted(st["node_id"] for st in plan.get("stages", [])) != sorted(q.node_id() for q in procs):
+                return False
+        return True
+    return check
+
+
+def test_three_paired_daemons_become_ready_and_a_killed_one_is_gone_and_replanned(mesh):
+    a = mesh.spawn("a", new_home="flat")
+    a.wait_serving()
+    b = mesh.spawn("b", token=mesh.invite(a))
+    c = mesh.spawn("c", token=mesh.invite(a))
+    for p in (b, c):
+        p.wait_serving()
+    names = ["a", "b", "c"]
+    wait_for(all_ready([a, b, c], names), READY_WITHIN_S, what="a, b and c ready on every daemon")
+
+    # The real CLI, as a user runs it, lists all three on each daemon.
+    for p in (a, b, c):
+        s = meshd_status_json(p)
+        assert {m["name"] for m in s["members"]} == set(names)
+        assert all(m["state"] == "ready" for m in s["members"])
+        assert s["interfaces"] == [{"name": "lo", "addresses": ["127.0.0.1"]}]
+        assert s["not_admitted"] == []
+        layers = sorted(tuple(m["layers"]) for m in s["members"])
+        assert layers[0][0] == 0 and layers[-1][1] == s["plan"]["num_layers"]
+
+    version_before = a.status()["plan"]["version"]
+    c_id = c.node_id()
+    kill_hard(c)  # no goodbye: only the missing heartbeats tell
+
+    def c_gone_and_replanned():
+        for p in (a, b):
+            s = p.status()
+            if states(s)["c"] != "gone":
+                return False
+            plan = s["plan"]
+            if plan["version"] <= version_before or c_id in {st["node_id"] for st in plan["stages"]}:
+                return False
+        return True
+
+    # gone_after (2 s) + debounce (0.5 s) + a heartbeat period of slack
+    wait_for(c_gone_and_replanned, 2.0 + 0.5 + 3.0, what="c gone and re-planned without it")
+    assert a.status()["plan"] == b.status()["plan"]  # one plan, from one coordinator
+    events = [e["event"] for e in a.events()]
+    assert "replan" in events or "replan" in [e["event"] for e in b.events()]
+    # every daemon log line is JSON and names the node
+    assert all(e.get("node") == a.node_id() for e in a.events() if e["event"] != "home_created")
