@@ -261,7 +261,14 @@ class Peer:
     cancelled or timed-out call removes its future (a late reply is then
     dropped). ``activation_dtype`` ("float16"/"bfloat16") sends float32
     activation fields at reduced precision (see ``transport.wire``).
+
+    If the server refuses our key, requests fail fast with
+    ``AuthenticationRefused`` while the link retries the handshake with
+    backoff (``RETRY_MIN_S`` doubling to ``RETRY_MAX_S``).
     """
+
+    RETRY_MIN_S = 0.25
+    RETRY_MAX_S = 30.0
 
     def __init__(
         self,
@@ -295,6 +302,8 @@ class Peer:
         self._recv_task: asyncio.Task | None = None
         self._monitor_task: asyncio.Task | None = None
         self._refused: AuthenticationRefused | None = None
+        self._retry_s = self.RETRY_MIN_S
+        self._retry_handle: asyncio.TimerHandle | None = None
 
     @property
     def in_flight(self) -> int:
@@ -330,12 +339,30 @@ class Peer:
     def _on_handshake(self, event: int, value: int) -> None:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._refused = None
-        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self._refused is None:
-            self._refused = AuthenticationRefused(
-                f"{self.address} refused our key (ZAP status {value}): add this node's public key "
-                f"to that home's allow-list"
-            )
+            self._retry_s = self.RETRY_MIN_S
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if self._refused is None:
+                self._refused = AuthenticationRefused(
+                    f"{self.address} refused our key (ZAP status {value}): add this node's public "
+                    f"key to that home's allow-list"
+                )
             self._fail_all(self._refused)
+            # libzmq does not reconnect after a refused handshake; we do, with
+            # backoff, so a member admitted later gets in without a restart.
+            if self._retry_handle is None:
+                loop = asyncio.get_running_loop()
+                self._retry_handle = loop.call_later(self._retry_s, self._reconnect)
+                self._retry_s = min(self._retry_s * 2, self.RETRY_MAX_S)
+
+    def _reconnect(self) -> None:
+        self._retry_handle = None
+        if self._sock is None or self.address is None:
+            return
+        try:
+            self._sock.disconnect(self.address)
+        except zmq.ZMQError:
+            pass
+        self._sock.connect(self.address)
 
     def _fail_all(self, exc: BaseException) -> None:
         for fut in self._pending.values():
@@ -450,6 +477,9 @@ class Peer:
         ``linger`` seconds are granted to deliver already queued one-way sends.
         """
         self._fail_all(TransportClosed(f"link to {self.address} closed"))
+        if self._retry_handle is not None:
+            self._retry_handle.cancel()
+            self._retry_handle = None
         tasks = [t for t in (self._recv_task, self._monitor_task) if t is not None]
         for t in tasks:
             t.cancel()

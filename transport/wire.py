@@ -409,13 +409,13 @@ def _tensor_spec(d, index, frame, names, limits, fail, type_name) -> TensorSpec:
         raise fail(f"{type_name}: tensor {name!r} appears twice")
     names.add(name)
     dtype = d.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise fail(f"{type_name}.{name}: dtype {dtype!r} is not allowed (allowed: {', '.join(DTYPES)})")
     wire = d.get("wire_dtype", dtype)
-    if wire != dtype and not (dtype == "float32" and wire in _REDUCIBLE):
+    if wire != dtype and not (dtype == "float32" and isinstance(wire, str) and wire in _REDUCIBLE):
         raise fail(f"{type_name}.{name}: cannot restore {dtype!r} from wire dtype {wire!r}")
     kind = d.get("kind", "torch")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise fail(f"{type_name}.{name}: kind must be 'torch' or 'numpy', not {kind!r}")
     shape = d.get("shape")
     if (
@@ -456,21 +456,22 @@ def decode_tensor(frame: Any, spec: TensorSpec, kind: str | None = None) -> torc
     """
     kind = kind or spec.kind
     wire = DTYPES[spec.wire_dtype]
-    if spec.nbytes == 0:
-        arr = np.empty(spec.shape, dtype=wire.numpy)
-    else:
-        arr = np.frombuffer(_buffer(frame), dtype=wire.numpy)
-        if not arr.flags.aligned:
-            stats.unaligned_copies += 1
-            arr = arr.copy()
-        arr = arr.reshape(spec.shape)
-    if spec.wire_dtype == "bool" and arr.size and arr.view(np.uint8).max() > 1:
+    if kind == "numpy" and spec.dtype == "bfloat16":
+        raise ProtocolError(f"{spec.name}: bfloat16 cannot be received as a numpy array (use torch)")
+    if spec.nbytes == 0:  # nothing to share; build a normal (well-strided) empty tensor
+        if kind == "numpy":
+            return np.empty(spec.shape, dtype=DTYPES[spec.dtype].numpy)
+        return torch.empty(spec.shape, dtype=DTYPES[spec.dtype].torch)
+    arr = np.frombuffer(_buffer(frame), dtype=wire.numpy)
+    if not arr.flags.aligned:
+        stats.unaligned_copies += 1
+        arr = arr.copy()
+    arr = arr.reshape(spec.shape)
+    if spec.wire_dtype == "bool" and arr.view(np.uint8).max() > 1:
         # Any byte other than 0/1 is not a bool; torch would carry it as UB.
         raise ProtocolError(f"{spec.name}: bool tensor holds bytes other than 0 and 1")
 
     if kind == "numpy" and spec.wire_dtype == spec.dtype:
-        if spec.dtype == "bfloat16":
-            raise ProtocolError(f"{spec.name}: bfloat16 cannot be received as a numpy array (use torch)")
         return arr
 
     if arr.flags.writeable:

@@ -1,0 +1,263 @@
+"""Typed messages: every mesh message round-trips, and the decoder, fed random
+or mutated frames, either returns a well-typed message or raises ProtocolError."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transport import messages as M
+from transport.errors import ProtocolError
+from transport.messages import Envelope, decode, encode, message, registry
+
+# TRANSPORT_FUZZ_EXAMPLES=20000 for a deeper hunt; the default keeps the suite fast.
+FAST = settings(
+    max_examples=int(os.environ.get("TRANSPORT_FUZZ_EXAMPLES", "300")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+EXAMPLES = [
+    M.Hello("kitchen", 3, "ab12-cd34-ef56-7890", "tcp://10.0.0.2:5710"),
+    M.HelloReply("laptop", 3, "1111-2222-3333-4444", accepted=False, reason="stale plan"),
+    M.Heartbeat("kitchen", "serving", 0.5, 3, 1_700_000_000.25),
+    M.HeartbeatAck("laptop", 3, 1_700_000_000.5),
+    M.StageForward(
+        "req-1", 3, 17, 128, chunk_index=2, hidden=torch.randn(64, 576),
+        tree_mask=torch.tril(torch.ones(4, 4, dtype=torch.bool)),
+        sampling={"temperature": 0.7, "top_p": 0.9, "seed": 42, "stop": ["\n"]},
+        reply_to="tcp://10.0.0.1:5710", is_last_chunk=False,
+    ),
+    M.StageForward("req-2", 3, 18, 0, token_ids=torch.arange(32)),
+    M.TokenResult(
+        "req-1", 3, 17, torch.tensor([42]), topk_ids=torch.tensor([[42, 7, 1]]),
+        topk_probs=torch.tensor([[0.8, 0.15, 0.05]]), logprobs=[-0.22],
+    ),
+    M.Truncate(3, 17, 140),
+    M.FreeSequence(3, 17),
+    M.ForkSequence(3, 19, 17, 128),
+    M.Ack(3, "ok"),
+    M.ErrorReply("stale_plan", "plan 2 is older than 3", "req-1"),
+    M.PlanUpdate(4, {"kitchen": {"layers": [0, 12], "next": "laptop"}, "laptop": {"layers": [12, 24]}}),
+]
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b
+
+
+def _same_message(a, b) -> bool:
+    return type(a) is type(b) and all(
+        _equal(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+    )
+
+
+def test_every_message_of_the_mesh_has_an_example_here():
+    ours = {name for name, cls in registry().items() if cls.__module__ == M.__name__}
+    assert ours == {type(m).__name__ for m in EXAMPLES}
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_mesh_message_round_trips(msg):
+    env = decode(encode(msg, request_id=99, seq=5, sender="kitchen"))
+    assert (env.request_id, env.seq, env.sender) == (99, 5, "kitchen")
+    assert _same_message(env.message, msg)
+
+
+def test_envelope_and_keyword_forms_encode_the_same():
+    msg = M.FreeSequence(1, 2)
+    assert encode(Envelope(msg, 7, 3, "n")) == encode(msg, request_id=7, seq=3, sender="n")
+
+
+def test_numpy_scalars_in_header_fields_travel_as_python_values():
+    got = decode(encode(M.StageForward("r", 1, 0, 0, sampling={"t": np.float32(0.5), "k": np.int64(3)})))
+    assert got.message.sampling == {"t": 0.5, "k": 3}
+
+
+def test_unregistered_objects_cannot_be_encoded():
+    with pytest.raises(ProtocolError, match="not a registered message type"):
+        encode(object())
+    with pytest.raises(ProtocolError, match="cannot encode"):
+        encode(M.Ack(detail=object()))
+
+
+def test_registry_refuses_duplicates_and_unverifiable_field_types():
+    with pytest.raises(TypeError, match="already registered"):
+
+        @message(name="Ack")
+        class Other:
+            x: int = 0
+
+    with pytest.raises(TypeError, match="unsupported field type"):
+
+        @message(name="TestBadHint")
+        class Bad:
+            x: set = dataclasses.field(default_factory=set)
+
+
+def test_missing_required_field_is_a_protocol_error():
+    frames = encode(M.Truncate(1, 2, 3))
+    h = msgpack.unpackb(frames[0])
+    del h["fields"]["new_length"]
+    with pytest.raises(ProtocolError, match="missing field.*new_length"):
+        decode([msgpack.packb(h)])
+
+
+def test_unknown_field_is_a_protocol_error():
+    frames = encode(M.Truncate(1, 2, 3))
+    h = msgpack.unpackb(frames[0])
+    h["fields"]["surprise"] = 1
+    with pytest.raises(ProtocolError, match="no field 'surprise'"):
+        decode([msgpack.packb(h)])
+
+
+# ---------------------------------------------------------------- properties
+
+
+@message(name="TestPropertyProbe")
+@dataclasses.dataclass
+class Probe:
+    a: torch.Tensor | None = None
+    b: np.ndarray | None = None
+    label: str = ""
+    count: int = 0
+    weights: list[float] = dataclasses.field(default_factory=list)
+    extra: dict[str, int | str | None] = dataclasses.field(default_factory=dict)
+
+
+DTYPES = ["float32", "float16", "bfloat16", "int64", "bool", "int32", "uint8", "float64"]
+
+
+@st.composite
+def tensors(draw, kind="torch"):
+    dtype = draw(st.sampled_from([d for d in DTYPES if kind == "torch" or d != "bfloat16"]))
+    shape = tuple(draw(st.lists(st.integers(0, 5), max_size=4)))
+    n = math.prod(shape)
+    itemsize = {"float64": 8, "int64": 8, "float32": 4, "int32": 4}.get(dtype, 2 if "16" in dtype else 1)
+    raw = draw(st.binary(min_size=n * itemsize, max_size=n * itemsize))
+    if dtype == "bool":
+        raw = bytes(x & 1 for x in raw)
+    np_dtype = {"bfloat16": np.uint16}.get(dtype, dtype)
+    arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy()
+    if kind == "numpy":
+        return arr
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def _bits(x):
+    """Compare tensors by their bytes so NaN payloads count as equal."""
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, tuple(x.shape), x.contiguous().numpy().tobytes() if x.dtype != torch.bfloat16 else x.view(torch.int16).numpy().tobytes())
+    return (x.dtype, x.shape, x.tobytes())
+
+
+@FAST
+@given(
+    a=st.none() | tensors("torch"),
+    b=st.none() | tensors("numpy"),
+    label=st.text(max_size=20),
+    count=st.integers(-(2**63), 2**63 - 1),
+    weights=st.lists(st.floats(allow_nan=False), max_size=5),
+    extra=st.dictionaries(st.text(max_size=5), st.none() | st.integers(-5, 5) | st.text(max_size=5), max_size=4),
+    rid=st.integers(0, 2**64 - 1),
+)
+def test_encode_then_decode_is_the_identity(a, b, label, count, weights, extra, rid):
+    msg = Probe(a, b, label, count, weights, extra)
+    env = decode(encode(msg, request_id=rid, seq=1, sender="s"))
+    got = env.message
+    assert env.request_id == rid
+    assert (got.a is None) == (a is None) and (got.b is None) == (b is None)
+    if a is not None:
+        assert _bits(got.a) == _bits(a)
+    if b is not None:
+        assert _bits(got.b) == _bits(b)
+    assert (got.label, got.count, got.weights, got.extra) == (label, count, weights, extra)
+
+
+def _assert_valid_or_protocol_error(frames):
+    """The decoder's contract: a well-typed registered message, or ProtocolError."""
+    try:
+        env = decode(frames)
+    except ProtocolError:
+        return
+    cls = type(env.message)
+    assert cls in registry().values()
+    for f in M._SPECS[cls].fields:
+        value = getattr(env.message, f.name)
+        if f.tensor_kind is None:
+            assert M._coerce(value, f.hint) is not M._BAD, (f.name, value)
+        else:
+            assert value is None or isinstance(value, (torch.Tensor, np.ndarray))
+
+
+@FAST
+@given(st.lists(st.binary(max_size=64), max_size=5))
+def test_decoder_never_crashes_on_random_frames(frames):
+    _assert_valid_or_protocol_error(frames)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+
+_VALID = [encode(m, request_id=3) for m in EXAMPLES] + [
+    encode(Probe(torch.zeros(2, 3), np.ones(4, dtype=bool), "x", 1, [0.5], {"k": 1}))
+]
+
+
+@FAST
+@given(
+    which=st.integers(0, len(_VALID) - 1),
+    where=st.sampled_from(["top", "fields", "tensor"]),
+    key=st.sampled_from(
+        ["version", "type", "request_id", "seq", "sender", "fields", "tensors", "name", "dtype",
+         "shape", "nbytes", "frame", "kind", "wire_dtype", "sampling", "seq_id", "hidden", "zzz"]
+    ),
+    value=msgpack_values,
+    delete=st.booleans(),
+)
+def test_decoder_never_crashes_on_mutated_headers(which, where, key, value, delete):
+    frames = _VALID[which]
+    h = msgpack.unpackb(frames[0], strict_map_key=False)
+    target = {"top": h, "fields": h["fields"], "tensor": h["tensors"][0] if h["tensors"] else h}[where]
+    if delete:
+        target.pop(key, None)
+    else:
+        target[key] = value
+    _assert_valid_or_protocol_error([msgpack.packb(h, use_bin_type=True), *frames[1:]])
+
+
+@FAST
+@given(
+    which=st.integers(0, len(_VALID) - 1),
+    cuts=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=4),
+    truncate=st.none() | st.integers(0, 10_000),
+    drop_frame=st.none() | st.integers(0, 5),
+)
+def test_decoder_never_crashes_on_corrupted_bytes(which, cuts, truncate, drop_frame):
+    frames = [bytes(f.bytes) if hasattr(f, "bytes") else bytes(f) for f in _VALID[which]]
+    header = bytearray(frames[0])
+    for pos, byte in cuts:
+        header[pos % len(header)] = byte
+    if truncate is not None:
+        header = header[: truncate % (len(header) + 1)]
+    frames[0] = bytes(header)
+    if drop_frame is not None and len(frames) > 1:
+        del frames[1 + drop_frame % (len(frames) - 1)]
+    _assert_valid_or_protocol_error(frames)
