@@ -139,7 +139,7 @@ def test_mesh_status_is_the_daemon_status_plus_api_measurements(server):
     with http(server) as c:
         c.post(CHAT, json={"messages": HI})
         s = c.get("/v1/mesh/status").json()
-    assert s["home"] == "smith-home" and s["members"] == STATUS["members"]
+    assert s["home"]["name"] == "smith-home" and s["members"] == STATUS["members"]
     assert s["model"] == "fake-model"
     assert s["requests_in_flight"] == 0
     assert s["recent"]["requests"] == 1 and s["recent"]["ttft_s"] is not None

@@ -26,21 +26,25 @@ REPLY = "Hello from the fake mesh. It is deterministic."
 
 STATUS = {
     "node_id": "n-abc123",
-    "home": "smith-home",
+    "name": "desk-pc",
+    "home": {"name": "smith-home", "digest": "0123abcd"},
+    "state": "serving",
     "members": [
         {"node_id": "n-abc123", "name": "desk-pc", "state": "active",
-         "address": "192.168.1.10:7400", "memory_budget": 6 * 2**30, "layers": [0, 18],
+         "address": "192.168.1.10:7400", "memory_budget": 6144, "self": True, "layers": [0, 18],
          "last_seen_s": 0.0},
         {"node_id": "n-def456", "name": "kitchen-pi", "state": "joining",
-         "address": "192.168.1.20:7400", "memory_budget": 1536 * 2**20, "layers": [18, 30],
+         "address": "192.168.1.20:7400", "memory_budget": 1536, "layers": [18, 30],
          "last_seen_s": 3.2},
     ],
     "not_admitted": [
         {"name": "neighbour-nas", "address": "192.168.1.50:7400", "reason": "another home"},
     ],
     "interfaces": [{"name": "eth0", "addresses": ["192.168.1.10"]}],
-    "plan": {"version": 3, "stages": [[0, 18], [18, 30]],
-             "predicted_bottleneck": "kitchen-pi 41 ms/token"},
+    "plan": {"version": 3,
+             "stages": [{"node_id": "n-abc123", "layers": [0, 18]},
+                        {"node_id": "n-def456", "layers": [18, 30]}],
+             "predicted_bottleneck": 0.041, "leader": "n-abc123", "reason": "member joined"},
 }
 
 

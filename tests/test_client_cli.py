@@ -23,7 +23,7 @@ def keep_logging_config(monkeypatch):
 def test_status_json_prints_the_daemon_status(server, capsys):
     assert main(["status", "--socket", str(server.socket_path), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["home"] == "smith-home" and s["model"] == "fake-model"
+    assert s["home"]["name"] == "smith-home" and s["model"] == "fake-model"
     assert s["plan"]["version"] == 3
 
 
@@ -33,10 +33,11 @@ def test_status_table_has_one_row_per_device_then_plan_and_performance(server, c
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("NAME"))
     assert lines[header].split() == ["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "LAST", "SEEN"]
-    assert lines[header + 1].split()[:6] == ["desk-pc", "active", "192.168.1.10:7400", "6.0", "GiB", "0-17"]
+    assert lines[header + 1].split()[:7] == ["desk-pc", "*", "active", "192.168.1.10:7400", "6.0", "GiB", "0-17"]
     assert lines[header + 2].split()[:6] == ["kitchen-pi", "joining", "192.168.1.20:7400", "1.5", "GiB", "18-29"]
     assert "3s ago" in lines[header + 2]
-    assert "plan v3, 2 stages, predicted bottleneck: kitchen-pi 41 ms/token" in out
+    assert lines[0] == "meshd - home smith-home, this node desk-pc (n-abc123), serving"
+    assert "plan v3, 2 stages, predicted bottleneck: 41.0 ms/token, leader n-abc123" in out
     assert "recent:" in out and "0 in flight" in out
     assert "advertising on: eth0 (192.168.1.10)" in out
     assert "neighbour-nas" in out and "another home" in out
@@ -67,7 +68,7 @@ def test_status_watch_refreshes_until_interrupted(server, capsys, monkeypatch):
 
     monkeypatch.setattr(status_cmd.time, "sleep", fake_sleep)
     assert main(["status", "--socket", str(server.socket_path), "--watch", "0.5"]) == 0
-    assert capsys.readouterr().out.count("kitchen-pi") == 4  # table + plan line, twice
+    assert capsys.readouterr().out.count("kitchen-pi") == 2  # one table row, twice
     assert sleeps == [0.5, 0.5]
 
 

@@ -31,7 +31,7 @@ def test_chat_and_complete_without_streaming(server):
 def test_models_and_status(server):
     c = MeshdClient(server.socket_path)
     assert [m["id"] for m in c.models()] == ["fake-model"]
-    assert c.status()["home"] == "smith-home"
+    assert c.status()["home"]["name"] == "smith-home"
 
 
 def test_api_errors_carry_the_openai_error_fields(server):
@@ -77,7 +77,7 @@ def test_async_client_streams_and_answers(server):
     pieces, stream, full, models, status = asyncio.run(main())
     assert "".join(pieces) == REPLY and stream.usage["completion_tokens"] == len(REPLY)
     assert full.text == REPLY[:3]
-    assert models[0]["id"] == "fake-model" and status["home"] == "smith-home"
+    assert models[0]["id"] == "fake-model" and status["home"]["name"] == "smith-home"
 
 
 def test_async_client_reports_a_missing_daemon_and_api_errors(server, short_tmp):

@@ -61,10 +61,16 @@ def render_status(s: dict[str, Any]) -> str:
     """The human-readable status: header, device table, plan, performance, extras."""
     lines: list[str] = []
     head = "meshd"
-    if s.get("home"):
-        head += f" - home {s['home']}"
-    if s.get("node_id"):
-        head += f", this node {s['node_id']}"
+    home = s.get("home")
+    if isinstance(home, dict):
+        home = home.get("name")
+    if home:
+        head += f" - home {home}"
+    if s.get("name") or s.get("node_id"):
+        me = s.get("name") or s.get("node_id")
+        head += f", this node {me}" + (f" ({s['node_id']})" if s.get("name") and s.get("node_id") else "")
+    if s.get("state"):
+        head += f", {s['state']}"
     lines.append(head)
     lines.append(f"model: {_model(s.get('model'))}")
     lines.append("")
@@ -72,10 +78,10 @@ def render_status(s: dict[str, Any]) -> str:
     members = s.get("members") or []
     rows = [
         [
-            _text(m.get("name") or m.get("node_id")),
+            _text(m.get("name") or m.get("node_id")) + (" *" if m.get("self") else ""),
             _text(m.get("state")),
             _text(m.get("address")),
-            _bytes(m.get("memory_budget", m.get("memory"))),
+            _memory(m),
             _layers(m.get("layers")),
             _ago(m.get("last_seen_s")),
         ]
@@ -124,6 +130,16 @@ def _model(m: Any) -> str:
     if isinstance(m, dict):
         return _text(m.get("id") or m.get("name") or json.dumps(m, sort_keys=True))
     return _text(m) if m else "none loaded"
+
+
+def _memory(m: dict[str, Any]) -> str:
+    """The member's memory budget; ``memory_budget`` is in MiB, as the daemon reports it."""
+    if m.get("memory_budget_bytes") is not None:
+        return _bytes(m["memory_budget_bytes"])
+    mb = m.get("memory_budget_mb", m.get("memory_budget"))
+    if isinstance(mb, (int, float)) and not isinstance(mb, bool):
+        return _bytes(mb * (1 << 20))
+    return _text(mb)
 
 
 def _bytes(v: Any) -> str:
@@ -176,7 +192,13 @@ def _plan(p: Any) -> str:
     if b is not None:
         if isinstance(b, dict):
             b = ", ".join(f"{k} {v}" for k, v in b.items())
+        elif isinstance(b, (int, float)) and not isinstance(b, bool):
+            b = f"{b * 1000:.1f} ms/token"  # seconds per token of the slowest stage
         parts.append(f"predicted bottleneck: {b}")
+    if p.get("leader"):
+        parts.append(f"leader {p['leader']}")
+    if p.get("reason"):
+        parts.append(f"({p['reason']})")
     return ", ".join(parts)
 
 
