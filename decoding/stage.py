@@ -124,11 +124,12 @@ class StageModel:
     # -- forward --------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, kv: KVCache, seq_id, x: torch.Tensor, tree_mask: torch.Tensor | None = None,
-                all_logits: bool = True) -> torch.Tensor:
+                all_logits: bool = True, head: bool = True) -> torch.Tensor:
         """Append ``x`` (token ids on the first stage, hidden states otherwise) to ``seq_id``.
 
         Returns hidden states [n, hidden], or logits [n, vocab] on the last stage
-        (only the final position's logits when ``all_logits`` is False).
+        (only the final position's logits when ``all_logits`` is False; none at
+        all with ``head=False``, for prompt chunks whose logits nobody reads).
         """
         cfg = self.config
         past = kv.length(seq_id)
@@ -158,7 +159,7 @@ class StageModel:
         for li, lw in enumerate(self.layers):
             h = self._layer(kv, seq_id, li, lw, h, cos, sin, mask, causal, offset, n)
         kv.commit(seq_id, n)
-        if not self.is_last:
+        if not self.is_last or not head:
             return h
         if not all_logits:
             h = h[-1:]

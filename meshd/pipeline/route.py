@@ -1,0 +1,47 @@
+"""Where the stages of the current plan live: an ordered list of endpoints.
+
+A route is derived from the plan (layer ranges per node) and the membership
+directory (address and CURVE key per node). It is versioned with the plan so
+every message can be checked against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageEndpoint:
+    node_id: str
+    address: str  # tcp://host:port of the node's stage server
+    public_key: str  # z85 CURVE key ("" when CURVE is off, e.g. in-process tests)
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
+class Route:
+    plan_version: int
+    stages: tuple[StageEndpoint, ...]
+
+    def index_of(self, node_id: str) -> int | None:
+        for i, s in enumerate(self.stages):
+            if s.node_id == node_id:
+                return i
+        return None
+
+    def next_after(self, index: int) -> StageEndpoint | None:
+        return self.stages[index + 1] if index + 1 < len(self.stages) else None
+
+    @property
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        return [(s.first, s.last) for s in self.stages]
+
+    def check_covers(self, num_layers: int) -> None:
+        expect = 0
+        for s in self.stages:
+            if s.first != expect or s.last <= s.first:
+                raise ValueError(f"route of plan {self.plan_version} is not contiguous at layer {expect}")
+            expect = s.last
+        if expect != num_layers:
+            raise ValueError(f"route of plan {self.plan_version} covers {expect} of {num_layers} layers")
