@@ -108,6 +108,6 @@ async def test_a_vanished_stage_fails_the_request_in_bounded_time(tiny):
         mesh.coord.token_timeout_s = 1.5
         mesh.services[0].send_timeout_s = 1.0  # how long a stage may block on a dead successor
         await mesh.services[1].server.close()  # device 1 disappears
-        with pytest.raises(PipelineError, match="no token from the last stage"):
+        with pytest.raises(PipelineError, match="unreachable|no token from the last stage"):
             await mesh.run(list(range(5, 15)), 4)
         assert await eventually(lambda: mesh.services[0].kv.sequences() == [])  # its cache was freed
