@@ -24,6 +24,8 @@ COMMAND_MODULES = [
     "meshd.commands.model",
     "meshd.commands.chat",
     "meshd.commands.status",
+    "meshd.commands.plan",
+    "meshd.commands.profile",
 ]
 
 

@@ -1,0 +1,120 @@
+"""``meshd profile``: measure this device for the planner, or scale a profile for another.
+
+Measuring writes ``profiles/<device-id>.json`` (progress bar on stderr) and is
+skipped when that file already holds a profile of the same model with the
+same settings and torch version (``--force`` re-measures). ``--scale-from``
+writes a profile for a device that has not been measured yet from a measured
+one and the new device's relative speed and memory.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "profile",
+        help="measure this device's per-layer latencies and memory for the planner",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded model)")
+    p.add_argument("--device-id", default=None,
+                   help="profile name (default: <machine>-<cores>core-<threads>thread)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads to measure with (default 1)")
+    p.add_argument("--max-seq", type=int, default=2048, help="longest sequence profiled (default 2048)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per grid point (median)")
+    p.add_argument("--headroom", type=float, default=None,
+                   help="share of memory left to the rest of the device (default 0.25)")
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="total memory to plan with instead of the device's (e.g. 4GiB)")
+    p.add_argument("--out-dir", default="profiles", help="directory for <device-id>.json")
+    p.add_argument("-o", "--output", default=None, help="exact output file (overrides --out-dir)")
+    p.add_argument("--force", action="store_true", help="measure even if a matching profile exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--scale-from", default=None, metavar="PROFILE",
+                   help="do not measure: derive a profile from this one (with --speed, --memory)")
+    p.add_argument("--speed", type=float, default=None,
+                   help="with --scale-from: the new device's speed relative to the measured one")
+    p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
+    p.set_defaults(func=run)
+
+
+def _target(args, device_id: str) -> Path:
+    return Path(args.output) if args.output else Path(args.out_dir) / f"{device_id}.json"
+
+
+def _summary(prof, path: Path, reused: bool) -> dict:
+    return {
+        "path": str(path),
+        "device_id": prof.device_id,
+        "model": prof.model.identity,
+        "reused": reused,
+        "threads": prof.threads,
+        "min_chunk": prof.min_chunk,
+        "full_model_s_at_max_seq": prof.full_model_time(prof.calib_seq_lens[-1]),
+        "decode_step_s": list(prof.decode_step_s),
+        "memory_budget_bytes": prof.memory_budget_bytes,
+        "q_max_abs_rel_error": prof.q_error.get("max_abs_rel_error"),
+        "profile_seconds": prof.host.get("profile_seconds"),
+        "scaled_from": prof.scaled_from,
+    }
+
+
+def run(args) -> int:
+    from meshd.errors import MeshdError
+    from partition import profile as pf
+
+    memory = pf.parse_size(args.memory) if args.memory else None
+    if args.headroom is not None and not 0 <= args.headroom < 1:
+        raise MeshdError("--headroom must be a fraction in [0, 1)")
+
+    if args.scale_from:
+        if args.speed is None:
+            raise MeshdError("--scale-from needs --speed (the device's speed relative to the profile)")
+        src = pf.load(args.scale_from)
+        prof = pf.scale(src, args.speed, memory, device_id=args.device_id, headroom=args.headroom)
+        path = pf.save(prof, _target(args, prof.device_id))
+        print(f"wrote {path}: {prof.device_id} = {src.device_id} x{args.speed:g} speed, "
+              f"memory budget {prof.memory_budget_bytes / 2**30:.1f} GiB")
+        if args.json:
+            print(json.dumps(_summary(prof, path, False)))
+        return 0
+    if args.speed is not None:
+        raise MeshdError("--speed only applies with --scale-from")
+    if args.threads < 1 or args.max_seq < 16 or args.repeats < 1:
+        raise MeshdError("--threads and --repeats must be >= 1 and --max-seq >= 16")
+
+    from decoding.loader import open_model
+    from partition.profiler import ProfileSettings, default_device_id, profile_device, reusable
+
+    settings = ProfileSettings(
+        max_seq=args.max_seq, threads=args.threads, repeats=args.repeats,
+        headroom=pf.DEFAULT_HEADROOM if args.headroom is None else args.headroom,
+        memory_bytes=memory,
+    )
+    device_id = args.device_id or default_device_id(args.threads)
+    path = _target(args, device_id)
+    source = open_model(args.model)
+    if path.exists() and not args.force:
+        try:
+            existing = pf.load(path)
+        except pf.ProfileError:
+            existing = None
+        if existing is not None and reusable(existing, source.identity, settings):
+            print(f"re-using {path} (same model, settings and torch; --force to measure again)")
+            if args.json:
+                print(json.dumps(_summary(existing, path, True)))
+            return 0
+    prof = profile_device(source, settings, device_id=device_id,
+                          progress=not args.no_progress)
+    pf.save(prof, path)
+    print(f"wrote {path} in {prof.host['profile_seconds']:.0f} s: b={prof.min_chunk}, "
+          f"whole model at {prof.calib_seq_lens[-1]} tokens {prof.full_model_time(prof.calib_seq_lens[-1]):.2f} s, "
+          f"decode step {prof.decode_step_s[0] * 1e3:.1f} ms, q interpolation error "
+          f"max {prof.q_error['max_abs_rel_error'] * 100:.1f}%")
+    if args.json:
+        print(json.dumps(_summary(prof, path, False)))
+    return 0

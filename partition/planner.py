@@ -1,0 +1,134 @@
+"""Glue: device profiles + link → a :class:`~partition.plan.Plan` (layers, then chunks).
+
+Pure function of its inputs (apart from measuring its own planning time), so a
+plan is reproducible from the profiles the daemon has gathered.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from partition.layers import check_same_model, partition_layers
+from partition.link import LinkModel
+from partition.plan import Plan, Stage
+from partition.profile import DeviceProfile
+from partition.sequence import StageTiming, build_cut_table, flow_shop_latency
+
+
+def stage_timings(stages: tuple[Stage, ...], profiles: dict[str, DeviceProfile],
+                  link: LinkModel) -> list[StageTiming]:
+    last = len(stages) - 1
+    return [
+        StageTiming(profiles[s.device_id], s.num_layers, s.has_embedding, s.has_head,
+                    None if i == last else link)
+        for i, s in enumerate(stages)
+    ]
+
+
+def make_plan(
+    profiles: list[DeviceProfile],
+    link: LinkModel,
+    max_seq: int = 2048,
+    *,
+    plan_seq_len: int | None = None,
+    with_cut_table: bool = True,
+    k_max: int | None = None,
+    exact_limit: int | None = None,
+    version: int = 0,
+) -> Plan:
+    """Plan layers for prompts of ``plan_seq_len`` tokens (default ``max_seq``) and chunks.
+
+    The layer split balances stage times at ``plan_seq_len``; the KV cache for
+    ``max_seq`` tokens must fit each stage's device. The cut table then covers
+    every prompt length up to ``max_seq`` for that split.
+    """
+    t0 = time.perf_counter()
+    check_same_model(profiles)
+    seq = plan_seq_len or max_seq
+    kw = {} if exact_limit is None else {"exact_limit": exact_limit}
+    res = partition_layers(profiles, link, seq, max_seq, **kw)
+    L = profiles[0].num_layers
+    stages = tuple(
+        Stage(
+            device_id=profiles[d].device_id,
+            first_layer=i,
+            last_layer=j - 1,
+            has_embedding=i == 0,
+            has_head=j == L,
+            compute_s=res.compute_s[k],
+            transfer_s=res.transfer_s[k],
+            memory_bytes=res.memory_bytes[k],
+            memory_budget_bytes=profiles[d].memory_budget_bytes,
+        )
+        for k, (d, i, j) in enumerate(res.split.stages)
+    )
+    bottleneck = max(range(len(stages)), key=lambda k: stages[k].time_s)
+    used = {s.device_id for s in stages}
+    by_id = {p.device_id: p for p in profiles}
+    table = None
+    if with_cut_table:
+        table = build_cut_table(stage_timings(stages, by_id, link), max_seq, k_max=k_max)
+    return Plan(
+        model_identity=profiles[0].model.identity,
+        num_layers=L,
+        stages=stages,
+        plan_seq_len=seq,
+        max_seq=max_seq,
+        link=link,
+        bottleneck_stage=bottleneck,
+        bottleneck_s=res.split.bottleneck_s,
+        bottleneck_reason=res.reason,
+        explanation=res.explanation,
+        unused_devices=tuple(p.device_id for p in profiles if p.device_id not in used),
+        exact_search=res.exact,
+        cut_table=table,
+        planning_seconds=time.perf_counter() - t0,
+        version=version,
+    )
+
+
+def predict_prefill_s(plan: Plan, profiles: list[DeviceProfile], prompt_len: int,
+                      cuts: tuple[int, ...] | None = None) -> float:
+    """Predicted prefill latency (≈ TTFT) of ``prompt_len`` tokens split at ``cuts``.
+
+    ``cuts`` defaults to the plan's own cut table; pass other cut points (e.g.
+    an equal split) to compare.
+    """
+    if cuts is None:
+        cuts = plan.cut_table.lookup(prompt_len) if plan.cut_table else ()
+    by_id = {p.device_id: p for p in profiles}
+    st = stage_timings(plan.stages, by_id, plan.link)
+    starts = np.array([[0, *cuts]], dtype=np.int64)
+    return float(flow_shop_latency(st, starts, np.array([prompt_len]))[0])
+
+
+def predict_decode_step_s(plan: Plan, profiles: list[DeviceProfile], context: int) -> float:
+    """One decode step through the whole pipeline: each stage's share of its device's
+    measured whole-model step (by its share of single-token layer time) + one hop
+    per stage boundary for one token's hidden state."""
+    by_id = {p.device_id: p for p in profiles}
+    total = 0.0
+    for k, s in enumerate(plan.stages):
+        p = by_id[s.device_id]
+        t1 = p.layer_times(1)
+        share = t1[1 + s.first_layer:1 + s.end_layer].sum()
+        share += t1[0] if s.has_embedding else 0.0
+        share += t1[-1] if s.has_head else 0.0
+        total += float(p.decode_step(context)) * float(share / t1.sum())
+        if k < len(plan.stages) - 1:
+            total += float(plan.link.activation_transfer_s(1, p.model.hidden_size, p.dtype_bytes))
+    return total
+
+
+def prediction_error(plan: Plan, profiles: list[DeviceProfile], prompt_len: int,
+                     measured_ttft_s: float) -> dict:
+    """Hook for the pipeline benchmark: predicted vs measured prefill latency.
+
+    Returns ``{"prompt_len", "predicted_s", "measured_s", "rel_error"}``; the
+    issue's target is ``abs(rel_error) <= 0.15``.
+    """
+    pred = predict_prefill_s(plan, profiles, prompt_len)
+    return {"prompt_len": prompt_len, "predicted_s": pred, "measured_s": measured_ttft_s,
+            "rel_error": (pred - measured_ttft_s) / measured_ttft_s}
