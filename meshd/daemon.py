@@ -205,7 +205,7 @@ class Daemon:
         self.discovery = Discovery(self._advert(), self.interfaces, self._classify, self._on_sighting)
         await self.discovery.start()
         self.debounce.poke(self.clock())  # first plan: this node alone, until peers answer
-        self._tasks = [asyncio.create_task(self._maintenance_loop(), name="maintenance")]
+        self._tasks.append(asyncio.create_task(self._maintenance_loop(), name="maintenance"))
         if self.notifier.watchdog_interval_s:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(), name="watchdog"))
         self.notifier.ready(f"serving home {self.home.name!r} as {self.node_id}")
@@ -219,23 +219,39 @@ class Daemon:
         except ImportError:  # the API package is optional for the control plane
             log.warning("api_unavailable")
             return
-        engine = await self._make_engine()
-        self.engine = DrainingEngine(engine) if engine is not None else None
-        self.api_app = create_app(self.engine, self.status)
-        self.api_runner = await start_api(self.api_app, self.socket_path, self.config.api_listen)
-
-    async def _make_engine(self) -> Engine | None:
         cfg = self.config
+        engine = None
         if cfg.engine:
             made = load_engine_factory(cfg.engine)(self)
-            return await made if inspect.isawaitable(made) else made
-        if not cfg.model_enabled:
+            engine = await made if inspect.isawaitable(made) else made
+        elif not cfg.model_enabled:
             log.info("engine_disabled", reason="model = none")
-            return None
-        # The cross-daemon pipeline engine plugs in here (config ``engine``);
-        # until it exists the daemon serves the control plane only.
-        log.warning("engine_missing", reason="no engine configured; set engine = 'module:factory'")
-        return None
+        self.engine = DrainingEngine(engine) if engine is not None else None
+        self.api_app = create_app(self.engine, self.status)
+        self.api_runner = await start_api(self.api_app, self.socket_path, cfg.api_listen)
+        if engine is None and cfg.model_enabled and not cfg.engine:
+            # Loading weights takes a while: serve status (and 503s) meanwhile.
+            self._tasks.append(asyncio.create_task(self._load_local_engine(), name="model-load"))
+
+    async def _load_local_engine(self) -> None:
+        """The whole model on this device until the cross-daemon pipeline engine plugs in."""
+        from meshd.api.server import set_engine
+        from meshd.engine import LocalEngine
+
+        log.info("model_loading", model=self.config.model or "embedded default")
+        try:
+            engine = await LocalEngine.open(self.config.model or None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a missing model must not take the control plane down
+            log.error("model_load_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        if self.stopping.is_set() or self.api_app is None:
+            return
+        self.engine = DrainingEngine(engine)
+        set_engine(self.api_app, self.engine)
+        log.info("model_ready", model=engine.model_id)
+        self.debounce.poke(self.clock())  # the layer count may have changed
 
     async def stop(self) -> None:
         """Graceful shutdown; safe to call after a failed or partial start."""
@@ -464,7 +480,9 @@ class Daemon:
             await asyncio.sleep(self.notifier.watchdog_interval_s)
 
     def _num_layers(self) -> int:
-        return self.config.plan_layers
+        source = getattr(self.engine.inner, "source", None) if self.engine else None
+        config = getattr(source, "config", None)
+        return int(getattr(config, "num_layers", 0) or self.config.plan_layers)
 
     def _maybe_replan(self) -> None:
         m = self.membership

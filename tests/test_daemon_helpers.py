@@ -164,11 +164,15 @@ def states(status: dict) -> dict[str, str]:
 
 def run_cli(*argv: str) -> tuple[int, str]:
     """Run the real ``meshd`` CLI in this process (no interpreter start-up); (exit code, stdout)."""
+    from meshd import log
     from meshd.cli import main
 
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = main(list(argv))
+    try:
+        with contextlib.redirect_stdout(buf):
+            rc = main(list(argv))
+    finally:  # commands configure logging on sys.stdout; do not leave it on our buffer
+        log.configure("console", "warning", stream=sys.__stderr__)
     return rc, buf.getvalue()
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from meshd.state import StateDir
+
 from tests.test_daemon_helpers import kill_hard, mesh, meshd_status_json, states, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -43,6 +45,11 @@ def test_three_paired_daemons_become_ready_and_a_killed_one_is_gone_and_replanne
         assert s["not_admitted"] == []
         layers = sorted(tuple(m["layers"]) for m in s["members"])
         assert layers[0][0] == 0 and layers[-1][1] == s["plan"]["num_layers"]
+
+    # c was invited by a; b learned c's key from a over the transport (gossip), and
+    # vice versa, so every member's allow-list holds every key.
+    for p in (a, b, c):
+        assert set(StateDir(p.state_dir).members()) == {q.node_id() for q in (a, b, c)}
 
     version_before = a.status()["plan"]["version"]
     c_id = c.node_id()

@@ -1,0 +1,181 @@
+"""Daemon lifecycle: sd_notify, SIGTERM during a request, bad input, first-run errors."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq
+import zmq.auth
+
+from meshd.client import MeshdClient
+from meshd.engine import Engine, GenerationRequest
+from meshd.errors import MeshdError
+from tests.test_daemon_helpers import mesh, run_cli, wait_for  # noqa: F401
+from transport.keys import AllowList, Keypair
+from transport.wire import encode_frames
+
+# --------------------------------------------------------------------------- a slow fake engine
+
+
+class _CharTokenizer:
+    eos_ids = ()
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat(self, messages):
+        return self.encode(" ".join(str(m.get("content", "")) for m in messages))
+
+
+class SlowEngine(Engine):
+    """One 'x' every 50 ms, forever (until max_tokens): a request that is surely in flight."""
+
+    model_id = "slow-fake"
+    context_length = 100_000
+    tokenizer = _CharTokenizer()
+
+    async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        for _ in range(req.max_tokens):
+            await asyncio.sleep(0.05)
+            yield ord("x")
+
+
+def make_slow_engine(daemon):
+    return SlowEngine()
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def _notify_socket(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(path))
+    s.settimeout(30)
+    return s
+
+
+def _browse_loopback(instances_seen: dict, stop: threading.Event):
+    """A plain python-zeroconf browser on loopback, standing in for another device."""
+    from zeroconf import IPVersion, ServiceBrowser, Zeroconf
+
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+
+    def handler(zeroconf, service_type, name, state_change):
+        instances_seen.setdefault(name, []).append(state_change.name)
+
+    browser = ServiceBrowser(zc, "_meshd._tcp.local.", handlers=[handler])
+    stop.wait()
+    browser.cancel()
+    zc.close()
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_request_fails_it_clearly_and_leaves_nothing_behind(mesh):
+    notify_path = mesh.root / "notify.sock"
+    notify = _notify_socket(notify_path)
+    seen: dict = {}
+    stop_browsing = threading.Event()
+    browser = threading.Thread(target=_browse_loopback, args=(seen, stop_browsing), daemon=True)
+    browser.start()
+    try:
+        d = mesh.spawn("solo", "--engine", "tests.test_daemon_lifecycle:make_slow_engine",
+                       new_home="flat",
+                       env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "2000000"})
+        assert notify.recv(200).startswith(b"READY=1")
+        assert notify.recv(200) == b"WATCHDOG=1"
+        d.wait_serving()
+        instance = f"meshd-{d.node_id()}._meshd._tcp.local."
+        wait_for(lambda: "Added" in seen.get(instance, []), 10, what="the daemon's mDNS record")
+
+        stream = MeshdClient(d.socket, timeout=30).chat("hi", stream=True, max_tokens=100_000)
+        pieces, error = [], []
+
+        def consume():
+            try:
+                for piece in stream:
+                    pieces.append(piece)
+            except MeshdError as exc:
+                error.append(str(exc))
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        wait_for(lambda: pieces, 10, interval=0.05, what="the first token")
+        d.signal(signal.SIGTERM)
+        assert d.wait(30) == 0
+        reader.join(10)
+
+        assert error and "shutting down" in error[0], (error, d.log_tail())
+        assert not d.socket.exists()
+        assert not (d.state_dir / "daemon.json").exists()
+        msgs = []
+        notify.settimeout(0.5)
+        while True:
+            try:
+                msgs.append(notify.recv(200))
+            except TimeoutError:
+                break
+        assert b"STOPPING=1" in msgs
+        wait_for(lambda: "Removed" in seen.get(instance, []), 5, what="the mDNS goodbye")
+        events = [e["event"] for e in d.events()]
+        assert events.index("mdns_unregistered") < events.index("daemon_stopped")
+    finally:
+        stop_browsing.set()
+        notify.close()
+
+
+@pytest.mark.slow
+def test_malformed_frames_and_unknown_types_from_a_member_are_logged_and_serving_goes_on(mesh):
+    d = mesh.spawn("solo", "--engine", "tests.test_daemon_lifecycle:make_slow_engine", new_home="flat")
+    d.wait_serving()
+    port = d.status()["ports"]["transport"]
+
+    # A member-signed (allow-listed) client sends garbage and an unknown message type.
+    intruder = Keypair.generate()
+    AllowList.for_state_dir(d.state_dir).add(intruder.public, "test client")
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 5000  # deliver before closing (the CURVE handshake comes first)
+    s.curve_secretkey, s.curve_publickey = intruder.secret, intruder.public
+    s.curve_serverkey = zmq.auth.load_certificate(d.state_dir / "keys" / "node.key")[0]
+    s.connect(f"tcp://127.0.0.1:{port}")
+    s.send_multipart([b"\x00garbage", b"more"])
+    s.send_multipart([b"\x93\xa4nope"])
+    s.send_multipart(encode_frames("NoSuchMessage", {"x": 1}, [], request_id=0, seq=1, sender="t"))
+    s.close()
+    ctx.term()
+
+    def logged_protocol_error():
+        errors = [e for e in d.events() if e["event"] == "protocol_error"]
+        return len(errors) >= 2 and any("NoSuchMessage" in e["error"] for e in errors)
+
+    wait_for(logged_protocol_error, 10, what="a logged protocol error")
+    out = MeshdClient(d.socket, timeout=30).chat("hi", max_tokens=3)  # still serving
+    assert out.text == "xxx"
+
+
+def test_join_without_a_home_says_how_to_get_one(tmp_path):
+    rc, _ = run_cli("join", "--state-dir", str(tmp_path / "s"), "--model", "none")
+    assert rc == 1
+
+
+def test_join_refuses_a_token_on_a_device_already_in_a_home(tmp_path, capsys):
+    from meshd.state import StateDir
+
+    StateDir(tmp_path / "s").ensure().create_home("flat")
+    rc, _ = run_cli("join", "--state-dir", str(tmp_path / "s"), "--token", "meshd1-xyz")
+    assert rc == 1
+    assert "already belongs to home 'flat'" in capsys.readouterr().err
+
+
+def test_join_rejects_a_malformed_token(tmp_path, capsys):
+    rc, _ = run_cli("join", "--state-dir", str(tmp_path / "s"), "--token", "hello")
+    assert rc == 1
+    assert "not a meshd invite token" in capsys.readouterr().err
