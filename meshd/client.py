@@ -40,7 +40,8 @@ class DaemonNotRunning(MeshdError):
         self.socket_path = str(socket_path)
         super().__init__(
             f"no meshd daemon is running at {socket_path} ({why}); start it with "
-            f"'systemctl start meshd', or pass --socket PATH if it listens elsewhere"
+            f"'systemctl start meshd' (or 'meshd join' in a terminal), or pass --socket PATH "
+            f"if it listens elsewhere"
         )
 
 

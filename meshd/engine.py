@@ -421,3 +421,13 @@ class LocalEngine(Engine):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+async def local_engine(daemon) -> LocalEngine:
+    """Engine factory for the daemon's ``engine = "meshd.engine:local_engine"`` setting.
+
+    Serves the configured model (``model``; unset = the embedded default) wholly
+    on this device — the single-device fallback until the pipeline engine runs.
+    """
+    model = getattr(getattr(daemon, "config", None), "model", None)
+    return await LocalEngine.open(model)

@@ -89,3 +89,17 @@ def test_concurrent_requests_queue_and_a_hang_up_frees_the_cache(local_engine):
         caches = local_engine._pipeline.caches
         assert wait_until(lambda: not local_engine._lock.locked()
                           and all(c.sequences() == [] for c in caches))
+
+
+def test_daemon_factory_opens_the_configured_model(local_engine):
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshd.engine import local_engine as factory
+
+    eng = asyncio.run(factory(SimpleNamespace(config=SimpleNamespace(model=None))))
+    try:
+        assert eng.model_id == local_engine.model_id
+        assert eng.context_length == local_engine.context_length
+    finally:
+        eng.close()

@@ -198,7 +198,7 @@ def _plan(p: Any) -> str:
     if p.get("leader"):
         parts.append(f"leader {p['leader']}")
     if p.get("reason"):
-        parts.append(f"({p['reason']})")
+        parts.append(f"reason: {p['reason']}")
     return ", ".join(parts)
 
 
