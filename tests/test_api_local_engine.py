@@ -91,15 +91,19 @@ def test_concurrent_requests_queue_and_a_hang_up_frees_the_cache(local_engine):
                           and all(c.sequences() == [] for c in caches))
 
 
-def test_daemon_factory_opens_the_configured_model(local_engine):
+def test_daemon_factory_opens_the_configured_model(monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
-    from meshd.engine import local_engine as factory
+    from meshd import engine as engine_mod
 
-    eng = asyncio.run(factory(SimpleNamespace(config=SimpleNamespace(model=None))))
-    try:
-        assert eng.model_id == local_engine.model_id
-        assert eng.context_length == local_engine.context_length
-    finally:
-        eng.close()
+    opened = []
+
+    async def fake_open(path=None, **kw):
+        opened.append(path)
+        return "engine"
+
+    monkeypatch.setattr(engine_mod.LocalEngine, "open", fake_open)
+    daemon = SimpleNamespace(config=SimpleNamespace(model="/models/x.gguf"))
+    assert asyncio.run(engine_mod.local_engine(daemon)) == "engine"
+    assert opened == ["/models/x.gguf"]
