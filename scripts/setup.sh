@@ -14,8 +14,13 @@ stamp=".venv/.meshd-install-stamp"
 want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[setup] installing dependencies (torch pinned by constraints.txt)"
-    .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,bench]"
+    log=".venv/install.log"
+    if ! { .venv/bin/python -m pip install --upgrade pip &&
+           .venv/bin/python -m pip install -c constraints.txt -e ".[test,bench]"; } >"$log" 2>&1; then
+        tail -40 "$log"
+        echo "[setup] dependency installation failed (full log: $log)" >&2
+        exit 1
+    fi
     echo "$want" > "$stamp"
 fi
 .venv/bin/meshd model pull --quiet
