@@ -14,10 +14,20 @@ import structlog
 _configured = False
 
 
+class _CurrentStderr:
+    """Resolve ``sys.stderr`` at write time, so a logger outlives a swapped stream (tests, daemons)."""
+
+    def write(self, s: str) -> int:
+        return sys.stderr.write(s)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(fmt: str = "console", level: str = "info", stream=None) -> None:
     """Configure structlog once per process. ``fmt`` is ``json`` or ``console``."""
     global _configured
-    stream = stream or sys.stderr
+    stream = stream or _CurrentStderr()
     renderer = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
