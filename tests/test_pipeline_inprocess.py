@@ -111,3 +111,32 @@ async def test_a_vanished_stage_fails_the_request_in_bounded_time(tiny):
         with pytest.raises(PipelineError, match="unreachable|no token from the last stage"):
             await mesh.run(list(range(5, 15)), 4)
         assert await eventually(lambda: mesh.services[0].kv.sequences() == [])  # its cache was freed
+
+
+async def test_engine_streams_text_through_the_mesh_and_maps_errors(tiny):
+    from meshd.engine import GenerationRequest, NoPlan
+    from meshd.pipeline.engine import PipelineEngine
+
+    class Tok:  # the tiny model has no tokenizer: ids are their own text
+        eos_ids = ()
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    tiny.__dict__["tokenizer"] = Tok()
+    async with Mesh(tiny, 2) as mesh:
+        engine = PipelineEngine(tiny, mesh.coord)
+        req = GenerationRequest("q1", list(range(5, 45)), max_tokens=12, temperature=0.0)
+        ids = [t async for t in engine.token_ids(req)]
+        assert ids == generate(LocalPipeline.from_source(tiny, 1), list(range(5, 45)), 12).token_ids
+        mesh.coord.set_route(None)
+        with pytest.raises(NoPlan):
+            [t async for t in engine.token_ids(GenerationRequest("q2", [1, 2, 3], max_tokens=2))]
+
+
+def test_default_cuts_give_about_two_chunks_per_stage_and_none_too_short():
+    from meshd.pipeline.engine import default_cuts
+
+    assert default_cuts(1024, 2) == [256, 512, 768]
+    assert default_cuts(40, 2) == []
+    assert default_cuts(500, 1) == []

@@ -29,7 +29,7 @@ from meshd.log import get_logger
 from meshd.pipeline.route import Route
 from transport.errors import TransportError
 from transport.link import Peer, Request
-from transport.messages import Ack, ErrorReply, FreeSequence, StageForward, TokenResult
+from transport.messages import Ack, ErrorReply, FreeSequence, Hello, StageForward, TokenResult
 from transport.node import TransportNode
 
 log = get_logger("meshd.coordinator")
@@ -69,7 +69,7 @@ class PipelineCoordinator:
         self._flights: dict[str, _Flight] = {}
         self._seq_ids = itertools.count(1)
         self._peers: dict[str, Peer] = {}
-        self.bytes_sent = 0
+        self._ready_version = 0
 
     async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
         self._server = await self.node.serve(self._on_message, address)
@@ -134,6 +134,31 @@ class PipelineCoordinator:
     async def _send(self, node_id: str, msg) -> None:
         peer = await self._peer(node_id)
         await peer.send(msg, timeout=self.send_timeout_s, activation_dtype=self.activation_dtype)
+
+    async def wait_ready(self, route: Route, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
+        """Wait until every stage of ``route`` has loaded its layers for that plan version.
+
+        After a re-plan, stages may still be loading weights; a request arriving
+        then waits (bounded) instead of failing on a half-deployed pipeline.
+        """
+        if self._ready_version == route.plan_version:
+            return
+        async with asyncio.timeout(timeout_s):
+            for st in route.stages:
+                while True:
+                    try:
+                        peer = await self._peer(st.node_id)
+                        reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=5.0)
+                        if reply.plan_version == route.plan_version:
+                            break
+                        if reply.plan_version > route.plan_version:
+                            raise PipelineError(f"stage {st.node_id} already runs a newer plan "
+                                                f"({reply.plan_version} > {route.plan_version}); retry")
+                    except TransportError as exc:
+                        log.info("stage_not_ready", node=st.node_id, error=str(exc))
+                    await asyncio.sleep(poll_s)
+        self._ready_version = route.plan_version
+        log.info("pipeline_ready", plan_version=route.plan_version, stages=[s.node_id for s in route.stages])
 
     # -- the request loop ------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,

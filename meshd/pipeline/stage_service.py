@@ -30,8 +30,8 @@ from meshd.log import get_logger
 from meshd.pipeline.route import Route
 from transport.errors import TransportError
 from transport.link import Peer, Request, StageServer
-from transport.messages import (Ack, ErrorReply, ForkSequence, FreeSequence, StageForward, TokenResult,
-                                Truncate)
+from transport.messages import (Ack, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply, StageForward,
+                                TokenResult, Truncate)
 from transport.node import TransportNode
 
 log = get_logger("meshd.stage")
@@ -122,6 +122,9 @@ class StageService:
     # -- message handling ------------------------------------------------------------
     async def handle(self, msg: Any, req: Request) -> Any:
         try:
+            if isinstance(msg, Hello):  # readiness probe: which plan is loaded and serving here
+                version = self.route.plan_version if self.route is not None and self.stage is not None else 0
+                return HelloReply(self.node_id, version, "")
             if isinstance(msg, StageForward):
                 await self._forward(msg)
             elif isinstance(msg, (Truncate, FreeSequence, ForkSequence)):
