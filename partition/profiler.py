@@ -95,7 +95,7 @@ def measurement_clock(threads: int):
 
 
 def _pow2_grid(max_seq: int) -> tuple[int, ...]:
-    xs = [1] + [v for v in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if v < max_seq]
+    xs = [1, 4, 8] + [v for v in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if v < max_seq]
     return tuple(sorted(set(xs + [max_seq])))
 
 
