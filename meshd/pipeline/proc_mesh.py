@@ -1,0 +1,124 @@
+"""Emulate a mesh on one machine: bare stage processes pinned to cores + an in-process coordinator.
+
+Benchmarks and multi-process tests use this to run the real stage service and
+transport (CURVE on by default) across OS processes, each pinned to its own
+core(s) with its own torch thread count, without discovery or pairing. A
+``launcher`` hook lets the testbed start each process inside a network
+namespace instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from meshd.pipeline.coordinator import PipelineCoordinator
+from meshd.pipeline.route import Route, StageEndpoint
+
+Launcher = Callable[[int, list[str]], subprocess.Popen]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ProcessMesh:
+    ranges: list[tuple[int, int]]
+    model: str | None = None
+    cores: list[list[int]] | None = None  # per stage; default: stage i on core i % ncpu
+    threads: int = 1
+    curve: bool = True
+    activation_dtype: str | None = None
+    hosts: list[str] | None = None  # per stage bind host (testbed namespaces); default loopback
+    coordinator_host: str = "127.0.0.1"
+    launcher: Launcher | None = None
+    ready_timeout_s: float = 180.0
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    stats: list[dict] = field(default_factory=list)
+
+    async def __aenter__(self) -> "ProcessMesh":
+        from transport.keys import AllowList, load_or_create_keypair
+        from transport.node import TransportNode
+
+        self.root = Path(tempfile.mkdtemp(prefix="meshd-procmesh-"))
+        n = len(self.ranges)
+        ncpu = os.cpu_count() or 1
+        names = [f"dev{i}" for i in range(n)] + ["coord"]
+        dirs = {nm: self.root / nm for nm in names}
+        keys = {}
+        for nm, d in dirs.items():
+            d.mkdir()
+            keys[nm] = load_or_create_keypair(d).public.decode() if self.curve else ""
+        if self.curve:
+            for d in dirs.values():
+                allow = AllowList.for_state_dir(d)
+                for nm, k in keys.items():
+                    allow.add(k, nm)
+        hosts = self.hosts or ["127.0.0.1"] * n
+        stages = tuple(StageEndpoint(f"dev{i}", f"tcp://{hosts[i]}:{free_port() if not self.hosts else 7600 + i}",
+                                     keys[f"dev{i}"], a, b) for i, (a, b) in enumerate(self.ranges))
+        self.route = Route(1, stages)
+        coord_addr = f"tcp://{self.coordinator_host}:{free_port(self.coordinator_host)}"
+        route_file = self.root / "route.json"
+        route_file.write_text(json.dumps({
+            "plan_version": 1, "stages": [s.__dict__ for s in stages],
+            "directory": {"coord": [coord_addr, keys["coord"]]}}))
+        self.node = TransportNode("coord", state_dir=dirs["coord"], curve=self.curve)
+        await self.node.start()
+        directory = {s.node_id: (s.address, s.public_key) for s in stages}
+        self.coord = PipelineCoordinator(self.node, "coord", directory.__getitem__, token_timeout_s=300,
+                                         activation_dtype=self.activation_dtype)
+        await self.coord.start(coord_addr)
+        for i, st in enumerate(stages):
+            cores = self.cores[i] if self.cores else [i % ncpu]
+            argv = [sys.executable, "-m", "meshd.pipeline.stage_proc", "--node-id", st.node_id,
+                    "--state-dir", str(dirs[st.node_id]), "--bind", st.address, "--route", str(route_file),
+                    "--threads", str(self.threads), "--cores", ",".join(map(str, cores))]
+            if self.model:
+                argv += ["--model", str(self.model)]
+            if self.activation_dtype:
+                argv += ["--activation-dtype", self.activation_dtype]
+            if not self.curve:
+                argv.append("--no-curve")
+            p = (self.launcher(i, argv) if self.launcher else
+                 subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True))
+            self.procs.append(p)
+        deadline = time.monotonic() + self.ready_timeout_s
+        for p in self.procs:
+            line = ""
+            while not line.startswith("READY"):
+                if time.monotonic() > deadline or p.poll() is not None:
+                    await self.__aexit__(None, None, None)
+                    raise RuntimeError(f"stage process {p.args[4]} did not become ready")
+                line = p.stdout.readline().strip()
+        self.coord.set_route(self.route)
+        await self.coord.wait_ready(self.route)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.coord.close()
+        await self.node.close()
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                out, _ = p.communicate(timeout=10)
+                for line in (out or "").splitlines():
+                    if line.startswith("{"):
+                        self.stats.append(json.loads(line).get("stats", {}))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,83 @@
+"""A bare stage process: serve one layer range of a fixed route, no discovery.
+
+Used by benchmarks and multi-process tests to emulate devices (each process
+pinned to its own core), and handy for debugging a pipeline by hand:
+
+    python -m meshd.pipeline.stage_proc --node-id dev0 --state-dir /tmp/dev0 \\
+        --bind tcp://127.0.0.1:7501 --route route.json [--threads 1] [--model PATH]
+
+``route.json``: {"plan_version": 1, "stages": [{"node_id", "address", "public_key", "first", "last"}],
+"directory": {"node_id": ["address", "public_key"], ...}} — the directory also names coordinators.
+Prints ``READY <address>`` on stdout once its layers are loaded; stops on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+
+import torch
+
+
+def load_route(path: str):
+    from meshd.pipeline.route import Route, StageEndpoint
+
+    raw = json.loads(open(path).read())
+    route = Route(int(raw["plan_version"]), tuple(StageEndpoint(**s) for s in raw["stages"]))
+    directory = {k: tuple(v) for k, v in raw.get("directory", {}).items()}
+    for s in route.stages:
+        directory.setdefault(s.node_id, (s.address, s.public_key))
+    return route, directory
+
+
+async def serve(args) -> int:
+    from decoding.loader import open_model
+    from meshd.pipeline.stage_service import StageService
+    from transport.node import TransportNode
+
+    route, directory = load_route(args.route)
+    node = TransportNode(args.node_id, state_dir=args.state_dir, curve=not args.no_curve)
+    await node.start()
+    svc = StageService(node, args.node_id, open_model(args.model), lambda n: directory[n],
+                       activation_dtype=args.activation_dtype)
+    address = await svc.start(args.bind)
+    await svc.deploy(route)
+    print(f"READY {address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print(json.dumps({"stats": svc.stats.to_dict()}), flush=True)
+    await svc.close()
+    await node.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--node-id", required=True)
+    ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--bind", required=True)
+    ap.add_argument("--route", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cores", default=None, help="comma-separated CPU cores to pin to")
+    ap.add_argument("--activation-dtype", default=None, choices=[None, "float16", "bfloat16"])
+    ap.add_argument("--no-curve", action="store_true")
+    args = ap.parse_args(argv)
+    if args.cores:
+        os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
+    torch.set_num_threads(args.threads)
+    from meshd import log
+
+    log.configure("json", os.environ.get("MESHD_LOG_LEVEL", "warning"))
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
