@@ -44,6 +44,7 @@ class Plan:
     predicted_bottleneck_s: float | None = None
     reason: str = ""
     leader: str = ""
+    members: tuple[str, ...] = ()  # the ready members it was planned over (some may get no layers)
 
     def layers_of(self, node_id: str) -> tuple[int, int] | None:
         for s in self.stages:
@@ -57,7 +58,7 @@ class Plan:
             s.node_id: {
                 "stage": i, "first": s.first, "last": s.last, "num_layers": self.num_layers,
                 "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
-                "leader": self.leader,
+                "leader": self.leader, "members": list(self.members),
             }
             for i, s in enumerate(self.stages)
         }
@@ -73,7 +74,8 @@ class Plan:
             bottleneck = any_row.get("predicted_bottleneck_s")
             plan = Plan(int(version), stages, num_layers,
                         None if bottleneck is None else float(bottleneck),
-                        str(any_row.get("reason", "")), str(any_row.get("leader", "")))
+                        str(any_row.get("reason", "")), str(any_row.get("leader", "")),
+                        tuple(str(m) for m in any_row.get("members", ())))
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed plan assignment: {exc}") from None
         plan.check()
@@ -97,6 +99,7 @@ class Plan:
             "predicted_bottleneck": self.predicted_bottleneck_s,
             "reason": self.reason,
             "leader": self.leader,
+            "members": list(self.members),
         }
 
 
@@ -170,6 +173,7 @@ def compute_stages(
 
 def make_plan(version: int, leader: str, members: list[MemberInput], num_layers: int) -> Plan:
     stages, bottleneck, reason = compute_stages(members, num_layers)
-    plan = Plan(version, tuple(stages), num_layers, bottleneck, reason, leader)
+    plan = Plan(version, tuple(stages), num_layers, bottleneck, reason, leader,
+                tuple(sorted(m.node_id for m in members)))
     plan.check()
     return plan

@@ -31,8 +31,11 @@ FAST = ["--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--gone-after",
 FAST_ENV = {"MESHD_REPLAN_DEBOUNCE_S": "0.5", "MESHD_DRAIN_TIMEOUT_S": "0.5"}
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` on timeout."""
+def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition", explain=None):
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` on timeout.
+
+    ``explain()`` (optional) returns text added to the failure (e.g. the daemons' status).
+    """
     deadline = time.monotonic() + timeout
     last_exc = None
     while time.monotonic() < deadline:
@@ -43,7 +46,14 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
         except (MeshdError, OSError, KeyError, TypeError) as exc:
             last_exc = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+    detail = ""
+    if explain is not None:
+        try:
+            detail = "\n" + str(explain())
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            detail = f"\n(explain failed: {exc})"
+    raise AssertionError(f"timed out waiting for {what}"
+                         + (f" (last error: {last_exc})" if last_exc else "") + detail)
 
 
 class DaemonProc:
@@ -155,6 +165,21 @@ def mesh():
         yield m
     finally:
         m.cleanup()
+
+
+def summary(*procs: DaemonProc) -> str:
+    """One line per daemon: members' states and the plan, for failure messages."""
+    lines = []
+    for p in procs:
+        try:
+            s = p.status()
+            plan = s.get("plan") or {}
+            lines.append(f"{p.name}: {states(s)} plan v{plan.get('version')} over "
+                         f"{plan.get('members')} stages {[st['node_id'] for st in plan.get('stages', [])]} "
+                         f"not_admitted={s.get('not_admitted')}")
+        except Exception as exc:  # noqa: BLE001
+            lines.append(f"{p.name}: no status ({exc})\n{p.log_tail(10)}")
+    return "\n".join(lines)
 
 
 def states(status: dict) -> dict[str, str]:
