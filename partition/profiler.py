@@ -387,3 +387,48 @@ def reusable(existing: DeviceProfile, identity: str, settings: ProfileSettings) 
         and existing.dtype == settings.dtype
         and existing.scaled_from is None
     )
+
+
+#: chunk lengths (x, y) the quick speed estimate times, as fractions of max_seq
+QUICK_POINTS = ((128 / 2048, 0.0), (512 / 2048, 0.0), (512 / 2048, 0.5))
+
+
+def estimate_speed(source, reference: DeviceProfile, threads: int = 1, repeats: int = 3) -> float:
+    """This device's speed relative to ``reference`` from one decoder layer (seconds, not minutes).
+
+    Loads a single middle layer, times it at a few (x, y) points with the same
+    clock as the full profiler and returns the geometric mean of
+    ``reference.q(x, y) / measured``. Use with :func:`partition.profile.scale`.
+    """
+    import torch
+
+    torch.set_num_threads(threads)
+    cfg = source.config
+    if cfg.num_layers != reference.num_layers or source.identity != reference.model.identity:
+        log.warning("quick_profile_other_model", reference=reference.model.identity,
+                    model=source.identity)
+    mid = cfg.num_layers // 2
+    stage = source.load_stage(mid, mid + 1)
+    clock = measurement_clock(threads)
+    S = int(reference.settings.get("max_seq", reference.q.y[-1]))
+    rng = torch.Generator().manual_seed(0)
+    ratios = []
+    for fx, fy in QUICK_POINTS:
+        x, y = max(1, round(fx * S)), round(fy * S)
+        kv = stage.new_cache(1 << 20)
+        kv.create("p", x + y)
+        if y:
+            off = kv.reserve("p", y)
+            k = torch.randn(cfg.num_kv_heads, y, cfg.head_dim, generator=rng)
+            kv.write("p", 0, off, k, k.clone())
+            kv.commit("p", y)
+        inp = torch.randn(x, cfg.hidden_size, generator=rng)
+        stage.forward(kv, "p", inp, all_logits=False)  # warm-up
+        ts = []
+        for _ in range(repeats):
+            kv.truncate("p", y)
+            t0 = clock()
+            stage.forward(kv, "p", inp, all_logits=False)
+            ts.append(clock() - t0)
+        ratios.append(float(reference.q_layer(x, y)) / min(ts))
+    return float(np.exp(np.mean(np.log(ratios))))

@@ -112,3 +112,9 @@ def test_profiler_measures_a_model_and_reuses_a_matching_profile(tiny_llama, tmp
     # different settings: measured again
     assert main(args[:-2] + ["--repeats", "2", "--no-progress", "--json"]) == 0
     assert last_json(capsys.readouterr().out)["reused"] is False
+    # a quick estimate against that profile: one layer timed, the reference scaled
+    quick = tmp_path / "quick.json"
+    assert main(["profile", "--model", str(path), "--quick-from", str(out), "--device-id", "q",
+                 "-o", str(quick), "--json"]) == 0
+    q = pf.load(quick)
+    assert q.device_id == "q" and 0.1 < q.scaled_from["speed_factor"] < 10

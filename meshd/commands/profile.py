@@ -4,11 +4,13 @@ Measuring writes ``profiles/<device-id>.json`` (progress bar on stderr) and is
 skipped when that file already holds a profile of the same model with the
 same settings and torch version (``--force`` re-measures). ``--scale-from``
 writes a profile for a device that has not been measured yet from a measured
-one and the new device's relative speed and memory.
+one and the new device's relative speed and memory; ``--quick-from`` finds that
+speed by timing a single layer here (seconds instead of a minute).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -36,6 +38,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--scale-from", default=None, metavar="PROFILE",
                    help="do not measure: derive a profile from this one (with --speed, --memory)")
+    p.add_argument("--quick-from", default=None, metavar="PROFILE",
+                   help="measure one layer only (seconds) and scale this reference profile by the "
+                        "speed ratio found")
     p.add_argument("--speed", type=float, default=None,
                    help="with --scale-from: the new device's speed relative to the measured one")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
@@ -84,11 +89,35 @@ def run(args) -> int:
         return 0
     if args.speed is not None:
         raise MeshdError("--speed only applies with --scale-from")
+    if args.threads < 1:
+        raise MeshdError("--threads must be >= 1")
     if args.threads < 1 or args.max_seq < 16 or args.repeats < 1:
         raise MeshdError("--threads and --repeats must be >= 1 and --max-seq >= 16")
 
     from decoding.loader import open_model
-    from partition.profiler import ProfileSettings, default_device_id, profile_device, reusable
+    from partition.profiler import (
+        ProfileSettings,
+        default_device_id,
+        estimate_speed,
+        profile_device,
+        reusable,
+        total_memory_bytes,
+    )
+
+    if args.quick_from:
+        ref = pf.load(args.quick_from)
+        source = open_model(args.model)
+        speed = estimate_speed(source, ref, threads=args.threads, repeats=args.repeats)
+        device_id = args.device_id or default_device_id(args.threads)
+        prof = pf.scale(ref, speed, memory if memory is not None else total_memory_bytes(),
+                        device_id=device_id, headroom=args.headroom)
+        prof = dataclasses.replace(prof, threads=args.threads)
+        path = pf.save(prof, _target(args, device_id))
+        print(f"wrote {path}: one layer measured, {speed:.2f}x the speed of {ref.device_id}; "
+              f"run without --quick-from for a full profile")
+        if args.json:
+            print(json.dumps(_summary(prof, path, False)))
+        return 0
 
     settings = ProfileSettings(
         max_seq=args.max_seq, threads=args.threads, repeats=args.repeats,
