@@ -231,3 +231,18 @@ async def test_curve_is_on_by_default_and_needs_a_state_dir():
     plain = TransportNode("x", curve=False)
     assert plain.keypair is None
     await plain.close()
+
+
+def test_allocator_tuning_is_applied_in_its_own_process():
+    """Opt-in and process-wide, so it is exercised in a child, not in pytest."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c",
+         "from transport.tuning import tune_allocator_for_large_messages as t; print(t())"],
+        capture_output=True, text=True, timeout=60,
+        cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("True", "False")

@@ -94,6 +94,16 @@ def test_contiguous_tensor_is_sent_from_its_own_memory():
     assert addr == t.data_ptr()
 
 
+def test_small_tensors_are_copied_because_that_is_cheaper_than_zero_copy(monkeypatch):
+    small = torch.randn(16)
+    frame = encode(Probe(t=small))[1]
+    addr = np.frombuffer(frame.buffer, dtype=np.uint8).__array_interface__["data"][0]
+    assert addr != small.data_ptr()
+    monkeypatch.setattr(wire, "ZERO_COPY_MIN_BYTES", 0)
+    frame = encode(Probe(t=small))[1]
+    assert np.frombuffer(frame.buffer, dtype=np.uint8).__array_interface__["data"][0] == small.data_ptr()
+
+
 def _frame_range(frame: zmq.Frame) -> tuple[int, int]:
     start = np.frombuffer(frame.buffer, dtype=np.uint8).__array_interface__["data"][0]
     return start, start + len(frame)

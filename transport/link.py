@@ -7,6 +7,11 @@ message and awaits the reply with the same request id, with any number of
 requests in flight on one connection; ``send()`` is one-way (pipeline
 forwarding: no reply unless something goes wrong).
 
+Frames go out with ``send_multipart(frames)`` (copy=True): pyzmq copies the
+small ``bytes`` header and routing id, which is cheaper than zero-copy
+bookkeeping, while the tensor ``zmq.Frame``s built by ``transport.wire`` are
+sent by reference whatever the flag.
+
 Everything runs on the event loop through ``zmq.asyncio``; ZeroMQ's single I/O
 thread per context does the socket work, so there is no thread per
 connection. Messages are decoded by ``transport.messages.decode``, which turns
@@ -223,7 +228,7 @@ class StageServer:
             frames = encode(ErrorReply("handler", f"reply could not be encoded: {e}"),
                             request_id=request_id, seq=next(self._seq), sender=self.node_id)
         try:
-            await self._sock.send_multipart([identity, *frames], copy=False)
+            await self._sock.send_multipart([identity, *frames])
             self.stats["replied"] += 1
         except zmq.ZMQError as e:
             # EHOSTUNREACH: the peer disconnected before its reply was ready.
@@ -428,10 +433,11 @@ class Peer:
             # The send itself may wait (no completed connection yet, HWM); the
             # reply future may meanwhile fail (key refused, link closed), so
             # wait for whichever settles first.
-            sent = sock.send_multipart(frames, copy=False)
+            sent = sock.send_multipart(frames)
             try:
                 async with asyncio.timeout(timeout):
-                    await asyncio.wait((sent, fut), return_when=asyncio.FIRST_COMPLETED)
+                    if not sent.done():  # usually queued at once; else wait for either
+                        await asyncio.wait((sent, fut), return_when=asyncio.FIRST_COMPLETED)
                     if not fut.done():
                         sent.result()
                     env: Envelope = await fut
@@ -464,7 +470,7 @@ class Peer:
         timeout = self.timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(timeout):
-                await sock.send_multipart(frames, copy=False)
+                await sock.send_multipart(frames)
         except TimeoutError:
             raise TransportTimeout(
                 f"could not queue {type(msg).__name__} to {self.address} within {timeout:g}s "

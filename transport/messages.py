@@ -152,6 +152,8 @@ _BAD = object()
 
 def _coerce(value: Any, hint: Any) -> Any:
     """Return ``value`` made to fit ``hint`` (lists->tuples, int->float) or _BAD."""
+    if type(value) is hint and hint is not tuple:  # fast path: str, int, float, bool...
+        return value
     if hint is Any:
         return value
     if hint is type(None):

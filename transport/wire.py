@@ -13,7 +13,8 @@ to (reduced-precision activations, see ``REDUCED_PRECISION_ERROR``).
 Why this shape: tensors are the bulk of the bytes, and keeping them out of the
 serialiser lets us hand their memory to ZeroMQ as-is (``copy=False``) on the
 way out and wrap the received frame with ``numpy.frombuffer`` on the way in, so
-a hidden-state tensor is never copied by Python on either side. The header is
+a hidden-state tensor is never copied by Python on either side (tensors under
+``ZERO_COPY_MIN_BYTES`` are copied on send: cheaper than zero-copy there). The header is
 small, self-describing and cheap to validate *before* any tensor is touched,
 which is what lets a malformed or hostile message be refused with a
 ``ProtocolError`` instead of crashing a stage.
@@ -58,6 +59,12 @@ __all__ = [
 log = get_logger("transport.wire")
 
 PROTOCOL_VERSION = 1
+
+# Tensors at least this large are handed to ZeroMQ without a copy. Below it a
+# memcpy is cheaper than pyzmq's zero-copy bookkeeping (~7 us per frame plus a
+# wake-up of its garbage-collector thread when libzmq releases the buffer);
+# 64 KiB is pyzmq's own zmq.COPY_THRESHOLD. Set to 0 to never copy.
+ZERO_COPY_MIN_BYTES = 64 * 1024
 
 # Largest finite float16; larger activations would become inf on the wire.
 _FLOAT16_MAX = 65504.0
@@ -277,9 +284,11 @@ def encode_frames(
 
     ``tensors`` yields ``(name, tensor, wire_dtype)``; ``wire_dtype`` is None,
     or "float16"/"bfloat16" to send a float32 tensor at reduced precision.
-    Tensor frames are ``zmq.Frame(buffer, copy=False)``: ZeroMQ reads the
-    tensor's own memory, so the caller must not modify a tensor in place after
-    handing it to ``send`` (fresh activations never are).
+    Tensor frames of ``ZERO_COPY_MIN_BYTES`` or more are
+    ``zmq.Frame(buffer, copy=False)``: ZeroMQ reads the tensor's own memory,
+    so the caller must not modify a tensor in place after handing it to
+    ``send`` (fresh activations never are). Smaller ones are copied, which is
+    cheaper than the zero-copy bookkeeping at that size.
     """
     specs: list[dict[str, Any]] = []
     frames: list[Any] = [b""]
@@ -291,7 +300,7 @@ def encode_frames(
         # A flat uint8 view of the same memory: every dtype (bool, 0-d, empty)
         # then exposes a plain byte buffer to ZeroMQ.
         flat = arr.reshape(-1).view(np.uint8)
-        frames.append(zmq.Frame(flat, copy=False))
+        frames.append(zmq.Frame(flat, copy=nbytes < ZERO_COPY_MIN_BYTES))
         specs.append(
             TensorSpec(name, dtype, shape, nbytes, len(frames) - 1, kind, wire).to_wire()
         )
@@ -312,6 +321,10 @@ def encode_frames(
 
 
 # --------------------------------------------------------------------- decode
+
+
+_HEADER_KEYS = frozenset({"version", "type", "request_id", "seq", "sender", "fields", "tensors"})
+_DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape", "nbytes", "frame", "kind", "wire_dtype"})
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -341,10 +354,11 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
         raise ProtocolError("empty message (no header frame)")
     if len(frames) > limits.max_frames:
         raise ProtocolError(f"message has {len(frames)} frames, limit is {limits.max_frames}")
-    hlen = _frame_len(frames[0])
+    lengths = [_frame_len(f) for f in frames]
+    hlen = lengths[0]
     if hlen > limits.max_header_bytes:
         raise ProtocolError(f"header is {hlen} bytes, limit is {limits.max_header_bytes}")
-    total = sum(_frame_len(f) for f in frames)
+    total = sum(lengths)
     if total > limits.max_total_bytes:
         raise ProtocolError(f"message is {total} bytes, limit is {limits.max_total_bytes}")
     try:
@@ -363,7 +377,7 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     version = raw.get("version")
     if version != PROTOCOL_VERSION:
         raise fail(f"unsupported protocol version {version!r} (this node speaks {PROTOCOL_VERSION})")
-    unknown = set(raw) - {"version", "type", "request_id", "seq", "sender", "fields", "tensors"}
+    unknown = raw.keys() - _HEADER_KEYS
     if unknown:
         raise fail(f"unknown header keys: {sorted(map(str, unknown))}")
     type_name = raw.get("type")
@@ -392,14 +406,14 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     specs: list[TensorSpec] = []
     names: set[str] = set()
     for i, d in enumerate(descs, start=1):
-        specs.append(_tensor_spec(d, i, frames[i], names, limits, fail, type_name))
+        specs.append(_tensor_spec(d, i, lengths[i], names, limits, fail, type_name))
     return Header(type_name, rid, seq, sender, fields, specs, version)
 
 
-def _tensor_spec(d, index, frame, names, limits, fail, type_name) -> TensorSpec:
+def _tensor_spec(d, index, got, names, limits, fail, type_name) -> TensorSpec:
     if not isinstance(d, dict):
         raise fail(f"{type_name}: tensor descriptor {index} is not a map")
-    extra = set(d) - {"name", "dtype", "shape", "nbytes", "frame", "kind", "wire_dtype"}
+    extra = d.keys() - _DESCRIPTOR_KEYS
     if extra:
         raise fail(f"{type_name}: tensor descriptor {index} has unknown keys {sorted(map(str, extra))}")
     name = d.get("name")
@@ -439,7 +453,6 @@ def _tensor_spec(d, index, frame, names, limits, fail, type_name) -> TensorSpec:
         raise fail(f"{type_name}.{name}: {nbytes} bytes exceeds the tensor limit {limits.max_tensor_bytes}")
     if d.get("frame") != index or isinstance(d.get("frame"), bool):
         raise fail(f"{type_name}.{name}: frame index {d.get('frame')!r} should be {index}")
-    got = _frame_len(frame)
     if got != nbytes:
         raise fail(f"{type_name}.{name}: frame {index} holds {got} bytes, header says {nbytes}")
     return TensorSpec(name, dtype, tuple(shape), nbytes, index, kind, wire)
