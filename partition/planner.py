@@ -106,17 +106,18 @@ def predict_prefill_s(plan: Plan, profiles: list[DeviceProfile], prompt_len: int
 
 def predict_decode_step_s(plan: Plan, profiles: list[DeviceProfile], context: int) -> float:
     """One decode step through the whole pipeline: each stage's share of its device's
-    measured whole-model step (by its share of single-token layer time) + one hop
-    per stage boundary for one token's hidden state."""
+    measured whole-model step (its share of the single-token time per the q grid and
+    the embedding/head rows) + one hop per stage boundary for one token's hidden state."""
     by_id = {p.device_id: p for p in profiles}
     total = 0.0
     for k, s in enumerate(plan.stages):
         p = by_id[s.device_id]
-        t1 = p.layer_times(1)
-        share = t1[1 + s.first_layer:1 + s.end_layer].sum()
-        share += t1[0] if s.has_embedding else 0.0
-        share += t1[-1] if s.has_head else 0.0
-        total += float(p.decode_step(context)) * float(share / t1.sum())
+        layer = float(p.q_layer(1, context))
+        ends = float(p.embed_time(1)), float(p.head_time(1))
+        whole = p.num_layers * layer + sum(ends)
+        part = s.num_layers * layer + (ends[0] if s.has_embedding else 0.0) \
+            + (ends[1] if s.has_head else 0.0)
+        total += float(p.decode_step(context)) * (part / whole if whole > 0 else s.num_layers / p.num_layers)
         if k < len(plan.stages) - 1:
             total += float(plan.link.activation_transfer_s(1, p.model.hidden_size, p.dtype_bytes))
     return total

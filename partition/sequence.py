@@ -94,8 +94,7 @@ def minmax_table(T: np.ndarray, k_max: int, b: int):
     """
     n = T.shape[0]
     y = np.arange(n)
-    x = y[:, None] - y[None, :]
-    Tstar = np.where(x >= b, T, INF)
+    Tstar = np.where(np.tri(n, n, k=-b, dtype=bool), T, INF)  # l <= y - b
     W = np.full((k_max + 1, n), INF)
     arg = np.zeros((k_max + 1, n), dtype=np.int64)
     W[1] = Tstar[:, 0]

@@ -118,3 +118,11 @@ def test_profiler_measures_a_model_and_reuses_a_matching_profile(tiny_llama, tmp
                  "-o", str(quick), "--json"]) == 0
     q = pf.load(quick)
     assert q.device_id == "q" and 0.1 < q.scaled_from["speed_factor"] < 10
+
+
+def test_profile_install_copies_into_the_daemon_state_dir(profiles, tmp_path, capsys):
+    a, _ = profiles
+    state = tmp_path / "state"
+    assert main(["profile", "--scale-from", str(a), "--speed", "1.2", "--device-id", "me",
+                 "-o", str(tmp_path / "me.json"), "--install", "--state-dir", str(state)]) == 0
+    assert pf.load(state / "profiles" / "me.json").device_id == "me"

@@ -43,8 +43,30 @@ def register(subparsers) -> None:
                         "speed ratio found")
     p.add_argument("--speed", type=float, default=None,
                    help="with --scale-from: the new device's speed relative to the measured one")
+    p.add_argument("--install", action="store_true",
+                   help="also copy the profile into this device's daemon state (shared with the home)")
+    p.add_argument("--state-dir", default=None, help="with --install: the daemon's state directory")
+    p.add_argument("--config", type=Path, default=None, help="with --install: TOML config file")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
     p.set_defaults(func=run)
+
+
+def _install(args, path: Path) -> None:
+    """Copy to ``<state dir>/profiles/``, where the daemon looks for its own profile."""
+    if not args.install:
+        return
+    import os
+    import shutil
+
+    from meshd.config import load_config
+    from meshd.state import StateDir
+
+    cfg = load_config(args.config, os.environ, {"state_dir": args.state_dir})
+    state = StateDir(cfg.resolved_state_dir()).ensure()
+    dest = state.profiles_dir / path.name
+    if dest.resolve() != path.resolve():
+        shutil.copyfile(path, dest)
+    print(f"installed {dest} (the daemon shares it with the home on its next start or re-plan)")
 
 
 def _target(args, device_id: str) -> Path:
@@ -84,6 +106,7 @@ def run(args) -> int:
         path = pf.save(prof, _target(args, prof.device_id))
         print(f"wrote {path}: {prof.device_id} = {src.device_id} x{args.speed:g} speed, "
               f"memory budget {prof.memory_budget_bytes / 2**30:.1f} GiB")
+        _install(args, path)
         if args.json:
             print(json.dumps(_summary(prof, path, False)))
         return 0
@@ -115,6 +138,7 @@ def run(args) -> int:
         path = pf.save(prof, _target(args, device_id))
         print(f"wrote {path}: one layer measured, {speed:.2f}x the speed of {ref.device_id}; "
               f"run without --quick-from for a full profile")
+        _install(args, path)
         if args.json:
             print(json.dumps(_summary(prof, path, False)))
         return 0
@@ -134,6 +158,7 @@ def run(args) -> int:
             existing = None
         if existing is not None and reusable(existing, source.identity, settings):
             print(f"re-using {path} (same model, settings and torch; --force to measure again)")
+            _install(args, path)
             if args.json:
                 print(json.dumps(_summary(existing, path, True)))
             return 0
@@ -144,6 +169,7 @@ def run(args) -> int:
           f"whole model at {prof.calib_seq_lens[-1]} tokens {prof.full_model_time(prof.calib_seq_lens[-1]):.2f} s, "
           f"decode step {prof.decode_step_s[0] * 1e3:.1f} ms, q interpolation error "
           f"max {prof.q_error['max_abs_rel_error'] * 100:.1f}%")
+    _install(args, path)
     if args.json:
         print(json.dumps(_summary(prof, path, False)))
     return 0
