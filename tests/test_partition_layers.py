@@ -15,7 +15,7 @@ from partition.layers import (
     stage_cost_s,
     stage_memory_bytes,
 )
-from partition.link import LOCAL, LinkModel, parse_link
+from partition.link import LOCAL, parse_link
 from partition.planner import make_plan
 from partition.synthetic import small_model, synthetic_profile
 
