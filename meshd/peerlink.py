@@ -28,6 +28,8 @@ from transport.node import TransportNode
 
 log = get_logger("meshd.peerlink")
 
+RENEW_AFTER_FAILURES = 2
+
 
 class PeerLink:
     """``on_message(public_key, envelope)`` is called for every well-formed message."""
@@ -45,6 +47,8 @@ class PeerLink:
         self.send_timeout_s = send_timeout_s
         self.peers: dict[str, tuple[str, str, Peer]] = {}  # node id -> (endpoint, key, Peer)
         self.port = 0
+        self.failures: dict[str, int] = {}  # node id -> consecutive failed sends
+        self._renewing: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._server = None
 
@@ -93,6 +97,36 @@ class PeerLink:
             await peer.send(msg, timeout=self.send_timeout_s)
         except TransportError as exc:
             log.debug("peer_send_failed", peer=node_id, message=type(msg).__name__, error=str(exc))
+            n = self.failures[node_id] = self.failures.get(node_id, 0) + 1
+            if n >= RENEW_AFTER_FAILURES and node_id not in self._renewing:
+                await self._renew(node_id, peer)
+        else:
+            self.failures[node_id] = 0
+
+    async def _renew(self, node_id: str, peer: Peer) -> None:
+        """Replace a link that keeps failing with a fresh socket.
+
+        libzmq gives up on a connection for good once the server refuses our
+        key (a protocol error ends the session; it never reconnects). Between
+        members that refusal is usually temporary: a member that has not yet
+        heard of a newly paired device refuses it until the new key reaches it
+        by gossip. So a link that keeps failing is rebuilt, which costs one
+        socket per heartbeat interval while the peer is unreachable.
+        """
+        current = self.peers.get(node_id)
+        if current is None or current[2] is not peer:
+            return  # already replaced or removed
+        self._renewing.add(node_id)
+        try:
+            endpoint, key, _ = current
+            del self.peers[node_id]
+            await peer.close()
+            address, port = endpoint[len("tcp://"):].rsplit(":", 1)
+            await self.connect(node_id, key, address, int(port))
+            self.failures[node_id] = 0
+            log.debug("peer_link_renewed", peer=node_id)
+        finally:
+            self._renewing.discard(node_id)
 
     def broadcast(self, msg: Any, node_ids=None) -> int:
         ids = list(node_ids if node_ids is not None else self.peers)

@@ -155,6 +155,9 @@ class Mesh:
     def cleanup(self) -> None:
         for p in self.procs:
             p.cleanup()
+        if os.environ.get("MESHD_TEST_KEEP"):  # debugging: keep logs and state dirs
+            print(f"kept {self.root}")
+            return
         shutil.rmtree(self.root, ignore_errors=True)
 
 
