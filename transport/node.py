@@ -27,6 +27,7 @@ from transport.auth import CurveAuthenticator
 from transport.errors import TransportError
 from transport.keys import AllowList, Keypair, load_or_create_keypair
 from transport.link import Handler, Peer, StageServer
+from transport.tuning import tune_allocator_for_large_messages
 from transport.wire import DEFAULT_LIMITS, Limits
 
 __all__ = ["TransportNode"]
@@ -44,7 +45,14 @@ class TransportNode:
         keypair: Keypair | None = None,
         allowlist: AllowList | None = None,
         limits: Limits = DEFAULT_LIMITS,
+        tune_allocator: bool = False,
     ) -> None:
+        """``tune_allocator=True`` applies
+        ``transport.tuning.tune_allocator_for_large_messages()`` (process-wide,
+        glibc only) so messages of 32 MiB and more are received without page
+        faults; recommended for a daemon, off by default for library use."""
+        if tune_allocator:
+            tune_allocator_for_large_messages(limits.max_total_bytes)
         self.node_id = node_id
         self.curve = curve
         self.limits = limits
