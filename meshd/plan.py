@@ -83,6 +83,8 @@ class Plan:
 
     def check(self) -> None:
         """Stages must tile [0, num_layers) contiguously, one range per node."""
+        if not self.stages or self.num_layers <= 0:
+            raise ValueError("a plan needs at least one stage and one layer")
         pos = 0
         for s in self.stages:
             if s.first != pos or s.last <= s.first:

@@ -1,0 +1,56 @@
+"""Re-planning: the plan the coordinator computes over the ready members."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshd import plan as plan_mod
+from meshd.plan import MemberInput, Plan, Stage, equal_split, make_plan
+
+
+def test_equal_split_tiles_the_layers_in_node_id_order():
+    assert equal_split(["b", "a", "c"], 10) == [Stage("a", 0, 4), Stage("b", 4, 7), Stage("c", 7, 10)]
+    assert equal_split(["a", "b", "c"], 2) == [Stage("a", 0, 1), Stage("b", 1, 2)]
+
+
+def test_without_any_profile_the_plan_is_an_equal_split_and_says_so(monkeypatch):
+    monkeypatch.setattr(plan_mod, "default_profile", lambda: None)
+    p = make_plan(3, "a", [MemberInput("a", 1000), MemberInput("b", 1000)], 30)
+    assert p.stages == (Stage("a", 0, 15), Stage("b", 15, 30))
+    assert p.version == 3 and p.leader == "a" and p.members == ("a", "b")
+    assert p.reason.startswith("equal split")
+
+
+def test_with_profiles_the_partition_planner_decides_and_predicts_the_bottleneck():
+    if plan_mod.default_profile() is None:
+        pytest.skip("no shipped profile in profiles/")
+    members = [MemberInput(n, 8000) for n in ("a", "b")]
+    p = make_plan(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
+    assert p.predicted_bottleneck_s and p.predicted_bottleneck_s > 0
+    assert not p.reason.startswith("equal split")
+    p.check()
+
+
+def test_a_planner_failure_falls_back_to_an_equal_split():
+    bad = {"schema": "nope"}
+    p = make_plan(1, "a", [MemberInput("a", 1000, bad), MemberInput("b", 1000, bad)], 30)
+    assert p.reason.startswith("equal split: planner failed")
+    assert [s.node_id for s in p.stages] == ["a", "b"]
+
+
+def test_a_plan_survives_the_plan_update_message_form():
+    p = Plan(7, (Stage("x", 0, 10), Stage("y", 10, 30)), 30, 0.25, "compute", "x", ("x", "y"))
+    assert Plan.from_assignment(7, p.to_assignment()) == p
+
+
+@pytest.mark.parametrize("assignment", [
+    {"n": {"stage": 0, "first": 0, "last": 10, "num_layers": 30}},  # does not reach the end
+    {"n": {"stage": 0, "first": 1, "last": 30, "num_layers": 30}},  # does not start at 0
+    {"n": {"stage": 0, "first": 0, "last": 20, "num_layers": 30},
+     "m": {"stage": 1, "first": 15, "last": 30, "num_layers": 30}},  # overlap
+    {"n": {"stage": 0}},  # missing fields
+    {},  # no stages
+])
+def test_a_malformed_or_gappy_plan_is_rejected(assignment):
+    with pytest.raises(ValueError):
+        Plan.from_assignment(1, assignment)
