@@ -164,6 +164,32 @@ async def test_delay_proxy_pipelines_chunks_so_the_delay_does_not_cap_throughput
     assert 0.100 <= elapsed < 20.0
 
 
+async def test_zeromq_peers_talk_through_the_delay_proxy_with_its_round_trip_time():
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        async with DelayProxy(("127.0.0.1", port), one_way_delay_s=0.010) as proxy:
+            dealer.connect(f"tcp://{proxy.address[0]}:{proxy.address[1]}")
+            await dealer.send_multipart([b"hdr", b"x" * 100_000])  # handshake + first message
+            ident, *frames = await asyncio.wait_for(router.recv_multipart(), 10)
+            assert frames == [b"hdr", b"x" * 100_000]
+            t = time.perf_counter()
+            await dealer.send(b"ping")
+            ident, msg = await asyncio.wait_for(router.recv_multipart(), 10)
+            await router.send_multipart([ident, b"pong"])
+            assert await asyncio.wait_for(dealer.recv(), 10) == b"pong"
+            assert time.perf_counter() - t >= 0.020
+    finally:
+        dealer.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+
+
 async def test_delay_proxy_resets_the_client_when_the_target_is_down():
     server, target = await _echo_server()
     server.close()

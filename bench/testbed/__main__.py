@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     st.add_argument("--prefix", default="meshd-tb-selftest")
     st.add_argument("--bulk-mib", type=int, default=64)
-    st.add_argument("--bulk-seconds", type=float, default=5.0)
+    st.add_argument("--bulk-seconds", type=float, default=6.0)
     st.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     cl = sub.add_parser("cleanup", help="remove namespaces left by crashed testbeds")
     cl.add_argument("--prefix", default="meshd-tb", help="namespaces starting with this (default meshd-tb)")
