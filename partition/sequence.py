@@ -23,7 +23,7 @@ candidate with the lowest predicted latency wins, per prompt length.
 
 The chunk-cost matrix ``T*[y, l]`` is (S_max+1)² and each ``k`` is one
 ``maximum`` + ``argmin`` over it; the whole table for S_max = 2048 and 4
-devices (k ≤ 16), candidates and predictions included, takes ~1.5 s on one
+devices (k ≤ 16), candidates and predictions included, takes 1.5–2 s on one
 core of the reference machine (bench/RESULTS.md). The result is a
 :class:`CutTable`: row ``y``
 holds the cut points, so run-time lookup is O(1).
