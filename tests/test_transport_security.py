@@ -246,3 +246,15 @@ def test_allocator_tuning_is_applied_in_its_own_process():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("True", "False")
+
+
+async def test_nodes_link_up_end_to_end_with_curve_and_without(tmp_path):
+    async with TransportNode("a", state_dir=tmp_path / "a") as a, TransportNode("b", state_dir=tmp_path / "b") as b:
+        a.admit(b.public_key, "b")
+        server = await a.serve(Stage())
+        peer = await b.connect(server.address, a.public_key, timeout=5)
+        assert (await peer.request(FreeSequence(1, 1))).detail == b.public_key.decode()
+    async with TransportNode("c", curve=False) as c, TransportNode("d", curve=False) as d:
+        server = await c.serve(Stage())
+        peer = await d.connect(server.address, timeout=5)
+        assert (await peer.request(FreeSequence(1, 1))).detail == ""

@@ -178,6 +178,11 @@ class StageServer:
                 log.warning("protocol_error", error=str(e), request_id=e.request_id, peer=identity.hex())
                 await self._send(identity, ErrorReply("protocol", str(e)), e.request_id)
                 continue
+            except Exception as e:  # a decoder bug must not stop the stage
+                self.stats["protocol_errors"] += 1
+                log.error("decode_failed", error=f"{type(e).__name__}: {e}", peer=identity.hex(), exc_info=True)
+                await self._send(identity, ErrorReply("protocol", f"undecodable message: {type(e).__name__}"), 0)
+                continue
             peer_key = ""
             if self.curve and body:
                 try:
@@ -387,6 +392,9 @@ class Peer:
                     fut.set_exception(e)
                 else:
                     log.warning("protocol_error", error=str(e), peer=self.address)
+                continue
+            except Exception as e:  # a decoder bug must not stop the link
+                log.error("decode_failed", error=f"{type(e).__name__}: {e}", peer=self.address, exc_info=True)
                 continue
             fut = self._pending.get(env.request_id) if env.request_id else None
             if fut is not None:
