@@ -404,12 +404,19 @@ class Peer:
                 m = env.message
                 log.warning("remote_error", code=m.code, error=m.message, peer=self.address,
                             request_id=env.request_id or None)
-                if self.on_message is not None:
-                    self.on_message(env)
+                self._deliver_unsolicited(env)
             elif self.on_message is not None:
-                self.on_message(env)
+                self._deliver_unsolicited(env)
             else:
                 log.debug("late_reply_dropped", request_id=env.request_id, peer=self.address)
+
+    def _deliver_unsolicited(self, env: Envelope) -> None:
+        if self.on_message is None:
+            return
+        try:
+            self.on_message(env)
+        except Exception:  # the callback's bug must not stop the receive loop
+            log.error("on_message_failed", peer=self.address, exc_info=True)
 
     def _check_open(self) -> zmq.asyncio.Socket:
         if self._sock is None:
