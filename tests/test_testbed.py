@@ -255,6 +255,29 @@ def test_loopback_mode_runs_pinned_processes_on_distinct_loopback_addresses_and_
     assert server.poll() is not None
 
 
+def test_teardown_kills_whole_process_groups_even_when_they_ignore_sigterm():
+    with Testbed(1, mode="loopback") as tb:
+        p = tb.host(0).popen(["sh", "-c", "trap '' TERM; sleep 100 & wait"])
+        time.sleep(0.2)
+    assert p.poll() is not None
+    assert _live_group_members(p.pid) == []  # the backgrounded sleep is gone too
+
+
+def _live_group_members(pgid: int) -> list[int]:
+    """Processes of a group that are not zombies (orphans wait for init to reap them)."""
+    live = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                live.append(int(entry))
+    return live
+
+
 def test_without_root_the_testbed_says_it_falls_back_to_loopback(monkeypatch, capsys):
     monkeypatch.setattr("bench.testbed.testbed.os.geteuid", lambda: 1000)
     with Testbed(2, "1gbit,1ms") as tb:

@@ -182,10 +182,7 @@ class Testbed:
                 return
             self._closing = True
         try:
-            for proc, _ in self._proxies.values():
-                self._kill(proc)
-            for p in self._procs:
-                self._kill(p)
+            self._kill_all(self._procs)  # proxies are in _procs too
             self._teardown_netns()
         finally:
             self._restore_signal_handlers()
@@ -253,24 +250,31 @@ class Testbed:
         self._procs.append(p)
         return p
 
+    @classmethod
+    def _kill(cls, p: subprocess.Popen, grace_s: float = 2.0) -> None:
+        cls._kill_all([p], grace_s)
+
     @staticmethod
-    def _kill(p: subprocess.Popen, grace_s: float = 2.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``."""
-        if p.poll() is not None:
-            return
+    def _kill_all(procs: list[subprocess.Popen], grace_s: float = 2.0) -> None:
+        """SIGTERM every process group at once, SIGKILL whatever is left after ``grace_s``."""
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                try:
-                    p.send_signal(sig)
-                except ProcessLookupError:
-                    pass
-            try:
-                p.wait(timeout=wait)
+            alive = [p for p in procs if p.poll() is None]
+            if not alive:
                 return
-            except subprocess.TimeoutExpired:
-                continue
+            for p in alive:
+                try:
+                    os.killpg(p.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    try:
+                        p.send_signal(sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + wait
+            for p in alive:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
 
     # ---- building --------------------------------------------------------
 
