@@ -373,6 +373,18 @@ def test_cleanup_leaves_a_live_testbed_alone():
 
 @pytest.mark.root
 @needs_netns
+def test_a_second_testbed_with_a_live_prefix_is_refused_not_degraded_to_loopback():
+    from bench.testbed.testbed import TestbedBusy
+
+    prefix = _prefix("b")
+    with Testbed(1, name_prefix=prefix):
+        with pytest.raises(TestbedBusy):
+            Testbed(1, name_prefix=prefix).start()
+        assert f"{prefix}-h0" in tbnetns.list_namespaces()
+
+
+@pytest.mark.root
+@needs_netns
 def test_sigterm_tears_down_namespaces_and_processes():
     prefix = _prefix("t")
     script = textwrap.dedent(

@@ -9,7 +9,7 @@ back to loopback processes. ``python -m bench.testbed selftest|cleanup``.
 from bench.testbed.delay_proxy import DelayProxy
 from bench.testbed.linkspec import LinkSpec, LinkSpecError
 from bench.testbed.netns import TestbedError, cleanup
-from bench.testbed.testbed import FALLBACK_LINE, Host, Testbed
+from bench.testbed.testbed import FALLBACK_LINE, Host, Testbed, TestbedBusy
 
 __all__ = [
     "DelayProxy",
@@ -18,6 +18,7 @@ __all__ = [
     "LinkSpec",
     "LinkSpecError",
     "Testbed",
+    "TestbedBusy",
     "TestbedError",
     "cleanup",
 ]

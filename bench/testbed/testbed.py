@@ -50,6 +50,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FALLBACK_LINE = "testbed: no root / netns unavailable — falling back to loopback processes; link shaping disabled"
 
 
+class TestbedBusy(TestbedError):
+    """Another live process owns a testbed with this prefix."""
+
+
 def _python_env(env: dict[str, str] | None) -> dict[str, str]:
     """Child environment in which ``python -m bench.…`` resolves to this checkout."""
     out = dict(os.environ if env is None else env)
@@ -159,6 +163,8 @@ class Testbed:
                     try:
                         self._build_netns()
                         self.mode = "netns"
+                    except TestbedBusy:
+                        raise  # a live testbed owns this prefix: not a reason to fall back
                     except TestbedError as e:
                         self._teardown_netns()
                         reason = str(e)
@@ -291,7 +297,7 @@ class Testbed:
     def _build_netns(self) -> None:
         lock = netns.OwnerLock(self.prefix)
         if not lock.try_acquire():
-            raise TestbedError(
+            raise TestbedBusy(
                 f"testbed: prefix {self.prefix!r} is in use by pid {lock.holder()}; "
                 "pick another name_prefix")
         self._lock = lock
