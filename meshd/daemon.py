@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import zmq
 
 from meshd import control
 from meshd.config import Config
@@ -48,6 +49,7 @@ from meshd.peerlink import PeerLink
 from meshd.plan import MemberInput, Plan, make_plan
 from meshd.sdnotify import Notifier
 from meshd.state import Home, Member, StateDir, key_fingerprint, members_digest
+from transport.errors import TransportError
 from transport.messages import Envelope, PlanUpdate
 
 log = get_logger("meshd.daemon")
@@ -196,9 +198,16 @@ class Daemon:
 
         self.link = PeerLink(self.node_id, self.state.root, self._on_message,
                              send_timeout_s=max(0.2, cfg.heartbeat_interval_s))
-        self.port = await self.link.start(cfg.listen, cfg.port)
+        try:
+            self.port = await self.link.start(cfg.listen, cfg.port)
+        except (zmq.ZMQError, TransportError) as exc:
+            raise DaemonError(f"cannot listen on {cfg.listen}:{cfg.port} (port): {exc}") from None
         self.pairing = PairingServer(self.state, self._on_admitted)
-        self.pairing_port = await self.pairing.start(cfg.listen, cfg.pairing_port)
+        try:
+            self.pairing_port = await self.pairing.start(cfg.listen, cfg.pairing_port)
+        except OSError as exc:
+            raise DaemonError(f"cannot listen on {cfg.listen}:{cfg.pairing_port} (pairing_port): "
+                              f"{exc.strerror or exc}") from None
         self._write_runtime_file()  # before the API answers, so `meshd invite` sees real ports
 
         await self._start_api()

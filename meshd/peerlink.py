@@ -29,6 +29,7 @@ from transport.node import TransportNode
 log = get_logger("meshd.peerlink")
 
 RENEW_AFTER_FAILURES = 2
+RENEW_BACKOFF_S = (0.5, 8.0)  # first and longest wait between rebuilds of a failing link
 
 
 class PeerLink:
@@ -48,6 +49,8 @@ class PeerLink:
         self.peers: dict[str, tuple[str, str, Peer]] = {}  # node id -> (endpoint, key, Peer)
         self.port = 0
         self.failures: dict[str, int] = {}  # node id -> consecutive failed sends
+        self._renew_delay: dict[str, float] = {}  # node id -> backoff before the next rebuild
+        self._renew_at: dict[str, float] = {}
         self._renewing: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._server = None
@@ -98,10 +101,17 @@ class PeerLink:
         except TransportError as exc:
             log.debug("peer_send_failed", peer=node_id, message=type(msg).__name__, error=str(exc))
             n = self.failures[node_id] = self.failures.get(node_id, 0) + 1
-            if n >= RENEW_AFTER_FAILURES and node_id not in self._renewing:
+            now = asyncio.get_running_loop().time()
+            if (n >= RENEW_AFTER_FAILURES and node_id not in self._renewing
+                    and now >= self._renew_at.get(node_id, 0.0)):
+                delay = self._renew_delay.get(node_id, RENEW_BACKOFF_S[0])
+                self._renew_delay[node_id] = min(delay * 2, RENEW_BACKOFF_S[1])
+                self._renew_at[node_id] = now + delay
                 await self._renew(node_id, peer)
         else:
             self.failures[node_id] = 0
+            self._renew_delay.pop(node_id, None)
+            self._renew_at.pop(node_id, None)
 
     async def _renew(self, node_id: str, peer: Peer) -> None:
         """Replace a link that keeps failing with a fresh socket.
@@ -110,8 +120,8 @@ class PeerLink:
         key (a protocol error ends the session; it never reconnects). Between
         members that refusal is usually temporary: a member that has not yet
         heard of a newly paired device refuses it until the new key reaches it
-        by gossip. So a link that keeps failing is rebuilt, which costs one
-        socket per heartbeat interval while the peer is unreachable.
+        by gossip. So a link that keeps failing is rebuilt, with a backoff
+        (0.5 s doubling to 8 s) so an unreachable peer costs little.
         """
         current = self.peers.get(node_id)
         if current is None or current[2] is not peer:
