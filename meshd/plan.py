@@ -98,7 +98,10 @@ class Plan:
             "version": self.version,
             "stages": [{"node_id": s.node_id, "layers": [s.first, s.last]} for s in self.stages],
             "num_layers": self.num_layers,
+            # seconds the slowest stage takes (compute + hand-off) for one prefill of
+            # PLAN_SEQ_LEN prompt tokens: the planner's objective, not a per-token time
             "predicted_bottleneck": self.predicted_bottleneck_s,
+            "predicted_bottleneck_for_tokens": PLAN_SEQ_LEN,
             "reason": self.reason,
             "leader": self.leader,
             "members": list(self.members),
