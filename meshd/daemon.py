@@ -532,6 +532,9 @@ class Daemon:
         layers = plan.layers_of(self.node_id)
         log.info("plan_adopted", version=plan.version, leader=plan.leader,
                  layers=list(layers) if layers else None)
+        ready = len(self.membership.ready_ids()) if self.membership else 1
+        self.notifier.status(f"home {self.home.name if self.home else '?'}: {ready} member(s) ready, "
+                             f"plan v{plan.version}, layers {list(layers) if layers else 'none'} here")
         for listener in self.plan_listeners:  # the pipeline engine redeploys layer ranges here
             try:
                 listener(plan)

@@ -122,3 +122,29 @@ async def test_an_unreachable_inviter_is_a_clear_error():
 def test_a_device_without_a_home_cannot_invite(tmp_path):
     with pytest.raises(PairingError, match="not in a home"):
         create_invite(StateDir(tmp_path).ensure(), "m1", [], 1, ttl_s=60)
+
+
+def test_invite_without_a_running_daemon_uses_the_configured_port(tmp_path):
+    from tests.test_daemon_helpers import run_cli
+
+    state = StateDir(tmp_path / "s").ensure()
+    state.create_home("flat")
+    rc, out = run_cli("invite", "--state-dir", str(state.root), "--json")
+    assert rc == 0
+    body = json.loads(out.strip().splitlines()[-1])
+    token = Token.decode(body["token"])
+    assert token.pairing_port == 7411 and token.addresses
+    assert token.node_id == state.node_id()
+    assert len(state.invites()) == 1
+
+
+def test_invite_prefers_the_running_daemons_ports_and_addresses(tmp_path):
+    from tests.test_daemon_helpers import run_cli
+
+    state = StateDir(tmp_path / "s").ensure()
+    state.create_home("flat")
+    (state.root / "daemon.json").write_text(json.dumps(
+        {"pairing_port": 40123, "addresses": ["192.0.2.7"], "port": 1, "pid": 1}))
+    rc, out = run_cli("invite", "--state-dir", str(state.root), "--json")
+    token = Token.decode(json.loads(out.strip().splitlines()[-1])["token"])
+    assert (token.pairing_port, token.addresses) == (40123, ("192.0.2.7",))
