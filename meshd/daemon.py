@@ -12,9 +12,10 @@ I/O lives here; the decisions live in the small pure modules (membership,
 discovery.classify, plan). Bad input from the network is logged and dropped;
 nothing a peer sends can stop the daemon.
 
-Shutdown (SIGTERM/SIGINT): stop admitting requests, tell peers "bye", withdraw
-the mDNS record, give in-flight requests ``drain_timeout_s`` to finish and fail
-the rest with a clear error, close the API (removing the socket file), exit 0.
+Shutdown (SIGTERM/SIGINT): refuse new requests (503 with a clear message),
+give in-flight ones ``drain_timeout_s`` to finish and fail the rest with a
+clear error, tell peers "bye", withdraw the mDNS record, close the API
+(removing the socket file), exit 0.
 """
 
 from __future__ import annotations
@@ -263,15 +264,29 @@ class Daemon:
         self.debounce.poke(self.clock())  # the layer count may have changed
 
     async def stop(self) -> None:
-        """Graceful shutdown; safe to call after a failed or partial start."""
+        """Graceful shutdown; safe to call after a failed or partial start.
+
+        Order matters: refuse new requests first, let running ones finish (the
+        heartbeats keep going meanwhile, marked "draining", so peers do not
+        re-plan under a request that is still using them), then say bye,
+        withdraw the mDNS record, and close the API (which removes its socket).
+        """
         self.notifier.stopping()
         log.info("daemon_stopping", in_flight=self.engine.in_flight if self.engine else 0)
+        if self.engine is not None:
+            self.engine.draining = True
+            if self.engine.in_flight:
+                try:
+                    await asyncio.wait_for(self.engine.idle.wait(), self.config.drain_timeout_s)
+                except asyncio.TimeoutError:
+                    log.warning("drain_timeout", cutting=self.engine.in_flight)
+                    self.engine.aborting = True
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.engine.idle.wait(), 5.0)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        if self.engine is not None:
-            self.engine.draining = True
         if self.link is not None and self.membership is not None:
             self.link.broadcast(control.Bye(self.node_id))
             await self.link.flush(0.5)
@@ -279,14 +294,6 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await self.discovery.stop()
             self.discovery = None
-        if self.engine is not None and self.engine.in_flight:
-            try:
-                await asyncio.wait_for(self.engine.idle.wait(), self.config.drain_timeout_s)
-            except asyncio.TimeoutError:
-                log.warning("drain_timeout", cutting=self.engine.in_flight)
-                self.engine.aborting = True
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.engine.idle.wait(), 5.0)
         if self.api_runner is not None:
             await self.api_runner.cleanup()  # closes the listener, removes the socket file
             self.api_runner = None

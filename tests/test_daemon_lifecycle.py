@@ -78,7 +78,7 @@ def _browse_loopback(instances_seen: dict, stop: threading.Event):
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_request_fails_it_clearly_and_leaves_nothing_behind(mesh):
+def test_sigterm_during_a_request_refuses_new_ones_fails_it_clearly_and_leaves_nothing_behind(mesh):
     notify_path = mesh.root / "notify.sock"
     notify = _notify_socket(notify_path)
     seen: dict = {}
@@ -88,7 +88,8 @@ def test_sigterm_during_a_request_fails_it_clearly_and_leaves_nothing_behind(mes
     try:
         d = mesh.spawn("solo", "--engine", "tests.test_daemon_lifecycle:make_slow_engine",
                        new_home="flat",
-                       env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "2000000"})
+                       env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "2000000",
+                            "MESHD_DRAIN_TIMEOUT_S": "2"})
         assert notify.recv(200).startswith(b"READY=1")
         assert notify.recv(200) == b"WATCHDOG=1"
         d.wait_serving()
@@ -109,6 +110,16 @@ def test_sigterm_during_a_request_fails_it_clearly_and_leaves_nothing_behind(mes
         reader.start()
         wait_for(lambda: pieces, 10, interval=0.05, what="the first token")
         d.signal(signal.SIGTERM)
+
+        def new_request_refused():
+            try:
+                MeshdClient(d.socket, timeout=5).chat("hi", max_tokens=1)
+            except MeshdError as exc:
+                return "shutting down" in str(exc) and "503" in str(exc)
+            return False
+
+        # while the running request drains (2 s), new ones are refused clearly
+        wait_for(new_request_refused, 2, interval=0.05, what="a new request refused while draining")
         assert d.wait(30) == 0
         reader.join(10)
 
