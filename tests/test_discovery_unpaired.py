@@ -21,13 +21,14 @@ def test_an_unpaired_device_is_discovered_but_never_admitted(mesh):
     rogue_state = StateDir(rogue.state_dir).ensure()
     rogue_state.set_home(a_state.home())
     rogue_state.add_members(list(a_state.members().values()))
-    rogue.cmd = [arg for arg in rogue.cmd]  # plain `meshd join`: it already "has" a home
-    rogue.start()
+    rogue.start()  # plain `meshd join`: it already "has" a home
     rogue_id = rogue.wait_serving()["node_id"]
 
+    other_id = other.wait_serving()["node_id"]
+
     def a_explains_both():
-        na = {d["name"]: d["reason"] for d in a.status()["not_admitted"]}
-        return na.get("rogue") == "unpaired key" and na.get("other") == "another home"
+        na = {d["node_id"]: d["reason"] for d in a.status()["not_admitted"]}
+        return na.get(rogue_id) == "unpaired key" and na.get(other_id) == "another home"
 
     wait_for(a_explains_both, 10, what="a to list rogue (unpaired) and other (another home)")
     # ...and the transport refused rogue's key when it tried to talk to a.
