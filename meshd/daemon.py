@@ -30,7 +30,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import structlog
