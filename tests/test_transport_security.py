@@ -258,3 +258,30 @@ async def test_nodes_link_up_end_to_end_with_curve_and_without(tmp_path):
         server = await c.serve(Stage())
         peer = await d.connect(server.address, timeout=5)
         assert (await peer.request(FreeSequence(1, 1))).detail == ""
+
+
+async def test_a_node_closed_before_does_not_break_curve_for_the_next_one(tmp_path):
+    """Regression: terminating a context right after stopping its ZAP handler left a stale
+    event-loop reader, and every later CURVE node in the same loop timed out on handshakes."""
+    from transport.keys import AllowList, load_or_create_keypair
+    from transport.messages import Hello, HelloReply
+    from transport.node import TransportNode
+
+    async def handler(msg, req):
+        return HelloReply("server", 1, "")
+
+    for round_ in range(3):
+        a, b = tmp_path / f"a{round_}", tmp_path / f"b{round_}"
+        ka, kb = load_or_create_keypair(a), load_or_create_keypair(b)
+        for d in (a, b):
+            allow = AllowList.for_state_dir(d)
+            allow.add(ka.public)
+            allow.add(kb.public)
+        server_node, client_node = TransportNode("s", state_dir=a), TransportNode("c", state_dir=b)
+        await server_node.start()
+        await client_node.start()
+        server = await server_node.serve(handler)
+        peer = await client_node.connect(server.address, server_key=ka.public)
+        assert isinstance(await peer.request(Hello("c", 1, ""), timeout=5), HelloReply)
+        await client_node.close()
+        await server_node.close()

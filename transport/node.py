@@ -17,6 +17,7 @@ binds, and stops it only after every server is closed.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -125,6 +126,11 @@ class TransportNode:
         if self.authenticator is not None:
             self.authenticator.stop()
             self.authenticator = None
+            # Let the cancelled ZAP task unwind (it unregisters its poller from
+            # the event loop) before the context dies: terminating first leaves
+            # a stale reader behind, and the next node's ZAP handler in this
+            # event loop then never answers — every later CURVE handshake hangs.
+            await asyncio.sleep(0)
         self.context.term()
 
     async def __aenter__(self) -> "TransportNode":

@@ -58,6 +58,16 @@ async def serve(args) -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """A stage emulating a device must not outlive the harness that started it (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--node-id", required=True)
@@ -70,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--activation-dtype", default=None, choices=[None, "float16", "bfloat16"])
     ap.add_argument("--no-curve", action="store_true")
     args = ap.parse_args(argv)
+    _die_with_parent()
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
     torch.set_num_threads(args.threads)

@@ -49,6 +49,7 @@ class StageError(MeshdError):
 class StageStats:
     forwards: int = 0
     tokens: int = 0
+    activation_bytes_out: int = 0
     busy_s: float = 0.0
     errors: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -56,6 +57,7 @@ class StageStats:
     def to_dict(self) -> dict:
         up = max(time.monotonic() - self.started, 1e-9)
         return {"forwards": self.forwards, "tokens": self.tokens, "busy_s": round(self.busy_s, 3),
+                "activation_bytes_out": self.activation_bytes_out,
                 "utilisation": round(self.busy_s / up, 3), "errors": self.errors}
 
 
@@ -190,6 +192,8 @@ class StageService:
                 tree_mask=msg.tree_mask, sampling=msg.sampling, reply_to=msg.reply_to,
                 is_last_chunk=msg.is_last_chunk)
             await self._send_next(nxt)
+            elem = 2 if self.activation_dtype in ("float16", "bfloat16") else out.element_size()
+            self.stats.activation_bytes_out += out.numel() * elem
         elif want_logits:
             sampler = self.samplers.get(seq)
             if sampler is None:

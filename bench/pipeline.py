@@ -1,0 +1,235 @@
+"""Intra-sequence pipelined prefill across processes vs the baselines it must beat.
+
+Methods, all measured the same way (coordinator → stage processes over the
+CURVE transport, TTFT = first chunk sent → first token back):
+  single   one stage process with the whole model (one core, one thread)
+  naive    2+ stages, the whole prompt as one chunk (EdgeShard-style)
+  equal    same stages, the prompt in k equal chunks (k = the planner's k)
+  planned  same stages, the planner's cut points (Jupiter's sequence DP)
+Each stage process is pinned to its own core with one torch thread, so every
+method gets the same per-device hardware. Layer ranges come from the layer
+planner (the same for naive/equal/planned).
+
+    python bench/pipeline.py [--quick] [--json] [--devices 2] [--lens 128,512,1024,2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._common import emit_json, machine_banner  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = ROOT / "profiles" / "x86_64-2core-1thread.json"
+
+
+def load_prompt_sets(include_shared: bool = True) -> list[dict]:
+    sets = [ROOT / "bench" / "prompts" / "home.jsonl"]
+    shared = ROOT.parent / "shared" / "prompts"
+    if include_shared and shared.is_dir():
+        sets += sorted(shared.glob("*.jsonl"))
+    out = []
+    for f in sets:
+        for line in f.read_text().splitlines():
+            if line.strip():
+                o = json.loads(line)
+                o["source"] = f.name
+                out.append(o)
+    return out
+
+
+def synthetic_prompt(tok, n: int) -> list[int]:
+    """Exactly n tokens of home-event-log text (deterministic)."""
+    text = "\n".join(p["prompt"] for p in load_prompt_sets(False) if p["category"] == "event_log")
+    ids = tok.encode(text)
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def planner(n_devices: int, link_spec: str, max_seq: int):
+    from partition import profile as prof
+    from partition.link import parse_link
+    from partition.planner import make_plan
+
+    base = prof.load(PROFILE)
+    profiles = [prof.scale(base, 1.0, device_id=f"dev{i}") for i in range(n_devices)]
+    link = parse_link(link_spec) if link_spec not in ("none", "unshaped") else parse_link("10gbit,0.1ms")
+    return make_plan(profiles, link, max_seq), profiles, link
+
+
+def equal_cuts(n: int, k: int) -> tuple[int, ...]:
+    return tuple(round(n * i / k) for i in range(1, k))
+
+
+async def measure(mesh, ids, cuts, decode_tokens: int, reps: int) -> dict:
+    from decoding.sampling import SamplingParams
+
+    ttfts, decode_rates = [], []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        t_first = None
+        n = 0
+        async for _ in mesh.coord.generate(f"m{time.monotonic_ns()}", ids, 1 + decode_tokens,
+                                           SamplingParams(), (), cuts=list(cuts)):
+            n += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+        ttfts.append(t_first - t0)
+        if n > 1:
+            decode_rates.append((n - 1) / (t_end - t_first))
+    return {"ttft_s": statistics.median(ttfts), "ttft_all_s": ttfts,
+            "decode_tokens_per_s": statistics.median(decode_rates) if decode_rates else None}
+
+
+async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
+    from decoding.generate import generate
+    from decoding.loader import open_model
+    from decoding.pipeline_local import LocalPipeline
+    from decoding.sampling import SamplingParams
+
+    src = open_model(None)
+    ref = LocalPipeline.from_source(src, 1)
+    bad = []
+    for p in prompts:
+        ids = tok.apply_chat([{"role": "user", "content": p["prompt"]}])
+        want = generate(ref, ids, max_tokens, eos_ids=tok.eos_ids).token_ids
+        got = [t async for t in mesh.coord.generate(f"p-{p['id']}", ids, max_tokens, SamplingParams(),
+                                                     tok.eos_ids, cuts=list(cuts_for(len(ids))))]
+        got = [t for t in got if t not in tok.eos_ids]
+        if got != want:
+            bad.append(p.get("id"))
+    return {"checked": len(prompts), "mismatches": bad, "ok": not bad}
+
+
+async def run(args) -> dict:
+    import torch
+
+    from decoding.loader import open_model
+    from meshd.pipeline.proc_mesh import ProcessMesh
+
+    torch.set_num_threads(1)
+    tok = open_model(None).tokenizer
+    lens = [int(x) for x in args.lens.split(",")]
+    plan, profiles, link = planner(args.devices, "unshaped", max(lens))
+    ranges = [(s.first_layer, s.last_layer + 1) for s in plan.stages]
+    single_plan, single_prof, _ = planner(1, "unshaped", max(lens))
+    ncpu = os.cpu_count() or 1
+    cores = [[i % ncpu] for i in range(len(ranges))]
+    setup = machine_banner() | {
+        "model": "SmolLM2-135M-Instruct Q4_1 GGUF → float32", "devices": len(ranges),
+        "layer_ranges": ranges, "stage_cores": cores, "threads_per_stage": 1, "single_device": "1 process, core 0, 1 thread",
+        "prompt_lengths": lens, "link": "unshaped loopback (CURVE on)", "reps": args.reps,
+        "decode_tokens": args.decode_tokens, "profile": PROFILE.name,
+    }
+    print("setup:", json.dumps(setup), flush=True)
+    prompts = {n: synthetic_prompt(tok, n) for n in lens}
+    runs = []
+
+    def row(method, n, cuts, res, pred):
+        r = {"method": method, "prompt_len": n, "chunks": len(cuts) + 1, "cuts": list(cuts),
+             "ttft_s": res["ttft_s"], "prefill_tokens_per_s": n / res["ttft_s"],
+             "decode_tokens_per_s": res["decode_tokens_per_s"], "predicted_ttft_s": pred,
+             "link": "unshaped"}
+        runs.append(r)
+        print(f"{method:>8} n={n:>5} chunks={r['chunks']:>2} TTFT {r['ttft_s']:.3f}s "
+              f"(pred {pred:.3f}s) prefill {r['prefill_tokens_per_s']:.0f} tok/s "
+              f"decode {r['decode_tokens_per_s'] or 0:.1f} tok/s", flush=True)
+
+    from partition.planner import predict_prefill_s
+
+    print(f"[1/2] single device (layers 0-{single_plan.num_layers - 1}) ...", file=sys.stderr, flush=True)
+    async with ProcessMesh([(0, 30)], cores=[[0]], threads=1) as mesh:
+        for n in lens:
+            res = await measure(mesh, prompts[n], (), args.decode_tokens, args.reps)
+            row("single", n, (), res, predict_prefill_s(single_plan, single_prof, n, ()))
+    print(f"[2/2] {len(ranges)}-stage mesh {ranges} ...", file=sys.stderr, flush=True)
+    async with ProcessMesh(ranges, cores=cores, threads=1) as mesh:
+        for n in lens:
+            planned = plan.cut_table.lookup(n)
+            k = len(planned) + 1
+            for method, cuts in (("naive", ()), ("equal", equal_cuts(n, k)), ("planned", planned)):
+                res = await measure(mesh, prompts[n], cuts, args.decode_tokens, args.reps)
+                row(method, n, cuts, res, predict_prefill_s(plan, profiles, n, cuts))
+        par = await parity(mesh, tok, load_prompt_sets(not args.no_shared)[: args.parity_prompts or None],
+                           args.parity_tokens, lambda n: plan.cut_table.lookup(min(n, plan.max_seq)))
+        bytes_out = sum(s.get("activation_bytes_out", 0) for s in mesh.stats)
+    total_tokens = sum(r["prompt_len"] for r in runs if r["method"] != "single") * args.reps
+    by = {(r["method"], r["prompt_len"]): r for r in runs}
+    key_len = 1024 if 1024 in lens else lens[-1]
+    single, naive, planned = by[("single", key_len)], by[("naive", key_len)], by[("planned", key_len)]
+    summary = {
+        "parity": par["ok"], "parity_detail": par,
+        "speedup_vs_single": single["ttft_s"] / planned["ttft_s"],
+        "speedup_vs_naive": naive["ttft_s"] / planned["ttft_s"],
+        "planned_vs_equal": by[("equal", key_len)]["ttft_s"] / planned["ttft_s"],
+        "predicted_ttft_s": planned["predicted_ttft_s"], "measured_ttft_s": planned["ttft_s"],
+        "prediction_rel_error": (planned["predicted_ttft_s"] - planned["ttft_s"]) / planned["ttft_s"],
+        "key_prompt_len": key_len,
+        "activation_bytes_per_prompt_token": bytes_out / max(total_tokens, 1),
+        "setup": setup, "runs": runs,
+    }
+    print(f"\n{len(ranges)} devices, unshaped, {key_len}-token prompt: planned TTFT {planned['ttft_s']:.3f}s "
+          f"= {summary['speedup_vs_single']:.2f}x single, {summary['speedup_vs_naive']:.2f}x naive, "
+          f"{summary['planned_vs_equal']:.2f}x equal; predicted {planned['predicted_ttft_s']:.3f}s "
+          f"({summary['prediction_rel_error'] * 100:+.0f}%); parity {'OK' if par['ok'] else 'FAILED'} "
+          f"({par['checked']} prompts)")
+    if args.plot:
+        plot(runs, Path(args.plot))
+    return summary
+
+
+def plot(runs, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in ("single", "naive", "equal", "planned"):
+        pts = sorted((r["prompt_len"], r["ttft_s"]) for r in runs if r["method"] == method)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("TTFT vs prompt length (SmolLM2-135M, 1 core/stage)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 devices, unshaped, 1024-token prompt + parity check (< 5 min)")
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--lens", default="128,512,1024,2048")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--parity-tokens", type=int, default=32)
+    ap.add_argument("--parity-prompts", type=int, default=0, help="limit the parity set (0 = all)")
+    ap.add_argument("--no-shared", action="store_true", help="ignore ../shared/prompts")
+    ap.add_argument("--plot", default=str(ROOT / "bench" / "results" / "pipeline_ttft.png"))
+    args = ap.parse_args()
+    if args.quick:
+        args.lens, args.reps, args.plot = "1024", 2, None
+    summary = asyncio.run(run(args))
+    if args.json:
+        emit_json(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
