@@ -27,6 +27,7 @@ class MeshHeartbeat:
     timestamp: float
     state: str = "ready"  # "ready" | "draining"
     requests_in_flight: int = 0
+    stage_port: int = 0  # where this member's pipeline stage listens (0: no engine yet)
 
 
 @message

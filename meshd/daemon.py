@@ -150,6 +150,7 @@ class Daemon:
         self.engine: DrainingEngine | None = None
         self.port = 0
         self.pairing_port = 0
+        self.stage_port = 0  # set by the mesh engine once its stage service listens
         self._tasks: list[asyncio.Task] = []
         self._started_at = 0.0
 
@@ -240,16 +241,20 @@ class Daemon:
         self.api_runner = await start_api(self.api_app, self.socket_path, cfg.api_listen)
         if engine is None and cfg.model_enabled and not cfg.engine:
             # Loading weights takes a while: serve status (and 503s) meanwhile.
-            self._tasks.append(asyncio.create_task(self._load_local_engine(), name="model-load"))
+            self._tasks.append(asyncio.create_task(self._load_mesh_engine(), name="model-load"))
 
-    async def _load_local_engine(self) -> None:
-        """The whole model on this device until the cross-daemon pipeline engine plugs in."""
+    async def _load_mesh_engine(self) -> None:
+        """The default engine: serve this device's pipeline stage and coordinate local requests.
+
+        Runs in the background (reading the model and tokenizer takes seconds);
+        status and 503s are served meanwhile.
+        """
         from meshd.api.server import set_engine
-        from meshd.engine import LocalEngine
+        from meshd.pipeline.engine import mesh_engine
 
         log.info("model_loading", model=self.config.model or "embedded default")
         try:
-            engine = await LocalEngine.open(self.config.model or None)
+            engine = await mesh_engine(self)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a missing model must not take the control plane down
@@ -286,6 +291,10 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        closer = getattr(self.engine.inner, "aclose", None) if self.engine is not None else None
+        if closer is not None:
+            with contextlib.suppress(Exception):
+                await closer()
         if self.link is not None and self.membership is not None:
             self.link.broadcast(control.Bye(self.node_id))
             await self.link.flush(0.5)
@@ -420,7 +429,7 @@ class Daemon:
         if isinstance(msg, control.MeshHeartbeat):
             info = {"name": msg.name, "memory_budget_mb": msg.memory_budget_mb,
                     "plan_version": msg.plan_version, "state": msg.state,
-                    "requests_in_flight": msg.requests_in_flight}
+                    "requests_in_flight": msg.requests_in_flight, "stage_port": msg.stage_port}
             self._apply(self.membership.heartbeat(sender, now, info))
             if msg.members_digest != members_digest(self.members):
                 self.link.send(sender, self._member_list())
@@ -461,6 +470,7 @@ class Daemon:
             members_digest=members_digest(self.members), profile_digest=_digest(prof) if prof else "",
             timestamp=time.time(), state="draining" if self.stopping.is_set() else "ready",
             requests_in_flight=self.engine.in_flight if self.engine else 0,
+            stage_port=self.stage_port,
         )
 
     def _send_heartbeat(self, node_id: str | None = None) -> None:

@@ -71,9 +71,12 @@ class PipelineCoordinator:
         self._peers: dict[str, Peer] = {}
         self._ready_version = 0
 
-    async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
+    async def start(self, address: str = "tcp://127.0.0.1:0", advertise_host: str | None = None) -> str:
+        """Bind; ``advertise_host`` is the address last stages use to reach us (when binding 0.0.0.0)."""
         self._server = await self.node.serve(self._on_message, address)
         self.address = self._server.address
+        if advertise_host:
+            self.address = f"tcp://{advertise_host}:{self.address.rsplit(':', 1)[1]}"
         return self.address
 
     async def close(self) -> None:

@@ -62,3 +62,114 @@ class PipelineEngine(Engine):
             raise GenerationFailed(str(exc)) from exc
         except asyncio.TimeoutError as exc:
             raise GenerationFailed("the pipeline did not become ready in time") from exc
+
+
+# --------------------------------------------------------------------------- daemon wiring
+
+
+class DaemonDirectory:
+    """Node id → (stage endpoint, CURVE key), from the daemon's membership view.
+
+    Peers announce their stage port in heartbeats; their address is the one mDNS
+    resolved. Looked up at connect time, so a plan may name a member whose
+    heartbeat has not arrived yet.
+    """
+
+    def __init__(self, daemon):
+        self.daemon = daemon
+
+    def own_host(self) -> str:
+        listen = self.daemon.config.listen
+        if listen not in ("0.0.0.0", "", "::"):
+            return listen
+        for iface in self.daemon.interfaces:
+            if iface.addresses:
+                return iface.addresses[0]
+        return "127.0.0.1"
+
+    def __call__(self, node_id: str) -> tuple[str, str]:
+        d = self.daemon
+        if node_id == d.node_id:
+            return f"tcp://{self.own_host()}:{d.stage_port}", d.public_key
+        member = d.members.get(node_id)
+        peer = d.membership.peers.get(node_id) if d.membership else None
+        port = int((peer.info if peer else {}).get("stage_port") or 0)
+        if member is None or node_id not in d.addresses or not port:
+            raise KeyError(f"no stage endpoint known for {node_id} yet")
+        return f"tcp://{d.addresses[node_id][0]}:{port}", member.public_key
+
+
+def route_from_plan(plan, directory) -> Route:
+    from meshd.pipeline.route import StageEndpoint
+
+    stages = []
+    for s in plan.stages:
+        try:
+            address, key = directory(s.node_id)
+        except KeyError:
+            address, key = "", ""
+        stages.append(StageEndpoint(s.node_id, address, key, s.first, s.last))
+    return Route(plan.version, tuple(stages))
+
+
+class MeshEngine(PipelineEngine):
+    """A daemon's engine: serves this device's stage and coordinates its own requests."""
+
+    def __init__(self, source, coordinator, stage, directory):
+        super().__init__(source, coordinator)
+        self.stage = stage
+        self.directory = directory
+        self._deployed = 0
+
+    async def adopt(self, plan) -> None:
+        route = route_from_plan(plan, self.directory)
+        if route.plan_version <= self._deployed:
+            return
+        try:
+            await self.stage.deploy(route)
+        except Exception:  # a bad plan must not kill the daemon; the next plan may fix it
+            log.exception("stage_deploy_failed", plan_version=route.plan_version)
+            return
+        if route.plan_version > self._deployed:
+            self._deployed = route.plan_version
+            self.coordinator.set_route(route)
+
+    async def aclose(self) -> None:
+        await self.coordinator.close()
+        await self.stage.close()
+
+
+async def mesh_engine(daemon) -> MeshEngine:
+    """Engine factory (``engine = "meshd.pipeline.engine:mesh_engine"``, the daemon's default).
+
+    Loads the local model file's metadata and tokenizer (weights are loaded per
+    plan, only for this device's layer range), starts the stage service and the
+    coordinator on the daemon's CURVE transport, and follows the daemon's plans.
+    """
+    from decoding.loader import open_model
+    from meshd.pipeline.stage_service import StageService
+
+    cfg = daemon.config
+    source = await asyncio.to_thread(open_model, cfg.model or None)
+    await asyncio.to_thread(lambda: source.tokenizer)
+    directory = DaemonDirectory(daemon)
+    node = daemon.link.node
+    stage = StageService(node, daemon.node_id, source, directory)
+    stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
+    address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
+    daemon.stage_port = int(address.rsplit(":", 1)[1])
+    coordinator = PipelineCoordinator(node, daemon.node_id, directory)
+    await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
+    engine = MeshEngine(source, coordinator, stage, directory)
+    tasks = set()
+
+    def on_plan(plan) -> None:
+        t = asyncio.get_running_loop().create_task(engine.adopt(plan))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    daemon.plan_listeners.append(on_plan)
+    if daemon.plan is not None:
+        on_plan(daemon.plan)
+    log.info("mesh_engine_ready", stage=address, coordinator=coordinator.address, model=engine.model_id)
+    return engine

@@ -1,0 +1,35 @@
+"""Real daemons split the real model between them and answer through the unix-socket API."""
+
+import pytest
+
+from decoding.generate import generate
+from decoding.pipeline_local import LocalPipeline
+from meshd.client import MeshdClient
+from tests.test_daemon_helpers import mesh, summary, wait_for  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+
+
+def plan_stages(proc) -> list:
+    return (proc.status().get("plan") or {}).get("stages") or []
+
+
+def test_two_daemons_split_the_layers_and_match_the_single_device_reference(mesh, real_source, real_stage):
+    model = str(real_source.path)
+    a = mesh.spawn("alpha", "--model", model, new_home="pipeline-test")
+    a.wait_serving(60)
+    b = mesh.spawn("beta", "--model", model, token=mesh.invite(a))
+    b.wait_serving(60)
+    wait_for(lambda: len(plan_stages(a)) == 2 and len(plan_stages(b)) == 2, 90,
+             what="a two-stage plan", explain=lambda: summary(a, b))
+    (a0, a1), (b0, b1) = (s["layers"] for s in plan_stages(a))
+    assert a0 == 0 and a1 == b0 and b1 == 30
+
+    question = "What is the capital of France?"
+    tok = real_source.tokenizer
+    want = generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]), 24,
+                    eos_ids=tok.eos_ids, tokenizer=tok).text
+    for proc in (a, b):  # either daemon can coordinate a request
+        got = MeshdClient(proc.socket, timeout=180).chat(question, max_tokens=24, temperature=0)
+        assert got.text == want, summary(a, b)
+    assert "Paris" in want
