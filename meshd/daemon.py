@@ -524,6 +524,13 @@ class Daemon:
             profile = self.own_profile if nid == self.node_id else self.profiles.get(nid)
             inputs.append(MemberInput(nid, budget, profile))
         plan = make_plan(version, self.node_id, inputs, self._num_layers())
+        cur = self.plan
+        if cur is not None and cur.stages == plan.stages and cur.num_layers == plan.num_layers \
+                and cur.leader == self.node_id and version <= cur.version + 1:
+            # Same assignment: keep the version, so requests running on it are not
+            # failed as stale and no stage reloads anything.
+            log.debug("replan_unchanged", version=cur.version)
+            return
         self.replans += 1
         log.info("replan", version=version, members=ready, reason=plan.reason,
                  stages=[[s.node_id, s.first, s.last] for s in plan.stages])

@@ -45,7 +45,11 @@ class PipelineEngine(Engine):
     def in_flight(self) -> int:
         return self.coordinator.in_flight
 
+    async def before_request(self) -> None:
+        """Hook: wait for anything that must settle before a request picks its route."""
+
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        await self.before_request()
         route = self.coordinator.route
         if route is None:
             raise NoPlan("the mesh has no plan yet (devices are still joining or loading their layers)")
@@ -120,19 +124,34 @@ class MeshEngine(PipelineEngine):
         self.stage = stage
         self.directory = directory
         self._deployed = 0
+        self._newest = 0
+        self._settled = asyncio.Event()
+        self._settled.set()
+
+    async def before_request(self) -> None:
+        """A plan is being deployed here: start on it rather than on the one it replaces."""
+        try:
+            await asyncio.wait_for(self._settled.wait(), 120)
+        except TimeoutError:
+            raise GenerationFailed("this device is still loading its layers for the new plan") from None
 
     async def adopt(self, plan) -> None:
         route = route_from_plan(plan, self.directory)
         if route.plan_version <= self._deployed:
             return
+        self._newest = max(self._newest, route.plan_version)
+        self._settled.clear()
         try:
             await self.stage.deploy(route)
         except Exception:  # a bad plan must not kill the daemon; the next plan may fix it
             log.exception("stage_deploy_failed", plan_version=route.plan_version)
-            return
-        if route.plan_version > self._deployed:
-            self._deployed = route.plan_version
-            self.coordinator.set_route(route)
+        else:
+            if route.plan_version > self._deployed:
+                self._deployed = route.plan_version
+                self.coordinator.set_route(route)
+        finally:
+            if self._newest <= max(self._deployed, route.plan_version):
+                self._settled.set()
 
     async def aclose(self) -> None:
         await self.coordinator.close()
