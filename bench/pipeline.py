@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -112,78 +113,152 @@ async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
     return {"checked": len(prompts), "mismatches": bad, "ok": not bad}
 
 
-async def run(args) -> dict:
-    import torch
+class _Netns:
+    """Move this process's network namespace (so sockets created afterwards live there)."""
 
-    from decoding.loader import open_model
+    CLONE_NEWNET = 0x40000000
+
+    def __init__(self, ns_name: str):
+        self.target = f"/var/run/netns/{ns_name}"
+
+    def _setns(self, path: str) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if libc.setns(fd, self.CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns({path}) failed")
+        finally:
+            os.close(fd)
+
+    def __enter__(self):
+        self.home = os.open("/proc/self/ns/net", os.O_RDONLY)
+        self._setns(self.target)
+        return self
+
+    def __exit__(self, *exc):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.setns(self.home, self.CLONE_NEWNET)
+        os.close(self.home)
+
+
+async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None) -> dict:
+    """All methods over one link setting; ``tb`` is a testbed when the link is shaped."""
     from meshd.pipeline.proc_mesh import ProcessMesh
+    from partition.planner import predict_prefill_s
 
-    torch.set_num_threads(1)
-    tok = open_model(None).tokenizer
-    lens = [int(x) for x in args.lens.split(",")]
-    plan, profiles, link = planner(args.devices, "unshaped", max(lens))
+    plan, profiles, _ = planner(args.devices, link_spec, max(lens))
     ranges = [(s.first_layer, s.last_layer + 1) for s in plan.stages]
-    single_plan, single_prof, _ = planner(1, "unshaped", max(lens))
+    single_plan, single_prof, _ = planner(1, link_spec, max(lens))
     ncpu = os.cpu_count() or 1
     cores = [[i % ncpu] for i in range(len(ranges))]
-    setup = machine_banner() | {
-        "model": "SmolLM2-135M-Instruct Q4_1 GGUF → float32", "devices": len(ranges),
-        "layer_ranges": ranges, "stage_cores": cores, "threads_per_stage": 1, "single_device": "1 process, core 0, 1 thread",
-        "prompt_lengths": lens, "link": "unshaped loopback (CURVE on)", "reps": args.reps,
-        "decode_tokens": args.decode_tokens, "profile": PROFILE.name,
-    }
-    print("setup:", json.dumps(setup), flush=True)
-    prompts = {n: synthetic_prompt(tok, n) for n in lens}
-    runs = []
+    mesh_kw: dict = {}
+    if tb is not None:
+        mesh_kw = dict(
+            hosts=[tb.host(i).ip for i in range(len(ranges))], coordinator_host=tb.host(0).ip,
+            launcher=lambda i, argv: tb.host(i).popen(argv, cores=cores[i], env=dict(os.environ),
+                                                      stdout=subprocess.PIPE, text=True),
+            # the coordinator shares host 0 with stage 0; every other hop crosses the link
+            reach=lambda i, host, port: (host, port) if i == 0 else tb.delayed_address(max(i, 0), port))
 
     def row(method, n, cuts, res, pred):
         r = {"method": method, "prompt_len": n, "chunks": len(cuts) + 1, "cuts": list(cuts),
              "ttft_s": res["ttft_s"], "prefill_tokens_per_s": n / res["ttft_s"],
              "decode_tokens_per_s": res["decode_tokens_per_s"], "predicted_ttft_s": pred,
-             "link": "unshaped"}
+             "link": link_spec, "layer_ranges": ranges if method != "single" else [(0, plan.num_layers)]}
         runs.append(r)
-        print(f"{method:>8} n={n:>5} chunks={r['chunks']:>2} TTFT {r['ttft_s']:.3f}s "
+        print(f"[{link_spec}] {method:>8} n={n:>5} chunks={r['chunks']:>2} TTFT {r['ttft_s']:.3f}s "
               f"(pred {pred:.3f}s) prefill {r['prefill_tokens_per_s']:.0f} tok/s "
               f"decode {r['decode_tokens_per_s'] or 0:.1f} tok/s", flush=True)
 
-    from partition.planner import predict_prefill_s
-
-    print(f"[1/2] single device (layers 0-{single_plan.num_layers - 1}) ...", file=sys.stderr, flush=True)
-    async with ProcessMesh([(0, 30)], cores=[[0]], threads=1) as mesh:
+    print(f"[{link_spec}] single device ...", file=sys.stderr, flush=True)
+    # one stage: the coordinator and the only stage share host 0, so no hop crosses the link
+    single_kw = dict(mesh_kw, hosts=mesh_kw["hosts"][:1], reach=None) if tb is not None else {}
+    async with ProcessMesh([(0, plan.num_layers)], cores=[[0]], threads=1, **single_kw) as mesh:
         for n in lens:
             res = await measure(mesh, prompts[n], (), args.decode_tokens, args.reps)
             row("single", n, (), res, predict_prefill_s(single_plan, single_prof, n, ()))
-    print(f"[2/2] {len(ranges)}-stage mesh {ranges} ...", file=sys.stderr, flush=True)
-    async with ProcessMesh(ranges, cores=cores, threads=1) as mesh:
-        for n in lens:
-            planned = plan.cut_table.lookup(n)
-            k = len(planned) + 1
-            for method, cuts in (("naive", ()), ("equal", equal_cuts(n, k)), ("planned", planned)):
-                res = await measure(mesh, prompts[n], cuts, args.decode_tokens, args.reps)
-                row(method, n, cuts, res, predict_prefill_s(plan, profiles, n, cuts))
-        par = await parity(mesh, tok, load_prompt_sets(not args.no_shared)[: args.parity_prompts or None],
-                           args.parity_tokens, lambda n: plan.cut_table.lookup(min(n, plan.max_seq)))
+    par = None
+    bytes_out = 0
+    if len(ranges) > 1:
+        print(f"[{link_spec}] {len(ranges)}-stage mesh {ranges} ...", file=sys.stderr, flush=True)
+        async with ProcessMesh(ranges, cores=cores, threads=1, **mesh_kw) as mesh:
+            for n in lens:
+                planned = plan.cut_table.lookup(n)
+                k = len(planned) + 1
+                for method, cuts in (("naive", ()), ("equal", equal_cuts(n, k)), ("planned", planned)):
+                    res = await measure(mesh, prompts[n], cuts, args.decode_tokens, args.reps)
+                    row(method, n, cuts, res, predict_prefill_s(plan, profiles, n, cuts))
+            if args.parity and tb is None:
+                par = await parity(mesh, tok, load_prompt_sets(not args.no_shared)[: args.parity_prompts or None],
+                                   args.parity_tokens, lambda n: plan.cut_table.lookup(min(n, plan.max_seq)))
         bytes_out = sum(s.get("activation_bytes_out", 0) for s in mesh.stats)
-    total_tokens = sum(r["prompt_len"] for r in runs if r["method"] != "single") * args.reps
-    by = {(r["method"], r["prompt_len"]): r for r in runs}
-    key_len = 1024 if 1024 in lens else lens[-1]
-    single, naive, planned = by[("single", key_len)], by[("naive", key_len)], by[("planned", key_len)]
-    summary = {
-        "parity": par["ok"], "parity_detail": par,
-        "speedup_vs_single": single["ttft_s"] / planned["ttft_s"],
-        "speedup_vs_naive": naive["ttft_s"] / planned["ttft_s"],
-        "planned_vs_equal": by[("equal", key_len)]["ttft_s"] / planned["ttft_s"],
-        "predicted_ttft_s": planned["predicted_ttft_s"], "measured_ttft_s": planned["ttft_s"],
-        "prediction_rel_error": (planned["predicted_ttft_s"] - planned["ttft_s"]) / planned["ttft_s"],
-        "key_prompt_len": key_len,
-        "activation_bytes_per_prompt_token": bytes_out / max(total_tokens, 1),
-        "setup": setup, "runs": runs,
+    mesh_tokens = sum(r["prompt_len"] for r in runs if r["method"] != "single" and r["link"] == link_spec)
+    return {"link": link_spec, "layer_ranges": ranges, "parity": par,
+            "activation_bytes_per_prompt_token": bytes_out / max(mesh_tokens * args.reps, 1),
+            "planner_bottleneck": plan.bottleneck_reason}
+
+
+async def run(args) -> dict:
+    import torch
+
+    from decoding.loader import open_model
+
+    torch.set_num_threads(1)
+    tok = open_model(None).tokenizer
+    lens = [int(x) for x in args.lens.split(",")]
+    links = [x.strip() for x in args.links.split(";") if x.strip()]
+    setup = machine_banner() | {
+        "model": "SmolLM2-135M-Instruct Q4_1 GGUF -> float32", "devices": args.devices,
+        "threads_per_stage": 1, "stage_cores": "stage i pinned to core i % ncpu",
+        "single_device": "1 stage process, core 0, 1 thread (same transport path)",
+        "prompt_lengths": lens, "links": links, "reps": args.reps, "decode_tokens": args.decode_tokens,
+        "profile": PROFILE.name, "transport": "CURVE on, float32 activations",
+        "ttft": "median over reps; first chunk sent -> first token back at the coordinator",
     }
-    print(f"\n{len(ranges)} devices, unshaped, {key_len}-token prompt: planned TTFT {planned['ttft_s']:.3f}s "
-          f"= {summary['speedup_vs_single']:.2f}x single, {summary['speedup_vs_naive']:.2f}x naive, "
-          f"{summary['planned_vs_equal']:.2f}x equal; predicted {planned['predicted_ttft_s']:.3f}s "
-          f"({summary['prediction_rel_error'] * 100:+.0f}%); parity {'OK' if par['ok'] else 'FAILED'} "
-          f"({par['checked']} prompts)")
+    print("setup:", json.dumps(setup), flush=True)
+    prompts = {n: synthetic_prompt(tok, n) for n in lens}
+    runs: list = []
+    per_link = []
+    for spec in links:
+        if spec in ("none", "unshaped"):
+            per_link.append(await run_link(args, "unshaped", tok, lens, prompts, runs))
+            continue
+        from bench.testbed import LinkSpec, Testbed
+
+        with Testbed(args.devices, LinkSpec.parse(spec), name_prefix="meshd-bp") as tb:
+            if tb.mode != "netns":
+                print(f"[{spec}] testbed fell back to loopback: link not shaped, skipped", file=sys.stderr)
+                continue
+            with _Netns(tb.host(0).ns):
+                per_link.append(await run_link(args, spec, tok, lens, prompts, runs, tb))
+    by = {(r["link"], r["method"], r["prompt_len"]): r for r in runs}
+    key_len = 1024 if 1024 in lens else lens[-1]
+    base = "unshaped" if "unshaped" in [p["link"] for p in per_link] else per_link[0]["link"]
+    single, naive = by[(base, "single", key_len)], by.get((base, "naive", key_len))
+    planned, equal = by.get((base, "planned", key_len)), by.get((base, "equal", key_len))
+    par = next((p["parity"] for p in per_link if p["parity"] is not None), None)
+    summary = {
+        "parity": bool(par and par["ok"]), "parity_detail": par,
+        "speedup_vs_single": single["ttft_s"] / planned["ttft_s"] if planned else None,
+        "speedup_vs_naive": naive["ttft_s"] / planned["ttft_s"] if planned else None,
+        "planned_vs_equal": equal["ttft_s"] / planned["ttft_s"] if planned else None,
+        "predicted_ttft_s": planned["predicted_ttft_s"] if planned else None,
+        "measured_ttft_s": planned["ttft_s"] if planned else None,
+        "prediction_rel_error": ((planned["predicted_ttft_s"] - planned["ttft_s"]) / planned["ttft_s"]
+                                 if planned else None),
+        "key_case": {"link": base, "prompt_len": key_len, "devices": args.devices},
+        "links": per_link, "setup": setup, "runs": runs,
+    }
+    if planned:
+        print(f"\n{args.devices} devices, {base}, {key_len}-token prompt: planned TTFT {planned['ttft_s']:.3f}s "
+              f"= {summary['speedup_vs_single']:.2f}x single, {summary['speedup_vs_naive']:.2f}x naive, "
+              f"{summary['planned_vs_equal']:.2f}x equal; predicted {planned['predicted_ttft_s']:.3f}s "
+              f"({summary['prediction_rel_error'] * 100:+.0f}%); parity "
+              f"{'OK' if summary['parity'] else 'FAILED'} ({par['checked'] if par else 0} prompts)")
     if args.plot:
         plot(runs, Path(args.plot))
     return summary
@@ -196,15 +271,20 @@ def plot(runs, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in ("single", "naive", "equal", "planned"):
-        pts = sorted((r["prompt_len"], r["ttft_s"]) for r in runs if r["method"] == method)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title("TTFT vs prompt length (SmolLM2-135M, 1 core/stage)")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    links = list(dict.fromkeys(r["link"] for r in runs))
+    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4), squeeze=False)
+    for ax, link in zip(axes[0], links):
+        for method in ("single", "naive", "equal", "planned"):
+            pts = sorted((r["prompt_len"], r["ttft_s"]) for r in runs
+                         if r["method"] == method and r["link"] == link)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title(f"link: {link}")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle("TTFT vs prompt length — SmolLM2-135M, 1 core + 1 thread per device")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -221,10 +301,13 @@ def main() -> int:
     ap.add_argument("--parity-tokens", type=int, default=32)
     ap.add_argument("--parity-prompts", type=int, default=0, help="limit the parity set (0 = all)")
     ap.add_argument("--no-shared", action="store_true", help="ignore ../shared/prompts")
+    ap.add_argument("--links", default="unshaped;1gbit,1ms;100mbit,4ms",
+                    help="';'-separated link settings (shaped ones need root for network namespaces)")
+    ap.add_argument("--no-parity", dest="parity", action="store_false")
     ap.add_argument("--plot", default=str(ROOT / "bench" / "results" / "pipeline_ttft.png"))
     args = ap.parse_args()
     if args.quick:
-        args.lens, args.reps, args.plot = "1024", 2, None
+        args.lens, args.reps, args.plot, args.links = "1024", 2, None, "unshaped"
     summary = asyncio.run(run(args))
     if args.json:
         emit_json(summary)

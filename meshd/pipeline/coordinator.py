@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
@@ -28,14 +28,12 @@ from meshd.errors import MeshdError
 from meshd.log import get_logger
 from meshd.pipeline.route import Route
 from transport.errors import TransportError
-from transport.link import Peer, Request
+from meshd.pipeline.links import Directory, Links
+from transport.link import Request
 from transport.messages import Ack, ErrorReply, FreeSequence, Hello, StageForward, TokenResult
 from transport.node import TransportNode
 
 log = get_logger("meshd.coordinator")
-
-Directory = Callable[[str], tuple[str, str]]  # node id -> (stage address, z85 public key)
-
 
 class PipelineError(MeshdError):
     """A request could not be completed by the pipeline (the message says where and why)."""
@@ -68,7 +66,7 @@ class PipelineCoordinator:
         self._server = None
         self._flights: dict[str, _Flight] = {}
         self._seq_ids = itertools.count(1)
-        self._peers: dict[str, Peer] = {}
+        self.links = Links(node, directory)
         self._ready_version = 0
 
     async def start(self, address: str = "tcp://127.0.0.1:0", advertise_host: str | None = None) -> str:
@@ -82,9 +80,7 @@ class PipelineCoordinator:
     async def close(self) -> None:
         for f in list(self._flights.values()):
             f.queue.put_nowait(PipelineError("the coordinator is shutting down"))
-        for p in self._peers.values():
-            await p.close()
-        self._peers.clear()
+        await self.links.close()
         if self._server is not None:
             await self._server.close()
 
@@ -126,16 +122,8 @@ class PipelineCoordinator:
         return ErrorReply("unknown_type", f"the coordinator does not handle {type(msg).__name__}")
 
     # -- outgoing ------------------------------------------------------------------
-    async def _peer(self, node_id: str) -> Peer:
-        p = self._peers.get(node_id)
-        if p is None:
-            address, key = self.directory(node_id)
-            p = await self.node.connect(address, server_key=key or None)
-            self._peers[node_id] = p
-        return p
-
     async def _send(self, node_id: str, msg) -> None:
-        peer = await self._peer(node_id)
+        peer = await self.links.to(node_id)
         await peer.send(msg, timeout=self.send_timeout_s, activation_dtype=self.activation_dtype)
 
     async def wait_ready(self, route: Route, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
@@ -150,7 +138,7 @@ class PipelineCoordinator:
             for st in route.stages:
                 while True:
                     try:
-                        peer = await self._peer(st.node_id)
+                        peer = await self.links.to(st.node_id)
                         reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=5.0)
                         if reply.plan_version == route.plan_version:
                             break

@@ -44,6 +44,9 @@ class ProcessMesh:
     hosts: list[str] | None = None  # per stage bind host (testbed namespaces); default loopback
     coordinator_host: str = "127.0.0.1"
     launcher: Launcher | None = None
+    # (stage index, or -1 for the coordinator; host; port) -> the address peers dial; a
+    # testbed returns a delay proxy here so links get their round-trip time
+    reach: Callable[[int, str, int], tuple[str, int]] | None = None
     ready_timeout_s: float = 180.0
     procs: list[subprocess.Popen] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
@@ -67,10 +70,19 @@ class ProcessMesh:
                 for nm, k in keys.items():
                     allow.add(k, nm)
         hosts = self.hosts or ["127.0.0.1"] * n
-        stages = tuple(StageEndpoint(f"dev{i}", f"tcp://{hosts[i]}:{free_port() if not self.hosts else 7600 + i}",
-                                     keys[f"dev{i}"], a, b) for i, (a, b) in enumerate(self.ranges))
+        reach = self.reach or (lambda i, host, port: (host, port))
+        binds, stages = [], []
+        for i, (a, b) in enumerate(self.ranges):
+            port = 7600 + i if self.hosts else free_port()
+            binds.append(f"tcp://{hosts[i]}:{port}")
+            rip, rport = reach(i, hosts[i], port)
+            stages.append(StageEndpoint(f"dev{i}", f"tcp://{rip}:{rport}", keys[f"dev{i}"], a, b))
+        stages = tuple(stages)
         self.route = Route(1, stages)
-        coord_addr = f"tcp://{self.coordinator_host}:{free_port(self.coordinator_host)}"
+        coord_port = free_port(self.coordinator_host)
+        coord_bind = f"tcp://{self.coordinator_host}:{coord_port}"
+        cip, cport = reach(-1, self.coordinator_host, coord_port)
+        coord_addr = f"tcp://{cip}:{cport}"
         route_file = self.root / "route.json"
         route_file.write_text(json.dumps({
             "plan_version": 1, "stages": [s.__dict__ for s in stages],
@@ -80,11 +92,12 @@ class ProcessMesh:
         directory = {s.node_id: (s.address, s.public_key) for s in stages}
         self.coord = PipelineCoordinator(self.node, "coord", directory.__getitem__, token_timeout_s=300,
                                          activation_dtype=self.activation_dtype)
-        await self.coord.start(coord_addr)
+        await self.coord.start(coord_bind)
+        self.coord.address = coord_addr  # what the last stage dials (maybe through a delay proxy)
         for i, st in enumerate(stages):
             cores = self.cores[i] if self.cores else [i % ncpu]
             argv = [sys.executable, "-m", "meshd.pipeline.stage_proc", "--node-id", st.node_id,
-                    "--state-dir", str(dirs[st.node_id]), "--bind", st.address, "--route", str(route_file),
+                    "--state-dir", str(dirs[st.node_id]), "--bind", binds[i], "--route", str(route_file),
                     "--threads", str(self.threads), "--cores", ",".join(map(str, cores))]
             if self.model:
                 argv += ["--model", str(self.model)]

@@ -19,7 +19,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -27,17 +27,15 @@ from decoding.sampling import Sampler, SamplingParams
 from decoding.stage import StageModel
 from meshd.errors import MeshdError
 from meshd.log import get_logger
+from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.route import Route
 from transport.errors import TransportError
-from transport.link import Peer, Request, StageServer
+from transport.link import Request, StageServer
 from transport.messages import (Ack, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply, StageForward,
                                 TokenResult, Truncate)
 from transport.node import TransportNode
 
 log = get_logger("meshd.stage")
-
-Directory = Callable[[str], tuple[str, str]]  # node id -> (address, z85 public key)
-
 
 class StageError(MeshdError):
     def __init__(self, code: str, message: str):
@@ -80,7 +78,7 @@ class StageService:
         self.samplers: dict[int, Sampler] = {}
         self.stats = StageStats()
         self.server: StageServer | None = None
-        self._peers: dict[str, Peer] = {}
+        self.links = Links(node, directory)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self._deploy_lock = asyncio.Lock()
 
@@ -90,9 +88,7 @@ class StageService:
         return self.server.address
 
     async def close(self) -> None:
-        for p in self._peers.values():
-            await p.close()
-        self._peers.clear()
+        await self.links.close()
         if self.server is not None:
             await self.server.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
@@ -219,27 +215,16 @@ class StageService:
             await self._send_next(msg)
 
     # -- links ----------------------------------------------------------------------------
-    async def _peer(self, node_id: str) -> Peer:
-        p = self._peers.get(node_id)
-        if p is None:
-            address, key = self.directory(node_id)
-            p = await self.node.connect(address, server_key=key or None)
-            self._peers[node_id] = p
-        return p
-
     async def _send_next(self, msg) -> None:
         nxt = self.route.next_after(self.index)
-        peer = await self._peer(nxt.node_id)
+        peer = await self.links.to(nxt.node_id)
         await peer.send(msg, timeout=self.send_timeout_s, activation_dtype=self.activation_dtype)
 
     async def _report(self, reply_to: str, msg) -> None:
         """Send to a coordinator; ``reply_to`` is "node_id|address" (its key comes from the directory)."""
         node_id, _, address = reply_to.partition("|")
         try:
-            peer = self._peers.get(reply_to)
-            if peer is None:
-                _, key = self.directory(node_id)
-                peer = self._peers[reply_to] = await self.node.connect(address, server_key=key or None)
+            peer = await self.links.to(node_id, address)
             await peer.send(msg, timeout=self.send_timeout_s)
         except (TransportError, KeyError) as exc:
             log.warning("report_failed", to=reply_to, error=str(exc), message_type=type(msg).__name__)
