@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from decoding.detok import IncrementalDecoder
+from decoding.detok import IncrementalDetokenizer
 from decoding.errors import ContextOverflow
 from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import Sampler, SamplingParams
@@ -48,7 +48,7 @@ def generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new_tokens: int
              on_text: Callable[[str], None] | None = None, seq_id="gen") -> GenerationResult:
     check_fits(len(prompt_ids), max_new_tokens, pipeline.config.max_position)
     sampler = Sampler(sampling)
-    detok = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+    detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
     pipeline.create(seq_id, len(prompt_ids) + max_new_tokens)
     out: list[int] = []
     finish = "length"
@@ -71,6 +71,10 @@ def generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new_tokens: int
             if i + 1 < max_new_tokens:
                 logits = pipeline.forward(seq_id, torch.tensor([tok], dtype=torch.long))
         t_end = time.perf_counter()
+        if detok is not None and on_text is not None:
+            tail = detok.flush()  # an incomplete character held back at the very end
+            if tail:
+                on_text(tail)
     finally:
         pipeline.free(seq_id)
     text = tokenizer.decode(out) if tokenizer is not None else ""
