@@ -33,3 +33,44 @@ def test_two_daemons_split_the_layers_and_match_the_single_device_reference(mesh
         got = MeshdClient(proc.socket, timeout=180).chat(question, max_tokens=24, temperature=0)
         assert got.text == want, summary(a, b)
     assert "Paris" in want
+
+
+def test_a_daemon_killed_mid_request_fails_it_quickly_and_the_mesh_replans_to_the_survivor(mesh, real_source):
+    import signal
+    import threading
+    import time
+
+    from meshd.errors import MeshdError
+
+    model = str(real_source.path)
+    a = mesh.spawn("alpha", "--model", model, new_home="pipeline-kill")
+    a.wait_serving(60)
+    b = mesh.spawn("beta", "--model", model, token=mesh.invite(a))
+    b.wait_serving(60)
+    wait_for(lambda: len(plan_stages(a)) == 2 and len(plan_stages(b)) == 2, 90,
+             what="a two-stage plan", explain=lambda: summary(a, b))
+    outcome = {}
+
+    def ask():
+        t = time.monotonic()
+        try:
+            stream = MeshdClient(a.socket, timeout=120).chat("Write a long story about a lighthouse keeper.",
+                                                             stream=True, max_tokens=400, temperature=0)
+            outcome["text"] = "".join(stream)
+        except MeshdError as exc:
+            outcome["error"] = str(exc)
+        outcome["seconds"] = time.monotonic() - t
+
+    worker = threading.Thread(target=ask)
+    worker.start()
+    time.sleep(2.0)  # the answer is streaming by now
+    b.signal(signal.SIGKILL)
+    worker.join(60)
+    assert not worker.is_alive(), "the request hung after a device vanished"
+    assert "error" in outcome, outcome  # a clear failure, not a silently truncated answer
+    assert outcome["seconds"] < 45
+    wait_for(lambda: [s["node_id"] for s in plan_stages(a)] == [a.node_id()], 30,
+             what="a re-plan onto the surviving daemon", explain=lambda: summary(a))
+    again = MeshdClient(a.socket, timeout=120).chat("What is the capital of France?", max_tokens=16,
+                                                    temperature=0)
+    assert "Paris" in again.text
