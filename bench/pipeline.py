@@ -223,7 +223,25 @@ async def run(args) -> dict:
     prompts = {n: synthetic_prompt(tok, n) for n in lens}
     runs: list = []
     per_link = []
-    for spec in links:
+    if len(links) > 1:
+        # One fresh process per link setting: each gets its own testbed and network
+        # namespace, and nothing of one setting's sockets or threads leaks into the next.
+        for spec in links:
+            argv = [sys.executable, __file__, "--json", "--links", spec, "--lens", args.lens,
+                    "--reps", str(args.reps), "--decode-tokens", str(args.decode_tokens),
+                    "--devices", str(args.devices), "--parity-tokens", str(args.parity_tokens),
+                    "--parity-prompts", str(args.parity_prompts), "--plot", ""]
+            argv += (["--no-shared"] if args.no_shared else []) + ([] if args.parity else ["--no-parity"])
+            out = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[")]
+            print("\n".join(lines), flush=True)
+            if out.returncode != 0:
+                print(f"[{spec}] failed (exit {out.returncode}); see its stderr above", file=sys.stderr)
+                continue
+            sub = json.loads(out.stdout.strip().splitlines()[-1])
+            runs += sub["runs"]
+            per_link += sub["links"]
+    for spec in (links if len(links) == 1 else []):
         if spec in ("none", "unshaped"):
             per_link.append(await run_link(args, "unshaped", tok, lens, prompts, runs))
             continue
@@ -259,7 +277,7 @@ async def run(args) -> dict:
               f"{summary['planned_vs_equal']:.2f}x equal; predicted {planned['predicted_ttft_s']:.3f}s "
               f"({summary['prediction_rel_error'] * 100:+.0f}%); parity "
               f"{'OK' if summary['parity'] else 'FAILED'} ({par['checked'] if par else 0} prompts)")
-    if args.plot:
+    if args.plot and runs:
         plot(runs, Path(args.plot))
     return summary
 
