@@ -14,14 +14,19 @@ def plan_stages(proc) -> list:
     return (proc.status().get("plan") or {}).get("stages") or []
 
 
-def test_two_daemons_split_the_layers_and_match_the_single_device_reference(mesh, real_source, real_stage):
-    model = str(real_source.path)
-    a = mesh.spawn("alpha", "--model", model, new_home="pipeline-test")
+def two_daemon_mesh(mesh, model: str, home: str):
+    """A home of two paired daemons with the real model, once their plan splits the layers."""
+    a = mesh.spawn("alpha", "--model", model, new_home=home)
     a.wait_serving(60)
     b = mesh.spawn("beta", "--model", model, token=mesh.invite(a))
     b.wait_serving(60)
     wait_for(lambda: len(plan_stages(a)) == 2 and len(plan_stages(b)) == 2, 90,
              what="a two-stage plan", explain=lambda: summary(a, b))
+    return a, b
+
+
+def test_two_daemons_split_the_layers_and_match_the_single_device_reference(mesh, real_source, real_stage):
+    a, b = two_daemon_mesh(mesh, str(real_source.path), "pipeline-test")
     (a0, a1), (b0, b1) = (s["layers"] for s in plan_stages(a))
     assert a0 == 0 and a1 == b0 and b1 == 30
 
@@ -42,13 +47,7 @@ def test_a_daemon_killed_mid_request_fails_it_quickly_and_the_mesh_replans_to_th
 
     from meshd.errors import MeshdError
 
-    model = str(real_source.path)
-    a = mesh.spawn("alpha", "--model", model, new_home="pipeline-kill")
-    a.wait_serving(60)
-    b = mesh.spawn("beta", "--model", model, token=mesh.invite(a))
-    b.wait_serving(60)
-    wait_for(lambda: len(plan_stages(a)) == 2 and len(plan_stages(b)) == 2, 90,
-             what="a two-stage plan", explain=lambda: summary(a, b))
+    a, b = two_daemon_mesh(mesh, str(real_source.path), "pipeline-kill")
     outcome = {}
 
     def ask():
