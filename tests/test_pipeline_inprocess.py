@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import torch
 
 from decoding.generate import generate
 from decoding.loader import open_model
@@ -140,3 +141,18 @@ def test_default_cuts_give_about_two_chunks_per_stage_and_none_too_short():
     assert default_cuts(1024, 2) == [256, 512, 768]
     assert default_cuts(40, 2) == []
     assert default_cuts(500, 1) == []
+
+
+async def test_last_stage_returns_only_the_requested_top_k_distribution(tiny):
+    prompt = list(range(9, 30))
+    ref = LocalPipeline.from_source(tiny, 1)
+    ref.create("r", 64)
+    logits = ref.prefill("r", prompt)[-1]
+    want = torch.topk(torch.softmax(logits, -1), 5)
+    async with Mesh(tiny, 2) as mesh:
+        steps = [s async for s in mesh.coord.steps("k", prompt, 3, SamplingParams(), return_topk=5)]
+        plain = [s async for s in mesh.coord.steps("n", prompt, 1, SamplingParams())]
+    assert steps[0].topk_ids == want.indices.tolist()
+    assert steps[0].topk_probs == pytest.approx(want.values.tolist(), abs=1e-5)
+    assert steps[0].token == steps[0].topk_ids[0]  # greedy picks the most likely
+    assert plain[0].topk_ids is None  # nothing extra crosses the link unless asked

@@ -43,6 +43,13 @@ class NoRoute(PipelineError):
     pass
 
 
+@dataclass(frozen=True)
+class TokenStep:
+    token: int
+    topk_ids: list[int] | None = None
+    topk_probs: list[float] | None = None
+
+
 @dataclass
 class _Flight:
     request_id: str
@@ -156,6 +163,16 @@ class PipelineCoordinator:
                        sampling: SamplingParams, eos_ids=(), cuts: list[int] | None = None,
                        chunks: int | None = None) -> AsyncIterator[int]:
         """Yield sampled token ids (EOS included, as the last one) for one request."""
+        async for step in self.steps(request_id, prompt_ids, max_tokens, sampling, eos_ids, cuts, chunks):
+            yield step.token
+
+    async def steps(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                    sampling: SamplingParams, eos_ids=(), cuts: list[int] | None = None,
+                    chunks: int | None = None, return_topk: int = 0) -> AsyncIterator["TokenStep"]:
+        """Like :meth:`generate`, with each step's top-k probabilities when ``return_topk`` > 0.
+
+        Only the k ids and probabilities travel back from the last stage — never full logits.
+        """
         route = self.route
         if route is None or not route.stages:
             raise NoRoute("no pipeline plan is deployed on this mesh yet")
@@ -166,6 +183,8 @@ class PipelineCoordinator:
         seq = next(self._seq_ids)
         first = route.stages[0].node_id
         base = {"capacity": len(prompt_ids) + max_tokens, **sampling.to_dict()}
+        if return_topk:
+            base["return_topk"] = int(return_topk)
         pos = 0
         try:
             bounds = chunk_bounds(len(prompt_ids), chunks, cuts)
@@ -177,8 +196,9 @@ class PipelineCoordinator:
                     sampling=base, reply_to=self.reply_to, is_last_chunk=j == len(bounds) - 1))
             pos = len(prompt_ids)
             for i in range(max_tokens):
-                token = await self._next_token(flight)
-                yield token
+                step = await self._next_step(flight)
+                token = step.token
+                yield step
                 if token in eos_ids or i + 1 == max_tokens:
                     break
                 await self._send(first, StageForward(
@@ -193,7 +213,7 @@ class PipelineCoordinator:
             self._flights.pop(request_id, None)
             await self._free(route, seq)
 
-    async def _next_token(self, flight: _Flight) -> int:
+    async def _next_step(self, flight: _Flight) -> "TokenStep":
         try:
             item = await asyncio.wait_for(flight.queue.get(), self.token_timeout_s)
         except TimeoutError:
@@ -204,7 +224,9 @@ class PipelineCoordinator:
             raise item
         if isinstance(item, ErrorReply):
             raise PipelineError(f"stage failed ({item.code}): {item.message}")
-        return int(item.token_ids[0])
+        return TokenStep(int(item.token_ids[0]),
+                         item.topk_ids.tolist() if item.topk_ids is not None else None,
+                         item.topk_probs.tolist() if item.topk_probs is not None else None)
 
     async def _free(self, route: Route, seq: int) -> None:
         """Release the request's cache on every stage (directly: the chain may be broken)."""

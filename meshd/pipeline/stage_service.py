@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from decoding.sampling import Sampler, SamplingParams
+from decoding.sampling import Sampler, SamplingParams, filtered_probs
 from decoding.stage import StageModel
 from meshd.errors import MeshdError
 from meshd.log import get_logger
@@ -196,9 +196,17 @@ class StageService:
                 sp = {k: msg.sampling[k] for k in ("temperature", "top_k", "top_p", "seed") if k in msg.sampling}
                 sampler = self.samplers[seq] = Sampler(SamplingParams(**sp))
             token = sampler(out[-1])
+            topk_ids = topk_probs = None
+            k = int(msg.sampling.get("return_topk", 0) or 0)
+            if k > 0:  # the compressed distribution a verifier needs, instead of 49k logits
+                probs = (torch.softmax(out[-1].float(), -1) if sampler.params.greedy
+                         else filtered_probs(out[-1], sampler.params))
+                top = torch.topk(probs, min(k, probs.shape[-1]))
+                topk_ids, topk_probs = top.indices.to(torch.int64), top.values.to(torch.float32)
             await self._report(msg.reply_to, TokenResult(
                 request_id=msg.request_id, plan_version=msg.plan_version, seq_id=seq,
-                token_ids=torch.tensor([token], dtype=torch.long), chunk_index=msg.chunk_index))
+                token_ids=torch.tensor([token], dtype=torch.long), chunk_index=msg.chunk_index,
+                topk_ids=topk_ids, topk_probs=topk_probs))
 
     def _control(self, msg) -> None:
         kv = self.kv
