@@ -145,6 +145,25 @@ class _Netns:
         os.close(self.home)
 
 
+async def parity_by_stage_count(args, tok, counts: list[int]) -> dict:
+    """Mesh greedy output vs the reference on our own prompt set, for K evenly split stages."""
+    from decoding.pipeline_local import even_split
+    from meshd.pipeline.engine import default_cuts
+    from meshd.pipeline.proc_mesh import ProcessMesh
+
+    ncpu = os.cpu_count() or 1
+    out = {}
+    for k in counts:
+        print(f"parity with {k} stages ...", file=sys.stderr, flush=True)
+        async with ProcessMesh(even_split(30, k), cores=[[i % ncpu] for i in range(k)], threads=1) as mesh:
+            res = await parity(mesh, tok, load_prompt_sets(False), args.parity_tokens,
+                               lambda n, k=k: default_cuts(n, k))
+        out[str(k)] = res
+        print(f"parity with {k} stages: {res['checked'] - len(res['mismatches'])}/{res['checked']} identical",
+              flush=True)
+    return out
+
+
 async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None) -> dict:
     """All methods over one link setting; ``tb`` is a testbed when the link is shaped."""
     from meshd.pipeline.proc_mesh import ProcessMesh
@@ -230,7 +249,7 @@ async def run(args) -> dict:
             argv = [sys.executable, __file__, "--json", "--links", spec, "--lens", args.lens,
                     "--reps", str(args.reps), "--decode-tokens", str(args.decode_tokens),
                     "--devices", str(args.devices), "--parity-tokens", str(args.parity_tokens),
-                    "--parity-prompts", str(args.parity_prompts), "--plot", ""]
+                    "--parity-prompts", str(args.parity_prompts), "--plot", "", "--parity-stages", ""]
             argv += (["--no-shared"] if args.no_shared else []) + ([] if args.parity else ["--no-parity"])
             out = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[")]
@@ -253,6 +272,9 @@ async def run(args) -> dict:
                 continue
             with _Netns(tb.host(0).ns):
                 per_link.append(await run_link(args, spec, tok, lens, prompts, runs, tb))
+    stage_parity = {}
+    if args.parity_stages:
+        stage_parity = await parity_by_stage_count(args, tok, [int(x) for x in args.parity_stages.split(",")])
     by = {(r["link"], r["method"], r["prompt_len"]): r for r in runs}
     key_len = 1024 if 1024 in lens else lens[-1]
     base = "unshaped" if "unshaped" in [p["link"] for p in per_link] else per_link[0]["link"]
@@ -269,6 +291,7 @@ async def run(args) -> dict:
         "prediction_rel_error": ((planned["predicted_ttft_s"] - planned["ttft_s"]) / planned["ttft_s"]
                                  if planned else None),
         "key_case": {"link": base, "prompt_len": key_len, "devices": args.devices},
+        "parity_by_stage_count": stage_parity,
         "links": per_link, "setup": setup, "runs": runs,
     }
     if planned:
@@ -322,10 +345,12 @@ def main() -> int:
     ap.add_argument("--links", default="unshaped;1gbit,1ms;100mbit,4ms",
                     help="';'-separated link settings (shaped ones need root for network namespaces)")
     ap.add_argument("--no-parity", dest="parity", action="store_false")
+    ap.add_argument("--parity-stages", default="3,4",
+                    help="also check parity on our prompt set with these stage counts ('' = skip)")
     ap.add_argument("--plot", default=str(ROOT / "bench" / "results" / "pipeline_ttft.png"))
     args = ap.parse_args()
     if args.quick:
-        args.lens, args.reps, args.plot, args.links = "1024", 2, None, "unshaped"
+        args.lens, args.reps, args.plot, args.links, args.parity_stages = "1024", 2, None, "unshaped", ""
     summary = asyncio.run(run(args))
     if args.json:
         emit_json(summary)
