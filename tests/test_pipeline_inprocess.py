@@ -156,3 +156,15 @@ async def test_last_stage_returns_only_the_requested_top_k_distribution(tiny):
     assert steps[0].topk_probs == pytest.approx(want.values.tolist(), abs=1e-5)
     assert steps[0].token == steps[0].topk_ids[0]  # greedy picks the most likely
     assert plain[0].topk_ids is None  # nothing extra crosses the link unless asked
+
+
+async def test_waiting_for_a_stage_that_never_loads_ends_when_the_mesh_replans(tiny):
+    async with Mesh(tiny, 2) as mesh:
+        await mesh.services[1].server.close()  # its device is gone before the first request
+        stale = Route(2, mesh.route.stages)
+        mesh.coord.set_route(stale)
+        waiting = asyncio.create_task(mesh.coord.wait_ready(stale, timeout_s=60))
+        await asyncio.sleep(0.5)
+        mesh.coord.set_route(Route(3, mesh.route.stages))  # membership noticed and re-planned
+        with pytest.raises(PipelineError, match="re-planned"):
+            await asyncio.wait_for(waiting, 10)

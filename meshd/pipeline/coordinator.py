@@ -144,6 +144,9 @@ class PipelineCoordinator:
         async with asyncio.timeout(timeout_s):
             for st in route.stages:
                 while True:
+                    if self.route is not route:  # re-planned (e.g. a stage's device left): stop waiting
+                        raise PipelineError(f"the mesh re-planned while waiting for plan "
+                                            f"{route.plan_version}'s stages to load; retry")
                     try:
                         peer = await self.links.to(st.node_id)
                         reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=5.0)
