@@ -93,6 +93,22 @@ async def measure(mesh, ids, cuts, decode_tokens: int, reps: int) -> dict:
             "decode_tokens_per_s": statistics.median(decode_rates) if decode_rates else None}
 
 
+async def concurrent_decode(mesh, ids, n_requests: int, tokens: int) -> float:
+    """Aggregate decode tokens/s with ``n_requests`` generating at once (prompt ``ids`` each)."""
+    from decoding.sampling import SamplingParams
+
+    stamps: list[float] = []
+
+    async def one(i):
+        async for _ in mesh.coord.generate(f"c{i}-{time.monotonic_ns()}", ids, tokens, SamplingParams(), ()):
+            stamps.append(time.perf_counter())
+
+    await asyncio.gather(*(one(i) for i in range(n_requests)))
+    stamps.sort()
+    # from the first token anywhere to the last: decode throughput of the whole mesh
+    return (len(stamps) - n_requests) / (stamps[-1] - stamps[0])
+
+
 async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
     from decoding.generate import generate
     from decoding.loader import open_model
@@ -196,10 +212,14 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
     print(f"[{link_spec}] single device ...", file=sys.stderr, flush=True)
     # one stage: the coordinator and the only stage share host 0, so no hop crosses the link
     single_kw = dict(mesh_kw, hosts=mesh_kw["hosts"][:1], reach=None) if tb is not None else {}
+    conc: dict = {"single": {}, "pipeline": {}}
+    levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency and tb is None else []
     async with ProcessMesh([(0, plan.num_layers)], cores=[[0]], threads=1, **single_kw) as mesh:
         for n in lens:
             res = await measure(mesh, prompts[n], (), args.decode_tokens, args.reps)
             row("single", n, (), res, predict_prefill_s(single_plan, single_prof, n, ()))
+        for c in levels:
+            conc["single"][c] = await concurrent_decode(mesh, prompts[lens[0]], c, 32)
     par = None
     bytes_out = 0
     if len(ranges) > 1:
@@ -211,12 +231,18 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
                 for method, cuts in (("naive", ()), ("equal", equal_cuts(n, k)), ("planned", planned)):
                     res = await measure(mesh, prompts[n], cuts, args.decode_tokens, args.reps)
                     row(method, n, cuts, res, predict_prefill_s(plan, profiles, n, cuts))
+            for c in levels:
+                conc["pipeline"][c] = await concurrent_decode(mesh, prompts[lens[0]], c, 32)
+            if levels:
+                print(f"[{link_spec}] aggregate decode tokens/s by concurrent requests "
+                      f"(prompt {lens[0]}, 32 tokens each): single {conc['single']}, "
+                      f"{len(ranges)}-stage pipeline {conc['pipeline']}", flush=True)
             if args.parity and tb is None:
                 par = await parity(mesh, tok, load_prompt_sets(not args.no_shared)[: args.parity_prompts or None],
                                    args.parity_tokens, lambda n: plan.cut_table.lookup(min(n, plan.max_seq)))
         bytes_out = sum(s.get("activation_bytes_out", 0) for s in mesh.stats)
     mesh_tokens = sum(r["prompt_len"] for r in runs if r["method"] != "single" and r["link"] == link_spec)
-    return {"link": link_spec, "layer_ranges": ranges, "parity": par,
+    return {"link": link_spec, "layer_ranges": ranges, "parity": par, "concurrent_decode_tokens_per_s": conc,
             "activation_bytes_per_prompt_token": bytes_out / max(mesh_tokens * args.reps, 1),
             "planner_bottleneck": plan.bottleneck_reason}
 
@@ -249,7 +275,8 @@ async def run(args) -> dict:
             argv = [sys.executable, __file__, "--json", "--links", spec, "--lens", args.lens,
                     "--reps", str(args.reps), "--decode-tokens", str(args.decode_tokens),
                     "--devices", str(args.devices), "--parity-tokens", str(args.parity_tokens),
-                    "--parity-prompts", str(args.parity_prompts), "--plot", "", "--parity-stages", ""]
+                    "--parity-prompts", str(args.parity_prompts), "--plot", "", "--parity-stages", "",
+                    "--concurrency", args.concurrency]
             argv += (["--no-shared"] if args.no_shared else []) + ([] if args.parity else ["--no-parity"])
             out = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[")]
@@ -345,12 +372,15 @@ def main() -> int:
     ap.add_argument("--links", default="unshaped;1gbit,1ms;100mbit,4ms",
                     help="';'-separated link settings (shaped ones need root for network namespaces)")
     ap.add_argument("--no-parity", dest="parity", action="store_false")
+    ap.add_argument("--concurrency", default="1,2,4",
+                    help="aggregate decode throughput with this many requests at once (unshaped link)")
     ap.add_argument("--parity-stages", default="3,4",
                     help="also check parity on our prompt set with these stage counts ('' = skip)")
     ap.add_argument("--plot", default=str(ROOT / "bench" / "results" / "pipeline_ttft.png"))
     args = ap.parse_args()
     if args.quick:
         args.lens, args.reps, args.plot, args.links, args.parity_stages = "1024", 2, None, "unshaped", ""
+        args.concurrency = ""
     summary = asyncio.run(run(args))
     if args.json:
         emit_json(summary)
