@@ -74,8 +74,8 @@ def test_a_daemon_killed_mid_request_fails_it_quickly_and_the_mesh_replans_to_th
     worker.join(60)
     assert not worker.is_alive(), "the request hung after a device vanished"
     assert "error" in outcome, outcome  # a clear failure, not a silently truncated answer
-    assert outcome["ended"] - killed_at < 30  # bounded: a dead link, the re-plan or the token timeout
-    wait_for(lambda: [s["node_id"] for s in plan_stages(a)] == [a.node_id()], 30,
+    assert outcome["ended"] - killed_at < 40  # bounded: a dead link, the re-plan, or the 30 s token timeout
+    wait_for(lambda: [s["node_id"] for s in plan_stages(a)] == [a.node_id()], 60,
              what="a re-plan onto the surviving daemon", explain=lambda: summary(a))
     again = MeshdClient(a.socket, timeout=120).chat("What is the capital of France?", max_tokens=16,
                                                     temperature=0)

@@ -168,3 +168,18 @@ async def test_waiting_for_a_stage_that_never_loads_ends_when_the_mesh_replans(t
         mesh.coord.set_route(Route(3, mesh.route.stages))  # membership noticed and re-planned
         with pytest.raises(PipelineError, match="re-planned"):
             await asyncio.wait_for(waiting, 10)
+
+
+def test_daemon_cut_points_come_from_the_sequence_partitioner_table():
+    import json
+    from pathlib import Path
+
+    from meshd.pipeline.engine import cut_table_for
+
+    prof = json.loads((Path(__file__).parent.parent / "profiles" / "x86_64-2core-1thread.json").read_text())
+    route = Route(4, (StageEndpoint("a", "", "", 0, 15), StageEndpoint("b", "", "", 15, 30)))
+    table = cut_table_for(route, {"a": prof, "b": prof}, 30, "1gbit,1ms")
+    cuts = table.lookup(2048)
+    assert len(cuts) >= 3 and list(cuts) == sorted(cuts)
+    assert cuts[0] > 2048 - cuts[-1]  # early chunks longer: later ones attend to more cached keys
+    assert cut_table_for(route, {"a": prof}, 30, "1gbit,1ms") is None  # a member without a profile

@@ -7,9 +7,9 @@ sampled token, and feeds each new token back in. Many requests may be in
 flight at once: each has its own sequence id in every stage's cache, and the
 stages interleave their messages, so the devices stay busy.
 
-A request fails — never hangs — when a stage reports an error, when a stage's
-node leaves the mesh (``fail_node``), or when no token arrives within the
-token timeout. Its KV cache is then freed on every stage still reachable.
+A request fails — never hangs — when a stage reports an error, when the mesh
+re-plans under it (a member left or joined), or when no token arrives within
+the token timeout. Its KV cache is then freed on every stage still reachable.
 """
 
 from __future__ import annotations
@@ -108,12 +108,6 @@ class PipelineCoordinator:
                     f.queue.put_nowait(PipelineError(
                         f"the mesh re-planned (plan {old.plan_version} -> "
                         f"{route.plan_version if route else 'none'}) while this request ran; retry it"))
-
-    def fail_node(self, node_id: str, why: str = "left the mesh") -> None:
-        """A member is gone: fail every request whose route passes through it."""
-        for f in list(self._flights.values()):
-            if f.route.index_of(node_id) is not None:
-                f.queue.put_nowait(PipelineError(f"device {node_id} {why} during the request"))
 
     # -- incoming ------------------------------------------------------------------
     async def _on_message(self, msg, req: Request):

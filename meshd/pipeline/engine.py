@@ -116,15 +116,53 @@ def route_from_plan(plan, directory) -> Route:
     return Route(plan.version, tuple(stages))
 
 
-class MeshEngine(PipelineEngine):
-    """A daemon's engine: serves this device's stage and coordinates its own requests."""
+CUT_TABLE_MAX_SEQ = 2048
 
-    def __init__(self, source, coordinator, stage, directory):
-        super().__init__(source, coordinator)
+
+def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
+    """The sequence partitioner's cut table for this route's stages (None if profiles are missing).
+
+    Pure: device profiles (plain dicts, as members share them) + layer ranges + link →
+    ``partition.plan.CutTable``; a lookup then gives a prompt's cut points in O(1).
+    """
+    from partition.link import parse_link
+    from partition.plan import Stage
+    from partition.planner import stage_timings
+    from partition.profile import DeviceProfile
+    from partition.sequence import build_cut_table
+
+    devs = {}
+    for s in route.stages:
+        data = profiles.get(s.node_id)
+        if data is None:
+            return None
+        p = DeviceProfile.from_dict(data)
+        if p.num_layers != num_layers:
+            return None
+        devs[s.node_id] = p
+    stages = tuple(Stage(s.node_id, s.first, s.last - 1, s.first == 0, s.last == num_layers)
+                   for s in route.stages)
+    return build_cut_table(stage_timings(stages, devs, parse_link(link_spec)), CUT_TABLE_MAX_SEQ)
+
+
+class MeshEngine(PipelineEngine):
+    """A daemon's engine: serves this device's stage and coordinates its own requests.
+
+    Prompts are cut where the sequence partitioner says, from a cut table built for
+    each plan from the members' profiles (the shipped profile for members that have
+    none); without usable profiles it falls back to equal chunks.
+    """
+
+    def __init__(self, source, coordinator, stage, directory, profiles_for=None, link_spec: str = ""):
+        super().__init__(source, coordinator, cuts_for=self._cuts)
         self.stage = stage
         self.directory = directory
+        self.profiles_for = profiles_for
+        self.link_spec = link_spec
+        self._cut_tables: dict[int, object] = {}
         self._deployed = 0
         self._newest = 0
+        self.cut_table_errors = 0
         self._settled = asyncio.Event()
         self._settled.set()
 
@@ -141,6 +179,18 @@ class MeshEngine(PipelineEngine):
             return
         self._newest = max(self._newest, route.plan_version)
         self._settled.clear()
+        # Requests still running on the old plan fail now, not after this device has
+        # loaded its new layers: a vanished device must never hold a client for long.
+        self.coordinator.set_route(None)
+        if self.profiles_for is not None and len(route.stages) > 1:
+            try:
+                table = await asyncio.to_thread(cut_table_for, route, self.profiles_for(),
+                                                self.source.config.num_layers, self.link_spec)
+                if table is not None:
+                    self._cut_tables = {route.plan_version: table}
+            except Exception as exc:  # planning help is optional: equal chunks still work
+                self.cut_table_errors += 1
+                log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
         try:
             await self.stage.deploy(route)
         except Exception:  # a bad plan must not kill the daemon; the next plan may fix it
@@ -152,6 +202,12 @@ class MeshEngine(PipelineEngine):
         finally:
             if self._newest <= max(self._deployed, route.plan_version):
                 self._settled.set()
+
+    def _cuts(self, prompt_len: int, route: Route) -> list[int]:
+        table = self._cut_tables.get(route.plan_version)
+        if table is not None and prompt_len <= table.max_seq:
+            return list(table.lookup(prompt_len))
+        return default_cuts(prompt_len, len(route.stages))
 
     async def aclose(self) -> None:
         await self.coordinator.close()
@@ -179,7 +235,14 @@ async def mesh_engine(daemon) -> MeshEngine:
     daemon.stage_port = int(address.rsplit(":", 1)[1])
     coordinator = PipelineCoordinator(node, daemon.node_id, directory)
     await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
-    engine = MeshEngine(source, coordinator, stage, directory)
+    from meshd.plan import DEFAULT_LINK, default_profile
+
+    def profiles_for() -> dict[str, dict]:
+        fallback = default_profile()
+        known = {**daemon.profiles, daemon.node_id: daemon.own_profile}
+        return {nid: known.get(nid) or fallback for nid in daemon.members if (known.get(nid) or fallback)}
+
+    engine = MeshEngine(source, coordinator, stage, directory, profiles_for, DEFAULT_LINK)
     tasks = set()
 
     def on_plan(plan) -> None:
