@@ -32,19 +32,3 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @property
-    def kv_bytes_per_token_per_layer_f32(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * 4
-
-    def layer_param_count(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = h * h * 2 + h * kv * 2 + (h + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        return attn + mlp + 2 * h
-
-    def embed_param_count(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def head_param_count(self) -> int:
-        return self.hidden_size + (0 if self.tie_embeddings else self.vocab_size * self.hidden_size)

@@ -57,7 +57,7 @@ def default_model_path() -> Path:
     return models_dir() / DEFAULT_MODEL.name
 
 
-def sha256_of(path: Path, progress: bool = False) -> str:
+def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

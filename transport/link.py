@@ -60,6 +60,20 @@ def shared_context() -> zmq.asyncio.Context:
     return zmq.asyncio.Context.instance()
 
 
+def _link_socket(context: zmq.asyncio.Context, kind: int, hwm: int, limits: Limits) -> zmq.asyncio.Socket:
+    """A socket with what every link shares: no linger, bounded queues, the message size cap."""
+    sock = context.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.max_total_bytes)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
 @dataclass
 class Request:
     """What a handler learns about an incoming message besides the message."""
@@ -134,12 +148,8 @@ class StageServer:
         """Bind and start serving; returns the bound endpoint (port 0 -> real port)."""
         if self._sock is not None:
             raise TransportError("server already started")
-        sock = self.context.socket(zmq.ROUTER)
+        sock = _link_socket(self.context, zmq.ROUTER, self.hwm, self.limits)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self.hwm)
-            sock.setsockopt(zmq.RCVHWM, self.hwm)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_total_bytes)
             # Report unroutable replies (peer gone) instead of dropping silently.
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if self.keypair is not None:
@@ -322,12 +332,8 @@ class Peer:
     async def connect(self, address: str) -> "Peer":
         if self._sock is not None:
             raise TransportError("peer already connected")
-        sock = self.context.socket(zmq.DEALER)
+        sock = _link_socket(self.context, zmq.DEALER, self.hwm, self.limits)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self.hwm)
-            sock.setsockopt(zmq.RCVHWM, self.hwm)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_total_bytes)
             # Queue only to completed connections: a request sent before the
             # handshake waits (and can time out) instead of vanishing into a
             # pipe that a refused handshake will discard.

@@ -149,11 +149,9 @@ class GGUFSource(ModelSource):
             cached = json.loads(index.read_text())
             if cached.get("key") == key:
                 return cached["identity"]
-        h = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        ident = f"{self.path.name}@{h.hexdigest()[:16]}"
+        from meshd.model_store import sha256_of
+
+        ident = f"{self.path.name}@{sha256_of(self.path)[:16]}"
         index.parent.mkdir(parents=True, exist_ok=True)
         index.write_text(json.dumps({"key": key, "identity": ident}))
         return ident

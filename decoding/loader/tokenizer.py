@@ -54,9 +54,6 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
-    def token_text(self, token_id: int) -> str:
-        return self._tok.id_to_token(token_id) or ""
-
     @cached_property
     def _template(self):
         if not self.meta.chat_template:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -55,7 +54,6 @@ class _Flight:
     request_id: str
     route: Route
     queue: asyncio.Queue
-    started: float
 
 
 class PipelineCoordinator:
@@ -175,7 +173,7 @@ class PipelineCoordinator:
             raise NoRoute("no pipeline plan is deployed on this mesh yet")
         if request_id in self._flights:
             raise PipelineError(f"request id {request_id!r} is already running")
-        flight = _Flight(request_id, route, asyncio.Queue(), time.monotonic())
+        flight = _Flight(request_id, route, asyncio.Queue())
         self._flights[request_id] = flight
         seq = next(self._seq_ids)
         first = route.stages[0].node_id

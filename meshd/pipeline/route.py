@@ -36,12 +36,3 @@ class Route:
     @property
     def layer_ranges(self) -> list[tuple[int, int]]:
         return [(s.first, s.last) for s in self.stages]
-
-    def check_covers(self, num_layers: int) -> None:
-        expect = 0
-        for s in self.stages:
-            if s.first != expect or s.last <= s.first:
-                raise ValueError(f"route of plan {self.plan_version} is not contiguous at layer {expect}")
-            expect = s.last
-        if expect != num_layers:
-            raise ValueError(f"route of plan {self.plan_version} covers {expect} of {num_layers} layers")
