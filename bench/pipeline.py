@@ -111,9 +111,9 @@ async def concurrent_decode(mesh, ids, n_requests: int, tokens: int) -> float:
 
 async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
     from decoding.generate import generate
-    from decoding.loader import open_model
     from decoding.pipeline_local import LocalPipeline
     from decoding.sampling import SamplingParams
+    from meshd.model_store import open_model
 
     src = open_model(None)
     ref = LocalPipeline.from_source(src, 1)
@@ -250,7 +250,7 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
 async def run(args) -> dict:
     import torch
 
-    from decoding.loader import open_model
+    from meshd.model_store import open_model
 
     torch.set_num_threads(1)
     tok = open_model(None).tokenizer

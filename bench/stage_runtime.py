@@ -32,7 +32,7 @@ def worker(impl: str, threads: int, decode_tokens: int, reps: int) -> dict:
     pin(list(range(threads)), threads)
     import torch
 
-    from decoding.loader import open_model
+    from meshd.model_store import open_model
 
     src = open_model(None)
     g = torch.Generator().manual_seed(0)

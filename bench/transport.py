@@ -184,7 +184,7 @@ def _payload(size: int) -> torch.Tensor:
 
 
 def _fwd(t: torch.Tensor) -> StageForward:
-    return StageForward("bench", 1, 0, 0, hidden=t)
+    return StageForward("bench", 1, "bench/0/0", 0, hidden=t)
 
 
 async def zc_tput(peer: Peer, size: int, count: int) -> float:
@@ -193,7 +193,7 @@ async def zc_tput(peer: Peer, size: int, count: int) -> float:
     t0 = time.perf_counter()
     for _ in range(count):
         await peer.send(msg)
-    assert isinstance(await peer.request(FreeSequence(1, 0), timeout=120), Ack)
+    assert isinstance(await peer.request(FreeSequence(1, "bench/0/0"), timeout=120), Ack)
     return size * count / (time.perf_counter() - t0) / 1e6
 
 
@@ -371,6 +371,9 @@ def main() -> int:
                     help="leave glibc's allocator as is (default: apply "
                          "transport.tuning.tune_allocator_for_large_messages(), as a daemon should)")
     args = ap.parse_args()
+    from meshd import log
+
+    log.configure()  # log lines on stderr: transport only gets loggers, the application configures them
     if args.tune_malloc:
         tune_allocator_for_large_messages()
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -1,9 +1,16 @@
-"""Errors of the model runtime, each naming the file and what is wrong."""
+"""Errors of the model runtime, each naming the file and what is wrong.
 
-from meshd.errors import MeshdError
+They all derive from ``DecodingError``; ``decoding`` never imports ``meshd`` (the
+layer above lists ``DecodingError`` among its user-facing errors, so the CLI
+prints these as one line).
+"""
 
 
-class ModelLoadError(MeshdError):
+class DecodingError(Exception):
+    """Base for every user-facing failure of the model runtime."""
+
+
+class ModelLoadError(DecodingError):
     """A model file or directory cannot be used (missing, corrupt, unsupported)."""
 
 
@@ -11,9 +18,13 @@ class UnsupportedArchitecture(ModelLoadError):
     pass
 
 
-class ContextOverflow(MeshdError):
+class ContextOverflow(DecodingError):
     """A prompt (plus requested tokens) does not fit the model's context or the cache."""
 
 
-class CacheError(MeshdError):
+class CacheError(DecodingError):
     """Misuse of the KV cache: unknown sequence, rollback past a shared prefix, full cache."""
+
+
+class CacheFull(CacheError):
+    """The cache's token budget cannot hold another sequence now (retry later, not a bug)."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.config import ModelConfig
-from decoding.errors import CacheError
+from decoding.errors import CacheError, CacheFull
 
 
 @dataclass(eq=False)
@@ -78,7 +78,7 @@ class KVCache:
             raise CacheError(f"sequence {seq_id!r} already exists in this stage's cache")
         capacity = max(int(capacity), 1)
         if self._reserved + capacity > self.max_tokens:
-            raise CacheError(
+            raise CacheFull(
                 f"KV cache full: {capacity} more positions requested, "
                 f"{self.max_tokens - self._reserved} of {self.max_tokens} free")
         shape = (self.num_layers, self.config.num_kv_heads, capacity, self.config.head_dim)
@@ -152,7 +152,7 @@ class KVCache:
             new_cap = max(need, 2 * s.capacity)
             extra = new_cap - s.capacity
             if self._reserved + extra > self.max_tokens:
-                raise CacheError(f"KV cache full while growing {seq_id!r} to {new_cap} positions")
+                raise CacheFull(f"KV cache full while growing {seq_id!r} to {new_cap} positions")
             shape = (self.num_layers, self.config.num_kv_heads, new_cap, self.config.head_dim)
             k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
             k[:, :, : s.length] = s.k[:, :, : s.length]

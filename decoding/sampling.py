@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from meshd.errors import MeshdError
+from decoding.errors import DecodingError
 
 
-class BadSamplingParams(MeshdError):
+class BadSamplingParams(DecodingError):
     pass
 
 
@@ -59,12 +59,21 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """``skip``: draws already spent by earlier tokens of the same request.
+
+    A request replayed on a new plan (a device left) gets a fresh sampler on a
+    new last stage; skipping the draws its earlier tokens used makes the rest
+    of the answer identical to an uninterrupted run with the same seed.
+    """
+
+    def __init__(self, params: SamplingParams, skip: int = 0):
         self.params = params
         self._gen = None
         if not params.greedy:
             self._gen = torch.Generator()
             self._gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+            for _ in range(max(0, int(skip))):  # one draw per token, exactly as __call__ spends them
+                torch.rand((), generator=self._gen, dtype=torch.float64)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] of the position to predict."""

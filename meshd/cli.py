@@ -13,7 +13,7 @@ import importlib
 import sys
 
 from meshd import __version__
-from meshd.errors import MeshdError
+from meshd.errors import USER_ERRORS
 
 # Order here is the order in ``meshd --help``.
 COMMAND_MODULES = [
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except MeshdError as exc:  # expected, user-facing failures: one clear line
+    except USER_ERRORS as exc:  # expected, user-facing failures (any layer's): one clear line
         print(f"meshd: error: {exc}", file=sys.stderr)
         return 1
 

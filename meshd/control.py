@@ -28,6 +28,10 @@ class MeshHeartbeat:
     state: str = "ready"  # "ready" | "draining"
     requests_in_flight: int = 0
     stage_port: int = 0  # where this member's pipeline stage listens (0: no engine yet)
+    incarnation: str = ""  # random per daemon start: a change means the member restarted (caches gone)
+    load_state: str = "loading"  # "loading" | "loaded" | "failed" | "none" (model = none)
+    model: str = ""  # identity of the loaded model file (name@sha256 prefix); "" for model-less engines
+    model_layers: int = 0  # its decoder layer count (0: unknown)
 
 
 @message

@@ -27,6 +27,7 @@ import inspect
 import ipaddress
 import json
 import os
+import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -41,7 +42,7 @@ from meshd.discovery import (
     PROTOCOL_VERSION, REASON_UNREACHABLE, Advert, Discovery, Sighting, classify, select_interfaces,
 )
 from meshd.engine import Engine, EngineUnavailable, GenerationRequest
-from meshd.errors import MeshdError
+from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 from meshd.membership import Change, Debouncer, Membership, PeerState, affects_plan
 from meshd.pairing import PairingServer
@@ -82,6 +83,8 @@ class DrainingEngine(Engine):
         self.idle.set()
 
     model_id = property(lambda self: self.inner.model_id)
+    source = property(lambda self: getattr(self.inner, "source", None))
+    vocab_size = property(lambda self: getattr(self.inner, "vocab_size", None))
     context_length = property(lambda self: self.inner.context_length)
     tokenizer = property(lambda self: self.inner.tokenizer)
 
@@ -151,6 +154,9 @@ class Daemon:
         self.port = 0
         self.pairing_port = 0
         self.stage_port = 0  # set by the mesh engine once its stage service listens
+        self.incarnation = secrets.token_hex(6)  # peers see a restart as a new incarnation
+        self.load_state = "loading" if config.model_enabled or config.engine else "none"
+        self.excluded: dict[str, str] = {}  # ready members the last plan left out, and why
         self._tasks: list[asyncio.Task] = []
         self._started_at = 0.0
 
@@ -218,10 +224,36 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._maintenance_loop(), name="maintenance"))
         if self.notifier.watchdog_interval_s:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(), name="watchdog"))
-        self.notifier.ready(f"serving home {self.home.name!r} as {self.node_id}")
-        log.info("daemon_ready", home=self.home.name, name=cfg.name, port=self.port,
+        self._tasks.append(asyncio.create_task(self._ready_when_serving(), name="readiness"))
+        log.info("daemon_started", home=self.home.name, name=cfg.name, port=self.port,
                  pairing_port=self.pairing_port, socket=str(self.socket_path),
                  interfaces=[i.name for i in self.interfaces], fingerprint=key_fingerprint(self.public_key))
+
+    async def _ready_when_serving(self) -> None:
+        """READY=1 once a request would be served at once (model loaded, a plan warm).
+
+        Until then STATUS= says what the daemon waits for. A daemon whose model
+        failed to load (or that runs none) is ready as a control-plane member.
+        """
+        home = self.home.name if self.home else "?"
+        while not self.stopping.is_set():
+            inner = self.engine.inner if self.engine is not None else None
+            warm = getattr(inner, "warm", None)
+            if self.load_state in ("failed", "none") or (inner is not None and warm is None):
+                break
+            if warm is not None and warm.is_set():
+                break
+            waiting = ("loading the model" if inner is None else
+                       "waiting for a plan and its stages to load" if self.plan is None else
+                       f"warming up plan v{self.plan.version}")
+            self.notifier.status(f"home {home}: {waiting}")
+            if warm is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(warm.wait(), 1.0)
+            else:
+                await asyncio.sleep(0.2)
+        self.notifier.ready(f"serving home {home!r} as {self.node_id}")
+        log.info("daemon_ready", home=home, load_state=self.load_state)
 
     async def _start_api(self) -> None:
         try:
@@ -237,7 +269,10 @@ class Daemon:
         elif not cfg.model_enabled:
             log.info("engine_disabled", reason="model = none")
         self.engine = DrainingEngine(engine) if engine is not None else None
-        self.api_app = create_app(self.engine, self.status)
+        if engine is not None:
+            self.load_state = "loaded"
+        self.api_app = create_app(self.engine, self.status, engine_wait_s=cfg.request_wait_s,
+                                  engine_loading=lambda: self.load_state == "loading")
         self.api_runner = await start_api(self.api_app, self.socket_path, cfg.api_listen)
         if engine is None and cfg.model_enabled and not cfg.engine:
             # Loading weights takes a while: serve status (and 503s) meanwhile.
@@ -258,14 +293,17 @@ class Daemon:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a missing model must not take the control plane down
+            self.load_state = "failed"
             log.error("model_load_failed", error=f"{type(exc).__name__}: {exc}")
             return
         if self.stopping.is_set() or self.api_app is None:
             return
         self.engine = DrainingEngine(engine)
         set_engine(self.api_app, self.engine)
-        log.info("model_ready", model=engine.model_id)
-        self.debounce.poke(self.clock())  # the layer count may have changed
+        self.load_state = "loaded"
+        log.info("model_ready", model=engine.model_id, identity=self._model_identity()[0])
+        self._send_heartbeat()  # peers may plan with us now
+        self.debounce.poke(self.clock())
 
     async def stop(self) -> None:
         """Graceful shutdown; safe to call after a failed or partial start.
@@ -287,6 +325,7 @@ class Daemon:
                     self.engine.aborting = True
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.engine.idle.wait(), 5.0)
+        await self._drain_stage()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -314,6 +353,22 @@ class Daemon:
         with contextlib.suppress(FileNotFoundError):
             (self.state.root / RUNTIME_FILE).unlink()
         log.info("daemon_stopped")
+
+    async def _drain_stage(self) -> None:
+        """Finish stage work other daemons' requests are doing here (bounded by drain_timeout_s).
+
+        Heartbeats keep saying "draining" meanwhile; whatever is still running at
+        the deadline is replayed by its coordinator once we are gone.
+        """
+        stage = getattr(self.engine.inner, "stage", None) if self.engine is not None else None
+        if stage is None or not stage.foreign_sequences():
+            return
+        log.info("stage_draining", sequences=stage.foreign_sequences())
+        deadline = self.clock() + self.config.drain_timeout_s
+        while stage.foreign_sequences() and self.clock() < deadline:
+            await asyncio.sleep(0.1)
+        if stage.foreign_sequences():
+            log.warning("stage_drain_timeout", sequences=stage.foreign_sequences())
 
     # -- adverts & sightings ----------------------------------------------------
     def _advert(self) -> Advert:
@@ -406,7 +461,7 @@ class Daemon:
         fresh = [m for m in incoming if m.node_id not in self.members]
         try:
             added = self.state.add_members(fresh)
-        except MeshdError as exc:
+        except USER_ERRORS as exc:
             log.warning("member_list_rejected", sender=sender, error=str(exc))
             return
         if added:
@@ -429,8 +484,13 @@ class Daemon:
         if isinstance(msg, control.MeshHeartbeat):
             info = {"name": msg.name, "memory_budget_mb": msg.memory_budget_mb,
                     "plan_version": msg.plan_version, "state": msg.state,
-                    "requests_in_flight": msg.requests_in_flight, "stage_port": msg.stage_port}
+                    "requests_in_flight": msg.requests_in_flight, "stage_port": msg.stage_port,
+                    "incarnation": msg.incarnation, "load_state": msg.load_state, "model": msg.model,
+                    "model_layers": msg.model_layers}
+            peer = self.membership.peers.get(sender)
+            before = dict(peer.info) if peer is not None else {}
             self._apply(self.membership.heartbeat(sender, now, info))
+            self._on_peer_info(sender, before, info)
             if msg.members_digest != members_digest(self.members):
                 self.link.send(sender, self._member_list())
             if msg.profile_digest and self.profile_digests.get(sender) != msg.profile_digest:
@@ -470,7 +530,8 @@ class Daemon:
             members_digest=members_digest(self.members), profile_digest=_digest(prof) if prof else "",
             timestamp=time.time(), state="draining" if self.stopping.is_set() else "ready",
             requests_in_flight=self.engine.in_flight if self.engine else 0,
-            stage_port=self.stage_port,
+            stage_port=self.stage_port, incarnation=self.incarnation, load_state=self.load_state,
+            model=self._model_identity()[0], model_layers=self._model_identity()[1],
         )
 
     def _send_heartbeat(self, node_id: str | None = None) -> None:
@@ -504,17 +565,75 @@ class Daemon:
             self.notifier.watchdog()
             await asyncio.sleep(self.notifier.watchdog_interval_s)
 
-    def _num_layers(self) -> int:
+    def _model_identity(self) -> tuple[str, int]:
+        """(identity of the loaded model file, its layer count); ("", 0) for model-less engines."""
         source = getattr(self.engine.inner, "source", None) if self.engine else None
-        config = getattr(source, "config", None)
-        return int(getattr(config, "num_layers", 0) or self.config.plan_layers)
+        if source is None:
+            return "", 0
+        cached = getattr(self, "_identity_cache", None)
+        if cached is None or cached[0] is not source:
+            ident = str(getattr(source, "identity", "") or "")
+            layers = int(getattr(getattr(source, "config", None), "num_layers", 0) or 0)
+            self._identity_cache = cached = (source, ident, layers)
+        return cached[1], cached[2]
+
+    def _on_peer_info(self, node_id: str, before: dict, info: dict) -> None:
+        """React to what a heartbeat changed: a restart, a new stage port, a model loaded."""
+        old_inc = before.get("incarnation")
+        if old_inc and old_inc != info.get("incarnation"):
+            log.info("peer_restarted", peer=node_id, stage_port=info.get("stage_port"))
+            inner = self.engine.inner if self.engine is not None else None
+            coordinator = getattr(inner, "coordinator", None)
+            if coordinator is not None:
+                coordinator.stage_restarted(node_id)
+        if any(before.get(k) != info.get(k) for k in ("load_state", "model", "model_layers")):
+            self.debounce.poke(self.clock())  # who can be planned over changed
+
+    def _plannable(self, ready: list[str]) -> tuple[list[str], str, int, dict[str, str]]:
+        """The members a plan may use: model loaded, and the same model file as the home's.
+
+        The home's model is the one most loaded members run (ties: the lowest node
+        id's), so a device with another file is listed with its reason instead of
+        silently mixing layers of two models.
+        """
+        facts: dict[str, tuple[str, str, int]] = {}
+        for nid in ready:
+            if nid == self.node_id:
+                ident, layers = self._model_identity()
+                facts[nid] = (self.load_state, ident, layers)
+            else:
+                info = self.membership.peers[nid].info if nid in self.membership.peers else {}
+                facts[nid] = (str(info.get("load_state", "loading")), str(info.get("model", "")),
+                              int(info.get("model_layers", 0) or 0))
+        # "none": a control-plane-only member (model = none); plannable with its peers alike.
+        excluded = {nid: f"model {st}" for nid, (st, _, _) in facts.items() if st not in ("loaded", "none")}
+        loaded = sorted(nid for nid in facts if nid not in excluded)
+        if not loaded:
+            return [], "", 0, excluded
+        counts: dict[tuple[str, int], int] = {}
+        for nid in loaded:
+            counts[facts[nid][1:]] = counts.get(facts[nid][1:], 0) + 1
+        home_model = max(counts, key=lambda k: (bool(k[0]), counts[k], -loaded.index(
+            next(n for n in loaded if facts[n][1:] == k))))
+        members = [nid for nid in loaded if facts[nid][1:] == home_model]
+        for nid in loaded:
+            if facts[nid][1:] != home_model:
+                excluded[nid] = f"different model ({facts[nid][1] or 'none'}, home runs {home_model[0]})"
+        return members, home_model[0], home_model[1] or self.config.plan_layers, excluded
 
     def _maybe_replan(self) -> None:
         m = self.membership
         if m.leader() != self.node_id:
             return  # the coordinator (lowest ready node id) plans; we wait for its PlanUpdate
-        ready = m.ready_ids()
-        seen = [int(m.peers[n].info.get("plan_version", 0)) for n in ready if n in m.peers]
+        all_ready = m.ready_ids()
+        ready, model, num_layers, excluded = self._plannable(all_ready)
+        if excluded != self.excluded:
+            log.info("members_not_planned", excluded=excluded)
+        self.excluded = excluded
+        if not ready:
+            log.info("replan_waiting", reason="no member has a model loaded yet", excluded=excluded)
+            return
+        seen = [int(m.peers[n].info.get("plan_version", 0)) for n in all_ready if n in m.peers]
         version = max([self.plan.version if self.plan else 0, *seen]) + 1
         inputs = []
         for nid in ready:
@@ -523,7 +642,7 @@ class Daemon:
                 info.get("memory_budget_mb", 0) or 0)
             profile = self.own_profile if nid == self.node_id else self.profiles.get(nid)
             inputs.append(MemberInput(nid, budget, profile))
-        plan = make_plan(version, self.node_id, inputs, self._num_layers())
+        plan = make_plan(version, self.node_id, inputs, num_layers)
         cur = self.plan
         if cur is not None and cur.stages == plan.stages and cur.num_layers == plan.num_layers \
                 and cur.leader == self.node_id and version <= cur.version + 1:
@@ -532,11 +651,11 @@ class Daemon:
             log.debug("replan_unchanged", version=cur.version)
             return
         self.replans += 1
-        log.info("replan", version=version, members=ready, reason=plan.reason,
+        log.info("replan", version=version, members=ready, model=model, reason=plan.reason,
                  stages=[[s.node_id, s.first, s.last] for s in plan.stages])
         self._adopt(plan)
         self.link.broadcast(PlanUpdate(plan.version, plan.to_assignment()),
-                            [n for n in ready if n != self.node_id])
+                            [n for n in all_ready if n != self.node_id])
 
     def _on_plan_update(self, msg: PlanUpdate, sender: str) -> None:
         try:
@@ -563,6 +682,28 @@ class Daemon:
                 listener(plan)
             except Exception:
                 log.exception("plan_listener_failed")
+
+    def _serving_ready(self) -> bool:
+        """A request sent now would start at once: the current plan has served a warm-up."""
+        inner = self.engine.inner if self.engine is not None else None
+        if inner is None:
+            return False
+        warm_version = getattr(inner, "warm_version", None)
+        if warm_version is None:  # engines without a pipeline (tests' fakes) are ready once loaded
+            return True
+        return self.plan is not None and warm_version == self.plan.version
+
+    def _stage_status(self) -> dict[str, Any] | None:
+        """This device's stage: plan served, layers, sequences and KV tokens in use."""
+        inner = self.engine.inner if self.engine is not None else None
+        stage = getattr(inner, "stage", None)
+        if stage is None:
+            return None
+        out = stage.status()
+        coordinator = getattr(inner, "coordinator", None)
+        if coordinator is not None:
+            out["requests_replayed"] = coordinator.resumes
+        return out
 
     # -- runtime file for `meshd invite` -----------------------------------------------
     def _write_runtime_file(self) -> None:
@@ -626,6 +767,11 @@ class Daemon:
             "plan": plan.to_status() if plan else None,
             "replans": self.replans,
             "model": self.engine.model_id if self.engine else None,
+            "model_identity": self._model_identity()[0] or None,
+            "load_state": self.load_state,
+            "ready": self._serving_ready(),
+            "not_planned": [{"node_id": n, "reason": r} for n, r in sorted(self.excluded.items())],
+            "stage": self._stage_status(),
             "requests_in_flight": self.engine.in_flight if self.engine else 0,
             "recent": {"tokens_per_s": None, "ttft_s": None},
         }

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from decoding.detok import IncrementalDetokenizer  # re-exported: the API layer streams with it
-from meshd.errors import MeshdError
+from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 
 log = get_logger("meshd.engine")
@@ -30,12 +30,27 @@ log = get_logger("meshd.engine")
 # --------------------------------------------------------------------------- errors
 
 
+_CLASS_DEFAULT: Any = object()
+
+
 class EngineError(MeshdError):
-    """A generation could not be served; ``http_status`` is what the API answers."""
+    """A generation could not be served; ``http_status`` is what the API answers.
+
+    ``retry_after_s`` (None: retrying will not help) becomes the API's
+    ``Retry-After`` header, so clients back off instead of hammering a mesh
+    that is re-planning or full. Subclasses set a default; a raiser that knows
+    better (e.g. when a cache slot frees) passes ``retry_after_s=``.
+    """
 
     http_status = 500
     error_type = "server_error"
     code: str | None = "generation_failed"
+    retry_after_s: float | None = None
+
+    def __init__(self, *args: Any, retry_after_s: float | None = _CLASS_DEFAULT):
+        super().__init__(*args)
+        if retry_after_s is not _CLASS_DEFAULT:
+            self.retry_after_s = retry_after_s
 
 
 class PromptTooLong(EngineError):
@@ -52,6 +67,7 @@ class NoPlan(EngineError):
     http_status = 503
     error_type = "service_unavailable"
     code = "no_plan"
+    retry_after_s = 2.0  # devices join and plans settle within seconds
 
 
 class EngineUnavailable(EngineError):
@@ -60,6 +76,20 @@ class EngineUnavailable(EngineError):
     http_status = 503
     error_type = "service_unavailable"
     code = "engine_unavailable"
+    retry_after_s = 2.0
+
+
+class EngineBusy(EngineError):
+    """The mesh is full right now (KV cache exhausted, too many requests in flight).
+
+    Unlike :class:`NoPlan` the mesh is healthy: the same request succeeds once
+    a running generation ends, so clients are told to retry soon.
+    """
+
+    http_status = 503
+    error_type = "service_unavailable"
+    code = "busy"
+    retry_after_s = 1.0
 
 
 class GenerationFailed(EngineError):
@@ -338,7 +368,7 @@ class LocalEngine(Engine):
     @classmethod
     async def open(cls, path=None, **kw) -> LocalEngine:
         """Open ``path`` (None: the embedded default model) and load it off the event loop."""
-        from decoding.loader import open_model
+        from meshd.model_store import open_model
 
         return await asyncio.to_thread(lambda: cls(open_model(path), **kw))
 
@@ -356,7 +386,7 @@ class LocalEngine(Engine):
                 raise PromptTooLong(str(exc)) from exc
             except EngineError:
                 raise
-            except MeshdError as exc:
+            except USER_ERRORS as exc:
                 raise GenerationFailed(str(exc)) from exc
             except Exception as exc:  # noqa: BLE001 - a runtime bug must not kill the daemon
                 log.exception("generation_failed", request_id=req.request_id)

@@ -7,7 +7,6 @@ Each device pulls once into its own cache; nothing downloads at inference time.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -57,12 +56,17 @@ def default_model_path() -> Path:
     return models_dir() / DEFAULT_MODEL.name
 
 
+def tokenizers_dir() -> Path:
+    """Where GGUF models' converted tokenizers and content hashes are cached."""
+    return meshd_home() / "tokenizers"
+
+
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    # The loader owns the helper (it hashes GGUFs for their identity); imported
+    # here lazily so that ``meshd model`` does not pay for importing torch.
+    from decoding.loader.files import sha256_of as _sha256_of
+
+    return _sha256_of(path)
 
 
 def is_pulled(model: EmbeddedModel = DEFAULT_MODEL) -> bool:
@@ -138,6 +142,17 @@ def resolve_model(path: str | os.PathLike | None) -> Path:
             f"the embedded default model is not in {models_dir()}; run `meshd model pull` first"
         )
     return default_model_path()
+
+
+def open_model(path: str | os.PathLike | None = None):
+    """Open a model for meshd: ``path``, or (None) the pulled embedded default.
+
+    Resolves the path here (``decoding`` knows nothing of meshd's model cache)
+    and hands the loader meshd's cache directory for GGUF tokenizers.
+    """
+    from decoding.loader import open_model as _open_model
+
+    return _open_model(resolve_model(path), cache_dir=tokenizers_dir())
 
 
 def list_models() -> list[dict]:

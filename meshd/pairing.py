@@ -17,6 +17,16 @@ because only a holder of the token could MAC it; the member trusts the new
 public key for the same reason. The pairing channel is plain TCP: nothing on it
 is secret (public keys, the home id), it only has to be authentic.
 
+A token admits a *new* device; it never lets one take over a member. A hello
+whose node id is already in the home with another key (or whose key already
+belongs to another node id) is refused after the proof checks out, with an
+error the joiner prints, and logged on the member (``pairing_identity_conflict``).
+Such a refusal does not consume the token: the holder proved it has the token,
+so leaving it usable admits nothing it could not already add (one new device
+until the expiry), while a person who ran ``meshd join --token`` on a cloned
+state directory can fix that and retry without a new invite. Re-pairing the
+same node id with the same key is a no-op that succeeds (and consumes the token).
+
 Wire format: one JSON object per line, at most ``MAX_LINE`` bytes.
 """
 
@@ -34,7 +44,9 @@ from dataclasses import dataclass
 
 from meshd.errors import MeshdError
 from meshd.log import get_logger
-from meshd.state import Home, Member, StateDir
+from meshd.state import Home, Member, MemberConflict, StateDir, key_fingerprint, member_conflict
+from transport.errors import KeyStoreError
+from transport.keys import validate_public_key
 
 log = get_logger("meshd.pairing")
 
@@ -190,6 +202,10 @@ class PairingServer:
         tid, node_id, name, public_key, nonce_j = fields
         if len(public_key) != 40 or not node_id or not nonce_j:
             raise PairingError("pairing hello is missing fields")
+        try:
+            validate_public_key(public_key)
+        except KeyStoreError as exc:
+            raise PairingError(f"pairing hello has an unusable public key ({exc})") from None
         invite = self.state.peek_invite(tid, self.clock())
         home = self.state.home()
         if invite is None or home is None:
@@ -201,10 +217,17 @@ class PairingServer:
         expect = _mac(key, "join", *fields, nonce_m)
         if proof.get("op") != "proof" or not hmac.compare_digest(str(proof.get("mac", "")), expect):
             raise PairingError("invite token proof is wrong")
+        member = Member(node_id, name, public_key)
+        # Checked once the proof is good (a stranger learns nothing) and before the
+        # token is consumed (see the module docstring); add_members checks again
+        # under the state lock, so a race cannot slip a key swap through.
+        self._refuse_conflict(member_conflict(self.state.members(), member))
         if self.state.take_invite(tid, self.clock()) is None:  # one-time: lost a race
             raise PairingError("invite token is unknown, used or expired")
-        member = Member(node_id, name, public_key)
-        self.state.add_members([member])
+        try:
+            self.state.add_members([member])
+        except MemberConflict as exc:
+            self._refuse_conflict(exc)
         body = {
             "home_id": home.home_id,
             "home_name": home.name,
@@ -213,6 +236,17 @@ class PairingServer:
         mac = _mac(key, "welcome", _canonical(body), nonce_j, nonce_m)
         await _send(writer, {"op": "welcome", **body, "mac": mac})
         return member
+
+    @staticmethod
+    def _refuse_conflict(conflict: MemberConflict | None) -> None:
+        if conflict is None:
+            return
+        log.warning("pairing_identity_conflict", node_id=conflict.offered.node_id,
+                    offered_name=conflict.offered.name,
+                    offered_fingerprint=key_fingerprint(conflict.offered.public_key),
+                    member_node_id=conflict.existing.node_id, member_name=conflict.existing.name,
+                    member_fingerprint=key_fingerprint(conflict.existing.public_key))
+        raise PairingError(f"refused by the inviting device: {conflict}")
 
 
 # --------------------------------------------------------------------------- joiner side

@@ -38,6 +38,22 @@ class StateError(MeshdError):
     """The state directory is missing, unreadable or inconsistent."""
 
 
+class MemberConflict(StateError):
+    """A member entry that would change whom an existing node id or key identifies.
+
+    A node id, once in the home, keeps the CURVE key it joined with (taking a
+    member's node id with another key would hand its layers and activations to
+    whoever holds that key), and a key identifies one node id only. No path
+    (pairing, gossip, daemon start) may replace either; ``existing`` is the
+    member already trusted, ``offered`` the refused entry.
+    """
+
+    def __init__(self, message: str, existing: Member, offered: Member):
+        super().__init__(message)
+        self.existing = existing
+        self.offered = offered
+
+
 @dataclass(frozen=True)
 class Home:
     home_id: str
@@ -70,6 +86,37 @@ class Member:
 def key_fingerprint(public_key: str) -> str:
     """The transport's human-comparable fingerprint (``ab12-cd34-ef56-7890``)."""
     return transport_keys.fingerprint(public_key)
+
+
+def _safe_fingerprint(public_key: str) -> str:
+    try:
+        return key_fingerprint(public_key)
+    except Exception:  # noqa: BLE001 - only for a message about a malformed key
+        return "?"
+
+
+def member_conflict(current: dict[str, Member], m: Member) -> MemberConflict | None:
+    """Why ``m`` may not be merged into ``current`` (None: it may).
+
+    Allowed: a new node id with a key no member uses, or an existing node id
+    with its own key (a name change is fine; re-adding it is a no-op).
+    """
+    old = current.get(m.node_id)
+    if old is not None and old.public_key != m.public_key:
+        return MemberConflict(
+            f"node id {m.node_id} already belongs to member {old.name!r} of this home with another "
+            f"key (trusted {_safe_fingerprint(old.public_key)}, offered {_safe_fingerprint(m.public_key)}); "
+            "a device cannot take over an existing member's identity. If this is a new device, "
+            "give it a fresh state directory (a new node id)",
+            old, m)
+    owner = next((o for o in current.values() if o.public_key == m.public_key and o.node_id != m.node_id),
+                 None)
+    if owner is not None:
+        return MemberConflict(
+            f"key {_safe_fingerprint(m.public_key)} already belongs to member {owner.name!r} "
+            f"(node id {owner.node_id}); one key cannot join under a second node id",
+            owner, m)
+    return None
 
 
 def members_digest(members: dict[str, Member]) -> str:
@@ -198,27 +245,35 @@ class StateDir:
     def add_members(self, members: list[Member]) -> list[Member]:
         """Merge members into members.json and the transport's allow-list.
 
-        Returns the ones that were new or changed. Keys are validated first so
-        a malformed key never reaches either file.
+        Returns the ones that were new or changed (a known member's new name).
+        Keys are validated first so a malformed key never reaches either file.
+        All or nothing: an entry that would give an existing node id another key,
+        or reuse a member's key under another node id, raises ``MemberConflict``
+        and nothing is written: no caller can swap a member's key.
         """
         for m in members:
-            transport_keys.validate_public_key(m.public_key)
+            try:
+                transport_keys.validate_public_key(m.public_key)
+            except KeyStoreError as exc:
+                raise StateError(f"member {m.node_id}: {exc}") from None
         with self.locked():
-            current = self.members()
-            changed = [m for m in members if current.get(m.node_id) != m]
+            merged = self.members()
+            changed: dict[str, Member] = {}
+            for m in members:
+                conflict = member_conflict(merged, m)
+                if conflict is not None:
+                    raise conflict
+                if merged.get(m.node_id) != m:
+                    merged[m.node_id] = changed[m.node_id] = m
             if changed:
                 allow = self.allow_list()
-                for m in changed:
-                    old = current.get(m.node_id)
-                    if old is not None and old.public_key != m.public_key:
-                        allow.remove(old.public_key)
-                    current[m.node_id] = m
+                for m in changed.values():
                     allow.add(m.public_key, name=f"{m.name} ({m.node_id})")
                 self._write_json(
                     "members.json",
-                    {nid: {"name": m.name, "public_key": m.public_key} for nid, m in current.items()},
+                    {nid: {"name": m.name, "public_key": m.public_key} for nid, m in merged.items()},
                 )
-            return changed
+            return list(changed.values())
 
     # -- invites ----------------------------------------------------------
     def invites(self) -> list[dict[str, Any]]:

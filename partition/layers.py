@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshd.errors import MeshdError
+from partition.errors import PartitionError
 from partition.link import LOCAL, LinkModel
 from partition.profile import DeviceProfile
 
@@ -43,7 +43,7 @@ EXACT_DEVICE_LIMIT = 10
 _REL_TOL = 1e-9
 
 
-class PlanError(MeshdError):
+class PlanError(PartitionError):
     """The inputs cannot be planned (mixed models, no devices...)."""
 
 

@@ -14,10 +14,10 @@ import math
 import re
 from dataclasses import dataclass
 
-from meshd.errors import MeshdError
+from partition.errors import PartitionError
 
 
-class LinkSpecError(MeshdError):
+class LinkSpecError(PartitionError):
     """A ``--link`` value that cannot be understood."""
 
 

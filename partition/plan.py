@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from meshd.errors import MeshdError
+from partition.errors import PartitionError
 from partition.link import LinkModel
 
 PLAN_SCHEMA_VERSION = 1
 
 
-class PromptTooLongError(MeshdError):
+class PromptTooLongError(PartitionError):
     """A prompt longer than the plan's ``max_seq``."""
 
 
@@ -171,7 +171,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         if d.get("schema_version") != PLAN_SCHEMA_VERSION:
-            raise MeshdError(f"plan schema version {d.get('schema_version')!r} not supported")
+            raise PartitionError(f"plan schema version {d.get('schema_version')!r} not supported")
         bn = d["bottleneck"]
         return cls(
             model_identity=d["model_identity"],

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from meshd.errors import MeshdError
+from partition.errors import PartitionError
 
 SCHEMA = "meshd.device-profile"
 SCHEMA_VERSION = 1
@@ -54,7 +54,7 @@ DEFAULT_HEADROOM = 0.25
 EFFICIENT_CHUNK_SLACK = 1.10
 
 
-class ProfileError(MeshdError):
+class ProfileError(PartitionError):
     """A profile file that is missing, unreadable or does not follow the schema."""
 
 

@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from meshd.log import get_logger
+from partition.log import get_logger
 from partition.profile import (
     DEFAULT_HEADROOM,
     DeviceProfile,

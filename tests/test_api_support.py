@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from meshd import log
-from meshd.api.server import create_app, start_api
+from meshd.api.server import ApiLimits, create_app, start_api
 from meshd.engine import Engine, GenerationRequest
 
 EOS = 0
@@ -65,6 +65,7 @@ class FakeEngine(Engine):
     """Replies ``reply`` then EOS; can be slowed down or made to fail."""
 
     model_id = "fake-model"
+    vocab_size = 0x110000  # one token per Unicode code point
 
     def __init__(self, reply: str = REPLY, context_length: int = 512):
         self.tokenizer = CharTokenizer()
@@ -108,7 +109,8 @@ class ServerThread:
     be used from the test's own thread.
     """
 
-    def __init__(self, engine: Engine | None, status: dict | None = None, listen: str | None = None):
+    def __init__(self, engine: Engine | None, status: dict | None = None, listen: str | None = None,
+                 limits: ApiLimits | None = None):
         self.engine = engine
         self.status = dict(STATUS if status is None else status)
         self.listen = listen
@@ -116,7 +118,7 @@ class ServerThread:
         self.dir = Path(tempfile.mkdtemp(prefix="meshd-api-", dir="/tmp"))
         self.socket_path = self.dir / "run" / "meshd.sock"
         self.loop = asyncio.new_event_loop()
-        self.app = create_app(engine, lambda: self.status)
+        self.app = create_app(engine, lambda: self.status, limits=limits)
         self.runner = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 

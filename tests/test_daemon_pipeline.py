@@ -40,43 +40,41 @@ def test_two_daemons_split_the_layers_and_match_the_single_device_reference(mesh
     assert "Paris" in want
 
 
-def test_a_daemon_killed_mid_request_fails_it_quickly_and_the_mesh_replans_to_the_survivor(mesh, real_source):
+def test_an_answer_survives_a_daemon_killed_mid_request(mesh, real_source, real_stage):
+    """The coordinator replays the request on the survivor: a pause, the same greedy answer."""
     import signal
     import threading
-    import time
-
-    from meshd.errors import MeshdError
 
     a, b = two_daemon_mesh(mesh, str(real_source.path), "pipeline-kill")
-    outcome = {}
+    question = "Write a long story about a lighthouse keeper."
+    tok = real_source.tokenizer
+    want = generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]), 120,
+                    eos_ids=tok.eos_ids, tokenizer=tok).text
     streaming = threading.Event()
+    outcome = {}
 
     def ask():
         try:
-            stream = MeshdClient(a.socket, timeout=120).chat("Write a long story about a lighthouse keeper.",
-                                                             stream=True, max_tokens=400, temperature=0)
             parts = []
-            for delta in stream:
+            for delta in MeshdClient(a.socket, timeout=180).chat(question, stream=True, max_tokens=120,
+                                                                 temperature=0):
                 parts.append(delta)
-                streaming.set()
+                if len(parts) >= 10:
+                    streaming.set()
             outcome["text"] = "".join(parts)
-        except MeshdError as exc:
-            outcome["error"] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             streaming.set()
-        outcome["ended"] = time.monotonic()
 
     worker = threading.Thread(target=ask)
     worker.start()
-    assert streaming.wait(60), "the answer never started streaming"
-    killed_at = time.monotonic()
+    assert streaming.wait(120), "the answer never started streaming"
     b.signal(signal.SIGKILL)
-    worker.join(60)
+    worker.join(170)
     assert not worker.is_alive(), "the request hung after a device vanished"
-    assert "error" in outcome, outcome  # a clear failure, not a silently truncated answer
-    assert outcome["ended"] - killed_at < 40  # bounded: a dead link, the re-plan, or the 30 s token timeout
+    assert "error" not in outcome, outcome
+    assert outcome["text"] == want, summary(a)
     wait_for(lambda: [s["node_id"] for s in plan_stages(a)] == [a.node_id()], 60,
              what="a re-plan onto the surviving daemon", explain=lambda: summary(a))
-    again = MeshdClient(a.socket, timeout=120).chat("What is the capital of France?", max_tokens=16,
-                                                    temperature=0)
-    assert "Paris" in again.text
+    assert (a.status().get("stage") or {}).get("requests_replayed", 0) >= 1

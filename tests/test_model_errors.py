@@ -10,12 +10,20 @@ from decoding.errors import ContextOverflow, ModelLoadError, UnsupportedArchitec
 from decoding.generate import generate
 from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline
+from meshd import model_store
 from meshd.model_store import ModelNotAvailable
 
 
 def test_missing_file_names_the_path(tmp_path):
     with pytest.raises(ModelNotAvailable, match="model not found: .*nope.gguf"):
-        open_model(tmp_path / "nope.gguf")
+        model_store.open_model(tmp_path / "nope.gguf")
+    with pytest.raises(ModelLoadError, match="nope.gguf: not a file or directory"):
+        open_model(tmp_path / "nope.gguf")  # the loader alone: paths only, its own error
+
+
+def test_the_loader_needs_a_path_the_default_model_is_meshds_business():
+    with pytest.raises(ModelLoadError, match="no model path given"):
+        open_model(None)
 
 
 def test_wrong_format_says_what_was_expected(tmp_path):
@@ -75,3 +83,14 @@ def test_cli_prints_one_clear_line_and_exits_1(tmp_path):
     assert res.returncode == 1
     assert "meshd: error: model not found" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_the_loader_without_a_cache_dir_matches_meshds_cached_open(real_source, tmp_path, monkeypatch):
+    """meshd passes its cache dir (under $MESHD_HOME); the bare loader recomputes and writes nothing."""
+    monkeypatch.chdir(tmp_path)
+    bare = open_model(real_source.path)
+    assert bare.identity == real_source.identity
+    text = "Hello, mesh!"
+    assert bare.tokenizer.encode(text) == real_source.tokenizer.encode(text)
+    assert list(tmp_path.iterdir()) == []
+    assert real_source._cache_root == model_store.tokenizers_dir()

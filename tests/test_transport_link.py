@@ -51,7 +51,7 @@ class Recorder:
         if d:
             await asyncio.sleep(d)
         if isinstance(msg, StageForward):
-            ids = msg.token_ids if msg.token_ids is not None else torch.tensor([msg.seq_id])
+            ids = msg.token_ids if msg.token_ids is not None else torch.tensor([int(msg.seq_id[1:])])
             return TokenResult(msg.request_id, msg.plan_version, msg.seq_id, ids)
         if isinstance(msg, Truncate):
             raise ValueError(f"cannot truncate seq {msg.seq_id}")
@@ -67,7 +67,7 @@ async def _pair(ctx, handler, *, server_kw=None, peer_kw=None):
 
 
 def _fwd(i: int, **kw) -> StageForward:
-    return StageForward(f"req-{i}", 3, i, 0, token_ids=torch.tensor([i, i + 1]), **kw)
+    return StageForward(f"req-{i}", 3, f"s{i}", 0, token_ids=torch.tensor([i, i + 1]), **kw)
 
 
 async def test_request_gets_the_handlers_reply(ctx):
@@ -103,7 +103,7 @@ async def test_many_concurrent_requests_on_one_link_get_their_own_replies(ctx):
 async def test_handler_returning_none_replies_ack(ctx):
     server, peer = await _pair(ctx, Recorder())
     try:
-        assert isinstance(await peer.request(FreeSequence(3, 9)), Ack)
+        assert isinstance(await peer.request(FreeSequence(3, f"s{9}")), Ack)
     finally:
         await peer.close()
         await server.close()
@@ -112,8 +112,8 @@ async def test_handler_returning_none_replies_ack(ctx):
 async def test_handler_exception_comes_back_as_remote_error_and_server_keeps_serving(ctx):
     server, peer = await _pair(ctx, Recorder())
     try:
-        with pytest.raises(RemoteError, match="cannot truncate seq 4") as e:
-            await peer.request(Truncate(3, 4, 10))
+        with pytest.raises(RemoteError, match="cannot truncate seq s4") as e:
+            await peer.request(Truncate(3, "s4", 10))
         assert e.value.code == "handler"
         assert (await peer.request(_fwd(1))).request_id == "req-1"
         assert server.stats["handler_errors"] == 1
@@ -133,11 +133,11 @@ async def test_timeout_raises_transport_timeout_and_forgets_the_request(ctx):
     server, peer = await _pair(ctx, handler)
     try:
         with pytest.raises(TransportTimeout, match="no reply to FreeSequence"):
-            await peer.request(FreeSequence(1, 1), timeout=0.05)
+            await peer.request(FreeSequence(1, f"s{1}"), timeout=0.05)
         assert peer.in_flight == 0
         slow["on"] = False
         await asyncio.sleep(0.6)  # the late reply arrives and is dropped quietly
-        assert isinstance(await peer.request(FreeSequence(1, 2)), Ack)
+        assert isinstance(await peer.request(FreeSequence(1, f"s{2}")), Ack)
     finally:
         await peer.close()
         await server.close()
@@ -152,7 +152,7 @@ async def test_cancelled_request_removes_its_pending_future(ctx):
 
     server, peer = await _pair(ctx, handler)
     try:
-        task = asyncio.create_task(peer.request(FreeSequence(1, 1)))
+        task = asyncio.create_task(peer.request(FreeSequence(1, f"s{1}")))
         await asyncio.wait_for(started.wait(), 5)
         assert peer.in_flight == 1
         task.cancel()
@@ -173,13 +173,13 @@ async def test_close_fails_pending_requests_with_transport_closed(ctx):
 
     server, peer = await _pair(ctx, handler)
     try:
-        task = asyncio.create_task(peer.request(FreeSequence(1, 1)))
+        task = asyncio.create_task(peer.request(FreeSequence(1, f"s{1}")))
         await asyncio.wait_for(started.wait(), 5)
         await peer.close()
         with pytest.raises(TransportClosed):
             await task
         with pytest.raises(TransportClosed):
-            await peer.request(FreeSequence(1, 1))
+            await peer.request(FreeSequence(1, f"s{1}"))
     finally:
         await peer.close()
         await server.close()
@@ -190,7 +190,7 @@ async def test_request_to_nobody_times_out(ctx):
     await peer.connect("tcp://127.0.0.1:9")  # discard port: nothing listens
     try:
         with pytest.raises(TransportTimeout):
-            await peer.request(FreeSequence(1, 1), timeout=0.1)
+            await peer.request(FreeSequence(1, f"s{1}"), timeout=0.1)
         assert peer.in_flight == 0
     finally:
         await peer.close()
@@ -207,7 +207,7 @@ async def test_one_way_send_reaches_the_handler_without_a_reply(ctx):
             if len(h.calls) == 5:
                 break
             await asyncio.sleep(0.01)
-        assert [m.seq_id for m, _ in h.calls] == [0, 1, 2, 3, 4]
+        assert [m.seq_id for m, _ in h.calls] == [f"s{i}" for i in range(5)]
         assert all(r.one_way for _, r in h.calls)
         await asyncio.sleep(0.05)
         assert seen == [] and server.stats["replied"] == 0
@@ -221,7 +221,7 @@ async def test_failing_one_way_message_still_reports_an_error_to_the_sender(ctx)
     server, peer = await _pair(ctx, Recorder(), peer_kw={"on_message": seen.append})
     try:
         with structlog.testing.capture_logs() as logs:
-            await peer.send(Truncate(1, 2, 3))
+            await peer.send(Truncate(1, "s2", 3))
             for _ in range(100):
                 if seen:
                     break
@@ -245,8 +245,32 @@ async def test_ordered_server_handles_one_message_at_a_time_in_arrival_order(ctx
 
     server, peer = await _pair(ctx, handler, server_kw={"ordered": True})
     try:
-        await asyncio.gather(*(peer.request(FreeSequence(1, i)) for i in range(20)))
-        assert order == list(range(20)) and peak[0] == 1
+        await asyncio.gather(*(peer.request(FreeSequence(1, f"s{i}")) for i in range(20)))
+        assert order == [f"s{i}" for i in range(20)] and peak[0] == 1
+    finally:
+        await peer.close()
+        await server.close()
+
+
+async def test_urgent_messages_overtake_the_ordered_queue_which_keeps_its_order(ctx):
+    """A free must not wait behind the chunks it cancels (each may take seconds to compute)."""
+    order, gate = [], asyncio.Event()
+
+    async def handler(msg, req):
+        if isinstance(msg, StageForward):
+            await gate.wait()  # a long forward
+        order.append(msg.seq_id)
+
+    server, peer = await _pair(ctx, handler, server_kw={
+        "ordered": True, "urgent": lambda m: isinstance(m, FreeSequence)})
+    try:
+        chunks = [asyncio.create_task(peer.request(_fwd(i))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(peer.request(FreeSequence(1, "s9")), 5)  # handled while s0 computes
+        assert order == ["s9"]
+        gate.set()
+        await asyncio.gather(*chunks)
+        assert order == ["s9", "s0", "s1", "s2"]
     finally:
         await peer.close()
         await server.close()
@@ -335,7 +359,7 @@ async def test_malformed_reply_fails_the_matching_request_with_protocol_error(ct
     peer = Peer(context=ctx, timeout=5)
     await peer.connect(f"tcp://127.0.0.1:{port}")
     try:
-        task = asyncio.create_task(peer.request(FreeSequence(1, 1)))
+        task = asyncio.create_task(peer.request(FreeSequence(1, f"s{1}")))
         ident, header = await asyncio.wait_for(router.recv_multipart(), 5)
         rid = msgpack.unpackb(header)["request_id"]
         bad = msgpack.packb({"version": 1, "type": "Ack", "request_id": rid, "fields": {"detail": 5}})

@@ -31,19 +31,19 @@ EXAMPLES = [
     M.Heartbeat("kitchen", "serving", 0.5, 3, 1_700_000_000.25),
     M.HeartbeatAck("laptop", 3, 1_700_000_000.5),
     M.StageForward(
-        "req-1", 3, 17, 128, chunk_index=2, hidden=torch.randn(64, 576),
+        "req-1", 3, "kitchen/ab12/17", 128, chunk_index=2, hidden=torch.randn(64, 576),
         tree_mask=torch.tril(torch.ones(4, 4, dtype=torch.bool)),
-        sampling={"temperature": 0.7, "top_p": 0.9, "seed": 42, "stop": ["\n"]},
+        temperature=0.7, top_p=0.9, seed=42, sample_step=3, capacity=512,
         reply_to="tcp://10.0.0.1:5710", is_last_chunk=False,
     ),
-    M.StageForward("req-2", 3, 18, 0, token_ids=torch.arange(32)),
+    M.StageForward("req-2", 3, "kitchen/ab12/18", 0, token_ids=torch.arange(32)),
     M.TokenResult(
-        "req-1", 3, 17, torch.tensor([42]), topk_ids=torch.tensor([[42, 7, 1]]),
+        "req-1", 3, "kitchen/ab12/17", torch.tensor([42]), topk_ids=torch.tensor([[42, 7, 1]]),
         topk_probs=torch.tensor([[0.8, 0.15, 0.05]]), logprobs=[-0.22],
     ),
-    M.Truncate(3, 17, 140),
-    M.FreeSequence(3, 17),
-    M.ForkSequence(3, 19, 17, 128),
+    M.Truncate(3, "kitchen/ab12/17", 140),
+    M.FreeSequence(3, "kitchen/ab12/17"),
+    M.ForkSequence(3, "kitchen/ab12/19", "kitchen/ab12/17", 128),
     M.Ack(3, "ok"),
     M.ErrorReply("stale_plan", "plan 2 is older than 3", "req-1"),
     M.PlanUpdate(4, {"kitchen": {"layers": [0, 12], "next": "laptop"}, "laptop": {"layers": [12, 24]}}),
@@ -77,13 +77,13 @@ def test_every_mesh_message_round_trips(msg):
 
 
 def test_envelope_and_keyword_forms_encode_the_same():
-    msg = M.FreeSequence(1, 2)
+    msg = M.FreeSequence(1, "n/x/2")
     assert encode(Envelope(msg, 7, 3, "n")) == encode(msg, request_id=7, seq=3, sender="n")
 
 
 def test_numpy_scalars_in_header_fields_travel_as_python_values():
-    got = decode(encode(M.StageForward("r", 1, 0, 0, sampling={"t": np.float32(0.5), "k": np.int64(3)})))
-    assert got.message.sampling == {"t": 0.5, "k": 3}
+    got = decode(encode(M.StageForward("r", 1, "n/x/0", 0, temperature=np.float32(0.5), top_k=np.int64(3))))
+    assert (got.message.temperature, got.message.top_k) == (0.5, 3)
 
 
 def test_unregistered_objects_cannot_be_encoded():
@@ -108,7 +108,7 @@ def test_registry_refuses_duplicates_and_unverifiable_field_types():
 
 
 def test_missing_required_field_is_a_protocol_error():
-    frames = encode(M.Truncate(1, 2, 3))
+    frames = encode(M.Truncate(1, "s2", 3))
     h = msgpack.unpackb(frames[0])
     del h["fields"]["new_length"]
     with pytest.raises(ProtocolError, match="missing field.*new_length"):
@@ -116,7 +116,7 @@ def test_missing_required_field_is_a_protocol_error():
 
 
 def test_unknown_field_is_a_protocol_error():
-    frames = encode(M.Truncate(1, 2, 3))
+    frames = encode(M.Truncate(1, "s2", 3))
     h = msgpack.unpackb(frames[0])
     h["fields"]["surprise"] = 1
     with pytest.raises(ProtocolError, match="no field 'surprise'"):
@@ -227,7 +227,7 @@ _VALID = [encode(m, request_id=3) for m in EXAMPLES] + [
     where=st.sampled_from(["top", "fields", "tensor"]),
     key=st.sampled_from(
         ["version", "type", "request_id", "seq", "sender", "fields", "tensors", "name", "dtype",
-         "shape", "nbytes", "frame", "kind", "wire_dtype", "sampling", "seq_id", "hidden", "zzz"]
+         "shape", "nbytes", "frame", "kind", "wire_dtype", "sample_step", "seq_id", "hidden", "zzz"]
     ),
     value=msgpack_values,
     delete=st.booleans(),

@@ -117,7 +117,7 @@ async def test_allow_listed_peer_is_admitted_and_identified_by_its_key(home, ctx
     node.admit(member.public, "laptop")
     peer = await _curve_peer(node.public_key, server.address, member, ctx, timeout=5)
     try:
-        reply = await peer.request(FreeSequence(1, 1))
+        reply = await peer.request(FreeSequence(1, f"s{1}"))
         assert reply.detail == member.public.decode()  # the key ZAP vouched for
         assert stage.calls[0].peer_key == member.public.decode()
     finally:
@@ -132,10 +132,10 @@ async def test_unknown_key_is_refused_logged_and_never_reaches_the_stage(home, c
         bad = await _curve_peer(node.public_key, server.address, stranger, ctx, timeout=2)
         try:
             with pytest.raises((AuthenticationRefused, TransportTimeout)) as e:
-                await bad.request(FreeSequence(1, 1))
+                await bad.request(FreeSequence(1, f"s{1}"))
             assert isinstance(e.value, AuthenticationRefused), e.value
             with pytest.raises(AuthenticationRefused, match="refused our key"):
-                await bad.send(FreeSequence(1, 2))
+                await bad.send(FreeSequence(1, f"s{2}"))
         finally:
             await bad.close()
     refused = [e for e in logs if e["event"] == "peer_refused"]
@@ -145,7 +145,7 @@ async def test_unknown_key_is_refused_logged_and_never_reaches_the_stage(home, c
     # the server keeps serving its members
     good = await _curve_peer(node.public_key, server.address, member, ctx, timeout=5)
     try:
-        assert isinstance(await good.request(FreeSequence(1, 3)), Ack)
+        assert isinstance(await good.request(FreeSequence(1, f"s{3}")), Ack)
     finally:
         await good.close()
 
@@ -157,7 +157,7 @@ async def test_plaintext_peer_cannot_get_a_frame_to_the_stage_and_is_logged(home
     with structlog.testing.capture_logs() as logs:
         raw.connect(server.address)
         for i in range(3):
-            await raw.send_multipart(encode(FreeSequence(1, i), request_id=i + 1))
+            await raw.send_multipart(encode(FreeSequence(1, f"s{i}"), request_id=i + 1))
         for _ in range(50):  # let the handshake fail and be logged
             if any(e["event"] == "handshake_failed" for e in logs):
                 break
@@ -176,7 +176,7 @@ async def test_client_with_the_wrong_server_key_gets_nothing_through(home, ctx):
     peer = await _curve_peer(impostor_server.public, server.address, member, ctx, timeout=0.3)
     try:
         with pytest.raises(TransportTimeout):
-            await peer.request(FreeSequence(1, 1))
+            await peer.request(FreeSequence(1, f"s{1}"))
     finally:
         await peer.close()
     assert stage.calls == []
@@ -188,13 +188,13 @@ async def test_member_admitted_while_running_gets_in_without_restart(home, ctx):
     peer = await _curve_peer(node.public_key, server.address, newcomer, ctx, timeout=0.5)
     try:
         with pytest.raises((AuthenticationRefused, TransportTimeout)):
-            await peer.request(FreeSequence(1, 1))
+            await peer.request(FreeSequence(1, f"s{1}"))
         # e.g. `meshd pair` writing the allow-list file from another process
         AllowList.for_state_dir(node_state_dir(node)).add(newcomer.public, "new")
         deadline = asyncio.get_running_loop().time() + 20
         while True:  # the Peer retries the handshake and is now admitted
             try:
-                assert isinstance(await peer.request(FreeSequence(1, 2), timeout=0.5), Ack)
+                assert isinstance(await peer.request(FreeSequence(1, f"s{2}"), timeout=0.5), Ack)
                 break
             except (AuthenticationRefused, TransportTimeout):
                 if asyncio.get_running_loop().time() > deadline:
@@ -234,12 +234,17 @@ async def test_curve_is_on_by_default_and_needs_a_state_dir():
 
 
 def test_allocator_tuning_is_applied_in_its_own_process():
-    """Opt-in and process-wide, so it is exercised in a child, not in pytest."""
+    """Opt-in and process-wide, so it is exercised in a child, not in pytest.
+
+    The child configures logging as every meshd process does (``transport`` only
+    gets loggers; unconfigured structlog would print its log line on stdout).
+    """
     import subprocess
     import sys
 
     out = subprocess.run(
         [sys.executable, "-c",
+         "from meshd import log; log.configure(); "
          "from transport.tuning import tune_allocator_for_large_messages as t; print(t())"],
         capture_output=True, text=True, timeout=60,
         cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent),
@@ -253,11 +258,11 @@ async def test_nodes_link_up_end_to_end_with_curve_and_without(tmp_path):
         a.admit(b.public_key, "b")
         server = await a.serve(Stage())
         peer = await b.connect(server.address, a.public_key, timeout=5)
-        assert (await peer.request(FreeSequence(1, 1))).detail == b.public_key.decode()
+        assert (await peer.request(FreeSequence(1, f"s{1}"))).detail == b.public_key.decode()
     async with TransportNode("c", curve=False) as c, TransportNode("d", curve=False) as d:
         server = await c.serve(Stage())
         peer = await d.connect(server.address, timeout=5)
-        assert (await peer.request(FreeSequence(1, 1))).detail == ""
+        assert (await peer.request(FreeSequence(1, f"s{1}"))).detail == ""
 
 
 async def test_a_node_closed_before_does_not_break_curve_for_the_next_one(tmp_path):

@@ -117,7 +117,7 @@ def test_received_tensor_lies_inside_the_received_frame_buffer_over_tcp():
         port = rx.bind_to_random_port("tcp://127.0.0.1")
         tx.connect(f"tcp://127.0.0.1:{port}")
         hidden = torch.randn(64, 576)
-        tx.send_multipart(encode(StageForward("r", 1, 0, 0, hidden=hidden)), copy=False)
+        tx.send_multipart(encode(StageForward("r", 1, "s0", 0, hidden=hidden)), copy=False)
         assert rx.poll(5000)
         frames = rx.recv_multipart(copy=False)
         got = decode(frames).message.hidden
@@ -175,7 +175,7 @@ def test_bytes_frames_decode_without_warnings(recwarn):
 def test_reduced_precision_activations_halve_bytes_and_stay_within_stated_error(wire_dtype):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(64, 576, generator=g) * 4
-    msg = StageForward("r", 1, 0, 0, hidden=hidden)
+    msg = StageForward("r", 1, "s0", 0, hidden=hidden)
     full = encode(msg)
     reduced = encode(msg, activation_dtype=wire_dtype)
     assert len(reduced[1]) * 2 == len(full[1])
@@ -193,7 +193,7 @@ def test_reduced_precision_activations_halve_bytes_and_stay_within_stated_error(
 def test_float16_activation_that_would_overflow_is_sent_as_float32():
     wire.stats.reset()
     hidden = torch.tensor([[1.0, 70000.0]])
-    frames = encode(StageForward("r", 1, 0, 0, hidden=hidden), activation_dtype="float16")
+    frames = encode(StageForward("r", 1, "s0", 0, hidden=hidden), activation_dtype="float16")
     assert len(frames[1]) == hidden.nbytes
     assert torch.equal(decode(frames).message.hidden, hidden)
     assert wire.stats.reduced_precision_fallbacks == 1
@@ -202,14 +202,14 @@ def test_float16_activation_that_would_overflow_is_sent_as_float32():
 def test_only_activation_fields_are_reduced():
     ids = torch.tensor([1, 2, 3])
     mask = torch.ones(3, 3, dtype=torch.bool)
-    frames = encode(StageForward("r", 1, 0, 0, token_ids=ids, tree_mask=mask), activation_dtype="float16")
+    frames = encode(StageForward("r", 1, "s0", 0, token_ids=ids, tree_mask=mask), activation_dtype="float16")
     got = decode(frames).message
     assert torch.equal(got.token_ids, ids) and torch.equal(got.tree_mask, mask)
 
 
 def test_unknown_activation_dtype_is_refused():
     with pytest.raises(ProtocolError, match="activation dtype"):
-        encode(StageForward("r", 1, 0, 0, hidden=torch.zeros(2)), activation_dtype="int8")
+        encode(StageForward("r", 1, "s0", 0, hidden=torch.zeros(2)), activation_dtype="int8")
 
 
 # ---------------------------------------------------------- malformed input
@@ -295,10 +295,10 @@ def test_bool_tensor_with_non_boolean_bytes_is_a_protocol_error():
 
 
 def test_field_of_the_wrong_type_is_a_protocol_error():
-    frames = encode(StageForward("r", 1, 0, 0))
+    frames = encode(StageForward("r", 1, "n/x/0", 0))
     h = _header(frames)
-    h["fields"]["seq_id"] = "seven"
-    with pytest.raises(ProtocolError, match="StageForward.seq_id should be int, got str"):
+    h["fields"]["position_offset"] = "seven"
+    with pytest.raises(ProtocolError, match="StageForward.position_offset should be int, got str"):
         decode([msgpack.packb(h)])
 
 

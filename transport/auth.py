@@ -25,9 +25,9 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
-from meshd.log import get_logger
 from transport.errors import KeyStoreError, TransportError
 from transport.keys import AllowList, fingerprint
+from transport.log import get_logger
 
 __all__ = ["CurveAuthenticator", "authenticator_for", "watch_handshakes", "ZAP_DOMAIN"]
 

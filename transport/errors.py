@@ -1,17 +1,16 @@
 """Errors raised by the transport layer.
 
-They all derive from ``meshd.errors.MeshdError`` so the CLI prints them as one
-line and the daemon can turn them into ``ErrorReply`` messages. They are kept in
-one small module so that ``wire``, ``link`` and ``keys`` can raise them without
-importing each other.
+They all derive from ``TransportError``; the transport never imports ``meshd``
+(the layer above lists ``TransportError`` among its user-facing errors, so the
+CLI still prints them as one line and the daemon turns them into ``ErrorReply``
+messages). They are kept in one small module so that ``wire``, ``link`` and
+``keys`` can raise them without importing each other.
 """
 
 from __future__ import annotations
 
-from meshd.errors import MeshdError
 
-
-class TransportError(MeshdError):
+class TransportError(Exception):
     """Base for every failure of the transport layer."""
 
 

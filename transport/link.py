@@ -34,7 +34,6 @@ from typing import Any, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from meshd.log import get_logger
 from transport.auth import ZAP_DOMAIN, authenticator_for, watch_handshakes
 from transport.errors import (
     AuthenticationRefused,
@@ -45,6 +44,7 @@ from transport.errors import (
     TransportTimeout,
 )
 from transport.keys import Keypair
+from transport.log import get_logger
 from transport.messages import Ack, Envelope, ErrorReply, decode, encode
 from transport.wire import DEFAULT_LIMITS, Limits
 
@@ -110,6 +110,13 @@ class StageServer:
     which are always sent so a forwarding stage learns its chunks fail.
     Messages are handled concurrently (at most ``max_inflight`` at once) in
     arrival order of start; with ``ordered=True`` strictly one after another.
+
+    ``urgent(message) -> bool`` (ordered servers only): such messages skip the
+    queue and are handled as soon as they arrive, while the ordered ones keep
+    their order behind them. A pipeline stage uses it for frees, so a request
+    whose client hung up stops costing compute at once instead of after every
+    chunk queued before its free. Up to ``max_queued`` ordered messages wait in
+    memory; beyond that reading pauses and ZeroMQ's high-water mark pushes back.
     """
 
     def __init__(
@@ -123,6 +130,8 @@ class StageServer:
         hwm: int = DEFAULT_HWM,
         max_inflight: int = 256,
         ordered: bool = False,
+        urgent: Callable[[Any], bool] | None = None,
+        max_queued: int = 1024,
     ) -> None:
         self.handler = handler
         self.node_id = node_id
@@ -131,6 +140,9 @@ class StageServer:
         self.limits = limits
         self.hwm = hwm
         self.ordered = ordered
+        self.urgent = urgent
+        self._queue: asyncio.Queue | None = asyncio.Queue(max_queued) if ordered and urgent else None
+        self._worker_task: asyncio.Task | None = None
         self.address: str | None = None
         self.stats = {"received": 0, "replied": 0, "protocol_errors": 0, "handler_errors": 0}
         self._sem = asyncio.Semaphore(max_inflight)
@@ -171,6 +183,8 @@ class StageServer:
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._monitor_task = asyncio.create_task(watch_handshakes(sock, "server"))
         self._loop_task = asyncio.create_task(self._serve())
+        if self._queue is not None:
+            self._worker_task = asyncio.create_task(self._work())
         log.info("server_listening", address=self.address, curve=self.curve, node_id=self.node_id)
         return self.address
 
@@ -200,13 +214,25 @@ class StageServer:
                 except (zmq.ZMQError, AttributeError):
                     peer_key = ""
             req = Request(env, identity, peer_key)
-            if self.ordered:
+            if self._queue is not None:
+                if self.urgent(env.message):
+                    await self._handle(req)  # quick by contract: the handler must not block
+                else:
+                    await self._queue.put(req)
+            elif self.ordered:
                 await self._handle(req)
             else:
                 await self._sem.acquire()
                 task = asyncio.create_task(self._handle(req, release=True))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+
+    async def _work(self) -> None:
+        """The ordered lane: one message at a time, in arrival order."""
+        assert self._queue is not None
+        while True:
+            req = await self._queue.get()
+            await self._handle(req)
 
     async def _handle(self, req: Request, release: bool = False) -> None:
         try:
@@ -251,12 +277,13 @@ class StageServer:
 
     async def close(self) -> None:
         """Stop receiving, cancel running handlers, close the socket."""
-        tasks = [t for t in (self._loop_task, self._monitor_task, *self._tasks) if t is not None]
+        tasks = [t for t in (self._loop_task, self._worker_task, self._monitor_task, *self._tasks)
+                 if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
-        self._loop_task = self._monitor_task = None
+        self._loop_task = self._monitor_task = self._worker_task = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

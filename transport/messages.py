@@ -363,19 +363,31 @@ class StageForward:
     ``hidden`` carries activations ([tokens, hidden] float32, may travel as
     float16/bfloat16); the first stage gets ``token_ids`` instead. The final
     stage sends its ``TokenResult`` to ``reply_to``.
+
+    ``seq_id`` is the home-wide sequence key (coordinator node id + its own
+    counter), never a bare per-coordinator number: two daemons coordinating at
+    once must never touch each other's caches. Sampling travels as typed fields;
+    ``sample_step`` is how many tokens this request has already sampled, so a
+    request replayed on a new plan continues the same seeded random stream.
     """
 
     request_id: str
     plan_version: int
-    seq_id: int
+    seq_id: str
     position_offset: int
     chunk_index: int = 0
     hidden: torch.Tensor | None = activation()
     token_ids: torch.Tensor | None = None
     tree_mask: torch.Tensor | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
     reply_to: str = ""
     is_last_chunk: bool = True
+    capacity: int = 0  # KV positions the whole request may need (prompt + max tokens)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    sample_step: int = 0
+    return_topk: int = 0
 
 
 @message
@@ -383,7 +395,7 @@ class StageForward:
 class TokenResult:
     request_id: str
     plan_version: int
-    seq_id: int
+    seq_id: str
     token_ids: torch.Tensor
     topk_ids: torch.Tensor | None = None
     topk_probs: torch.Tensor | None = None
@@ -397,15 +409,18 @@ class Truncate:
     """Cut a sequence's KV cache back to ``new_length`` (rejected drafts)."""
 
     plan_version: int
-    seq_id: int
+    seq_id: str
     new_length: int
 
 
 @message
 @dataclass
 class FreeSequence:
+    """Release a sequence's KV cache; the stage also remembers the key (a tombstone)
+    so prompt chunks still queued upstream cannot re-create it after the free."""
+
     plan_version: int
-    seq_id: int
+    seq_id: str
 
 
 @message
@@ -414,8 +429,8 @@ class ForkSequence:
     """Start ``seq_id`` sharing the first ``prefix_length`` KV entries of ``parent_id``."""
 
     plan_version: int
-    seq_id: int
-    parent_id: int
+    seq_id: str
+    parent_id: str
     prefix_length: int
 
 

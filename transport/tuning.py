@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from meshd.log import get_logger
+from transport.log import get_logger
 
 __all__ = ["tune_allocator_for_large_messages"]
 

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 import zmq
 
-from meshd.log import get_logger
 from transport.errors import ProtocolError
+from transport.log import get_logger
 
 __all__ = [
     "PROTOCOL_VERSION",

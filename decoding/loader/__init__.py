@@ -11,11 +11,18 @@ from decoding.loader.source import ModelSource
 GGUF_MAGIC = b"GGUF"
 
 
-def open_model(path: str | os.PathLike | None = None) -> ModelSource:
-    """``None`` means the embedded default model from the local cache."""
-    from meshd.model_store import resolve_model
+def open_model(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None) -> ModelSource:
+    """Open the model at ``path`` (a GGUF file or a Hugging Face directory).
 
-    p = Path(resolve_model(path))
+    The loader only opens paths: which model is "the default" and where it is
+    cached is the application's business (``meshd.model_store.open_model``
+    resolves it, then calls this). ``cache_dir`` is where a GGUF's converted
+    tokenizer and content hash are kept between runs; without one they are
+    recomputed each time the model is opened.
+    """
+    if path is None or str(path) == "":
+        raise ModelLoadError("no model path given (resolve the default model before opening it)")
+    p = Path(path).expanduser()
     if p.is_dir():
         from decoding.loader.hf_source import HFDirSource
 
@@ -27,7 +34,7 @@ def open_model(path: str | os.PathLike | None = None) -> ModelSource:
     if magic == GGUF_MAGIC:
         from decoding.loader.gguf_source import GGUFSource
 
-        return GGUFSource(p)
+        return GGUFSource(p, cache_root=Path(cache_dir) if cache_dir is not None else None)
     raise ModelLoadError(
         f"{p}: unrecognised model format (expected a GGUF file or a Hugging Face directory; "
         f"file starts with {magic!r})")

@@ -18,7 +18,9 @@ import torch
 
 from decoding.config import SUPPORTED_ARCHS, ModelConfig
 from decoding.errors import ModelLoadError, UnsupportedArchitecture
+from decoding.loader.files import sha256_of
 from decoding.loader.source import ModelSource
+from decoding.log import get_logger
 
 _LAYER_MAP = {
     "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
@@ -142,36 +144,45 @@ class GGUFSource(ModelSource):
     # -- identity and tokenizer ---------------------------------------------
     @cached_property
     def identity(self) -> str:
+        cache = self._cache_dir()
+        if cache is None:
+            return f"{self.path.name}@{sha256_of(self.path)[:16]}"
         st = self.path.stat()
-        index = self._cache_dir() / "identity.json"
+        index = cache / "identity.json"
         key = [str(self.path.resolve()), st.st_size, st.st_mtime_ns]
         if index.is_file():
             cached = json.loads(index.read_text())
             if cached.get("key") == key:
                 return cached["identity"]
-        from meshd.model_store import sha256_of
-
         ident = f"{self.path.name}@{sha256_of(self.path)[:16]}"
         index.parent.mkdir(parents=True, exist_ok=True)
         index.write_text(json.dumps({"key": key, "identity": ident}))
         return ident
 
-    def _cache_dir(self) -> Path:
-        from meshd.model_store import meshd_home
-
-        root = self._cache_root or (meshd_home() / "tokenizers")
+    def _cache_dir(self) -> Path | None:
+        """This file's directory under the caller's cache root (None: no cache)."""
+        if self._cache_root is None:
+            return None
         st = self.path.stat()
         tag = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        return root / f"{self.path.stem}-{tag}"
+        return self._cache_root / f"{self.path.stem}-{tag}"
 
     def _load_tokenizer(self):
-        from decoding.loader.tokenizer import TokenizerMeta, load_cache, save_cache
+        from decoding.loader.tokenizer import load_cache
 
         cache = self._cache_dir()
+        if cache is None:  # no cache: convert into a scratch directory, load, forget
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="decoding-tokenizer-") as tmp:
+                return self._convert_tokenizer(Path(tmp))
         tok = load_cache(cache)
         if tok is not None:
             return tok
-        from meshd.log import get_logger
+        return self._convert_tokenizer(cache)
+
+    def _convert_tokenizer(self, cache: Path):
+        from decoding.loader.tokenizer import TokenizerMeta, load_cache, save_cache
 
         get_logger("loader").info("tokenizer_convert", model=str(self.path), cache=str(cache))
         try:

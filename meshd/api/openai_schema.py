@@ -1,26 +1,47 @@
 """OpenAI wire format: request validation, response and chunk builders, SSE.
 
-Validation is strict about what we cannot honour (wrong types, n > 1,
-non-text message parts) and lenient about what does not change the answer
-(``user``, ``logit_bias`` absent, penalties at their defaults), because OpenAI
-clients send many optional fields and must work unchanged. Every rejection
+Validation is strict about what we cannot honour and lenient only about what
+cannot change the answer (``user``, ``metadata``, ``store``), because OpenAI
+clients send many optional fields and must work unchanged. Nothing we accept
+is silently ignored: a field we do not implement yet (``tools``,
+``response_format``, penalties, ``logit_bias``...) is accepted at its default
+value and rejected with a 400 "not supported yet" otherwise. Every rejection
 names the offending field in ``param`` so a client author sees what to fix.
+
+The body is parsed here from raw bytes, with bounds (UTF-8, nesting depth,
+integer length, no lone surrogates) checked before any field is looked at:
+hostile JSON must become a 400, never a 500 from deep inside a handler.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from decoding.sampling import BadSamplingParams, SamplingParams
+
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_JSON_DEPTH = 64
+# Longer integer literals are never a meaningful value here, and Python's own
+# int-from-string limit would otherwise surface as a 500.
+MAX_INT_DIGITS = 100
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's seed range; torch and msgpack take it
+# Token ids and top_k when the engine does not say its vocabulary size: keeps
+# them inside the int32/int64 tensors and message fields they end up in.
+MAX_VOCAB = 2**31 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class RequestError(Exception):
-    """A request the API answers with an OpenAI-style error object."""
+    """A request the API answers with an OpenAI-style error object.
+
+    ``retry_after_s`` becomes a ``Retry-After`` header (busy / no plan yet).
+    """
 
     def __init__(
         self,
@@ -30,6 +51,7 @@ class RequestError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: float | None = None,
     ):
         super().__init__(message)
         self.message = message
@@ -37,6 +59,7 @@ class RequestError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -53,12 +76,16 @@ def error_body(
 
 
 @dataclass
-class SamplingParams:
+class RequestParams:
+    """What a request asks of the generation besides its prompt.
+
+    ``sampling`` is the one typed :class:`decoding.sampling.SamplingParams`
+    every engine samples with; the rest is handled by the API and
+    :meth:`meshd.engine.Engine.stream`.
+    """
+
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0))
     max_tokens: int | None = None  # None: as many as the context allows
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
@@ -68,57 +95,135 @@ class SamplingParams:
 class ChatRequest:
     model: str | None
     messages: list[dict[str, str]]
-    params: SamplingParams
+    params: RequestParams
 
 
 @dataclass
 class CompletionRequest:
     model: str | None
     prompt: str | list[int]
-    params: SamplingParams
+    params: RequestParams
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decode a request body; the top level must be a JSON object."""
+# --------------------------------------------------------------------------- JSON
+
+
+def parse_json_body(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """Decode a request body; the top level must be a JSON object.
+
+    Strict UTF-8 (``json.loads`` on bytes would let UTF-8-encoded surrogates
+    through), bounded nesting and integer length, and no lone ``\\uD800``
+    escapes, which would fail later when the text is encoded or tokenised.
+    """
     if not raw.strip():
         raise RequestError("request body is empty; expected a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _json_error(f"is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text, parse_int=_parse_int, parse_constant=_reject_constant)
+    except RecursionError:
+        raise _json_error(f"nests deeper than {max_depth} levels") from None
+    except ValueError as exc:  # JSONDecodeError, and the hooks' own errors
+        raise _json_error(f"is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RequestError(
             f"request body must be a JSON object, got {_json_type(body)}", code="invalid_json"
         )
+    _check_structure(body, text, max_depth)
     return body
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+def _json_error(what: str) -> RequestError:
+    return RequestError(f"request body {what}", code="invalid_json")
+
+
+def _parse_int(s: str) -> int:
+    if len(s) - s.startswith("-") > MAX_INT_DIGITS:
+        raise ValueError(f"an integer literal has {len(s)} digits (at most {MAX_INT_DIGITS})")
+    return int(s)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_structure(body: dict[str, Any], text: str, max_depth: int) -> None:
+    """Reject bodies nested deeper than ``max_depth`` or holding lone surrogates.
+
+    Both walks are skipped when the raw text proves them unnecessary (few
+    brackets, no ``\\u`` escape), so ordinary requests pay nothing.
+    """
+    deep = text.count("[") + text.count("{") > max_depth
+    escapes = "\\u" in text
+    if not (deep or escapes):
+        return
+    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, (dict, list)) and depth > max_depth:
+            raise RequestError(f"request body nests deeper than {max_depth} levels",
+                               param=path or None, code="invalid_json")
+        if isinstance(node, dict):
+            for k, v in node.items():
+                where = f"{path}.{k}" if path else str(k)
+                if escapes and _SURROGATE.search(k):
+                    raise _surrogate_error(path or None)
+                stack.append((v, depth + 1, where))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(node))
+        elif escapes and isinstance(node, str) and _SURROGATE.search(node):
+            raise _surrogate_error(path)
+
+
+def _surrogate_error(param: str | None) -> RequestError:
+    return RequestError("a string holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
+                        "valid Unicode text", param=param, code="invalid_json")
+
+
+# --------------------------------------------------------------------------- fields
+
+
+def parse_chat_request(body: dict[str, Any], *, vocab_size: int | None = None) -> ChatRequest:
+    """Validate a chat request; ``vocab_size`` (the engine's, if known) bounds ``top_k``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _field_error("messages", "must be a non-empty array of message objects", messages)
     parsed = [_parse_message(i, m) for i, m in enumerate(messages)]
-    return ChatRequest(_parse_model(body), parsed, _parse_sampling(body))
+    _check_unsupported(body, CHAT_UNSUPPORTED)
+    return ChatRequest(_parse_model(body), parsed, _parse_params(body, vocab_size))
 
 
-def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one is the same request
-    if isinstance(prompt, str):
-        pass
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        prompt = [int(t) for t in prompt]
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-        raise _field_error("prompt", "batches of several prompts are not supported; send one", None)
-    else:
-        raise _field_error("prompt", "must be a string or an array of token ids", prompt)
+def parse_completion_request(
+    body: dict[str, Any], *, vocab_size: int | None = None
+) -> CompletionRequest:
+    """Validate a text completion; token-id prompts must lie in ``[0, vocab_size)``."""
+    prompt = _parse_prompt(body.get("prompt"), vocab_size or MAX_VOCAB)
     if body.get("echo"):
         raise _field_error("echo", "is not supported", body.get("echo"))
     if body.get("suffix"):
         raise _field_error("suffix", "is not supported", body.get("suffix"))
     _check_one_choice(body, "best_of")
-    return CompletionRequest(_parse_model(body), prompt, _parse_sampling(body))
+    _check_unsupported(body, COMPLETION_UNSUPPORTED)
+    return CompletionRequest(_parse_model(body), prompt, _parse_params(body, vocab_size))
+
+
+def _parse_prompt(prompt: Any, vocab: int) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one is the same request
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(
+                f"'prompt' token id {prompt[bad]} at index {bad} is outside the vocabulary "
+                f"[0, {vocab})", param="prompt", code="invalid_value")
+        return [int(t) for t in prompt]
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise _field_error("prompt", "batches of several prompts are not supported; send one", None)
+    raise _field_error("prompt", "must be a string or an array of token ids", prompt)
 
 
 def _parse_model(body: dict[str, Any]) -> str | None:
@@ -154,46 +259,42 @@ def _parse_message(i: int, m: Any) -> dict[str, str]:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def _parse_sampling(body: dict[str, Any]) -> SamplingParams:
-    p = SamplingParams()
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if mt is not None:
-        if not _is_int(mt) or mt < 1:
-            raise _field_error(name, "must be an integer >= 1", mt)
-        p.max_tokens = int(mt)
-    p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    p.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if body.get("top_p") is not None and p.top_p == 0.0:
-        raise _field_error("top_p", "must be greater than 0", body["top_p"])
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if not _is_int(top_k) or top_k < 0:
-            raise _field_error("top_k", "must be an integer >= 0 (0 disables it)", top_k)
-        p.top_k = int(top_k)
-    seed = body.get("seed")
-    if seed is not None:
-        if not _is_int(seed):
-            raise _field_error("seed", "must be an integer", seed)
-        p.seed = int(seed)
+def _parse_params(body: dict[str, Any], vocab_size: int | None) -> RequestParams:
+    p = RequestParams(sampling=_parse_sampling(body, vocab_size or MAX_VOCAB))
+    p.max_tokens = _parse_max_tokens(body)
     p.stop = _parse_stop(body.get("stop"))
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise _field_error("stream", "must be a boolean", stream)
-    p.stream = stream
+    p.stream = _bool(body, "stream")
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
             raise _field_error("stream_options", "must be an object", opts)
-        p.include_usage = bool(opts.get("include_usage", False))
+        p.include_usage = _bool(opts, "include_usage", where="stream_options.include_usage")
     _check_one_choice(body, "n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        _number(body, name, 0.0, -2.0, 2.0)  # accepted at any valid value, not applied
-    if body.get("logprobs") not in (None, False, 0):
-        raise _field_error("logprobs", "is not supported", body.get("logprobs"))
     return p
+
+
+def _parse_max_tokens(body: dict[str, Any]) -> int | None:
+    """Any integer >= 1; the server clips it to the room left in the context."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    mt = body.get(name)
+    if mt is None:
+        return None
+    if not _is_int(mt) or mt < 1:
+        raise _field_error(name, "must be an integer >= 1", mt)
+    return int(mt)
+
+
+def _parse_sampling(body: dict[str, Any], vocab: int) -> SamplingParams:
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise _field_error("top_p", "must be greater than 0 and at most 1", body["top_p"])
+    top_k = _integer(body, "top_k", 0, 0, vocab, "0 disables it")
+    seed = _integer(body, "seed", None, INT64_MIN, INT64_MAX, "a signed 64-bit integer")
+    try:
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    except BadSamplingParams as exc:  # our bounds are tighter; kept as a safety net
+        raise RequestError(str(exc), code="invalid_value") from None
 
 
 def _parse_stop(stop: Any) -> list[str]:
@@ -209,20 +310,85 @@ def _parse_stop(stop: Any) -> list[str]:
 
 
 def _check_one_choice(body: dict[str, Any], name: str) -> None:
+    v = _integer(body, name, None, 1, 128, "OpenAI's range")
+    if v is not None and v != 1:
+        raise _field_error(name, "only 1 is supported", v)
+
+
+# Fields OpenAI defines that meshd does not implement yet, with the values
+# that mean "off": anything else would be silently ignored, so it is a 400.
+_DEFAULTS_TOOLS = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+_DEFAULTS_COMMON = {
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+}
+CHAT_UNSUPPORTED = {
+    **_DEFAULTS_TOOLS, **_DEFAULTS_COMMON,
+    "top_logprobs": (None, 0),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+}
+COMPLETION_UNSUPPORTED = dict(_DEFAULTS_COMMON)
+_PENALTIES = ("presence_penalty", "frequency_penalty")
+
+
+def _check_unsupported(body: dict[str, Any], fields: dict[str, tuple]) -> None:
+    for name in _PENALTIES:
+        _number(body, name, 0.0, -2.0, 2.0)  # a bad value is a bad value before it is unsupported
+    for name, defaults in fields.items():
+        v = body.get(name)
+        if not _is_default(v, defaults):
+            raise RequestError(
+                f"'{name}' is not supported yet by meshd (only its default is accepted; "
+                f"got {_shown(v)})", param=name, code="unsupported_parameter")
+
+
+def _is_default(v: Any, defaults: tuple) -> bool:
+    """``v == d`` without Python's ``True == 1`` / ``0 == False`` leniency (numbers still match)."""
+    for d in defaults:
+        if _is_number(v) and _is_number(d):
+            if v == d:
+                return True
+        elif type(v) is type(d) and v == d:
+            return True
+    return False
+
+
+def _bool(body: dict[str, Any], name: str, *, where: str | None = None) -> bool:
     v = body.get(name)
     if v is None:
-        return
-    if not _is_int(v) or v < 1:
-        raise _field_error(name, "must be an integer >= 1", v)
-    if v != 1:
-        raise _field_error(name, "only 1 is supported", v)
+        return False
+    if not isinstance(v, bool):
+        raise _field_error(where or name, "must be a boolean", v)
+    return v
+
+
+def _integer(
+    body: dict[str, Any], name: str, default: int | None, lo: int, hi: int, note: str
+) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v) or not lo <= v <= hi:
+        raise _field_error(name, f"must be an integer from {lo} to {hi} ({note})", v)
+    return int(v)
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+    if not _is_number(v) or v != v:
         raise _field_error(name, f"must be a number between {lo:g} and {hi:g}", v)
     if not lo <= v <= hi:
         raise _field_error(name, f"must be between {lo:g} and {hi:g}", v)
@@ -233,6 +399,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _json_type(v: Any) -> str:
     return {
         dict: "an object", list: "an array", str: "a string", bool: "a boolean",
@@ -240,9 +410,17 @@ def _json_type(v: Any) -> str:
     }.get(type(v), type(v).__name__)
 
 
+def _shown(value: Any) -> str:
+    """A short rendering of a client's value for an error message (never the whole body)."""
+    if value is None:
+        return "missing or null"
+    if isinstance(value, (dict, list)) and len(value) > 8:
+        return f"{_json_type(value)} of {len(value)} items"
+    return json.dumps(value)[:80]
+
+
 def _field_error(param: str, what: str, value: Any) -> RequestError:
-    shown = json.dumps(value)[:80] if value is not None else "missing or null"
-    return RequestError(f"'{param}' {what} (got {shown})", param=param, code="invalid_value")
+    return RequestError(f"'{param}' {what} (got {_shown(value)})", param=param, code="invalid_value")
 
 
 # --------------------------------------------------------------------------- responses

@@ -95,11 +95,11 @@ def _wait(what: str, cond, timeout: float, quiet: bool):
 
 
 def _two_stage_plan(a: _Daemon, b: _Daemon):
-    """Both daemons have their model and agree on a plan that gives each of them layers."""
+    """Both daemons agree on a plan that gives each of them layers, and both serve it warm."""
     sa, sb = a.status(), b.status()
     pa, pb = (sa or {}).get("plan") or {}, (sb or {}).get("plan") or {}
     if (len(pa.get("stages") or []) == 2 and pa.get("version") == pb.get("version")
-            and sa.get("model") and sb.get("model")):
+            and sa.get("ready") and sb.get("ready")):
         return sa
     return None
 

@@ -28,8 +28,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from decoding.generate import generate
-    from decoding.loader import open_model
     from decoding.pipeline_local import LocalPipeline
+    from meshd.model_store import open_model
 
     apply_threads(args)
     sampling = sampling_from_args(args)

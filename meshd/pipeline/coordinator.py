@@ -4,19 +4,30 @@ The coordinator is whichever daemon received the request. It injects the
 prompt's sub-sequences back to back into the first stage (stage i then works
 on chunk j while stage i+1 works on chunk j-1), waits for the last stage's
 sampled token, and feeds each new token back in. Many requests may be in
-flight at once: each has its own sequence id in every stage's cache, and the
-stages interleave their messages, so the devices stay busy.
+flight at once: each has its own home-wide sequence key in every stage's
+cache, and the stages interleave their messages, so the devices stay busy.
 
-A request fails — never hangs — when a stage reports an error, when the mesh
-re-plans under it (a member left or joined), or when no token arrives within
-the token timeout. Its KV cache is then freed on every stage still reachable.
+Answers survive a device leaving. The coordinator keeps each request's
+prompt and the tokens generated so far, and owns its sampling state (the
+seed, and how many draws earlier tokens spent). When the mesh re-plans under
+a request, a stage loses its cache (it restarted) or a link breaks, the
+request is *replayed*: after the new plan is ready it re-prefills prompt +
+generated tokens on a fresh sequence and continues, so the client sees a
+pause, not an error — greedy output is the same tokens, seeded sampling too.
+Only when no plan can serve within ``resume_timeout_s`` does it fail, naming
+the device that left.
+
+Whatever happens, the request's cache is freed on every stage of every route
+it used (frees go straight to each stage; stages keep tombstones so chunks
+still queued upstream cannot re-create a freed sequence).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import AsyncIterator
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +36,21 @@ from decoding.pipeline_local import chunk_bounds
 from decoding.sampling import SamplingParams
 from meshd.errors import MeshdError
 from meshd.log import get_logger
-from meshd.pipeline.route import Route
-from transport.errors import TransportError
 from meshd.pipeline.links import Directory, Links
+from meshd.pipeline.route import Route
+from meshd.pipeline.seqkey import SeqKey, SeqKeys
+from transport.errors import TransportError
 from transport.link import Request
 from transport.messages import Ack, ErrorReply, FreeSequence, Hello, StageForward, TokenResult
 from transport.node import TransportNode
 
 log = get_logger("meshd.coordinator")
+
+# Stage error codes that mean "this sequence's cache is gone, the request itself is fine":
+# replay it (possibly on a new plan) instead of failing the client.
+RESUMABLE_CODES = frozenset({"no_stage", "stale_plan", "unknown_sequence", "position_mismatch", "link",
+                             "protocol"})
+
 
 class PipelineError(MeshdError):
     """A request could not be completed by the pipeline (the message says where and why)."""
@@ -42,6 +60,20 @@ class NoRoute(PipelineError):
     pass
 
 
+class PipelineBusy(PipelineError):
+    """A stage has no room for the request now (KV cache full): retry shortly."""
+
+    retry_after_s = 2.0
+
+
+class _Interrupted(Exception):
+    """The request's current sequence is lost; replay it (``device``: who we suspect, if anyone)."""
+
+    def __init__(self, why: str, device: str | None = None):
+        super().__init__(why)
+        self.device = device
+
+
 @dataclass(frozen=True)
 class TokenStep:
     token: int
@@ -49,30 +81,47 @@ class TokenStep:
     topk_probs: list[float] | None = None
 
 
+@dataclass(frozen=True)
+class _Replanned:
+    old: int
+    new: int | None
+
+
 @dataclass
 class _Flight:
     request_id: str
     route: Route
+    seq: SeqKey
     queue: asyncio.Queue
+
+
+Cuts = list[int] | Callable[[int, Route], list[int]] | None
 
 
 class PipelineCoordinator:
     def __init__(self, node: TransportNode, node_id: str, directory: Directory,
                  token_timeout_s: float = 30.0, send_timeout_s: float = 10.0,
-                 activation_dtype: str | None = None):
+                 activation_dtype: str | None = None, resume_timeout_s: float = 60.0):
         self.node = node
         self.node_id = node_id
         self.directory = directory
         self.token_timeout_s = token_timeout_s
         self.send_timeout_s = send_timeout_s
         self.activation_dtype = activation_dtype
+        self.resume_timeout_s = resume_timeout_s
         self.route: Route | None = None
         self.address: str | None = None
         self._server = None
-        self._flights: dict[str, _Flight] = {}
-        self._seq_ids = itertools.count(1)
+        self._flights: dict[str, _Flight] = {}  # by sequence key
+        self._requests: set[str] = set()
+        self.keys = SeqKeys(node_id)
         self.links = Links(node, directory)
         self._ready_version = 0
+        self._route_changed = asyncio.Event()
+        self.waiting_on: str | None = None  # the stage a readiness probe waits for (named in errors)
+        self.resumes = 0
+        self._closing = False
+        self._freeing: set[asyncio.Task] = set()
 
     async def start(self, address: str = "tcp://127.0.0.1:0", advertise_host: str | None = None) -> str:
         """Bind; ``advertise_host`` is the address last stages use to reach us (when binding 0.0.0.0)."""
@@ -83,8 +132,10 @@ class PipelineCoordinator:
         return self.address
 
     async def close(self) -> None:
+        self._closing = True
         for f in list(self._flights.values()):
             f.queue.put_nowait(PipelineError("the coordinator is shutting down"))
+        self._route_changed.set()
         await self.links.close()
         if self._server is not None:
             await self._server.close()
@@ -95,25 +146,34 @@ class PipelineCoordinator:
 
     @property
     def in_flight(self) -> int:
-        return len(self._flights)
+        return len(self._requests)
 
     def set_route(self, route: Route | None) -> None:
-        """A new plan: requests still running on the old one fail with a clear error."""
+        """A new plan (or none while one deploys): requests on the old one replay on the next."""
         old, self.route = self.route, route
-        if old is not None and (route is None or route.plan_version != old.plan_version):
+        if route is None or old is None or route.plan_version != old.plan_version:
+            self._ready_version = 0
             for f in list(self._flights.values()):
-                if f.route.plan_version == old.plan_version:
-                    f.queue.put_nowait(PipelineError(
-                        f"the mesh re-planned (plan {old.plan_version} -> "
-                        f"{route.plan_version if route else 'none'}) while this request ran; retry it"))
+                if route is None or f.route.plan_version != route.plan_version:
+                    f.queue.put_nowait(_Replanned(f.route.plan_version, route.plan_version if route else None))
+        self._route_changed.set()
+        self._route_changed = asyncio.Event()
+
+    def stage_restarted(self, node_id: str) -> None:
+        """A member came back with a new incarnation: its caches are gone; re-probe before use."""
+        self._ready_version = 0
+        for f in list(self._flights.values()):
+            if f.route.index_of(node_id) is not None:
+                f.queue.put_nowait(_Interrupted(f"{node_id} restarted", node_id))
 
     # -- incoming ------------------------------------------------------------------
     async def _on_message(self, msg, req: Request):
-        rid = getattr(msg, "request_id", "")
-        flight = self._flights.get(rid)
         if isinstance(msg, (TokenResult, ErrorReply)):
+            flight = self._flights.get(getattr(msg, "seq_id", "")) if isinstance(msg, TokenResult) else None
+            if flight is None and isinstance(msg, ErrorReply):
+                flight = next((f for f in self._flights.values() if f.request_id == msg.request_id), None)
             if flight is None:
-                log.debug("late_result_dropped", request_id=rid, message_type=type(msg).__name__)
+                log.debug("late_result_dropped", request_id=msg.request_id, message_type=type(msg).__name__)
             else:
                 flight.queue.put_nowait(msg)
             return Ack()
@@ -122,10 +182,13 @@ class PipelineCoordinator:
 
     # -- outgoing ------------------------------------------------------------------
     async def _send(self, node_id: str, msg) -> None:
-        peer = await self.links.to(node_id)
-        await peer.send(msg, timeout=self.send_timeout_s, activation_dtype=self.activation_dtype)
+        try:
+            peer = await self.links.to(node_id)
+            await peer.send(msg, timeout=self.send_timeout_s, activation_dtype=self.activation_dtype)
+        except (TransportError, KeyError) as exc:
+            raise _Interrupted(f"could not reach {node_id}: {exc}", node_id) from exc
 
-    async def wait_ready(self, route: Route, timeout_s: float = 120.0, poll_s: float = 0.2) -> None:
+    async def wait_ready(self, route: Route, timeout_s: float = 120.0, poll_s: float = 0.1) -> None:
         """Wait until every stage of ``route`` has loaded its layers for that plan version.
 
         After a re-plan, stages may still be loading weights; a request arriving
@@ -135,99 +198,181 @@ class PipelineCoordinator:
             return
         async with asyncio.timeout(timeout_s):
             for st in route.stages:
+                self.waiting_on = st.node_id
                 while True:
                     if self.route is not route:  # re-planned (e.g. a stage's device left): stop waiting
-                        raise PipelineError(f"the mesh re-planned while waiting for plan "
-                                            f"{route.plan_version}'s stages to load; retry")
+                        raise _Interrupted(f"the mesh re-planned while plan {route.plan_version} loaded")
                     try:
                         peer = await self.links.to(st.node_id)
-                        reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=5.0)
+                        reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=2.0)
                         if reply.plan_version == route.plan_version:
                             break
-                        if reply.plan_version > route.plan_version:
-                            raise PipelineError(f"stage {st.node_id} already runs a newer plan "
-                                                f"({reply.plan_version} > {route.plan_version}); retry")
-                    except TransportError as exc:
-                        log.info("stage_not_ready", node=st.node_id, error=str(exc))
+                    except (TransportError, KeyError) as exc:
+                        log.debug("stage_not_ready", node=st.node_id, error=str(exc))
                     await asyncio.sleep(poll_s)
         self._ready_version = route.plan_version
+        self.waiting_on = None
         log.info("pipeline_ready", plan_version=route.plan_version, stages=[s.node_id for s in route.stages])
+
+    async def serving_route(self, timeout_s: float) -> Route:
+        """The current route once all its stages serve it; waits (bounded) through re-plans."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closing:
+                why = (f"device {self.waiting_on} of plan {self.route.plan_version} did not answer"
+                       if self.waiting_on and self.route is not None
+                       else "devices still joining, loading layers or re-planning")
+                raise NoRoute(f"no pipeline plan could serve within {timeout_s:g}s ({why}); retry")
+            route = self.route
+            if route is None or not route.stages:
+                changed = self._route_changed
+                try:
+                    await asyncio.wait_for(changed.wait(), left)
+                except TimeoutError:
+                    pass
+                continue
+            try:
+                await self.wait_ready(route, timeout_s=left)
+                return route
+            except (_Interrupted, TimeoutError):
+                continue
 
     # -- the request loop ------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                       sampling: SamplingParams, eos_ids=(), cuts: list[int] | None = None,
+                       sampling: SamplingParams, eos_ids=(), cuts: Cuts = None,
                        chunks: int | None = None) -> AsyncIterator[int]:
         """Yield sampled token ids (EOS included, as the last one) for one request."""
         async for step in self.steps(request_id, prompt_ids, max_tokens, sampling, eos_ids, cuts, chunks):
             yield step.token
 
     async def steps(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                    sampling: SamplingParams, eos_ids=(), cuts: list[int] | None = None,
-                    chunks: int | None = None, return_topk: int = 0) -> AsyncIterator["TokenStep"]:
+                    sampling: SamplingParams, eos_ids=(), cuts: Cuts = None,
+                    chunks: int | None = None, return_topk: int = 0,
+                    wait_s: float | None = None) -> AsyncIterator[TokenStep]:
         """Like :meth:`generate`, with each step's top-k probabilities when ``return_topk`` > 0.
 
         Only the k ids and probabilities travel back from the last stage — never full logits.
+        ``cuts``: the prompt's cut points, or a function (length, route) -> cut points,
+        asked again whenever the request is replayed on a new route.
         """
-        route = self.route
-        if route is None or not route.stages:
-            raise NoRoute("no pipeline plan is deployed on this mesh yet")
-        if request_id in self._flights:
+        if request_id in self._requests:
             raise PipelineError(f"request id {request_id!r} is already running")
-        flight = _Flight(request_id, route, asyncio.Queue())
-        self._flights[request_id] = flight
-        seq = next(self._seq_ids)
-        first = route.stages[0].node_id
-        base = {"capacity": len(prompt_ids) + max_tokens, **sampling.to_dict()}
-        if return_topk:
-            base["return_topk"] = int(return_topk)
-        pos = 0
+        if not sampling.greedy and sampling.seed is None:
+            # We own the random stream: a replay must continue it, so it needs a known seed.
+            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
+                                      secrets.randbits(63))
+        self._requests.add(request_id)
+        generated: list[int] = []
+        first_wait = self.resume_timeout_s if wait_s is None else wait_s
         try:
-            bounds = chunk_bounds(len(prompt_ids), chunks, cuts)
+            route = await self.serving_route(first_wait)
+            while True:
+                try:
+                    async for step in self._attempt(request_id, route, prompt_ids, generated, max_tokens,
+                                                    sampling, eos_ids, cuts, chunks, return_topk):
+                        generated.append(step.token)
+                        yield step
+                    return
+                except _Interrupted as exc:
+                    self.resumes += 1
+                    self._ready_version = 0
+                    log.info("request_replaying", request_id=request_id, generated=len(generated),
+                             reason=str(exc), device=exc.device, plan_version=route.plan_version)
+                    try:
+                        new = await self.serving_route(self.resume_timeout_s)
+                    except NoRoute:
+                        raise PipelineError(self._gone_message(route, exc)) from None
+                    route = new
+        finally:
+            self._requests.discard(request_id)
+
+    def _gone_message(self, route: Route, exc: _Interrupted) -> str:
+        now = self.route
+        left = [s.node_id for s in route.stages if now is None or now.index_of(s.node_id) is None]
+        who = exc.device or (left[0] if left else None)
+        return (f"{'device ' + who if who else 'a device'} of plan {route.plan_version} "
+                f"({exc}) and no plan could serve within {self.resume_timeout_s:g}s; retry the request")
+
+    async def _attempt(self, request_id: str, route: Route, prompt_ids: list[int], generated: list[int],
+                       max_tokens: int, sampling: SamplingParams, eos_ids, cuts: Cuts, chunks: int | None,
+                       return_topk: int) -> AsyncIterator[TokenStep]:
+        """One pass on one route: (re-)prefill prompt + generated tokens, then decode."""
+        seq = self.keys.next()
+        flight = _Flight(request_id, route, seq, asyncio.Queue())
+        self._flights[seq] = flight
+        first = route.stages[0].node_id
+        fields = dict(request_id=request_id, plan_version=route.plan_version, seq_id=seq,
+                      reply_to=self.reply_to, capacity=len(prompt_ids) + max_tokens,
+                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                      seed=sampling.seed, return_topk=int(return_topk))
+        try:
+            ids = list(prompt_ids) + generated
+            cut_points = cuts(len(ids), route) if callable(cuts) else cuts  # fixed cuts stay valid on a replay
+            bounds = chunk_bounds(len(ids), chunks, cut_points)
             for j, (a, b) in enumerate(bounds):
                 await self._send(first, StageForward(
-                    request_id=request_id, plan_version=route.plan_version, seq_id=seq,
-                    position_offset=a, chunk_index=j,
-                    token_ids=torch.tensor(prompt_ids[a:b], dtype=torch.long),
-                    sampling=base, reply_to=self.reply_to, is_last_chunk=j == len(bounds) - 1))
-            pos = len(prompt_ids)
-            for i in range(max_tokens):
+                    position_offset=a, chunk_index=j, token_ids=torch.tensor(ids[a:b], dtype=torch.long),
+                    is_last_chunk=j == len(bounds) - 1, sample_step=len(generated), **fields))
+            pos = len(ids)
+            while True:
                 step = await self._next_step(flight)
+                yield step  # the caller appends it to ``generated`` before resuming us
                 token = step.token
-                yield step
-                if token in eos_ids or i + 1 == max_tokens:
-                    break
+                if token in eos_ids or len(generated) >= max_tokens:
+                    return
                 await self._send(first, StageForward(
-                    request_id=request_id, plan_version=route.plan_version, seq_id=seq,
-                    position_offset=pos, chunk_index=0,
-                    token_ids=torch.tensor([token], dtype=torch.long),
-                    sampling=base, reply_to=self.reply_to, is_last_chunk=True))
+                    position_offset=pos, chunk_index=0, token_ids=torch.tensor([token], dtype=torch.long),
+                    is_last_chunk=True, sample_step=len(generated), **fields))
                 pos += 1
-        except TransportError as exc:
-            raise PipelineError(f"pipeline link failed: {exc}") from exc
         finally:
-            self._flights.pop(request_id, None)
-            await self._free(route, seq)
+            self._flights.pop(seq, None)
+            await self._free_surely(route, seq)
 
-    async def _next_step(self, flight: _Flight) -> "TokenStep":
+    async def _next_step(self, flight: _Flight) -> TokenStep:
         try:
             item = await asyncio.wait_for(flight.queue.get(), self.token_timeout_s)
         except TimeoutError:
-            raise PipelineError(
-                f"no token from the last stage within {self.token_timeout_s:g}s "
-                f"(route {[s.node_id for s in flight.route.stages]}); a device may have left") from None
-        if isinstance(item, Exception):
-            raise item
-        if isinstance(item, ErrorReply):
-            raise PipelineError(f"stage failed ({item.code}): {item.message}")
-        return TokenStep(int(item.token_ids[0]),
-                         item.topk_ids.tolist() if item.topk_ids is not None else None,
-                         item.topk_probs.tolist() if item.topk_probs is not None else None)
+            raise _Interrupted(f"no token from the last stage within {self.token_timeout_s:g}s") from None
+        match item:
+            case TokenResult():
+                return TokenStep(int(item.token_ids[0]),
+                                 item.topk_ids.tolist() if item.topk_ids is not None else None,
+                                 item.topk_probs.tolist() if item.topk_probs is not None else None)
+            case _Replanned():
+                raise _Interrupted(f"the mesh re-planned (plan {item.old} -> {item.new or 'pending'})")
+            case _Interrupted():
+                raise item
+            case ErrorReply() if item.code == "cache_full":
+                raise PipelineBusy(f"the mesh is busy: {item.message}; retry shortly")
+            case ErrorReply() if item.code in RESUMABLE_CODES:
+                raise _Interrupted(f"stage failed ({item.code}): {item.message}", item.message.split(":", 1)[0])
+            case ErrorReply():
+                raise PipelineError(f"stage failed ({item.code}): {item.message}")
+            case Exception():
+                raise item
+        raise PipelineError(f"unexpected item in a request's queue: {type(item).__name__}")
 
-    async def _free(self, route: Route, seq: int) -> None:
-        """Release the request's cache on every stage (directly: the chain may be broken)."""
+    async def _free_surely(self, route: Route, seq: str) -> None:
+        """Free even when the caller is being cancelled (a client hanging up is cancelled
+        by the HTTP server, sometimes more than once): the free runs as its own task."""
+        task = asyncio.get_running_loop().create_task(self._free(route, seq))
+        self._freeing.add(task)
+        task.add_done_callback(self._freeing.discard)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                log.debug("free_continues_after_cancel", seq=seq)
+            raise
+
+    async def _free(self, route: Route, seq: str) -> None:
+        """Release the sequence's cache on every stage (directly: the chain may be broken)."""
         async def one(node_id):
             try:
-                await asyncio.wait_for(self._send(node_id, FreeSequence(route.plan_version, seq)), 2.0)
+                peer = await self.links.to(node_id)
+                await asyncio.wait_for(peer.send(FreeSequence(route.plan_version, seq),
+                                                 timeout=self.send_timeout_s), 2.0)
             except (TransportError, TimeoutError, KeyError) as exc:
-                log.info("free_unreachable", node=node_id, seq_id=seq, error=str(exc))
+                log.info("free_unreachable", node=node_id, seq=seq, error=str(exc))
         await asyncio.gather(*(one(s.node_id) for s in route.stages))

@@ -13,19 +13,21 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from decoding.sampling import SamplingParams
-from meshd.engine import Engine, GenerationFailed, GenerationRequest, NoPlan, model_id_of
+from meshd.engine import Engine, EngineBusy, GenerationFailed, GenerationRequest, NoPlan, model_id_of
 from meshd.log import get_logger
-from meshd.pipeline.coordinator import NoRoute, PipelineCoordinator, PipelineError
+from meshd.pipeline.coordinator import NoRoute, PipelineBusy, PipelineCoordinator, PipelineError
 from meshd.pipeline.route import Route
 
 log = get_logger("meshd.pipeline.engine")
 
 MIN_CHUNK = 32  # shorter sub-sequences cost more in per-message overhead than they win in overlap
+UNCUT_PROMPT = 128  # below this a prompt goes as one chunk: cutting costs more hops than it overlaps
+DEFAULT_WAIT_S = 45.0  # how long a request waits for a plan (start-up, re-plan, device left)
 
 
 def default_cuts(prompt_len: int, num_stages: int) -> list[int]:
     """Equal sub-sequences (about two per stage, none under MIN_CHUNK) until a planned table exists."""
-    if num_stages <= 1:
+    if num_stages <= 1 or prompt_len < UNCUT_PROMPT:
         return []
     k = max(1, min(2 * num_stages, prompt_len // MIN_CHUNK))
     return [round(prompt_len * i / k) for i in range(1, k)]
@@ -33,39 +35,32 @@ def default_cuts(prompt_len: int, num_stages: int) -> list[int]:
 
 class PipelineEngine(Engine):
     def __init__(self, source, coordinator: PipelineCoordinator,
-                 cuts_for: Callable[[int, Route], list[int]] | None = None):
+                 cuts_for: Callable[[int, Route], list[int]] | None = None, wait_s: float = DEFAULT_WAIT_S):
         self.source = source
         self.tokenizer = source.tokenizer
         self.model_id = model_id_of(source)
         self.context_length = source.config.max_position
         self.coordinator = coordinator
         self.cuts_for = cuts_for or (lambda n, route: default_cuts(n, len(route.stages)))
+        self.wait_s = wait_s
 
     @property
     def in_flight(self) -> int:
         return self.coordinator.in_flight
 
-    async def before_request(self) -> None:
-        """Hook: wait for anything that must settle before a request picks its route."""
-
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
-        await self.before_request()
-        route = self.coordinator.route
-        if route is None:
-            raise NoPlan("the mesh has no plan yet (devices are still joining or loading their layers)")
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         try:
-            await self.coordinator.wait_ready(route)
-            cuts = self.cuts_for(len(req.prompt_ids), route)
-            async for tok in self.coordinator.generate(req.request_id, list(req.prompt_ids), req.max_tokens,
-                                                       sampling, self.eos_ids, cuts=cuts):
-                yield tok
+            async for step in self.coordinator.steps(req.request_id, list(req.prompt_ids), req.max_tokens,
+                                                     sampling, self.eos_ids, cuts=self.cuts_for,
+                                                     wait_s=self.wait_s):
+                yield step.token
         except NoRoute as exc:
-            raise NoPlan(str(exc)) from exc
+            raise NoPlan(str(exc), retry_after_s=5.0) from exc
+        except PipelineBusy as exc:
+            raise EngineBusy(str(exc), retry_after_s=exc.retry_after_s) from exc
         except PipelineError as exc:
             raise GenerationFailed(str(exc)) from exc
-        except asyncio.TimeoutError as exc:
-            raise GenerationFailed("the pipeline did not become ready in time") from exc
 
 
 # --------------------------------------------------------------------------- daemon wiring
@@ -75,8 +70,9 @@ class DaemonDirectory:
     """Node id → (stage endpoint, CURVE key), from the daemon's membership view.
 
     Peers announce their stage port in heartbeats; their address is the one mDNS
-    resolved. Looked up at connect time, so a plan may name a member whose
-    heartbeat has not arrived yet.
+    resolved. Looked up on every use, so a member that restarts on a new port or
+    address is followed at once. A member whose endpoint is not known yet gives
+    an empty address (its key is still known: enough to answer its requests).
     """
 
     def __init__(self, daemon):
@@ -96,10 +92,12 @@ class DaemonDirectory:
         if node_id == d.node_id:
             return f"tcp://{self.own_host()}:{d.stage_port}", d.public_key
         member = d.members.get(node_id)
+        if member is None:
+            raise KeyError(f"{node_id} is not a member of this home")
         peer = d.membership.peers.get(node_id) if d.membership else None
         port = int((peer.info if peer else {}).get("stage_port") or 0)
-        if member is None or node_id not in d.addresses or not port:
-            raise KeyError(f"no stage endpoint known for {node_id} yet")
+        if node_id not in d.addresses or not port:
+            return "", member.public_key
         return f"tcp://{d.addresses[node_id][0]}:{port}", member.public_key
 
 
@@ -150,60 +148,71 @@ class MeshEngine(PipelineEngine):
 
     Prompts are cut where the sequence partitioner says, from a cut table built for
     each plan from the members' profiles (the shipped profile for members that have
-    none); without usable profiles it falls back to equal chunks.
+    none); without usable profiles it falls back to equal chunks. Short prompts are
+    never cut. Plans are adopted in version order only; after each one a tiny
+    warm-up request crosses the whole pipeline (links, CURVE handshakes, first
+    forwards), so the first real answer does not pay for them.
     """
 
-    def __init__(self, source, coordinator, stage, directory, profiles_for=None, link_spec: str = ""):
-        super().__init__(source, coordinator, cuts_for=self._cuts)
+    def __init__(self, source, coordinator, stage, directory, profiles_for=None, link_spec: str = "",
+                 wait_s: float = DEFAULT_WAIT_S):
+        super().__init__(source, coordinator, cuts_for=self._cuts, wait_s=wait_s)
         self.stage = stage
         self.directory = directory
         self.profiles_for = profiles_for
         self.link_spec = link_spec
         self._cut_tables: dict[int, object] = {}
         self._deployed = 0
-        self._newest = 0
+        self._adopt_lock = asyncio.Lock()
         self.cut_table_errors = 0
-        self._settled = asyncio.Event()
-        self._settled.set()
-
-    async def before_request(self) -> None:
-        """A plan is being deployed here: start on it rather than on the one it replaces."""
-        try:
-            await asyncio.wait_for(self._settled.wait(), 120)
-        except TimeoutError:
-            raise GenerationFailed("this device is still loading its layers for the new plan") from None
+        self.warm = asyncio.Event()  # set once a plan has served a warm-up request end to end
+        self.warm_version = 0
 
     async def adopt(self, plan) -> None:
-        route = route_from_plan(plan, self.directory)
-        if route.plan_version <= self._deployed:
-            return
-        self._newest = max(self._newest, route.plan_version)
-        self._settled.clear()
-        # Requests still running on the old plan fail now, not after this device has
-        # loaded its new layers: a vanished device must never hold a client for long.
-        self.coordinator.set_route(None)
-        if self.profiles_for is not None and len(route.stages) > 1:
+        async with self._adopt_lock:  # in order: a late, older plan must never replace a newer one
+            if plan.version <= self._deployed:
+                log.info("plan_not_newer", plan_version=plan.version, deployed=self._deployed)
+                return
+            route = route_from_plan(plan, self.directory)
+            # Requests running on the old plan pause now (they replay on this one once it
+            # serves), rather than keep a vanished device's stage in their path.
+            self.coordinator.set_route(None)
+            if self.profiles_for is not None and len(route.stages) > 1:
+                try:
+                    table = await asyncio.to_thread(cut_table_for, route, self.profiles_for(),
+                                                    self.source.config.num_layers, self.link_spec)
+                    if table is not None:
+                        self._cut_tables = {route.plan_version: table}
+                except Exception as exc:  # planning help is optional: equal chunks still work
+                    self.cut_table_errors += 1
+                    log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
             try:
-                table = await asyncio.to_thread(cut_table_for, route, self.profiles_for(),
-                                                self.source.config.num_layers, self.link_spec)
-                if table is not None:
-                    self._cut_tables = {route.plan_version: table}
-            except Exception as exc:  # planning help is optional: equal chunks still work
-                self.cut_table_errors += 1
-                log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
+                await self.stage.deploy(route)
+            except Exception:  # a bad plan must not kill the daemon; the next plan may fix it
+                log.exception("stage_deploy_failed", plan_version=route.plan_version)
+                return
+            self._deployed = route.plan_version
+            self.coordinator.set_route(route)
+        await self.warm_up(route)
+
+    async def warm_up(self, route: Route) -> None:
+        """One tiny greedy request through every stage of ``route`` (best effort)."""
+        ids = list(self.tokenizer.encode("Hello"))[:4] or [0]
         try:
-            await self.stage.deploy(route)
-        except Exception:  # a bad plan must not kill the daemon; the next plan may fix it
-            log.exception("stage_deploy_failed", plan_version=route.plan_version)
-        else:
-            if route.plan_version > self._deployed:
-                self._deployed = route.plan_version
-                self.coordinator.set_route(route)
-        finally:
-            if self._newest <= max(self._deployed, route.plan_version):
-                self._settled.set()
+            async for _ in self.coordinator.steps(f"warmup-{route.plan_version}-{id(self)}", ids, 2,
+                                                  SamplingParams(), cuts=None, wait_s=self.wait_s):
+                pass
+        except Exception as exc:  # a newer plan, a device leaving: the next plan warms up again
+            log.info("warm_up_skipped", plan_version=route.plan_version, error=str(exc))
+            return
+        if route.plan_version >= self.warm_version:
+            self.warm_version = route.plan_version
+            self.warm.set()
+            log.info("pipeline_warm", plan_version=route.plan_version)
 
     def _cuts(self, prompt_len: int, route: Route) -> list[int]:
+        if prompt_len < UNCUT_PROMPT or len(route.stages) <= 1:
+            return []
         table = self._cut_tables.get(route.plan_version)
         if table is not None and prompt_len <= table.max_seq:
             return list(table.lookup(prompt_len))
@@ -221,19 +230,21 @@ async def mesh_engine(daemon) -> MeshEngine:
     plan, only for this device's layer range), starts the stage service and the
     coordinator on the daemon's CURVE transport, and follows the daemon's plans.
     """
-    from decoding.loader import open_model
+    from meshd.model_store import open_model
     from meshd.pipeline.stage_service import StageService
 
     cfg = daemon.config
     source = await asyncio.to_thread(open_model, cfg.model or None)
-    await asyncio.to_thread(lambda: source.tokenizer)
+    # Everything lazy is done now, off the event loop: the tokenizer, and the file's
+    # identity (a sha256 over the file, cached) that heartbeats carry.
+    await asyncio.to_thread(lambda: (source.tokenizer, getattr(source, "identity", None)))
     directory = DaemonDirectory(daemon)
     node = daemon.link.node
     stage = StageService(node, daemon.node_id, source, directory)
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
     daemon.stage_port = int(address.rsplit(":", 1)[1])
-    coordinator = PipelineCoordinator(node, daemon.node_id, directory)
+    coordinator = PipelineCoordinator(node, daemon.node_id, directory, resume_timeout_s=cfg.request_wait_s)
     await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
     from meshd.plan import DEFAULT_LINK, default_profile
 
@@ -242,7 +253,8 @@ async def mesh_engine(daemon) -> MeshEngine:
         known = {**daemon.profiles, daemon.node_id: daemon.own_profile}
         return {nid: known.get(nid) or fallback for nid in daemon.members if (known.get(nid) or fallback)}
 
-    engine = MeshEngine(source, coordinator, stage, directory, profiles_for, DEFAULT_LINK)
+    engine = MeshEngine(source, coordinator, stage, directory, profiles_for, DEFAULT_LINK,
+                        wait_s=cfg.request_wait_s)
     tasks = set()
 
     def on_plan(plan) -> None:

@@ -35,7 +35,7 @@ def load_route(path: str):
 
 
 async def serve(args) -> int:
-    from decoding.loader import open_model
+    from meshd.model_store import open_model
     from meshd.pipeline.stage_service import StageService
     from transport.node import TransportNode
 

@@ -1,34 +1,47 @@
 """Serve this device's pipeline stage over the transport.
 
 One service per daemon. It owns the stage's weights (only its layer range),
-its KV cache (one sequence per in-flight request) and one compute thread.
-Messages are handled strictly in arrival order: chunk j+1 of a prompt needs
-chunk j's keys/values in the cache, and a rollback must land before the next
-forward. While the compute thread works on one chunk, the next chunks queue
-in ZeroMQ, and the previous result is already travelling to the next stage —
-that overlap is the intra-sequence pipeline.
+its KV cache (one sequence per in-flight request, keyed by the home-wide
+sequence key) and one compute thread. Messages are handled strictly in
+arrival order: chunk j+1 of a prompt needs chunk j's keys/values in the cache,
+and a rollback must land before the next forward. While the compute thread
+works on one chunk, the next chunks queue in ZeroMQ, and the previous result
+is already travelling to the next stage — that overlap is the intra-sequence
+pipeline.
 
-Failures never stay local: if a forward fails here (stale plan, cache full,
-position mismatch) the coordinator named in the message gets an ErrorReply
-for that request at once, instead of waiting for a token that will not come.
+Three rules keep the cache honest under hang-ups, failures and restarts:
+
+- **Frees leave tombstones.** A coordinator frees a sequence on every stage
+  directly (the chain may be broken), so a free can overtake prompt chunks
+  still queued upstream. The stage remembers freed keys; a late chunk for a
+  tombstoned key is dropped instead of re-creating the sequence.
+- **One error path.** Whatever a message raises — a stale plan, a full cache,
+  a malformed tensor, a bug — the coordinator named in it gets an
+  ``ErrorReply`` at once and the sequence is freed (and tombstoned) here: a
+  request that failed on one stage is dead everywhere.
+- **Nothing lives forever.** A sequence untouched for ``idle_seq_timeout_s``
+  is reaped (its coordinator vanished without freeing it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from decoding.errors import CacheFull
 from decoding.sampling import Sampler, SamplingParams, filtered_probs
 from decoding.stage import StageModel
-from meshd.errors import MeshdError
+from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.route import Route
+from meshd.pipeline.seqkey import coordinator_of
 from transport.errors import TransportError
 from transport.link import Request, StageServer
 from transport.messages import (Ack, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply, StageForward,
@@ -36,6 +49,9 @@ from transport.messages import (Ack, ErrorReply, ForkSequence, FreeSequence, Hel
 from transport.node import TransportNode
 
 log = get_logger("meshd.stage")
+
+TOMBSTONES = 1 << 16  # freed keys remembered (keys are never reused; old ones age out)
+
 
 class StageError(MeshdError):
     def __init__(self, code: str, message: str):
@@ -50,19 +66,35 @@ class StageStats:
     activation_bytes_out: int = 0
     busy_s: float = 0.0
     errors: int = 0
+    late_dropped: int = 0
+    reaped: int = 0
     started: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict:
         up = max(time.monotonic() - self.started, 1e-9)
         return {"forwards": self.forwards, "tokens": self.tokens, "busy_s": round(self.busy_s, 3),
                 "activation_bytes_out": self.activation_bytes_out,
-                "utilisation": round(self.busy_s / up, 3), "errors": self.errors}
+                "utilisation": round(self.busy_s / up, 3), "errors": self.errors,
+                "late_dropped": self.late_dropped, "reaped": self.reaped}
+
+
+def _error_code(exc: BaseException) -> str:
+    if isinstance(exc, CacheFull):
+        return "cache_full"
+    if isinstance(exc, StageError):
+        return exc.code
+    if isinstance(exc, TransportError):
+        return "link"
+    if isinstance(exc, USER_ERRORS):  # also decoding's (a bad cache op, a context overflow)
+        return "stage"
+    return "internal"
 
 
 class StageService:
     def __init__(self, node: TransportNode, node_id: str, model_source, directory: Directory,
                  dtype: torch.dtype = torch.float32, max_kv_tokens: int = 1 << 16,
-                 activation_dtype: str | None = None, send_timeout_s: float = 5.0):
+                 activation_dtype: str | None = None, send_timeout_s: float = 5.0,
+                 idle_seq_timeout_s: float = 300.0):
         self.node = node
         self.node_id = node_id
         self.source = model_source
@@ -71,80 +103,142 @@ class StageService:
         self.max_kv_tokens = max_kv_tokens
         self.activation_dtype = activation_dtype
         self.send_timeout_s = send_timeout_s
+        self.idle_seq_timeout_s = idle_seq_timeout_s
         self.route: Route | None = None
         self.index: int | None = None
         self.stage: StageModel | None = None
         self.kv = None
-        self.samplers: dict[int, Sampler] = {}
+        self.samplers: dict[str, Sampler] = {}
         self.stats = StageStats()
         self.server: StageServer | None = None
         self.links = Links(node, directory)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self._deploy_lock = asyncio.Lock()
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._touched: dict[str, float] = {}
+        self._reaper: asyncio.Task | None = None
+        self.vocab_size = int(getattr(getattr(model_source, "config", None), "vocab_size", 0) or 0)
 
     # -- lifecycle --------------------------------------------------------------
     async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
-        self.server = await self.node.serve(self.handle, address, ordered=True)
+        # Frees and readiness probes overtake queued chunks: a hung-up request stops
+        # costing compute at once, and a probe is not stuck behind a long prefill.
+        self.server = await self.node.serve(self.handle, address, ordered=True,
+                                            urgent=lambda m: isinstance(m, (FreeSequence, Hello)))
+        self._reaper = asyncio.create_task(self._reap_loop(), name="stage-reaper")
         return self.server.address
 
     async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         await self.links.close()
         if self.server is not None:
             await self.server.close()
         self._compute.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def serving_version(self) -> int:
+        """The plan version whose layers are loaded and served here (0: none)."""
+        return self.route.plan_version if self.route is not None and self.stage is not None else 0
+
     async def deploy(self, route: Route) -> None:
         """Adopt a new plan: load this node's layer range (reusing weights if unchanged).
 
         Every plan change drops all sequences: their caches were built under the
-        old partition and the requests using them fail with a stale-plan error.
+        old partition; their coordinators replay them on the new plan.
         """
         async with self._deploy_lock:
+            if self.route is not None and route.plan_version <= self.route.plan_version:
+                log.info("stage_plan_ignored", plan_version=route.plan_version,
+                         serving=self.route.plan_version)
+                return
             idx = route.index_of(self.node_id)
             rng = (route.stages[idx].first, route.stages[idx].last) if idx is not None else None
             if rng is None:
                 self.stage, self.kv = None, None
             elif self.stage is None or (self.stage.first, self.stage.last) != rng:
+                self.stage = None  # not serving while the new range loads
                 log.info("stage_loading", plan_version=route.plan_version, first=rng[0], last=rng[1])
                 t = time.perf_counter()
                 loop = asyncio.get_running_loop()
-                self.stage = await loop.run_in_executor(
+                stage = await loop.run_in_executor(
                     self._compute, lambda: self.source.load_stage(rng[0], rng[1], self.dtype))
                 log.info("stage_loaded", first=rng[0], last=rng[1], seconds=round(time.perf_counter() - t, 2),
-                         weight_mb=round(self.stage.weight_bytes() / 1e6, 1))
+                         weight_mb=round(stage.weight_bytes() / 1e6, 1))
+                self.stage = stage
             if self.stage is not None:
                 self.kv = self.stage.new_cache(self.max_kv_tokens)
             self.samplers.clear()
+            self._touched.clear()
             self.route, self.index = route, idx
+
+    # -- what the daemon and status need ---------------------------------------------
+    def kv_tokens_in_use(self) -> int:
+        return int(self.kv.reserved_tokens) if self.kv is not None else 0
+
+    def sequences(self) -> list[str]:
+        return list(self.kv.sequences()) if self.kv is not None else []
+
+    def foreign_sequences(self) -> int:
+        """Sequences other daemons coordinate through this stage (SIGTERM drains them)."""
+        return sum(1 for s in self.sequences() if coordinator_of(s) != self.node_id)
+
+    def status(self) -> dict[str, Any]:
+        return {"plan_version": self.serving_version,
+                "layers": [self.stage.first, self.stage.last] if self.stage is not None else None,
+                "sequences": len(self.sequences()), "kv_tokens_in_use": self.kv_tokens_in_use(),
+                "kv_tokens_max": self.max_kv_tokens, **self.stats.to_dict()}
 
     # -- message handling ------------------------------------------------------------
     async def handle(self, msg: Any, req: Request) -> Any:
         try:
-            if isinstance(msg, Hello):  # readiness probe: which plan is loaded and serving here
-                version = self.route.plan_version if self.route is not None and self.stage is not None else 0
-                return HelloReply(self.node_id, version, "")
-            if isinstance(msg, StageForward):
-                await self._forward(msg)
-            elif isinstance(msg, (Truncate, FreeSequence, ForkSequence)):
-                self._check_plan(msg.plan_version)
-                self._control(msg)
-                if not isinstance(msg, FreeSequence):  # the coordinator frees every stage itself
+            match msg:
+                case Hello():  # readiness probe: which plan is loaded and serving here
+                    return HelloReply(self.node_id, self.serving_version, "")
+                case StageForward():
+                    await self._forward(msg)
+                case FreeSequence():
+                    # Frees come straight from the coordinator to every stage, whatever the plan.
+                    self._free(msg.seq_id, "freed")
+                case Truncate() | ForkSequence():
+                    self._check_plan(msg.plan_version)
+                    self._control(msg)
                     await self._pass_on(msg)
-            else:
-                raise StageError("unknown_type", f"a stage does not handle {type(msg).__name__}")
-        except (StageError, MeshdError, TransportError) as exc:
-            self.stats.errors += 1
-            code = getattr(exc, "code", "stage")
-            rid = getattr(msg, "request_id", "")
-            log.warning("stage_error", code=code, error=str(exc), request_id=rid,
-                        message_type=type(msg).__name__)
-            reply_to = getattr(msg, "reply_to", "")
-            if reply_to:
-                await self._report(reply_to, ErrorReply(code, f"{self.node_id}: {exc}", rid))
-            if isinstance(msg, StageForward) and self.kv is not None and msg.seq_id in self.kv:
-                self.kv.free(msg.seq_id)  # a request that failed here is dead everywhere
+                case _:
+                    raise StageError("unknown_type", f"a stage does not handle {type(msg).__name__}")
+        except asyncio.CancelledError:
             raise
-        return Ack(self.route.plan_version if self.route else 0)
+        except Exception as exc:  # the one error path: report at once, free the sequence, keep serving
+            return await self._fail(msg, exc)
+        return Ack(self.serving_version)
+
+    async def _fail(self, msg: Any, exc: Exception) -> ErrorReply:
+        self.stats.errors += 1
+        code = _error_code(exc)
+        rid = getattr(msg, "request_id", "")
+        seq = getattr(msg, "seq_id", None)
+        text = str(exc) if code != "internal" else f"{type(exc).__name__}: {exc}"
+        log.warning("stage_error", code=code, error=text, request_id=rid, seq=seq,
+                    message_type=type(msg).__name__, exc_info=code == "internal")
+        reply = ErrorReply(code, f"{self.node_id}: {text}", rid if isinstance(rid, str) else "")
+        if isinstance(seq, str) and seq:
+            self._free(seq, "failed")
+        reply_to = getattr(msg, "reply_to", "")
+        if reply_to:
+            await self._report(reply_to, reply)
+        return reply
+
+    def _free(self, seq: str, why: str) -> None:
+        self._tombstones[seq] = None
+        self._tombstones.move_to_end(seq)
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        self.samplers.pop(seq, None)
+        self._touched.pop(seq, None)
+        if self.kv is not None and seq in self.kv:
+            self.kv.free(seq)
+            log.debug("sequence_freed", seq=seq, why=why)
 
     def _check_plan(self, version: int) -> None:
         if self.route is None or self.stage is None:
@@ -153,26 +247,39 @@ class StageService:
             raise StageError("stale_plan",
                              f"message for plan {version}, this stage runs plan {self.route.plan_version}")
 
+    def _input_of(self, msg: StageForward, stage: StageModel) -> torch.Tensor:
+        if stage.is_first:
+            ids = msg.token_ids
+            if ids is None or ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point():
+                raise StageError("bad_input", "the first stage needs a non-empty 1-d tensor of token ids")
+            ids = ids.to(torch.long)
+            vocab = stage.config.vocab_size
+            if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+                raise StageError("bad_input", f"token ids must be in [0, {vocab})")
+            return ids
+        h = msg.hidden
+        if h is None or h.ndim != 2 or h.shape[1] != stage.config.hidden_size or h.shape[0] == 0:
+            raise StageError("bad_input", f"expected hidden states [n, {stage.config.hidden_size}]")
+        return h
+
     async def _forward(self, msg: StageForward) -> None:
+        seq = msg.seq_id
+        if seq in self._tombstones:  # freed (hang-up, failure) while this chunk was queued upstream
+            self.stats.late_dropped += 1
+            log.debug("late_chunk_dropped", seq=seq, offset=msg.position_offset)
+            return
         self._check_plan(msg.plan_version)
         stage, kv = self.stage, self.kv
-        seq = msg.seq_id
+        x = self._input_of(msg, stage)
         if seq not in kv:
             if msg.position_offset != 0:
                 raise StageError("unknown_sequence", f"sequence {seq} is not in this stage's cache "
                                                      f"(offset {msg.position_offset})")
-            kv.create(seq, max(int(msg.sampling.get("capacity", 0)), 16))
+            kv.create(seq, max(int(msg.capacity), x.shape[0], 16))
         if kv.length(seq) != msg.position_offset:
             raise StageError("position_mismatch", f"sequence {seq} holds {kv.length(seq)} positions, "
                                                   f"message starts at {msg.position_offset}")
-        if stage.is_first:
-            if msg.token_ids is None:
-                raise StageError("bad_input", "the first stage needs token_ids")
-            x = msg.token_ids.to(torch.long)
-        else:
-            if msg.hidden is None or msg.hidden.ndim != 2 or msg.hidden.shape[1] != stage.config.hidden_size:
-                raise StageError("bad_input", f"expected hidden states [n, {stage.config.hidden_size}]")
-            x = msg.hidden
+        self._touched[seq] = time.monotonic()
         want_logits = stage.is_last and msg.is_last_chunk
         t = time.perf_counter()
         out = await asyncio.get_running_loop().run_in_executor(
@@ -181,39 +288,42 @@ class StageService:
         self.stats.busy_s += time.perf_counter() - t
         self.stats.forwards += 1
         self.stats.tokens += x.shape[0]
+        if seq in self._tombstones:  # freed while computing: do not pass stale work on
+            self._free(seq, "freed")
+            return
         if not stage.is_last:
             nxt = StageForward(
                 request_id=msg.request_id, plan_version=msg.plan_version, seq_id=seq,
                 position_offset=msg.position_offset, chunk_index=msg.chunk_index, hidden=out,
-                tree_mask=msg.tree_mask, sampling=msg.sampling, reply_to=msg.reply_to,
-                is_last_chunk=msg.is_last_chunk)
+                tree_mask=msg.tree_mask, reply_to=msg.reply_to, is_last_chunk=msg.is_last_chunk,
+                capacity=msg.capacity, temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
+                seed=msg.seed, sample_step=msg.sample_step, return_topk=msg.return_topk)
             await self._send_next(nxt)
             elem = 2 if self.activation_dtype in ("float16", "bfloat16") else out.element_size()
             self.stats.activation_bytes_out += out.numel() * elem
         elif want_logits:
-            sampler = self.samplers.get(seq)
-            if sampler is None:
-                sp = {k: msg.sampling[k] for k in ("temperature", "top_k", "top_p", "seed") if k in msg.sampling}
-                sampler = self.samplers[seq] = Sampler(SamplingParams(**sp))
-            token = sampler(out[-1])
-            topk_ids = topk_probs = None
-            k = int(msg.sampling.get("return_topk", 0) or 0)
-            if k > 0:  # the compressed distribution a verifier needs, instead of 49k logits
-                probs = (torch.softmax(out[-1].float(), -1) if sampler.params.greedy
-                         else filtered_probs(out[-1], sampler.params))
-                top = torch.topk(probs, min(k, probs.shape[-1]))
-                topk_ids, topk_probs = top.indices.to(torch.int64), top.values.to(torch.float32)
-            await self._report(msg.reply_to, TokenResult(
-                request_id=msg.request_id, plan_version=msg.plan_version, seq_id=seq,
-                token_ids=torch.tensor([token], dtype=torch.long), chunk_index=msg.chunk_index,
-                topk_ids=topk_ids, topk_probs=topk_probs))
+            await self._report(msg.reply_to, self._sample(msg, out[-1]))
+
+    def _sample(self, msg: StageForward, logits: torch.Tensor) -> TokenResult:
+        seq = msg.seq_id
+        sampler = self.samplers.get(seq)
+        if sampler is None:
+            params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed)
+            sampler = self.samplers[seq] = Sampler(params, skip=msg.sample_step)
+        token = sampler(logits)
+        topk_ids = topk_probs = None
+        if msg.return_topk > 0:  # the compressed distribution a verifier needs, instead of 49k logits
+            probs = (torch.softmax(logits.float(), -1) if sampler.params.greedy
+                     else filtered_probs(logits, sampler.params))
+            top = torch.topk(probs, min(msg.return_topk, probs.shape[-1]))
+            topk_ids, topk_probs = top.indices.to(torch.int64), top.values.to(torch.float32)
+        return TokenResult(request_id=msg.request_id, plan_version=msg.plan_version, seq_id=seq,
+                           token_ids=torch.tensor([token], dtype=torch.long), chunk_index=msg.chunk_index,
+                           topk_ids=topk_ids, topk_probs=topk_probs)
 
     def _control(self, msg) -> None:
         kv = self.kv
-        if isinstance(msg, FreeSequence):
-            kv.free(msg.seq_id)
-            self.samplers.pop(msg.seq_id, None)
-        elif isinstance(msg, Truncate):
+        if isinstance(msg, Truncate):
             kv.truncate(msg.seq_id, msg.new_length)
         elif isinstance(msg, ForkSequence):
             kv.fork(msg.parent_id, msg.seq_id, msg.prefix_length)
@@ -221,6 +331,16 @@ class StageService:
     async def _pass_on(self, msg) -> None:
         if self.route.next_after(self.index) is not None:
             await self._send_next(msg)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(1.0, self.idle_seq_timeout_s / 10))
+            cutoff = time.monotonic() - self.idle_seq_timeout_s
+            for seq, t in list(self._touched.items()):
+                if t < cutoff:
+                    self.stats.reaped += 1
+                    log.warning("sequence_reaped", seq=seq, idle_s=round(time.monotonic() - t, 1))
+                    self._free(seq, "reaped")
 
     # -- links ----------------------------------------------------------------------------
     async def _send_next(self, msg) -> None:

@@ -1,0 +1,143 @@
+"""Serving that holds under a home's ordinary use: real daemons, the real model, real sockets.
+
+Two people asking two devices at once, clients hanging up mid-prefill, a member
+restarting on a new port, a request arriving while the daemon still starts.
+"""
+
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from decoding.generate import generate
+from decoding.pipeline_local import LocalPipeline
+from meshd.client import MeshdClient
+from tests.test_daemon_helpers import Mesh, summary, wait_for
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.",
+             "How many legs does a spider have?"]
+
+
+def plan_nodes(proc) -> list[str]:
+    return [s["node_id"] for s in ((proc.status().get("plan") or {}).get("stages") or [])]
+
+
+def kv_in_use(proc) -> int:
+    return int((proc.status().get("stage") or {}).get("kv_tokens_in_use", -1))
+
+
+def both_ready(a, b) -> bool:
+    sa, sb = a.status(), b.status()
+    va, vb = (sa.get("plan") or {}).get("version"), (sb.get("plan") or {}).get("version")
+    return (len(plan_nodes(a)) == 2 and va == vb and bool(sa.get("ready")) and bool(sb.get("ready")))
+
+
+@pytest.fixture(scope="module")
+def reference(real_source, real_stage):
+    tok = real_source.tokenizer
+    cache = {}
+
+    def answer(question: str, max_tokens: int = 16) -> str:
+        key = (question, max_tokens)
+        if key not in cache:
+            ids = tok.apply_chat([{"role": "user", "content": question}])
+            cache[key] = generate(LocalPipeline([real_stage]), ids, max_tokens, eos_ids=tok.eos_ids,
+                                  tokenizer=tok).text
+        return cache[key]
+    return answer
+
+
+@pytest.fixture(scope="module")
+def home(real_source):
+    """Two paired daemons with the real model, each serving its half of a warm plan."""
+    mesh = Mesh()
+    try:
+        model = str(real_source.path)
+        a = mesh.spawn("alpha", "--model", model, new_home="serving-test")
+        a.wait_serving(60)
+        b = mesh.spawn("beta", "--model", model, token=mesh.invite(a))
+        b.wait_serving(60)
+        wait_for(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
+        yield mesh, a, b, model
+    finally:
+        mesh.cleanup()
+
+
+def test_two_people_asking_two_devices_at_once_both_get_the_reference_answer(home, reference):
+    _, a, b, _ = home
+    results: dict[tuple[str, int], str] = {}
+    errors: list[str] = []
+
+    def ask(proc, i):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        try:
+            results[(proc.name, i)] = MeshdClient(proc.socket, timeout=240).chat(
+                q, max_tokens=16, temperature=0).text
+        except Exception as exc:  # noqa: BLE001 - collected and reported
+            errors.append(f"{proc.name}#{i}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=ask, args=(p, i)) for i in range(3) for p in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    for (name, i), text in results.items():
+        assert text == reference(QUESTIONS[i % len(QUESTIONS)]), (name, i)
+    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+
+
+def _hang_up_during_prefill(sock_path, prompt: str, after_s: float) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "stream": True,
+                       "temperature": 0}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: meshd\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(sock_path))
+        s.sendall(head + body)
+        time.sleep(after_s)
+
+
+def test_clients_hanging_up_during_prefill_leave_no_cache_behind(home, reference):
+    """Ten hang-ups with long prompts and no max_tokens once wedged the mesh ("KV cache full")."""
+    _, a, b, _ = home
+    rng = random.Random(5)
+    long_prompt = "Summarise this: " + " ".join(f"item{i}" for i in range(450))
+    for i in range(10):
+        _hang_up_during_prefill((a, b)[i % 2].socket, long_prompt, rng.uniform(0.2, 0.6))
+    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 90, what="the hung-up requests' caches freed",
+             explain=lambda: f"{summary(a, b)}\nstages: {a.status().get('stage')} {b.status().get('stage')}")
+    got = MeshdClient(a.socket, timeout=240).chat(QUESTIONS[0], max_tokens=16, temperature=0).text
+    assert got == reference(QUESTIONS[0])
+
+
+def test_a_member_restarting_on_a_new_port_is_found_and_used_again(home, reference):
+    import signal
+
+    mesh, a, b, model = home
+    old_port = b.status()["ports"]["transport"]
+    b.signal(signal.SIGKILL)
+    b.wait(30)
+    b2 = mesh.spawn("beta", "--model", model)  # same state dir: same node id, a new port
+    wait_for(lambda: both_ready(a, b2) and b2.status()["ports"]["transport"] != old_port, 120,
+             what="the restarted member back in a warm plan", explain=lambda: summary(a, b2))
+    for proc in (a, b2):
+        got = MeshdClient(proc.socket, timeout=240).chat(QUESTIONS[1], max_tokens=16, temperature=0).text
+        assert got == reference(QUESTIONS[1]), summary(a, b2)
+
+
+def test_a_request_sent_while_the_daemon_starts_waits_and_is_answered(real_source, reference):
+    mesh = Mesh()
+    try:
+        a = mesh.spawn("solo", "--model", str(real_source.path), new_home="startup-test")
+        wait_for(lambda: a.socket.exists(), 60, what="the API socket")
+        # The model is still loading: the request waits (bounded) instead of a 503.
+        got = MeshdClient(a.socket, timeout=240).chat(QUESTIONS[2], max_tokens=16, temperature=0).text
+        assert got == reference(QUESTIONS[2])
+    finally:
+        mesh.cleanup()
