@@ -186,7 +186,7 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
     from partition.planner import predict_prefill_s
 
     plan, profiles, _ = planner(args.devices, link_spec, max(lens))
-    ranges = [(s.first_layer, s.last_layer + 1) for s in plan.stages]
+    ranges = plan.layer_ranges  # half-open [first, end)
     single_plan, single_prof, _ = planner(1, link_spec, max(lens))
     ncpu = os.cpu_count() or 1
     cores = [[i % ncpu] for i in range(len(ranges))]

@@ -112,7 +112,7 @@ def vectorised_vs_loop(base, S=256):
     profs = home(base, 4)
     plan = make_plan(profs, parse_link("100mbit,2ms"), S, with_cut_table=False)
     by_id = {p.device_id: p for p in profs}
-    stages = [StageTiming(by_id[s.device_id], s.num_layers, s.has_embedding, s.has_head, None)
+    stages = [StageTiming(by_id[s.node_id], s.num_layers, s.has_embedding, s.has_head_of(plan.num_layers), None)
               for s in plan.stages]
     T = chunk_cost_matrix(stages, S)
     k_max, b = 4 * len(stages), 16

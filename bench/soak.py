@@ -465,7 +465,8 @@ class Soak:
         if x < self.args.hostile_frac + self.args.hangup_frac:
             mode = rng.choice(("prefill", "stream"))
             spec.update(kind="hangup", stream=True, max_tokens=max(MAX_TOKENS),
-                        hangup=("prefill", rng.uniform(0.02, 0.4)) if mode == "prefill" else ("stream", rng.randint(1, 6)))
+                        hangup=(("prefill", rng.uniform(0.02, 0.4)) if mode == "prefill"
+                                else ("stream", rng.randint(1, 6))))
             if mode == "prefill" and rng.random() < 0.5:
                 spec["stream"] = False  # a plain request whose client goes away before the answer
         else:
@@ -766,7 +767,8 @@ async def main_async(args, root: Path, daemons: list[Daemon], t_begin: float) ->
         if g is not None:
             growth.append(g)
         per_daemon.append({"daemon": d.name, "incarnations": d.incarnation, "core": d.core,
-                           "status": "up" if s else "no status", "kv_tokens_in_use": (stg or {}).get("kv_tokens_in_use"),
+                           "status": "up" if s else "no status",
+                           "kv_tokens_in_use": (stg or {}).get("kv_tokens_in_use"),
                            "sequences": (stg or {}).get("sequences"), "rss_start_mb": d.rss_start_mb,
                            "rss_end_mb": rss_end, "rss_growth_mb": g,
                            "requests_replayed": sum(d.replayed.values()) if d.replayed else None})
@@ -846,7 +848,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="100 requests, 2 kills, within 5 minutes")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kill-every", type=int, default=100, help="SIGKILL + restart a member every N requests (0: never)")
+    ap.add_argument("--kill-every", type=int, default=100,
+                    help="SIGKILL + restart a member every N requests (0: never)")
     ap.add_argument("--restart-delay", type=float, default=1.0, help="seconds between a kill and the restart")
     ap.add_argument("--drain-s", type=float, default=20.0,
                     help="before a kill, wait up to this long for the victim's own requests to finish")
@@ -878,6 +881,8 @@ def main() -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_term)
+    # Ctrl-C stops the daemons too, even when started with SIGINT ignored (a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         summary = asyncio.run(main_async(args, root, daemons, t_begin))
         print_summary(summary)

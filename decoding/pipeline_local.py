@@ -14,7 +14,7 @@ from decoding.stage import StageModel
 
 
 def even_split(total: int, parts: int) -> list[tuple[int, int]]:
-    """[first, last) ranges of near-equal size covering range(total)."""
+    """[first, end) ranges of near-equal size covering range(total)."""
     if not 1 <= parts <= total:
         raise ValueError(f"cannot split {total} items into {parts} parts")
     base, extra = divmod(total, parts)
@@ -47,7 +47,7 @@ class LocalPipeline:
 
     @property
     def layer_ranges(self) -> list[tuple[int, int]]:
-        return [(s.first, s.last) for s in self.stages]
+        return [(s.first, s.end) for s in self.stages]
 
     def create(self, seq_id, capacity: int) -> None:
         if capacity > self.config.max_position:

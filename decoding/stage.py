@@ -1,4 +1,4 @@
-"""One pipeline stage: a contiguous range [first, last) of a Llama-family decoder.
+"""One pipeline stage: a contiguous range [first, end) of a Llama-family decoder.
 
 A plain-torch forward (RMSNorm, RoPE, grouped-query attention through
 scaled_dot_product_attention, SwiGLU MLP) so that the same code runs the whole
@@ -52,11 +52,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class StageModel:
-    def __init__(self, config: ModelConfig, first: int, last: int, layers: list[LayerWeights],
+    def __init__(self, config: ModelConfig, first: int, end: int, layers: list[LayerWeights],
                  embed: torch.Tensor | None, final_norm: torch.Tensor | None,
                  lm_head: torch.Tensor | None, inv_freq: torch.Tensor, dtype: torch.dtype):
         self.config = config
-        self.first, self.last = first, last
+        self.first, self.end = first, end  # decoder layers [first, end)
         self.layers = layers
         self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
         self.inv_freq = inv_freq
@@ -65,14 +65,14 @@ class StageModel:
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_source(cls, source, first: int, last: int, dtype: torch.dtype = torch.float32) -> "StageModel":
+    def from_source(cls, source, first: int, end: int, dtype: torch.dtype = torch.float32) -> "StageModel":
         cfg = source.config
-        if not 0 <= first < last <= cfg.num_layers:
+        if not 0 <= first < end <= cfg.num_layers:
             raise ModelLoadError(
-                f"{source.path}: invalid layer range [{first}, {last}) for a {cfg.num_layers}-layer model")
+                f"{source.path}: invalid layer range [{first}, {end}) for a {cfg.num_layers}-layer model")
         cast = lambda t: t.to(dtype).contiguous()  # noqa: E731
         layers = []
-        for i in range(first, last):
+        for i in range(first, end):
             r = lambda n: source.read_tensor(f"layers.{i}.{n}")  # noqa: E731
             bias = None
             if cfg.attention_bias:
@@ -83,7 +83,7 @@ class StageModel:
                 gate_up=cast(torch.cat([r("gate"), r("up")])), down=cast(r("down")),
             ))
         embed = final_norm = lm_head = None
-        is_last = last == cfg.num_layers
+        is_last = end == cfg.num_layers
         if first == 0 or (is_last and cfg.tie_embeddings):
             embed_full = cast(source.read_tensor("embed"))
             embed = embed_full if first == 0 else None
@@ -95,7 +95,7 @@ class StageModel:
                 lm_head = cast(source.read_tensor("lm_head"))
         inv_freq, _ = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       source.rope_freq_factors())
-        return cls(cfg, first, last, layers, embed, final_norm, lm_head, inv_freq, dtype)
+        return cls(cfg, first, end, layers, embed, final_norm, lm_head, inv_freq, dtype)
 
     @property
     def is_first(self) -> bool:
@@ -103,11 +103,11 @@ class StageModel:
 
     @property
     def is_last(self) -> bool:
-        return self.last == self.config.num_layers
+        return self.end == self.config.num_layers
 
     @property
     def num_layers(self) -> int:
-        return self.last - self.first
+        return self.end - self.first
 
     def weight_bytes(self) -> int:
         total = sum(lw.nbytes() for lw in self.layers)

@@ -652,7 +652,7 @@ class Daemon:
             return
         self.replans += 1
         log.info("replan", version=version, members=ready, model=model, reason=plan.reason,
-                 stages=[[s.node_id, s.first, s.last] for s in plan.stages])
+                 stages=[[s.node_id, s.first, s.end] for s in plan.stages])
         self._adopt(plan)
         self.link.broadcast(PlanUpdate(plan.version, plan.to_assignment()),
                             [n for n in all_ready if n != self.node_id])
@@ -664,10 +664,14 @@ class Daemon:
             log.warning("plan_rejected", peer=sender, error=str(exc))
             return
         cur = self.plan
-        newer = cur is None or plan.version > cur.version or (
-            plan.version == cur.version and plan.leader < cur.leader)
-        if newer:
+        # Strictly newer only: a stage checks the version alone, so two different plans
+        # must never share one. (Two leaders of a briefly split home may both issue a
+        # version; the lowest node id re-plans above both once the home is whole.)
+        if cur is None or plan.version > cur.version:
             self._adopt(plan)
+        elif plan.version == cur.version and plan.stages != cur.stages:
+            log.warning("plan_version_conflict", version=plan.version, peer=sender, leader=plan.leader)
+            self.debounce.poke(self.clock())
 
     def _adopt(self, plan: Plan) -> None:
         self.plan = plan

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from decoding.detok import IncrementalDetokenizer  # re-exported: the API layer streams with it
+from decoding.sampling import SamplingParams
 from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 
@@ -127,17 +128,16 @@ class GenerationRequest:
     ``prompt_ids`` is authoritative; ``messages`` is kept for engines that want
     the conversation (e.g. to log it, or to forward it to a cloud helper).
     ``max_tokens`` is the resolved budget (the API clips it to the context).
-    ``temperature == 0`` means greedy.
+    ``sampling`` is the one typed :class:`decoding.sampling.SamplingParams`;
+    its default is greedy (the API maps OpenAI's default temperature of 1.0
+    itself, in ``meshd.api.openai_schema``).
     """
 
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
     messages: list[dict[str, Any]] | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
 
@@ -396,10 +396,9 @@ class LocalEngine(Engine):
         """Blocking token loop (worker thread); checks ``cancel`` before each forward."""
         import torch
 
-        from decoding.sampling import Sampler, SamplingParams
+        from decoding.sampling import Sampler
 
-        sampler = Sampler(SamplingParams(temperature=req.temperature, top_k=req.top_k,
-                                         top_p=req.top_p, seed=req.seed))
+        sampler = Sampler(req.sampling)
         eos = self.eos_ids
         pipe, seq = self._pipeline, req.request_id
         pipe.create(seq, len(req.prompt_ids) + req.max_tokens)

@@ -1,8 +1,11 @@
 """The mesh's current partition plan and how the coordinator computes a new one.
 
-A :class:`Plan` says which member runs which decoder layers ``[first, last)``.
-Its ``version`` only grows; every pipeline message carries it so a stage
-refuses work computed for another partition.
+A :class:`Plan` says which member runs which decoder layers ``[first, end)``:
+its stages are the partition package's :class:`~partition.plan.StageAssignment`
+(the one stage type of the code base), plus what only the daemon knows — the
+plan's version, leader, members and why it was chosen. Its ``version`` only
+grows; every pipeline message carries it so a stage refuses work computed for
+another partition.
 
 Planning uses the partition package's DP (``partition.layers.partition_layers``)
 over the members' device profiles: the profile a member shared, else a profile
@@ -21,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
+from partition.ids import NodeId, PlanVersion
+from partition.plan import LayerAssignment, StageAssignment
 
 log = get_logger("meshd.plan")
 
@@ -28,35 +33,31 @@ PLAN_SEQ_LEN = 512  # prompt length the planner balances for
 PLAN_MAX_SEQ = 2048  # KV capacity every stage must fit
 DEFAULT_LINK = "100mbit,2ms"  # a typical home Wi-Fi hop
 
-
 @dataclass(frozen=True)
-class Stage:
-    node_id: str
-    first: int
-    last: int  # exclusive
+class Plan(LayerAssignment):
+    """The daemon's plan: partition's stages over ``num_layers``, versioned, with who planned it.
 
+    ``layers_of``, ``layer_ranges`` and ``check`` come from
+    :class:`~partition.plan.LayerAssignment`, shared with the planner's own plan.
+    """
 
-@dataclass(frozen=True)
-class Plan:
-    version: int
-    stages: tuple[Stage, ...]
+    version: PlanVersion
+    stages: tuple[StageAssignment, ...]
     num_layers: int
     predicted_bottleneck_s: float | None = None
     reason: str = ""
-    leader: str = ""
-    members: tuple[str, ...] = ()  # the ready members it was planned over (some may get no layers)
-
-    def layers_of(self, node_id: str) -> tuple[int, int] | None:
-        for s in self.stages:
-            if s.node_id == node_id:
-                return (s.first, s.last)
-        return None
+    leader: NodeId = NodeId("")
+    members: tuple[NodeId, ...] = ()  # the ready members it was planned over (some may get no layers)
 
     def to_assignment(self) -> dict[str, Any]:
-        """The ``transport.messages.PlanUpdate.assignment`` form: node id -> stage."""
+        """The ``transport.messages.PlanUpdate.assignment`` form: node id -> stage.
+
+        Each stage's layers are half-open ``[first, last)``: the wire key ``last``
+        is the exclusive end (kept so daemons of different versions interoperate).
+        """
         return {
             s.node_id: {
-                "stage": i, "first": s.first, "last": s.last, "num_layers": self.num_layers,
+                "stage": i, "first": s.first, "last": s.end, "num_layers": self.num_layers,
                 "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
                 "leader": self.leader, "members": list(self.members),
             }
@@ -68,35 +69,24 @@ class Plan:
         """Inverse of :meth:`to_assignment`; raises ValueError on inconsistent input."""
         try:
             rows = sorted(assignment.items(), key=lambda kv: int(kv[1]["stage"]))
-            stages = tuple(Stage(str(n), int(d["first"]), int(d["last"])) for n, d in rows)
+            stages = tuple(StageAssignment(NodeId(str(n)), int(d["first"]), int(d["last"])) for n, d in rows)
             any_row = rows[0][1] if rows else {}
-            num_layers = int(any_row.get("num_layers", stages[-1].last if stages else 0))
+            num_layers = int(any_row.get("num_layers", stages[-1].end if stages else 0))
             bottleneck = any_row.get("predicted_bottleneck_s")
-            plan = Plan(int(version), stages, num_layers,
+            plan = Plan(PlanVersion(int(version)), stages, num_layers,
                         None if bottleneck is None else float(bottleneck),
-                        str(any_row.get("reason", "")), str(any_row.get("leader", "")),
-                        tuple(str(m) for m in any_row.get("members", ())))
+                        str(any_row.get("reason", "")), NodeId(str(any_row.get("leader", ""))),
+                        tuple(NodeId(str(m)) for m in any_row.get("members", ())))
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed plan assignment: {exc}") from None
         plan.check()
         return plan
 
-    def check(self) -> None:
-        """Stages must tile [0, num_layers) contiguously, one range per node."""
-        if not self.stages or self.num_layers <= 0:
-            raise ValueError("a plan needs at least one stage and one layer")
-        pos = 0
-        for s in self.stages:
-            if s.first != pos or s.last <= s.first:
-                raise ValueError(f"plan stages do not tile the layers: {self.stages}")
-            pos = s.last
-        if pos != self.num_layers or len({s.node_id for s in self.stages}) != len(self.stages):
-            raise ValueError(f"plan does not cover {self.num_layers} layers once: {self.stages}")
-
     def to_status(self) -> dict[str, Any]:
         return {
             "version": self.version,
-            "stages": [{"node_id": s.node_id, "layers": [s.first, s.last]} for s in self.stages],
+            # half-open [first, end) per stage
+            "stages": [{"node_id": s.node_id, "layers": list(s.layers)} for s in self.stages],
             "num_layers": self.num_layers,
             # seconds the slowest stage takes (compute + hand-off) for one prefill of
             # PLAN_SEQ_LEN prompt tokens: the planner's objective, not a per-token time
@@ -112,19 +102,19 @@ class Plan:
 class MemberInput:
     """What the planner needs to know about one ready member."""
 
-    node_id: str
+    node_id: NodeId
     memory_budget_mb: int
     profile: dict[str, Any] | None = field(default=None, repr=False)
 
 
-def equal_split(node_ids: list[str], num_layers: int) -> list[Stage]:
+def equal_split(node_ids: list[NodeId], num_layers: int) -> list[StageAssignment]:
     """Contiguous, near-equal ranges in node-id order (at most one node per layer)."""
     ids = sorted(node_ids)[: max(1, num_layers)]
     n = len(ids)
     out, pos = [], 0
     for i, nid in enumerate(ids):
         size = num_layers // n + (1 if i < num_layers % n else 0)
-        out.append(Stage(nid, pos, pos + size))
+        out.append(StageAssignment(nid, pos, pos + size))
         pos += size
     return out
 
@@ -146,7 +136,7 @@ def default_profile() -> dict[str, Any] | None:
 
 def compute_stages(
     members: list[MemberInput], num_layers: int
-) -> tuple[list[Stage], float | None, str]:
+) -> tuple[list[StageAssignment], float | None, str]:
     """Stages for ``members``: the partition DP when profiles allow it, else equal split."""
     ids = [m.node_id for m in members]
     fallback = default_profile()
@@ -172,11 +162,11 @@ def compute_stages(
     except Exception as exc:  # planner refused or profiles unusable: still have a plan
         log.warning("planner_fallback", error=str(exc))
         return equal_split(ids, num_layers), None, f"equal split: planner failed ({exc})"
-    stages = [Stage(devs[d].device_id, first, end) for d, first, end in result.split.stages]
+    stages = [StageAssignment(NodeId(devs[d].device_id), first, end) for d, first, end in result.split.stages]
     return stages, result.split.bottleneck_s, result.reason
 
 
-def make_plan(version: int, leader: str, members: list[MemberInput], num_layers: int) -> Plan:
+def make_plan(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int) -> Plan:
     stages, bottleneck, reason = compute_stages(members, num_layers)
     plan = Plan(version, tuple(stages), num_layers, bottleneck, reason, leader,
                 tuple(sorted(m.node_id for m in members)))

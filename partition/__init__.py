@@ -5,7 +5,8 @@
 - ``link``      link model: ``"100mbit,2ms"`` → bytes/bandwidth + RTT
 - ``layers``    layer DP over device subsets and orders, memory limits, bottleneck reasons
 - ``sequence``  vectorised sub-sequence (chunk) DP and the O(1) cut table
-- ``plan``      Plan / Stage / CutTable: what the daemon broadcasts
+- ``plan``      Plan / StageAssignment (half-open ``[first, end)``) / CutTable: what the daemon broadcasts
+- ``ids``       the NewType ids that cross modules: NodeId, PlanVersion, SeqKey
 - ``planner``   make_plan (layers, then chunks) and predictions from a plan
 - ``synthetic`` analytic profiles for tests and benchmarks
 """

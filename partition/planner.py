@@ -12,19 +12,21 @@ import numpy as np
 
 from partition.layers import check_same_model, partition_layers
 from partition.link import LinkModel
-from partition.plan import Plan, Stage
+from partition.ids import NodeId, PlanVersion
+from partition.plan import Plan, StageAssignment
 from partition.profile import DeviceProfile
 from partition.sequence import StageTiming, build_cut_table, flow_shop_latency
 
 
-def stage_timings(stages: tuple[Stage, ...], profiles: dict[str, DeviceProfile],
+def stage_timings(stages: tuple[StageAssignment, ...], profiles: dict[str, DeviceProfile],
                   link: LinkModel) -> list[StageTiming]:
     last = len(stages) - 1
-    return [
-        StageTiming(profiles[s.device_id], s.num_layers, s.has_embedding, s.has_head,
-                    None if i == last else link)
-        for i, s in enumerate(stages)
-    ]
+    out = []
+    for i, s in enumerate(stages):
+        p = profiles[s.node_id]
+        out.append(StageTiming(p, s.num_layers, s.has_embedding, s.has_head_of(p.num_layers),
+                               None if i == last else link))
+    return out
 
 
 def make_plan(
@@ -36,7 +38,7 @@ def make_plan(
     with_cut_table: bool = True,
     k_max: int | None = None,
     exact_limit: int | None = None,
-    version: int = 0,
+    version: PlanVersion = PlanVersion(0),
 ) -> Plan:
     """Plan layers for prompts of ``plan_seq_len`` tokens (default ``max_seq``) and chunks.
 
@@ -51,12 +53,10 @@ def make_plan(
     res = partition_layers(profiles, link, seq, max_seq, **kw)
     L = profiles[0].num_layers
     stages = tuple(
-        Stage(
-            device_id=profiles[d].device_id,
-            first_layer=i,
-            last_layer=j - 1,
-            has_embedding=i == 0,
-            has_head=j == L,
+        StageAssignment(
+            node_id=NodeId(profiles[d].device_id),
+            first=i,
+            end=j,
             compute_s=res.compute_s[k],
             transfer_s=res.transfer_s[k],
             memory_bytes=res.memory_bytes[k],
@@ -65,7 +65,7 @@ def make_plan(
         for k, (d, i, j) in enumerate(res.split.stages)
     )
     bottleneck = max(range(len(stages)), key=lambda k: stages[k].time_s)
-    used = {s.device_id for s in stages}
+    used = {s.node_id for s in stages}
     by_id = {p.device_id: p for p in profiles}
     table = None
     if with_cut_table:
@@ -81,7 +81,7 @@ def make_plan(
         bottleneck_s=res.split.bottleneck_s,
         bottleneck_reason=res.reason,
         explanation=res.explanation,
-        unused_devices=tuple(p.device_id for p in profiles if p.device_id not in used),
+        unused_devices=tuple(NodeId(p.device_id) for p in profiles if p.device_id not in used),
         exact_search=res.exact,
         cut_table=table,
         planning_seconds=time.perf_counter() - t0,
@@ -111,12 +111,12 @@ def predict_decode_step_s(plan: Plan, profiles: list[DeviceProfile], context: in
     by_id = {p.device_id: p for p in profiles}
     total = 0.0
     for k, s in enumerate(plan.stages):
-        p = by_id[s.device_id]
+        p = by_id[s.node_id]
         layer = float(p.q_layer(1, context))
         ends = float(p.embed_time(1)), float(p.head_time(1))
         whole = p.num_layers * layer + sum(ends)
         part = s.num_layers * layer + (ends[0] if s.has_embedding else 0.0) \
-            + (ends[1] if s.has_head else 0.0)
+            + (ends[1] if s.has_head_of(p.num_layers) else 0.0)
         total += float(p.decode_step(context)) * (part / whole if whole > 0 else s.num_layers / p.num_layers)
         if k < len(plan.stages) - 1:
             total += float(plan.link.activation_transfer_s(1, p.model.hidden_size, p.dtype_bytes))

@@ -222,9 +222,9 @@ def profile_device(
     full = source.load_stage(0, L, dtype)
     bar.step("load")
 
-    def view(layers, first, last, embed=None, norm=None, head=None):
-        # Same tensors as ``full``; first/last only decide which ends run.
-        return StageModel(cfg, first, last, layers, embed, norm, head, full.inv_freq, dtype)
+    def view(layers, first, end, embed=None, norm=None, head=None):
+        # Same tensors as ``full``; [first, end) only decides which ends run.
+        return StageModel(cfg, first, end, layers, embed, norm, head, full.inv_freq, dtype)
 
     rep = view([full.layers[L // 2]], 1, 2)
     embed_stage = view([], 0, 0, embed=full.embed)

@@ -43,36 +43,18 @@ def test_two_daemons_split_the_layers_and_match_the_single_device_reference(mesh
 def test_an_answer_survives_a_daemon_killed_mid_request(mesh, real_source, real_stage):
     """The coordinator replays the request on the survivor: a pause, the same greedy answer."""
     import signal
-    import threading
+
+    from tests.test_daemon_serving import StreamInBackground
 
     a, b = two_daemon_mesh(mesh, str(real_source.path), "pipeline-kill")
     question = "Write a long story about a lighthouse keeper."
     tok = real_source.tokenizer
     want = generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]), 120,
                     eos_ids=tok.eos_ids, tokenizer=tok).text
-    streaming = threading.Event()
-    outcome = {}
-
-    def ask():
-        try:
-            parts = []
-            for delta in MeshdClient(a.socket, timeout=180).chat(question, stream=True, max_tokens=120,
-                                                                 temperature=0):
-                parts.append(delta)
-                if len(parts) >= 10:
-                    streaming.set()
-            outcome["text"] = "".join(parts)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            outcome["error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            streaming.set()
-
-    worker = threading.Thread(target=ask)
-    worker.start()
-    assert streaming.wait(120), "the answer never started streaming"
+    answer = StreamInBackground(a, question, 120, after=10)
+    assert answer.started.wait(120), "the answer never started streaming"
     b.signal(signal.SIGKILL)
-    worker.join(170)
-    assert not worker.is_alive(), "the request hung after a device vanished"
+    outcome = answer.result(170)
     assert "error" not in outcome, outcome
     assert outcome["text"] == want, summary(a)
     wait_for(lambda: [s["node_id"] for s in plan_stages(a)] == [a.node_id()], 60,

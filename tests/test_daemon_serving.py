@@ -37,6 +37,36 @@ def both_ready(a, b) -> bool:
     return (len(plan_nodes(a)) == 2 and va == vb and bool(sa.get("ready")) and bool(sb.get("ready")))
 
 
+class StreamInBackground:
+    """Stream one greedy answer on a thread; ``started`` is set after ``after`` text deltas."""
+
+    def __init__(self, proc, question: str, max_tokens: int, after: int = 3):
+        self.started, self.outcome = threading.Event(), {}
+        self._args = (proc, question, max_tokens, after)
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self):
+        proc, question, max_tokens, after = self._args
+        try:
+            parts = []
+            for delta in MeshdClient(proc.socket, timeout=240).chat(question, stream=True, max_tokens=max_tokens,
+                                                                    temperature=0):
+                parts.append(delta)
+                if len(parts) >= after:
+                    self.started.set()
+            self.outcome["text"] = "".join(parts)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.outcome["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.started.set()
+
+    def result(self, timeout: float) -> dict:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the request hung"
+        return self.outcome
+
+
 @pytest.fixture(scope="module")
 def reference(real_source, real_stage):
     tok = real_source.tokenizer
@@ -139,5 +169,31 @@ def test_a_request_sent_while_the_daemon_starts_waits_and_is_answered(real_sourc
         # The model is still loading: the request waits (bounded) instead of a 503.
         got = MeshdClient(a.socket, timeout=240).chat(QUESTIONS[2], max_tokens=16, temperature=0).text
         assert got == reference(QUESTIONS[2])
+    finally:
+        mesh.cleanup()
+
+
+def test_sigterm_finishes_the_stage_work_it_does_for_another_daemons_request(real_source, reference):
+    """A member asked to stop first serves out the answer another daemon is coordinating through it."""
+    import signal
+
+    mesh = Mesh()
+    try:
+        model = str(real_source.path)
+        a = mesh.spawn("alpha", "--model", model, new_home="drain-test")
+        a.wait_serving(60)
+        b = mesh.spawn("beta", "--model", model, token=mesh.invite(a), env={"MESHD_DRAIN_TIMEOUT_S": "120"})
+        b.wait_serving(60)
+        wait_for(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
+        replayed_before = (a.status().get("stage") or {}).get("requests_replayed", 0)
+        answer = StreamInBackground(a, QUESTIONS[0], 48)
+        assert answer.started.wait(120)
+        b.signal(signal.SIGTERM)
+        outcome = answer.result(200)
+        assert outcome.get("text") == reference(QUESTIONS[0], 48), outcome
+        assert b.wait(60) == 0
+        assert any(e.get("event") == "stage_draining" for e in b.events()), b.log_tail()
+        # served out by the draining member, not replayed elsewhere
+        assert (a.status().get("stage") or {}).get("requests_replayed", 0) == replayed_before
     finally:
         mesh.cleanup()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from meshd import plan as plan_mod
-from meshd.plan import MemberInput, Plan, Stage, equal_split, make_plan
+from meshd.plan import MemberInput, Plan, equal_split, make_plan
+from partition.plan import StageAssignment as Stage
 
 
 def test_equal_split_tiles_the_layers_in_node_id_order():
@@ -41,6 +42,21 @@ def test_a_planner_failure_falls_back_to_an_equal_split():
 def test_a_plan_survives_the_plan_update_message_form():
     p = Plan(7, (Stage("x", 0, 10), Stage("y", 10, 30)), 30, 0.25, "compute", "x", ("x", "y"))
     assert Plan.from_assignment(7, p.to_assignment()) == p
+
+
+def test_the_daemon_plan_is_made_of_the_partition_packages_half_open_stages():
+    import meshd.plan
+    import partition.plan
+
+    assert meshd.plan.StageAssignment is partition.plan.StageAssignment  # one stage type
+    assert not hasattr(meshd.plan, "Stage")
+    p = Plan(2, (Stage("x", 0, 10), Stage("y", 10, 30)), 30)
+    assert p.layers_of("y") == (10, 30) and p.layers_of("z") is None
+    assert p.layer_ranges == [(0, 10), (10, 30)]
+    assert p.to_assignment()["y"]["last"] == 30  # the wire's "last" is the exclusive end
+    assert p.to_status()["stages"][1]["layers"] == [10, 30]
+    with pytest.raises(Exception):
+        p.stages[0].end = 11  # frozen
 
 
 @pytest.mark.parametrize("assignment", [

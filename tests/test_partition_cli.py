@@ -30,7 +30,8 @@ def test_plan_prints_stages_bottleneck_and_a_json_summary(profiles, capsys):
     summary = last_json(out)
     assert summary["planning_seconds"] > 0
     stages = summary["stages"]
-    assert stages[0]["first_layer"] == 0 and stages[-1]["last_layer"] == 29
+    assert stages[0]["first_layer"] == 0 and stages[-1]["end_layer"] == 30  # half-open
+    assert stages[0]["has_embedding"] and stages[-1]["has_head"]
     assert {s["device"] for s in stages} == {"laptop", "desktop"}
     assert "cuts" not in summary
 

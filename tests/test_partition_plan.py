@@ -22,10 +22,12 @@ def test_plan_round_trips_through_json(home):
 
 def test_plan_stages_tile_the_model_with_the_ends_pinned(home):
     _, plan = home
-    assert plan.stages[0].first_layer == 0 and plan.stages[0].has_embedding
-    assert plan.stages[-1].last_layer == 29 and plan.stages[-1].has_head
+    assert plan.stages[0].first == 0 and plan.stages[0].has_embedding
+    assert plan.stages[-1].end == 30 and plan.stages[-1].has_head_of(plan.num_layers)
+    assert not any(s.has_head_of(plan.num_layers) for s in plan.stages[:-1])
     for a, b in zip(plan.stages, plan.stages[1:]):
-        assert b.first_layer == a.end_layer
+        assert b.first == a.end  # half-open ranges tile [0, num_layers)
+    plan.check()
     assert plan.bottleneck_s == pytest.approx(max(s.time_s for s in plan.stages))
     assert plan.stages[plan.bottleneck_stage].time_s == pytest.approx(plan.bottleneck_s)
 

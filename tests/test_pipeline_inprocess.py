@@ -258,7 +258,7 @@ async def test_engine_streams_text_through_the_mesh_and_maps_errors(tiny):
     tiny.__dict__["tokenizer"] = Tok()
     async with Mesh(tiny, 2) as mesh:
         engine = PipelineEngine(tiny, mesh.coord)
-        req = GenerationRequest("q1", list(range(5, 45)), max_tokens=12, temperature=0.0)
+        req = GenerationRequest("q1", list(range(5, 45)), max_tokens=12, sampling=SamplingParams(temperature=0.0))
         ids = [t async for t in engine.token_ids(req)]
         assert ids == generate(LocalPipeline.from_source(tiny, 1), list(range(5, 45)), 12).token_ids
         mesh.coord.set_route(None)

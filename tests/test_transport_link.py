@@ -404,3 +404,17 @@ async def test_heartbeat_fields_survive_the_link(ctx):
     finally:
         await peer.close()
         await server.close()
+
+
+async def test_a_send_waiting_on_a_link_that_gets_closed_fails_as_a_closed_link_not_a_cancellation(ctx):
+    """Re-dialling a member that moved closes the old link under sends still queued to it."""
+    peer = Peer(node_id="client", context=ctx, timeout=5.0, hwm=1)
+    await peer.connect("tcp://127.0.0.1:1")  # nobody listens: sends wait for a connection
+    try:
+        sending = asyncio.create_task(peer.send(FreeSequence(1, "s1"), timeout=30))
+        await asyncio.sleep(0.1)
+        await peer.close()
+        with pytest.raises(TransportClosed):
+            await asyncio.wait_for(sending, 5)
+    finally:
+        await peer.close()

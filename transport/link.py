@@ -524,6 +524,15 @@ class Peer:
                 f"could not queue {type(msg).__name__} to {self.address} within {timeout:g}s "
                 f"(peer unreachable or its queue is full)"
             ) from None
+        except asyncio.CancelledError:
+            # Closing the socket cancels its pending sends. That is this link failing,
+            # not our caller being cancelled: say so, or the caller would unwind as if
+            # its own client had gone away.
+            task = asyncio.current_task()
+            if self._sock is not sock and (task is None or task.cancelling() == 0):
+                raise TransportClosed(
+                    f"link to {self.address} closed while sending {type(msg).__name__}") from None
+            raise
 
     async def close(self, linger: float = 0.0) -> None:
         """Close the link; pending requests fail with ``TransportClosed``.

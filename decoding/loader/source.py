@@ -61,10 +61,11 @@ class ModelSource(abc.ABC):
     def tokenizer(self):
         return self._load_tokenizer()
 
-    def load_stage(self, first: int, last: int, dtype: torch.dtype = torch.float32):
+    def load_stage(self, first: int, end: int, dtype: torch.dtype = torch.float32):
+        """Decoder layers ``[first, end)`` (+ embedding when ``first == 0``, head when ``end`` is the last)."""
         from decoding.stage import StageModel
 
-        return StageModel.from_source(self, first, last, dtype)
+        return StageModel.from_source(self, first, end, dtype)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path})"

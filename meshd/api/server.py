@@ -347,16 +347,12 @@ async def _serve(
     engine.check_prompt(prompt_ids)
     room = engine.context_length - len(prompt_ids)
     rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
-    sampling = params.sampling
     gen = GenerationRequest(
         request_id=rid,
         prompt_ids=prompt_ids,
         max_tokens=min(params.max_tokens or room, room),
         messages=messages,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        seed=sampling.seed,
+        sampling=params.sampling,
         stop=params.stop,
         stream=params.stream,
     )

@@ -2,7 +2,8 @@
 
 Offline and pure: reads profile files (or scales a measured one for a device
 not measured yet, ``PATH@speed=0.5,mem=4GiB,id=tablet``), prints the layer
-ranges per device, the predicted bottleneck and why, and for ``--prompt-len``
+ranges per device (``first-last``, both run; the JSON says half-open
+``first_layer``/``end_layer``), the predicted bottleneck and why, and for ``--prompt-len``
 the chunk cut points and predicted prefill latency. ``--json`` adds one JSON
 object as the last stdout line; ``--out`` writes the full plan (with the cut
 table) in the form the daemon broadcasts.
@@ -85,15 +86,15 @@ def run(args) -> int:
     print(f"{'stage':<6}{'device':<24}{'layers':<18}{'compute':>10}{'send':>10}   memory / budget",
           file=out)
     for k, s in enumerate(plan.stages, 1):
-        extra = ("+emb" if s.has_embedding else "") + ("+head" if s.has_head else "")
-        layers = f"{s.first_layer}-{s.last_layer} {extra}".strip()
-        print(f"{k:<6}{s.device_id:<24}{layers:<18}{s.compute_s:>9.3f}s{s.transfer_s:>9.3f}s"
+        extra = ("+emb" if s.has_embedding else "") + ("+head" if s.has_head_of(plan.num_layers) else "")
+        layers = f"{s.first}-{s.end - 1} {extra}".strip()  # for people: the first and last layer it runs
+        print(f"{k:<6}{s.node_id:<24}{layers:<18}{s.compute_s:>9.3f}s{s.transfer_s:>9.3f}s"
               f"   {_fmt_bytes(s.memory_bytes)} / {_fmt_bytes(s.memory_budget_bytes)}", file=out)
     if plan.unused_devices:
         print(f"unused devices: {', '.join(plan.unused_devices)} (they would not lower the bottleneck)",
               file=out)
     bn = plan.stages[plan.bottleneck_stage]
-    print(f"bottleneck: stage {plan.bottleneck_stage + 1} ({bn.device_id}) {plan.bottleneck_s:.3f} s "
+    print(f"bottleneck: stage {plan.bottleneck_stage + 1} ({bn.node_id}) {plan.bottleneck_s:.3f} s "
           f"per {plan.plan_seq_len}-token prompt, {plan.bottleneck_reason}-bound: {plan.explanation}",
           file=out)
     search = "exact over device subsets and orders" if plan.exact_search else \
@@ -102,7 +103,7 @@ def run(args) -> int:
 
     summary = {
         "planning_seconds": plan.planning_seconds,
-        "stages": [s.to_dict() for s in plan.stages],
+        "stages": [s.to_dict(plan.num_layers) for s in plan.stages],  # [first_layer, end_layer)
         "bottleneck": plan.to_dict()["bottleneck"],
         "unused_devices": list(plan.unused_devices),
         "link": link.to_dict(),

@@ -152,11 +152,11 @@ def _bytes(v: Any) -> str:
 
 
 def _layers(v: Any) -> str:
-    """``[first, last)`` pairs print as ``first-(last-1)``; several ranges join with commas."""
+    """Half-open ``[first, end)`` pairs print as ``first-(end-1)``; several ranges join with commas."""
     if v is None or v == [] or v == "":
         return DASH
     if isinstance(v, dict):
-        v = [v.get("first"), v.get("last")]
+        v = [v.get("first"), v.get("end", v.get("last"))]
     if isinstance(v, (list, tuple)):
         if len(v) == 2 and all(isinstance(x, int) for x in v):
             return f"{v[0]}-{v[1] - 1}" if v[1] > v[0] else DASH

@@ -17,6 +17,7 @@ from meshd.engine import Engine, EngineBusy, GenerationFailed, GenerationRequest
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import NoRoute, PipelineBusy, PipelineCoordinator, PipelineError
 from meshd.pipeline.route import Route
+from partition.plan import LayerAssignment
 
 log = get_logger("meshd.pipeline.engine")
 
@@ -49,10 +50,9 @@ class PipelineEngine(Engine):
         return self.coordinator.in_flight
 
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
-        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         try:
             async for step in self.coordinator.steps(req.request_id, list(req.prompt_ids), req.max_tokens,
-                                                     sampling, self.eos_ids, cuts=self.cuts_for,
+                                                     req.sampling, self.eos_ids, cuts=self.cuts_for,
                                                      wait_s=self.wait_s):
                 yield step.token
         except NoRoute as exc:
@@ -101,7 +101,8 @@ class DaemonDirectory:
         return f"tcp://{d.addresses[node_id][0]}:{port}", member.public_key
 
 
-def route_from_plan(plan, directory) -> Route:
+def route_from_plan(plan: LayerAssignment, directory) -> Route:
+    """The plan's stages (same ``[first, end)`` ranges) with each node's address and key."""
     from meshd.pipeline.route import StageEndpoint
 
     stages = []
@@ -110,7 +111,7 @@ def route_from_plan(plan, directory) -> Route:
             address, key = directory(s.node_id)
         except KeyError:
             address, key = "", ""
-        stages.append(StageEndpoint(s.node_id, address, key, s.first, s.last))
+        stages.append(StageEndpoint(s.node_id, address, key, s.first, s.end))
     return Route(plan.version, tuple(stages))
 
 
@@ -124,7 +125,7 @@ def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link
     ``partition.plan.CutTable``; a lookup then gives a prompt's cut points in O(1).
     """
     from partition.link import parse_link
-    from partition.plan import Stage
+    from partition.plan import StageAssignment
     from partition.planner import stage_timings
     from partition.profile import DeviceProfile
     from partition.sequence import build_cut_table
@@ -138,8 +139,7 @@ def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link
         if p.num_layers != num_layers:
             return None
         devs[s.node_id] = p
-    stages = tuple(Stage(s.node_id, s.first, s.last - 1, s.first == 0, s.last == num_layers)
-                   for s in route.stages)
+    stages = tuple(StageAssignment(s.node_id, s.first, s.end) for s in route.stages)
     return build_cut_table(stage_timings(stages, devs, parse_link(link_spec)), CUT_TABLE_MAX_SEQ)
 
 

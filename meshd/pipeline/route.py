@@ -2,26 +2,33 @@
 
 A route is derived from the plan (layer ranges per node) and the membership
 directory (address and CURVE key per node). It is versioned with the plan so
-every message can be checked against it.
+every message can be checked against it. Layer ranges are half-open
+``[first, end)``, as in :class:`partition.plan.StageAssignment`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from partition.ids import NodeId, PlanVersion
+
 
 @dataclass(frozen=True)
 class StageEndpoint:
-    node_id: str
+    node_id: NodeId
     address: str  # tcp://host:port of the node's stage server
     public_key: str  # z85 CURVE key ("" when CURVE is off, e.g. in-process tests)
     first: int
-    last: int
+    end: int  # exclusive: the stage runs decoder layers [first, end)
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return (self.first, self.end)
 
 
 @dataclass(frozen=True)
 class Route:
-    plan_version: int
+    plan_version: PlanVersion
     stages: tuple[StageEndpoint, ...]
 
     def index_of(self, node_id: str) -> int | None:
@@ -35,4 +42,4 @@ class Route:
 
     @property
     def layer_ranges(self) -> list[tuple[int, int]]:
-        return [(s.first, s.last) for s in self.stages]
+        return [s.layers for s in self.stages]

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from typing import NewType
 
-SeqKey = NewType("SeqKey", str)
+from partition.ids import NodeId, SeqKey  # the one definition of the id NewTypes
+
+__all__ = ["SeqKey", "SeqKeys", "coordinator_of"]
 
 _SEP = "/"
 
@@ -23,7 +24,7 @@ _SEP = "/"
 class SeqKeys:
     """Mints keys ``<node id>/<incarnation>/<n>`` for one coordinator."""
 
-    def __init__(self, node_id: str):
+    def __init__(self, node_id: NodeId):
         if _SEP in node_id:
             raise ValueError(f"node id {node_id!r} may not contain {_SEP!r}")
         self.node_id = node_id
@@ -34,6 +35,6 @@ class SeqKeys:
         return SeqKey(f"{self.node_id}{_SEP}{self.incarnation}{_SEP}{next(self._n)}")
 
 
-def coordinator_of(key: str) -> str:
+def coordinator_of(key: SeqKey) -> NodeId:
     """The node id of the coordinator that owns ``key``."""
-    return key.split(_SEP, 1)[0]
+    return NodeId(key.split(_SEP, 1)[0])

@@ -6,7 +6,7 @@ pinned to its own core), and handy for debugging a pipeline by hand:
     python -m meshd.pipeline.stage_proc --node-id dev0 --state-dir /tmp/dev0 \\
         --bind tcp://127.0.0.1:7501 --route route.json [--threads 1] [--model PATH]
 
-``route.json``: {"plan_version": 1, "stages": [{"node_id", "address", "public_key", "first", "last"}],
+``route.json``: {"plan_version": 1, "stages": [{"node_id", "address", "public_key", "first", "end"}],
 "directory": {"node_id": ["address", "public_key"], ...}} — the directory also names coordinators.
 Prints ``READY <address>`` on stdout once its layers are loaded; stops on SIGTERM/SIGINT.
 """

@@ -154,17 +154,17 @@ class StageService:
                          serving=self.route.plan_version)
                 return
             idx = route.index_of(self.node_id)
-            rng = (route.stages[idx].first, route.stages[idx].last) if idx is not None else None
+            rng = route.stages[idx].layers if idx is not None else None
             if rng is None:
                 self.stage, self.kv = None, None
-            elif self.stage is None or (self.stage.first, self.stage.last) != rng:
+            elif self.stage is None or (self.stage.first, self.stage.end) != rng:
                 self.stage = None  # not serving while the new range loads
-                log.info("stage_loading", plan_version=route.plan_version, first=rng[0], last=rng[1])
+                log.info("stage_loading", plan_version=route.plan_version, first=rng[0], end=rng[1])
                 t = time.perf_counter()
                 loop = asyncio.get_running_loop()
                 stage = await loop.run_in_executor(
                     self._compute, lambda: self.source.load_stage(rng[0], rng[1], self.dtype))
-                log.info("stage_loaded", first=rng[0], last=rng[1], seconds=round(time.perf_counter() - t, 2),
+                log.info("stage_loaded", first=rng[0], end=rng[1], seconds=round(time.perf_counter() - t, 2),
                          weight_mb=round(stage.weight_bytes() / 1e6, 1))
                 self.stage = stage
             if self.stage is not None:
@@ -186,7 +186,7 @@ class StageService:
 
     def status(self) -> dict[str, Any]:
         return {"plan_version": self.serving_version,
-                "layers": [self.stage.first, self.stage.last] if self.stage is not None else None,
+                "layers": [self.stage.first, self.stage.end] if self.stage is not None else None,
                 "sequences": len(self.sequences()), "kv_tokens_in_use": self.kv_tokens_in_use(),
                 "kv_tokens_max": self.max_kv_tokens, **self.stats.to_dict()}
 
