@@ -151,6 +151,7 @@ class Daemon:
         self.api_runner = None
         self.api_app = None
         self.engine: DrainingEngine | None = None
+        self.serving = None  # meshd.pipeline.serving.ServingRole: this device's stage, coordinator, plans
         self.port = 0
         self.pairing_port = 0
         self.stage_port = 0  # set by the mesh engine once its stage service listens
@@ -238,7 +239,7 @@ class Daemon:
         home = self.home.name if self.home else "?"
         while not self.stopping.is_set():
             inner = self.engine.inner if self.engine is not None else None
-            warm = getattr(inner, "warm", None)
+            warm = self.serving.warm if self.serving is not None else None
             if self.load_state in ("failed", "none") or (inner is not None and warm is None):
                 break
             if warm is not None and warm.is_set():
@@ -284,17 +285,21 @@ class Daemon:
         Runs in the background (reading the model and tokenizer takes seconds);
         status and 503s are served meanwhile.
         """
-        from meshd.api.server import set_engine
-        from meshd.pipeline.engine import mesh_engine
-
         log.info("model_loading", model=self.config.model or "embedded default")
         try:
-            engine = await mesh_engine(self)
+            from meshd.api.server import set_engine
+            from meshd.pipeline.engine import PipelineEngine
+            from meshd.pipeline.serving import start_serving
+
+            self.serving = await start_serving(self)
+            s = self.serving
+            engine = PipelineEngine(s.source, s.coordinator, cuts_for=s.cuts, wait_s=self.config.request_wait_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a missing model must not take the control plane down
             self.load_state = "failed"
-            log.error("model_load_failed", error=f"{type(exc).__name__}: {exc}")
+            log.error("model_load_failed", error=f"{type(exc).__name__}: {exc}",
+                      exc_info=not isinstance(exc, USER_ERRORS))
             return
         if self.stopping.is_set() or self.api_app is None:
             return
@@ -330,10 +335,12 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        closer = getattr(self.engine.inner, "aclose", None) if self.engine is not None else None
-        if closer is not None:
-            with contextlib.suppress(Exception):
-                await closer()
+        closers = [getattr(self.engine.inner, "aclose", None) if self.engine is not None else None,
+                   self.serving.aclose if self.serving is not None else None]
+        for closer in closers:
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer()
         if self.link is not None and self.membership is not None:
             self.link.broadcast(control.Bye(self.node_id))
             await self.link.flush(0.5)
@@ -360,7 +367,7 @@ class Daemon:
         Heartbeats keep saying "draining" meanwhile; whatever is still running at
         the deadline is replayed by its coordinator once we are gone.
         """
-        stage = getattr(self.engine.inner, "stage", None) if self.engine is not None else None
+        stage = self.serving.stage if self.serving is not None else None
         if stage is None or not stage.foreign_sequences():
             return
         log.info("stage_draining", sequences=stage.foreign_sequences())
@@ -567,7 +574,7 @@ class Daemon:
 
     def _model_identity(self) -> tuple[str, int]:
         """(identity of the loaded model file, its layer count); ("", 0) for model-less engines."""
-        source = getattr(self.engine.inner, "source", None) if self.engine else None
+        source = self.serving.source if self.serving is not None else None
         if source is None:
             return "", 0
         cached = getattr(self, "_identity_cache", None)
@@ -582,10 +589,8 @@ class Daemon:
         old_inc = before.get("incarnation")
         if old_inc and old_inc != info.get("incarnation"):
             log.info("peer_restarted", peer=node_id, stage_port=info.get("stage_port"))
-            inner = self.engine.inner if self.engine is not None else None
-            coordinator = getattr(inner, "coordinator", None)
-            if coordinator is not None:
-                coordinator.stage_restarted(node_id)
+            if self.serving is not None:
+                self.serving.coordinator.stage_restarted(node_id)
         if any(before.get(k) != info.get(k) for k in ("load_state", "model", "model_layers")):
             self.debounce.poke(self.clock())  # who can be planned over changed
 
@@ -689,25 +694,17 @@ class Daemon:
 
     def _serving_ready(self) -> bool:
         """A request sent now would start at once: the current plan has served a warm-up."""
-        inner = self.engine.inner if self.engine is not None else None
-        if inner is None:
+        if self.engine is None:
             return False
-        warm_version = getattr(inner, "warm_version", None)
-        if warm_version is None:  # engines without a pipeline (tests' fakes) are ready once loaded
+        if self.serving is None:  # engines without a pipeline (tests' fakes) are ready once loaded
             return True
-        return self.plan is not None and warm_version == self.plan.version
+        return self.plan is not None and self.serving.warm_version == self.plan.version
 
     def _stage_status(self) -> dict[str, Any] | None:
         """This device's stage: plan served, layers, sequences and KV tokens in use."""
-        inner = self.engine.inner if self.engine is not None else None
-        stage = getattr(inner, "stage", None)
-        if stage is None:
+        if self.serving is None:
             return None
-        out = stage.status()
-        coordinator = getattr(inner, "coordinator", None)
-        if coordinator is not None:
-            out["requests_replayed"] = coordinator.resumes
-        return out
+        return {**self.serving.stage.status(), "requests_replayed": self.serving.coordinator.resumes}
 
     # -- runtime file for `meshd invite` -----------------------------------------------
     def _write_runtime_file(self) -> None:

@@ -308,7 +308,7 @@ def test_daemon_cut_points_come_from_the_sequence_partitioner_table():
     import json
     from pathlib import Path
 
-    from meshd.pipeline.engine import cut_table_for
+    from meshd.pipeline.serving import cut_table_for
 
     prof = json.loads((Path(__file__).parent.parent / "profiles" / "x86_64-2core-1thread.json").read_text())
     route = Route(4, (StageEndpoint("a", "", "", 0, 15), StageEndpoint("b", "", "", 15, 30)))

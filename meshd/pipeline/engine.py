@@ -1,23 +1,20 @@
 """The mesh's inference engine: the client API's requests, run through the pipeline.
 
-It plugs into the daemon's engine seam (``engine = "meshd.pipeline.engine:mesh_engine"``):
-every daemon serves its stage of the current plan, and the daemon that received
-a request coordinates it. Errors are mapped to the API's vocabulary: no plan
-yet → 503, prompt over the context → 413, a device failing mid-request → a
-clear in-band error.
+The daemon that received a request coordinates it, on the coordinator of the
+daemon's serving role (``meshd.pipeline.serving``). Errors are mapped to the API's
+vocabulary: no plan within the wait → 503 with Retry-After, a full cache → 503
+busy, prompt over the context → 413, a request that could not be replayed after a
+device left → a clear error naming the device.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from decoding.sampling import SamplingParams
 from meshd.engine import Engine, EngineBusy, GenerationFailed, GenerationRequest, NoPlan, model_id_of
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import NoRoute, PipelineBusy, PipelineCoordinator, PipelineError
 from meshd.pipeline.route import Route
-from partition.plan import LayerAssignment
 
 log = get_logger("meshd.pipeline.engine")
 
@@ -61,209 +58,3 @@ class PipelineEngine(Engine):
             raise EngineBusy(str(exc), retry_after_s=exc.retry_after_s) from exc
         except PipelineError as exc:
             raise GenerationFailed(str(exc)) from exc
-
-
-# --------------------------------------------------------------------------- daemon wiring
-
-
-class DaemonDirectory:
-    """Node id → (stage endpoint, CURVE key), from the daemon's membership view.
-
-    Peers announce their stage port in heartbeats; their address is the one mDNS
-    resolved. Looked up on every use, so a member that restarts on a new port or
-    address is followed at once. A member whose endpoint is not known yet gives
-    an empty address (its key is still known: enough to answer its requests).
-    """
-
-    def __init__(self, daemon):
-        self.daemon = daemon
-
-    def own_host(self) -> str:
-        listen = self.daemon.config.listen
-        if listen not in ("0.0.0.0", "", "::"):
-            return listen
-        for iface in self.daemon.interfaces:
-            if iface.addresses:
-                return iface.addresses[0]
-        return "127.0.0.1"
-
-    def __call__(self, node_id: str) -> tuple[str, str]:
-        d = self.daemon
-        if node_id == d.node_id:
-            return f"tcp://{self.own_host()}:{d.stage_port}", d.public_key
-        member = d.members.get(node_id)
-        if member is None:
-            raise KeyError(f"{node_id} is not a member of this home")
-        peer = d.membership.peers.get(node_id) if d.membership else None
-        port = int((peer.info if peer else {}).get("stage_port") or 0)
-        if node_id not in d.addresses or not port:
-            return "", member.public_key
-        return f"tcp://{d.addresses[node_id][0]}:{port}", member.public_key
-
-
-def route_from_plan(plan: LayerAssignment, directory) -> Route:
-    """The plan's stages (same ``[first, end)`` ranges) with each node's address and key."""
-    from meshd.pipeline.route import StageEndpoint
-
-    stages = []
-    for s in plan.stages:
-        try:
-            address, key = directory(s.node_id)
-        except KeyError:
-            address, key = "", ""
-        stages.append(StageEndpoint(s.node_id, address, key, s.first, s.end))
-    return Route(plan.version, tuple(stages))
-
-
-CUT_TABLE_MAX_SEQ = 2048
-
-
-def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
-    """The sequence partitioner's cut table for this route's stages (None if profiles are missing).
-
-    Pure: device profiles (plain dicts, as members share them) + layer ranges + link →
-    ``partition.plan.CutTable``; a lookup then gives a prompt's cut points in O(1).
-    """
-    from partition.link import parse_link
-    from partition.plan import StageAssignment
-    from partition.planner import stage_timings
-    from partition.profile import DeviceProfile
-    from partition.sequence import build_cut_table
-
-    devs = {}
-    for s in route.stages:
-        data = profiles.get(s.node_id)
-        if data is None:
-            return None
-        p = DeviceProfile.from_dict(data)
-        if p.num_layers != num_layers:
-            return None
-        devs[s.node_id] = p
-    stages = tuple(StageAssignment(s.node_id, s.first, s.end) for s in route.stages)
-    return build_cut_table(stage_timings(stages, devs, parse_link(link_spec)), CUT_TABLE_MAX_SEQ)
-
-
-class MeshEngine(PipelineEngine):
-    """A daemon's engine: serves this device's stage and coordinates its own requests.
-
-    Prompts are cut where the sequence partitioner says, from a cut table built for
-    each plan from the members' profiles (the shipped profile for members that have
-    none); without usable profiles it falls back to equal chunks. Short prompts are
-    never cut. Plans are adopted in version order only; after each one a tiny
-    warm-up request crosses the whole pipeline (links, CURVE handshakes, first
-    forwards), so the first real answer does not pay for them.
-    """
-
-    def __init__(self, source, coordinator, stage, directory, profiles_for=None, link_spec: str = "",
-                 wait_s: float = DEFAULT_WAIT_S):
-        super().__init__(source, coordinator, cuts_for=self._cuts, wait_s=wait_s)
-        self.stage = stage
-        self.directory = directory
-        self.profiles_for = profiles_for
-        self.link_spec = link_spec
-        self._cut_tables: dict[int, object] = {}
-        self._deployed = 0
-        self._adopt_lock = asyncio.Lock()
-        self.cut_table_errors = 0
-        self.warm = asyncio.Event()  # set once a plan has served a warm-up request end to end
-        self.warm_version = 0
-
-    async def adopt(self, plan) -> None:
-        async with self._adopt_lock:  # in order: a late, older plan must never replace a newer one
-            if plan.version <= self._deployed:
-                log.info("plan_not_newer", plan_version=plan.version, deployed=self._deployed)
-                return
-            route = route_from_plan(plan, self.directory)
-            # Requests running on the old plan pause now (they replay on this one once it
-            # serves), rather than keep a vanished device's stage in their path.
-            self.coordinator.set_route(None)
-            if self.profiles_for is not None and len(route.stages) > 1:
-                try:
-                    table = await asyncio.to_thread(cut_table_for, route, self.profiles_for(),
-                                                    self.source.config.num_layers, self.link_spec)
-                    if table is not None:
-                        self._cut_tables = {route.plan_version: table}
-                except Exception as exc:  # planning help is optional: equal chunks still work
-                    self.cut_table_errors += 1
-                    log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
-            try:
-                await self.stage.deploy(route)
-            except Exception:  # a bad plan must not kill the daemon; the next plan may fix it
-                log.exception("stage_deploy_failed", plan_version=route.plan_version)
-                return
-            self._deployed = route.plan_version
-            self.coordinator.set_route(route)
-        await self.warm_up(route)
-
-    async def warm_up(self, route: Route) -> None:
-        """One tiny greedy request through every stage of ``route`` (best effort)."""
-        ids = list(self.tokenizer.encode("Hello"))[:4] or [0]
-        try:
-            async for _ in self.coordinator.steps(f"warmup-{route.plan_version}-{id(self)}", ids, 2,
-                                                  SamplingParams(), cuts=None, wait_s=self.wait_s):
-                pass
-        except Exception as exc:  # a newer plan, a device leaving: the next plan warms up again
-            log.info("warm_up_skipped", plan_version=route.plan_version, error=str(exc))
-            return
-        if route.plan_version >= self.warm_version:
-            self.warm_version = route.plan_version
-            self.warm.set()
-            log.info("pipeline_warm", plan_version=route.plan_version)
-
-    def _cuts(self, prompt_len: int, route: Route) -> list[int]:
-        if prompt_len < UNCUT_PROMPT or len(route.stages) <= 1:
-            return []
-        table = self._cut_tables.get(route.plan_version)
-        if table is not None and prompt_len <= table.max_seq:
-            return list(table.lookup(prompt_len))
-        return default_cuts(prompt_len, len(route.stages))
-
-    async def aclose(self) -> None:
-        await self.coordinator.close()
-        await self.stage.close()
-
-
-async def mesh_engine(daemon) -> MeshEngine:
-    """Engine factory (``engine = "meshd.pipeline.engine:mesh_engine"``, the daemon's default).
-
-    Loads the local model file's metadata and tokenizer (weights are loaded per
-    plan, only for this device's layer range), starts the stage service and the
-    coordinator on the daemon's CURVE transport, and follows the daemon's plans.
-    """
-    from meshd.model_store import open_model
-    from meshd.pipeline.stage_service import StageService
-
-    cfg = daemon.config
-    source = await asyncio.to_thread(open_model, cfg.model or None)
-    # Everything lazy is done now, off the event loop: the tokenizer, and the file's
-    # identity (a sha256 over the file, cached) that heartbeats carry.
-    await asyncio.to_thread(lambda: (source.tokenizer, getattr(source, "identity", None)))
-    directory = DaemonDirectory(daemon)
-    node = daemon.link.node
-    stage = StageService(node, daemon.node_id, source, directory)
-    stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
-    address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
-    daemon.stage_port = int(address.rsplit(":", 1)[1])
-    coordinator = PipelineCoordinator(node, daemon.node_id, directory, resume_timeout_s=cfg.request_wait_s)
-    await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
-    from meshd.plan import DEFAULT_LINK, default_profile
-
-    def profiles_for() -> dict[str, dict]:
-        fallback = default_profile()
-        known = {**daemon.profiles, daemon.node_id: daemon.own_profile}
-        return {nid: known.get(nid) or fallback for nid in daemon.members if (known.get(nid) or fallback)}
-
-    engine = MeshEngine(source, coordinator, stage, directory, profiles_for, DEFAULT_LINK,
-                        wait_s=cfg.request_wait_s)
-    tasks = set()
-
-    def on_plan(plan) -> None:
-        t = asyncio.get_running_loop().create_task(engine.adopt(plan))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
-
-    daemon.plan_listeners.append(on_plan)
-    if daemon.plan is not None:
-        on_plan(daemon.plan)
-    log.info("mesh_engine_ready", stage=address, coordinator=coordinator.address, model=engine.model_id)
-    return engine
