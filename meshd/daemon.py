@@ -47,7 +47,7 @@ from meshd.log import get_logger
 from meshd.membership import Change, Debouncer, Membership, PeerState, affects_plan
 from meshd.pairing import PairingServer
 from meshd.peerlink import PeerLink
-from meshd.plan import MemberInput, Plan, make_plan
+from meshd.plan import MemberInput, Plan, make_plan, plannable_members
 from meshd.sdnotify import Notifier
 from meshd.state import Home, Member, StateDir, key_fingerprint, members_digest
 from transport.errors import TransportError
@@ -610,21 +610,8 @@ class Daemon:
                 info = self.membership.peers[nid].info if nid in self.membership.peers else {}
                 facts[nid] = (str(info.get("load_state", "loading")), str(info.get("model", "")),
                               int(info.get("model_layers", 0) or 0))
-        # "none": a control-plane-only member (model = none); plannable with its peers alike.
-        excluded = {nid: f"model {st}" for nid, (st, _, _) in facts.items() if st not in ("loaded", "none")}
-        loaded = sorted(nid for nid in facts if nid not in excluded)
-        if not loaded:
-            return [], "", 0, excluded
-        counts: dict[tuple[str, int], int] = {}
-        for nid in loaded:
-            counts[facts[nid][1:]] = counts.get(facts[nid][1:], 0) + 1
-        home_model = max(counts, key=lambda k: (bool(k[0]), counts[k], -loaded.index(
-            next(n for n in loaded if facts[n][1:] == k))))
-        members = [nid for nid in loaded if facts[nid][1:] == home_model]
-        for nid in loaded:
-            if facts[nid][1:] != home_model:
-                excluded[nid] = f"different model ({facts[nid][1] or 'none'}, home runs {home_model[0]})"
-        return members, home_model[0], home_model[1] or self.config.plan_layers, excluded
+        members, model, layers, excluded = plannable_members(facts)
+        return members, model, layers or self.config.plan_layers, excluded
 
     def _maybe_replan(self) -> None:
         m = self.membership

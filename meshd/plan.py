@@ -172,3 +172,31 @@ def make_plan(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
                 tuple(sorted(m.node_id for m in members)))
     plan.check()
     return plan
+
+
+def plannable_members(facts: dict[str, tuple[str, str, int]]) -> tuple[list[str], str, int, dict[str, str]]:
+    """Which ready members a plan may use, from each one's (load state, model identity, layers).
+
+    Only members whose model is loaded ("none": a control-plane-only member, planned
+    only with its like), and only those running the home's model: the identity most
+    of them run (a real model beats "none"; ties go to the lowest node id's). Everyone
+    else comes back in ``excluded`` with the reason ``meshd status`` shows, instead of
+    a plan silently mixing layers of two model files. Returns (members, model
+    identity, layer count, excluded).
+    """
+    excluded = {nid: f"model {st}" for nid, (st, _, _) in facts.items() if st not in ("loaded", "none")}
+    eligible = sorted(nid for nid in facts if nid not in excluded)
+    if not eligible:
+        return [], "", 0, excluded
+    counts: dict[tuple[str, int], int] = {}
+    first_of: dict[tuple[str, int], int] = {}
+    for i, nid in enumerate(eligible):
+        key = facts[nid][1:]
+        counts[key] = counts.get(key, 0) + 1
+        first_of.setdefault(key, i)
+    home = max(counts, key=lambda k: (bool(k[0]), counts[k], -first_of[k]))
+    members = [nid for nid in eligible if facts[nid][1:] == home]
+    for nid in eligible:
+        if facts[nid][1:] != home:
+            excluded[nid] = f"different model ({facts[nid][1] or 'none'}; the home runs {home[0] or 'none'})"
+    return members, home[0], home[1], excluded

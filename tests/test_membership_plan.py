@@ -70,3 +70,26 @@ def test_the_daemon_plan_is_made_of_the_partition_packages_half_open_stages():
 def test_a_malformed_or_gappy_plan_is_rejected(assignment):
     with pytest.raises(ValueError):
         Plan.from_assignment(1, assignment)
+
+
+def test_only_members_with_the_home_model_loaded_are_planned_and_the_rest_say_why():
+    from meshd.plan import plannable_members
+
+    smol, qwen = ("smol.gguf@aa", 30), ("qwen.gguf@bb", 24)
+    facts = {"a": ("loaded", *smol), "b": ("loaded", *smol), "c": ("loaded", *qwen),
+             "d": ("loading", "", 0), "e": ("failed", "", 0)}
+    members, model, layers, excluded = plannable_members(facts)
+    assert (members, model, layers) == (["a", "b"], "smol.gguf@aa", 30)
+    assert excluded["c"].startswith("different model (qwen.gguf@bb")
+    assert excluded["d"] == "model loading" and excluded["e"] == "model failed"
+
+
+def test_the_home_model_is_the_most_common_then_the_lowest_node_ids_and_never_none():
+    from meshd.plan import plannable_members
+
+    tie = {"b": ("loaded", "x@1", 30), "a": ("loaded", "y@2", 30)}
+    assert plannable_members(tie)[1] == "y@2"  # tie: the lowest node id's model
+    with_none = {"a": ("none", "", 0), "b": ("none", "", 0), "c": ("loaded", "x@1", 30)}
+    assert plannable_members(with_none)[0] == ["c"]  # a real model beats control-plane-only members
+    assert plannable_members({"a": ("none", "", 0)})[0] == ["a"]  # a control-plane-only home still plans
+    assert plannable_members({"a": ("loading", "", 0)})[0] == []  # nobody can serve yet: no plan
