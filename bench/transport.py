@@ -55,7 +55,7 @@ import zmq.asyncio  # noqa: E402
 
 from transport import loop as tloop  # noqa: E402
 from transport.keys import Keypair  # noqa: E402
-from transport.link import Peer, StageServer  # noqa: E402
+from transport.link import Peer  # noqa: E402
 from transport.messages import Ack, FreeSequence, StageForward  # noqa: E402
 from transport.node import TransportNode  # noqa: E402
 from transport.tuning import tune_allocator_for_large_messages  # noqa: E402

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from functools import cached_property
 from pathlib import Path
 

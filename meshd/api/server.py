@@ -25,7 +25,7 @@ import math
 import os
 import socket
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
