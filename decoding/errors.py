@@ -28,3 +28,16 @@ class CacheError(DecodingError):
 
 class CacheFull(CacheError):
     """The cache's token budget cannot hold another sequence now (retry later, not a bug)."""
+
+
+class DrafterError(DecodingError):
+    """A drafter cannot be used (heads file missing or corrupt, tokenizer mismatch).
+
+    Speculation is an optimisation: callers that chose a drafter automatically
+    fall back to plain decoding with a logged reason; a drafter the client named
+    explicitly turns this into a clear 400-style error. It never changes output.
+    """
+
+
+class BadSpeculativeParams(DecodingError):
+    """A request's ``speculative`` field is malformed (a 400 for the caller)."""

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from decoding.detok import IncrementalDetokenizer  # re-exported: the API layer streams with it
 from decoding.sampling import SamplingParams
+from decoding.speculative.params import SpeculativeParams, SpeculativeStats
 from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 
@@ -108,17 +109,21 @@ class GenerationFailed(EngineError):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    speculative: SpeculativeStats | None = None  # how speculation went (None: not attempted)
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def to_dict(self) -> dict[str, int]:
-        return {
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
         }
+        if self.speculative is not None:
+            d["speculative"] = self.speculative.to_dict()
+        return d
 
 
 @dataclass
@@ -140,6 +145,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
+    speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
 
 
 @dataclass(frozen=True)
