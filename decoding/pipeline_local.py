@@ -68,15 +68,24 @@ class LocalPipeline:
         for c in self.caches:
             c.fork(parent, child, prefix_len, capacity)
 
-    def forward(self, seq_id, x: torch.Tensor, tree_mask=None, all_logits: bool = False) -> torch.Tensor:
+    def keep(self, seq_id, start: int, keep: list[int]) -> None:
+        """After verifying a token tree written at ``start``: keep the accepted nodes, in order."""
+        for c in self.caches:
+            c.keep(seq_id, start, keep)
+
+    def forward(self, seq_id, x: torch.Tensor, tree_mask=None, all_logits: bool = False,
+                return_normed: bool = False):
+        """Logits (and, with ``return_normed``, the final-normed hidden states) of the new positions."""
         for stage, cache in zip(self.stages, self.caches):
-            x = stage.forward(cache, seq_id, x, tree_mask=tree_mask, all_logits=all_logits)
+            x = stage.forward(cache, seq_id, x, tree_mask=tree_mask, all_logits=all_logits,
+                              return_normed=return_normed and stage.is_last)
         return x
 
     def prefill(self, seq_id, ids: list[int], chunks: int = 1, cuts: list[int] | None = None,
-                all_logits: bool = False) -> torch.Tensor:
-        """Feed the prompt chunk by chunk; returns the logits of the last chunk."""
+                all_logits: bool = False, return_normed: bool = False):
+        """Feed the prompt chunk by chunk; returns the logits of the last chunk (and its normed hidden)."""
         out = None
         for a, b in chunk_bounds(len(ids), chunks, cuts):
-            out = self.forward(seq_id, torch.tensor(ids[a:b], dtype=torch.long), all_logits=all_logits)
+            out = self.forward(seq_id, torch.tensor(ids[a:b], dtype=torch.long), all_logits=all_logits,
+                               return_normed=return_normed)
         return out

@@ -58,30 +58,44 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token a uniform draw ``u`` in [0, 1) picks from ``probs`` (one draw per token: reproducible)."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    idx = torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64)).item()
+    return int(min(idx, probs.shape[-1] - 1))
+
+
 class Sampler:
     """``skip``: draws already spent by earlier tokens of the same request.
 
     A request replayed on a new plan (a device left) gets a fresh sampler on a
     new last stage; skipping the draws its earlier tokens used makes the rest
     of the answer identical to an uninterrupted run with the same seed.
+
+    Every sampled token costs exactly one uniform draw, also when speculative
+    verification picks it (it samples each visited tree node with the next
+    draw and follows the child that matches), so speculative and plain seeded
+    sampling produce the same tokens and ``draws`` equals tokens sampled.
     """
 
     def __init__(self, params: SamplingParams, skip: int = 0):
         self.params = params
         self._gen = None
+        self.draws = 0
         if not params.greedy:
             self._gen = torch.Generator()
             self._gen.manual_seed(params.seed if params.seed is not None else torch.seed())
             for _ in range(max(0, int(skip))):  # one draw per token, exactly as __call__ spends them
-                torch.rand((), generator=self._gen, dtype=torch.float64)
+                self.uniform()
+        self.draws = max(0, int(skip))
+
+    def uniform(self) -> float:
+        self.draws += 1
+        return torch.rand((), generator=self._gen, dtype=torch.float64).item()
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] of the position to predict."""
         if self.params.greedy:
+            self.draws += 1
             return int(torch.argmax(logits))
-        probs = filtered_probs(logits, self.params)
-        u = torch.rand((), generator=self._gen, dtype=torch.float64).item()
-        # Inverse-CDF with one uniform draw: deterministic given the seed.
-        cdf = torch.cumsum(probs.double(), dim=-1)
-        return int(min(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64)).item(),
-                       probs.shape[-1] - 1))
+        return inverse_cdf(filtered_probs(logits, self.params), self.uniform())

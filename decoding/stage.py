@@ -124,12 +124,15 @@ class StageModel:
     # -- forward --------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, kv: KVCache, seq_id, x: torch.Tensor, tree_mask: torch.Tensor | None = None,
-                all_logits: bool = True, head: bool = True) -> torch.Tensor:
+                all_logits: bool = True, head: bool = True, return_normed: bool = False):
         """Append ``x`` (token ids on the first stage, hidden states otherwise) to ``seq_id``.
 
         Returns hidden states [n, hidden], or logits [n, vocab] on the last stage
         (only the final position's logits when ``all_logits`` is False; none at
         all with ``head=False``, for prompt chunks whose logits nobody reads).
+        ``return_normed`` (last stage): also return the final-normed hidden
+        states the LM head consumed, as ``(logits, normed)`` — Medusa heads draft
+        from them without another pass through the model.
         """
         cfg = self.config
         past = kv.length(seq_id)
@@ -164,7 +167,8 @@ class StageModel:
         if not all_logits:
             h = h[-1:]
         h = rms_norm(h, self.final_norm, cfg.rms_eps)
-        return F.linear(h, self.lm_head).float()
+        logits = F.linear(h, self.lm_head).float()
+        return (logits, h) if return_normed else logits
 
     def _layer(self, kv, seq_id, li, lw: LayerWeights, h, cos, sin, mask, causal, offset, n):
         cfg = self.config

@@ -64,6 +64,8 @@ class Config:
     model: str | None = None  # None: embedded default; "none": no model (control plane only)
     plan_layers: int = 30  # layer count planned for engines without a model file (test fakes)
     request_wait_s: float = 45.0  # a request waits this long for a plan (start-up, re-plan) before a 503
+    medusa_heads: str | None = None  # Medusa heads file; None: the shipped heads of the embedded model; "none": off
+    draft_model: str | None = None  # a smaller model of the same family, for speculative drafter "draft_model"
     invite_ttl_s: float = 15 * 60
     drain_timeout_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
     api_listen: str | None = None  # also serve the API on loopback TCP, "127.0.0.1:8080"

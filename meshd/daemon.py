@@ -289,11 +289,13 @@ class Daemon:
         try:
             from meshd.api.server import set_engine
             from meshd.pipeline.engine import PipelineEngine
-            from meshd.pipeline.serving import start_serving
+            from meshd.pipeline.serving import DraftModels, start_serving
 
             self.serving = await start_serving(self)
             s = self.serving
-            engine = PipelineEngine(s.source, s.coordinator, cuts_for=s.cuts, wait_s=self.config.request_wait_s)
+            drafts = DraftModels(self.config.draft_model, s.source) if self.config.draft_model else None
+            engine = PipelineEngine(s.source, s.coordinator, cuts_for=s.cuts, wait_s=self.config.request_wait_s,
+                                    draft_model=drafts)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a missing model must not take the control plane down

@@ -94,6 +94,14 @@ class EngineBusy(EngineError):
     retry_after_s = 1.0
 
 
+class BadEngineRequest(EngineError):
+    """The request asks for something this engine cannot do (e.g. a drafter it does not have)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "unsupported"
+
+
 class GenerationFailed(EngineError):
     """A generation broke half way (a device left, the runtime raised)."""
 
@@ -146,6 +154,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
+    # Filled in by the engine as it runs: how speculation went (reported in usage).
+    speculative_stats: SpeculativeStats | None = None
 
 
 @dataclass(frozen=True)
@@ -275,7 +285,7 @@ class Engine(abc.ABC):
                 # natural stop (e.g. the engine's own end-of-context).
                 finish = "stop" if produced < req.max_tokens else "length"
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced))
+        yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, req.speculative_stats))
 
 
 # --------------------------------------------------------------------------- threads

@@ -18,9 +18,10 @@ from transport.node import TransportNode
 class Mesh:
     """N stage services and a coordinator on loopback, CURVE off (in-process test harness)."""
 
-    def __init__(self, source, n, version=1, max_kv_tokens=1 << 16):
+    def __init__(self, source, n, version=1, max_kv_tokens=1 << 16, **stage_kw):
         self.source, self.n, self.version = source, n, version
         self.max_kv_tokens = max_kv_tokens
+        self.stage_kw = stage_kw
         self.dir = {}
 
     async def __aenter__(self):
@@ -28,7 +29,7 @@ class Mesh:
         self.services = []
         for i in range(self.n):
             svc = StageService(self.nodes[i], f"dev{i}", self.source, self.dir.__getitem__,
-                               max_kv_tokens=self.max_kv_tokens)
+                               max_kv_tokens=self.max_kv_tokens, **self.stage_kw)
             self.dir[f"dev{i}"] = (await svc.start(), "")
             self.services.append(svc)
         self.coord = PipelineCoordinator(self.nodes[-1], "coord", self.dir.__getitem__, token_timeout_s=20)

@@ -369,6 +369,19 @@ class StageForward:
     once must never touch each other's caches. Sampling travels as typed fields;
     ``sample_step`` is how many tokens this request has already sampled, so a
     request replayed on a new plan continues the same seeded random stream.
+
+    Speculative decoding adds a *verify round*: ``token_ids`` (which then
+    travel to every stage) are the root — the last committed token — and the
+    drafted candidates, ``tree_parents`` their token tree (parent index per
+    node, -1 for the root; absent = a chain). Every stage writes their KV at
+    [position_offset, position_offset + m); the last stage decides acceptance.
+    The previous round's outcome rides in the header of the next:
+    ``commit_start``/``commit_keep`` tell each stage which of the nodes it wrote
+    at ``commit_start`` to keep (in order) before it runs this one, so the
+    rollback reaches every stage before its next forward without any extra
+    message. ``medusa_paths`` asks the last stage for that many Medusa tree
+    paths from the last accepted token; ``typical`` opts into Medusa's lossy
+    typical acceptance.
     """
 
     request_id: str
@@ -388,11 +401,22 @@ class StageForward:
     seed: int | None = None
     sample_step: int = 0
     return_topk: int = 0
+    verify: bool = False
+    tree_parents: list[int] | None = None
+    commit_start: int = -1
+    commit_keep: list[int] | None = None
+    medusa_paths: int = 0
+    typical: bool = False
 
 
 @message
 @dataclass
 class TokenResult:
+    """The last stage's answer: the sampled token, or for a verify round every token it committed
+    (accepted candidates, then its own next token), the accepted node ``path`` (root first) and,
+    when asked, the Medusa ``proposals`` for the next round (one token sequence per tree path);
+    ``note`` says why proposals are missing (e.g. the heads could not be loaded)."""
+
     request_id: str
     plan_version: int
     seq_id: str
@@ -401,6 +425,10 @@ class TokenResult:
     topk_probs: torch.Tensor | None = None
     logprobs: list[float] | None = None
     chunk_index: int = 0
+    path: list[int] | None = None
+    proposals: list[list[int]] | None = None
+    proposal_values: list[float] | None = None  # each proposal's estimated chance of acceptance
+    note: str = ""
 
 
 @message

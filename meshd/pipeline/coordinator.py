@@ -34,6 +34,10 @@ import torch
 
 from decoding.pipeline_local import chunk_bounds
 from decoding.sampling import SamplingParams
+from decoding.speculative.adaptive import RoundCost
+from decoding.speculative.params import MAX_CANDIDATES
+from decoding.speculative.session import MedusaProposal, SpeculationSession
+from decoding.speculative.verify import Verdict
 from meshd.errors import MeshdError
 from meshd.log import get_logger
 from meshd.pipeline.links import Directory, Links
@@ -120,6 +124,10 @@ class PipelineCoordinator:
         self._route_changed = asyncio.Event()
         self.waiting_on: str | None = None  # the stage a readiness probe waits for (named in errors)
         self.resumes = 0
+        # What a verify round of m tokens costs on this mesh, learnt from every round any request runs.
+        self.round_cost = RoundCost()
+        self.medusa_paths = MAX_CANDIDATES
+        self.spec_totals = {"rounds": 0, "drafted": 0, "accepted": 0, "requests": 0}
         self._closing = False
         self._freeing: set[asyncio.Task] = set()
 
@@ -249,12 +257,15 @@ class PipelineCoordinator:
     async def steps(self, request_id: str, prompt_ids: list[int], max_tokens: int,
                     sampling: SamplingParams, eos_ids=(), cuts: Cuts = None,
                     chunks: int | None = None, return_topk: int = 0,
-                    wait_s: float | None = None) -> AsyncIterator[TokenStep]:
+                    wait_s: float | None = None, speculation: SpeculationSession | None = None,
+                    typical: bool = False, context_limit: int | None = None) -> AsyncIterator[TokenStep]:
         """Like :meth:`generate`, with each step's top-k probabilities when ``return_topk`` > 0.
 
         Only the k ids and probabilities travel back from the last stage — never full logits.
         ``cuts``: the prompt's cut points, or a function (length, route) -> cut points,
         asked again whenever the request is replayed on a new route.
+        ``speculation``: decode in verify rounds drafted by this session (its context is the
+        prompt); its stats say how it went. ``context_limit`` bounds a round's KV positions.
         """
         if request_id in self._requests:
             raise PipelineError(f"request id {request_id!r} is already running")
@@ -270,7 +281,8 @@ class PipelineCoordinator:
             while True:
                 try:
                     async for step in self._attempt(request_id, route, prompt_ids, generated, max_tokens,
-                                                    sampling, eos_ids, cuts, chunks, return_topk):
+                                                    sampling, eos_ids, cuts, chunks, return_topk,
+                                                    speculation, typical, context_limit):
                         generated.append(step.token)
                         yield step
                     return
@@ -296,25 +308,39 @@ class PipelineCoordinator:
 
     async def _attempt(self, request_id: str, route: Route, prompt_ids: list[int], generated: list[int],
                        max_tokens: int, sampling: SamplingParams, eos_ids, cuts: Cuts, chunks: int | None,
-                       return_topk: int) -> AsyncIterator[TokenStep]:
+                       return_topk: int, speculation: SpeculationSession | None = None, typical: bool = False,
+                       context_limit: int | None = None) -> AsyncIterator[TokenStep]:
         """One pass on one route: (re-)prefill prompt + generated tokens, then decode."""
         seq = self.keys.next()
         flight = _Flight(request_id, route, seq, asyncio.Queue())
         self._flights[seq] = flight
         first = route.stages[0].node_id
+        capacity = len(prompt_ids) + max_tokens
+        if speculation is not None:
+            capacity += MAX_CANDIDATES + 1
+        if context_limit:
+            capacity = min(capacity, context_limit)
         fields = dict(request_id=request_id, plan_version=route.plan_version, seq_id=seq,
-                      reply_to=self.reply_to, capacity=len(prompt_ids) + max_tokens,
+                      reply_to=self.reply_to, capacity=capacity,
                       temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                       seed=sampling.seed, return_topk=int(return_topk))
+        medusa_paths = self.medusa_paths if speculation is not None and speculation.uses_medusa else 0
         try:
             ids = list(prompt_ids) + generated
             cut_points = cuts(len(ids), route) if callable(cuts) else cuts  # fixed cuts stay valid on a replay
             bounds = chunk_bounds(len(ids), chunks, cut_points)
             for j, (a, b) in enumerate(bounds):
+                last = j == len(bounds) - 1
                 await self._send(first, StageForward(
                     position_offset=a, chunk_index=j, token_ids=torch.tensor(ids[a:b], dtype=torch.long),
-                    is_last_chunk=j == len(bounds) - 1, sample_step=len(generated), **fields))
+                    is_last_chunk=last, sample_step=len(generated),
+                    medusa_paths=medusa_paths if last else 0, **fields))
             pos = len(ids)
+            if speculation is not None:
+                async for step in self._speculate(flight, speculation, ids, generated, max_tokens, eos_ids,
+                                                  capacity, typical, fields):
+                    yield step
+                return
             while True:
                 step = await self._next_step(flight)
                 yield step  # the caller appends it to ``generated`` before resuming us
@@ -329,16 +355,78 @@ class PipelineCoordinator:
             self._flights.pop(seq, None)
             await self._free_surely(route, seq)
 
+    async def _speculate(self, flight: _Flight, session: SpeculationSession, ids: list[int],
+                         generated: list[int], max_tokens: int, eos_ids, capacity: int, typical: bool,
+                         fields: dict) -> AsyncIterator[TokenStep]:
+        """Decode in verify rounds: each sends the root and the drafted tree through every stage at once.
+
+        The previous round's accepted path rides in the next round's header, so every stage
+        rolls back its rejected nodes right before it runs the next round.
+        """
+        first = flight.route.stages[0].node_id
+        session.resync(ids)  # a replay re-prefilled exactly prompt + generated
+        res = await self._next_result(flight)
+        commit: tuple[int, list[int]] | None = None
+        toks = [int(t) for t in res.token_ids.tolist()]
+        session.extend(toks)
+        loop = asyncio.get_running_loop()
+        while True:
+            proposal = self._proposal_of(res, session)
+            for t in toks:
+                yield TokenStep(t)
+                if t in eos_ids or len(generated) >= max_tokens:
+                    return
+            n = len(session.context) - 1  # positions every stage holds (after the pending commit)
+            if session.model_drafter is not None:  # a draft model computes: off the event loop
+                tree = await loop.run_in_executor(None, session.next_tree, proposal)
+            else:
+                tree = session.next_tree(proposal)
+            tree = tree.truncated(max(0, min(max_tokens - len(generated) - 1, capacity - n - 1)))
+            t0 = time.monotonic()
+            await self._send(first, StageForward(
+                position_offset=n, chunk_index=0, token_ids=torch.tensor(tree.tokens, dtype=torch.long),
+                is_last_chunk=True, sample_step=len(generated), verify=True,
+                tree_parents=None if tree.is_chain else list(tree.parents),
+                commit_start=commit[0] if commit else -1, commit_keep=commit[1] if commit else None,
+                medusa_paths=self.medusa_paths if session.uses_medusa else 0, typical=typical, **fields))
+            res = await self._next_result(flight)
+            self.round_cost.observe(tree.size, time.monotonic() - t0)
+            if res.path is None or not res.path or res.path[0] != 0:
+                raise PipelineError("the last stage answered a verify round without an accepted path")
+            verdict = Verdict(tuple(res.path), int(res.token_ids[-1]))
+            toks = session.commit(tree, verdict)
+            if tree.num_candidates:
+                self.spec_totals["rounds"] += 1
+                self.spec_totals["drafted"] += tree.num_candidates
+                self.spec_totals["accepted"] += verdict.accepted
+            commit = (n, list(res.path))
+
+    @staticmethod
+    def _proposal_of(res: TokenResult, session: SpeculationSession) -> MedusaProposal | None:
+        if res.proposals is not None:
+            values = res.proposal_values or [0.5 ** len(p) for p in res.proposals]
+            return MedusaProposal([list(p) for p in res.proposals], list(values))
+        if res.note and session.uses_medusa:  # the heads could not be loaded: go on with what is left
+            session.drop_medusa(res.note)
+            log.warning("speculation_fallback", reason=res.note, drafter=session.drafter)
+        return None
+
     async def _next_step(self, flight: _Flight) -> TokenStep:
+        item = await self._next_result(flight)
+        return TokenStep(int(item.token_ids[0]),
+                         item.topk_ids.tolist() if item.topk_ids is not None else None,
+                         item.topk_probs.tolist() if item.topk_probs is not None else None)
+
+    async def _next_result(self, flight: _Flight) -> TokenResult:
         try:
             item = await asyncio.wait_for(flight.queue.get(), self.token_timeout_s)
         except TimeoutError:
             raise _Interrupted(f"no token from the last stage within {self.token_timeout_s:g}s") from None
         match item:
             case TokenResult():
-                return TokenStep(int(item.token_ids[0]),
-                                 item.topk_ids.tolist() if item.topk_ids is not None else None,
-                                 item.topk_probs.tolist() if item.topk_probs is not None else None)
+                if item.token_ids is None or item.token_ids.ndim != 1 or item.token_ids.numel() == 0:
+                    raise PipelineError("the last stage sent a result without tokens")
+                return item
             case _Replanned():
                 raise _Interrupted(f"the mesh re-planned (plan {item.old} -> {item.new or 'pending'})")
             case _Interrupted():

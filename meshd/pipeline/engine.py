@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from meshd.engine import Engine, EngineBusy, GenerationFailed, GenerationRequest, NoPlan, model_id_of
+from decoding.errors import DrafterError
+from decoding.speculative.session import SpeculationSession
+from meshd.engine import (BadEngineRequest, Engine, EngineBusy, GenerationFailed, GenerationRequest, NoPlan,
+                          model_id_of)
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import NoRoute, PipelineBusy, PipelineCoordinator, PipelineError
 from meshd.pipeline.route import Route
@@ -33,8 +36,12 @@ def default_cuts(prompt_len: int, num_stages: int) -> list[int]:
 
 class PipelineEngine(Engine):
     def __init__(self, source, coordinator: PipelineCoordinator,
-                 cuts_for: Callable[[int, Route], list[int]] | None = None, wait_s: float = DEFAULT_WAIT_S):
+                 cuts_for: Callable[[int, Route], list[int]] | None = None, wait_s: float = DEFAULT_WAIT_S,
+                 draft_model: Callable[[], object] | None = None):
+        """``draft_model()``: a ModelDrafter for this request (a draft model loaded on this device),
+        or raises DrafterError; None when no draft model is configured."""
         self.source = source
+        self.draft_model = draft_model
         self.tokenizer = source.tokenizer
         self.model_id = model_id_of(source)
         self.context_length = source.config.max_position
@@ -46,11 +53,35 @@ class PipelineEngine(Engine):
     def in_flight(self) -> int:
         return self.coordinator.in_flight
 
+    def speculation_for(self, req: GenerationRequest) -> SpeculationSession | None:
+        """The drafting session a request asked for (``auto``: Medusa heads + prompt lookup;
+        the adaptive controller sends no candidates where they do not pay)."""
+        spec = req.speculative
+        if not spec.enabled:
+            return None
+        drafter = spec.drafter or "auto"
+        model_drafter = None
+        if drafter == "draft_model":
+            if self.draft_model is None:
+                raise BadEngineRequest("speculative drafter \"draft_model\" needs a draft model on this "
+                                       "device (set draft_model in the daemon's config)")
+            try:
+                model_drafter = self.draft_model()
+            except DrafterError as exc:
+                raise BadEngineRequest(str(exc)) from exc
+        return SpeculationSession(drafter, list(req.prompt_ids), cost=self.coordinator.round_cost,
+                                  fixed=spec.max_candidates, model_drafter=model_drafter)
+
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        session = self.speculation_for(req)
+        if session is not None:
+            self.coordinator.spec_totals["requests"] += 1
         try:
             async for step in self.coordinator.steps(req.request_id, list(req.prompt_ids), req.max_tokens,
                                                      req.sampling, self.eos_ids, cuts=self.cuts_for,
-                                                     wait_s=self.wait_s):
+                                                     wait_s=self.wait_s, speculation=session,
+                                                     typical=req.speculative.typical,
+                                                     context_limit=self.context_length):
                 yield step.token
         except NoRoute as exc:
             raise NoPlan(str(exc), retry_after_s=5.0) from exc
@@ -58,3 +89,8 @@ class PipelineEngine(Engine):
             raise EngineBusy(str(exc), retry_after_s=exc.retry_after_s) from exc
         except PipelineError as exc:
             raise GenerationFailed(str(exc)) from exc
+        finally:
+            if session is not None:
+                req.speculative_stats = session.stats()
+                if session.model_drafter is not None:
+                    session.model_drafter.close()

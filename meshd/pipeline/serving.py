@@ -13,6 +13,7 @@ cut points; nothing here knows about HTTP.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from decoding.sampling import SamplingParams
 from meshd.log import get_logger
@@ -190,6 +191,54 @@ class ServingRole:
 
 
 
+def medusa_factory(source, setting: str | None):
+    """How the last stage gets Medusa heads for ``source``: a configured heads file, or the heads
+    shipped for the embedded model (only if ``source`` is that model). Raises DrafterError when
+    there are none: the stage then reports why, and requests go on without them."""
+    from decoding.errors import DrafterError
+    from decoding.speculative.generate import MedusaSource
+
+    def make(stage):
+        from decoding.medusa import MedusaHeads
+        from meshd import heads as shipped
+
+        cfg = source.config
+        if setting == "none":
+            raise DrafterError("Medusa heads are turned off in this device's config")
+        if setting:
+            heads = MedusaHeads.load(setting, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size)
+        else:
+            heads = shipped.heads_for(source)
+        if stage.lm_head is None:
+            raise DrafterError("Medusa heads need the last stage (the LM head)")
+        return MedusaSource(heads, stage.lm_head)
+
+    return make
+
+
+class DraftModels:
+    """A draft model loaded once on this device, lent to requests (each gets its own sequence)."""
+
+    def __init__(self, path: str, target):
+        self.path, self.target = path, target
+        self._pipe = None
+        self._lock = threading.Lock()
+        self._n = 0
+
+    def __call__(self):
+        from decoding.pipeline_local import LocalPipeline
+        from decoding.speculative.draft_model import ModelDrafter, check_same_tokenizer
+        from meshd.model_store import open_model
+
+        with self._lock:
+            if self._pipe is None:
+                src = open_model(self.path)
+                check_same_tokenizer(self.target.tokenizer, src.tokenizer, draft_name=self.path)
+                self._pipe = LocalPipeline.from_source(src, 1)
+            self._n += 1
+            return ModelDrafter(self._pipe, seq_id=f"draft-{self._n}", lock=self._lock)
+
+
 async def start_serving(daemon) -> ServingRole:
     """Open the model, start the stage service and the coordinator, follow the daemon's plans.
 
@@ -207,7 +256,8 @@ async def start_serving(daemon) -> ServingRole:
     await asyncio.to_thread(lambda: (source.tokenizer, getattr(source, "identity", None)))
     directory = DaemonDirectory(daemon)
     node = daemon.link.node
-    stage = StageService(node, daemon.node_id, source, directory)
+    stage = StageService(node, daemon.node_id, source, directory,
+                         medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)))
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
     daemon.stage_port = int(address.rsplit(":", 1)[1])

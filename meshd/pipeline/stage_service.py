@@ -34,8 +34,11 @@ from typing import Any
 
 import torch
 
-from decoding.errors import CacheFull
+from decoding.errors import CacheFull, DecodingError
 from decoding.sampling import Sampler, SamplingParams, filtered_probs
+from decoding.speculative.generate import verify
+from decoding.speculative.params import MAX_CANDIDATES
+from decoding.speculative.tree import DraftTree
 from decoding.stage import StageModel
 from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
@@ -94,7 +97,7 @@ class StageService:
     def __init__(self, node: TransportNode, node_id: str, model_source, directory: Directory,
                  dtype: torch.dtype = torch.float32, max_kv_tokens: int = 1 << 16,
                  activation_dtype: str | None = None, send_timeout_s: float = 5.0,
-                 idle_seq_timeout_s: float = 300.0):
+                 idle_seq_timeout_s: float = 300.0, medusa=None):
         self.node = node
         self.node_id = node_id
         self.source = model_source
@@ -118,6 +121,11 @@ class StageService:
         self._touched: dict[str, float] = {}
         self._reaper: asyncio.Task | None = None
         self.vocab_size = int(getattr(getattr(model_source, "config", None), "vocab_size", 0) or 0)
+        # Medusa heads for the last stage: ``medusa(stage)`` -> MedusaSource (or raises DrafterError);
+        # loaded on first use, the outcome (or the reason there are none) kept until the next deploy.
+        self._medusa_factory = medusa
+        self._medusa = None
+        self._medusa_error = ""
 
     # -- lifecycle --------------------------------------------------------------
     async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
@@ -169,6 +177,7 @@ class StageService:
                 self.stage = stage
             if self.stage is not None:
                 self.kv = self.stage.new_cache(self.max_kv_tokens)
+            self._medusa, self._medusa_error = None, ""
             self.samplers.clear()
             self._touched.clear()
             self.route, self.index = route, idx
@@ -276,15 +285,20 @@ class StageService:
                 raise StageError("unknown_sequence", f"sequence {seq} is not in this stage's cache "
                                                      f"(offset {msg.position_offset})")
             kv.create(seq, max(int(msg.capacity), x.shape[0], 16))
+        if msg.commit_start >= 0:  # the previous verify round's outcome: keep its accepted nodes
+            self._apply_commit(seq, msg.commit_start, msg.commit_keep or [])
+        tree = self._tree_of(msg, x) if msg.verify else None
         if kv.length(seq) != msg.position_offset:
             raise StageError("position_mismatch", f"sequence {seq} holds {kv.length(seq)} positions, "
                                                   f"message starts at {msg.position_offset}")
         self._touched[seq] = time.monotonic()
         want_logits = stage.is_last and msg.is_last_chunk
+        mask = tree.mask() if tree is not None else msg.tree_mask
+        normed = want_logits and (msg.verify or msg.medusa_paths > 0)
         t = time.perf_counter()
         out = await asyncio.get_running_loop().run_in_executor(
-            self._compute, lambda: stage.forward(kv, seq, x, tree_mask=msg.tree_mask, all_logits=False,
-                                                 head=want_logits))
+            self._compute, lambda: stage.forward(kv, seq, x, tree_mask=mask, all_logits=msg.verify,
+                                                 head=want_logits, return_normed=normed))
         self.stats.busy_s += time.perf_counter() - t
         self.stats.forwards += 1
         self.stats.tokens += x.shape[0]
@@ -297,19 +311,89 @@ class StageService:
                 position_offset=msg.position_offset, chunk_index=msg.chunk_index, hidden=out,
                 tree_mask=msg.tree_mask, reply_to=msg.reply_to, is_last_chunk=msg.is_last_chunk,
                 capacity=msg.capacity, temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
-                seed=msg.seed, sample_step=msg.sample_step, return_topk=msg.return_topk)
+                seed=msg.seed, sample_step=msg.sample_step, return_topk=msg.return_topk,
+                verify=msg.verify, tree_parents=msg.tree_parents, commit_start=msg.commit_start,
+                commit_keep=msg.commit_keep, medusa_paths=msg.medusa_paths, typical=msg.typical,
+                token_ids=msg.token_ids if msg.verify else None)
             await self._send_next(nxt)
             elem = 2 if self.activation_dtype in ("float16", "bfloat16") else out.element_size()
             self.stats.activation_bytes_out += out.numel() * elem
         elif want_logits:
-            await self._report(msg.reply_to, self._sample(msg, out[-1]))
+            logits, hidden = out if normed else (out, None)
+            if tree is not None:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    self._compute, lambda: self._verify(msg, tree, logits, hidden))
+            else:
+                result = self._sample(msg, logits[-1])
+                if msg.medusa_paths > 0:
+                    self._attach_proposals(result, hidden[-1], msg.medusa_paths)
+            await self._report(msg.reply_to, result)
+
+    def _tree_of(self, msg: StageForward, x: torch.Tensor) -> DraftTree:
+        """The verify round's token tree, checked: hostile parents must fail here, not in attention."""
+        ids = msg.token_ids
+        if ids is None or ids.ndim != 1 or not 1 <= ids.numel() <= MAX_CANDIDATES + 1:
+            raise StageError("bad_input", f"a verify round needs 1..{MAX_CANDIDATES + 1} token ids")
+        if ids.numel() != x.shape[0]:
+            raise StageError("bad_input", "a verify round's token ids and hidden states differ in length")
+        parents = msg.tree_parents if msg.tree_parents is not None else list(range(-1, ids.numel() - 1))
+        try:
+            return DraftTree(tuple(int(t) for t in ids.tolist()), tuple(int(p) for p in parents))
+        except ValueError as exc:
+            raise StageError("bad_input", f"bad token tree: {exc}") from None
+
+    def _apply_commit(self, seq: str, start: int, keep: list[int]) -> None:
+        kv = self.kv
+        if start + len(keep) > kv.length(seq) or start < 0 or any(not 0 <= k < kv.length(seq) - start for k in keep):
+            raise StageError("position_mismatch", f"cannot keep {keep} at {start}: sequence {seq} holds "
+                                                  f"{kv.length(seq)} positions")
+        if keep == list(range(len(keep))):
+            kv.truncate(seq, start + len(keep))  # a chain's accepted prefix: nothing moves
+        else:
+            kv.keep(seq, start, keep)
+
+    def _sampler_for(self, msg: StageForward) -> Sampler:
+        sampler = self.samplers.get(msg.seq_id)
+        if sampler is None:
+            params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed)
+            sampler = self.samplers[msg.seq_id] = Sampler(params, skip=msg.sample_step)
+        return sampler
+
+    def _verify(self, msg: StageForward, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor
+                ) -> TokenResult:
+        """Acceptance at the last stage (compute thread). This stage's own KV rollback waits, like
+        every other stage's, for the next round's header."""
+        verdict = verify(tree, logits, self._sampler_for(msg), msg.typical)
+        result = TokenResult(request_id=msg.request_id, plan_version=msg.plan_version, seq_id=msg.seq_id,
+                             token_ids=torch.tensor(verdict.committed(tree), dtype=torch.long),
+                             chunk_index=msg.chunk_index, path=list(verdict.path))
+        if msg.medusa_paths > 0:
+            self._attach_proposals(result, hidden[verdict.path[-1]], msg.medusa_paths)
+        return result
+
+    def _attach_proposals(self, result: TokenResult, hidden: torch.Tensor, paths: int) -> None:
+        prop, note = self._propose(hidden, paths)
+        if prop is None:
+            result.note = note
+        else:
+            result.proposals, result.proposal_values = prop.sequences, list(prop.values)
+
+    def _propose(self, hidden: torch.Tensor, paths: int):
+        if self._medusa is None and not self._medusa_error:
+            try:
+                if self._medusa_factory is None:
+                    raise DecodingError("no Medusa heads are configured for this model")
+                self._medusa = self._medusa_factory(self.stage)
+            except Exception as exc:  # noqa: BLE001 - drafting is optional: never fail a request over it
+                self._medusa_error = str(exc) if isinstance(exc, (DecodingError, OSError)) else repr(exc)
+                log.warning("medusa_unavailable", error=self._medusa_error)
+        if self._medusa is None:
+            return None, f"medusa heads unavailable: {self._medusa_error}"
+        return self._medusa.propose(hidden, min(int(paths), MAX_CANDIDATES)), ""
 
     def _sample(self, msg: StageForward, logits: torch.Tensor) -> TokenResult:
         seq = msg.seq_id
-        sampler = self.samplers.get(seq)
-        if sampler is None:
-            params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed)
-            sampler = self.samplers[seq] = Sampler(params, skip=msg.sample_step)
+        sampler = self._sampler_for(msg)
         token = sampler(logits)
         topk_ids = topk_probs = None
         if msg.return_topk > 0:  # the compressed distribution a verifier needs, instead of 49k logits

@@ -1,0 +1,110 @@
+"""Independent drafting with a separate, smaller model of the same family.
+
+The drafter keeps its own KV cache of the request's committed tokens and
+proposes a greedy chain each round; after verification it rolls back to what
+was committed. Its tokens must mean what the target's mean, so a pair whose
+tokenizers differ is refused up front with a clear error (a mismatched pair
+would not change the output — verification guarantees that — but it would
+silently waste every round).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from decoding.errors import DrafterError
+from decoding.pipeline_local import LocalPipeline
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A digest of the vocabulary (id -> piece) and the special ids: equal iff the token ids mean the same."""
+    h = hashlib.sha256()
+    n = tokenizer.vocab_size
+    h.update(str(n).encode())
+    pieces = tokenizer._tok.get_vocab() if hasattr(tokenizer, "_tok") else None
+    if pieces is not None:
+        for piece, idx in sorted(pieces.items(), key=lambda kv: kv[1]):
+            h.update(f"{idx}\x00{piece}\x01".encode())
+    else:  # a tokenizer without a piece table: decode every id
+        for i in range(n):
+            h.update(tokenizer.decode([i], skip_special=False).encode("utf-8", "surrogatepass"))
+    h.update(repr(tuple(tokenizer.eos_ids)).encode())
+    return h.hexdigest()
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_name: str = "target",
+                         draft_name: str = "draft") -> None:
+    if tokenizer_fingerprint(target_tokenizer) != tokenizer_fingerprint(draft_tokenizer):
+        raise DrafterError(
+            f"the draft model {draft_name} does not share the tokenizer of {target_name}: "
+            "speculative drafting needs the same model family and vocabulary")
+
+
+class ModelDrafter:
+    """A draft model on this device: greedy chains of candidates from its own KV cache."""
+
+    name = "draft_model"
+
+    def __init__(self, pipeline: LocalPipeline, seq_id: str = "draft", capacity: int = 4096,
+                 lock: threading.Lock | None = None):
+        """``lock``: held around every use of ``pipeline`` (requests may share one loaded draft model)."""
+        self.pipe = pipeline
+        self.seq = seq_id
+        self.capacity = min(capacity, pipeline.config.max_position)
+        self._lock = lock if lock is not None else contextlib.nullcontext()
+        self._tokens: list[int] = []  # tokens whose KV is in the draft cache
+        self._started = False
+
+    @classmethod
+    def from_source(cls, source, target_tokenizer=None, **kw) -> "ModelDrafter":
+        if target_tokenizer is not None:
+            check_same_tokenizer(target_tokenizer, source.tokenizer, draft_name=str(getattr(source, "path", "")))
+        return cls(LocalPipeline.from_source(source, 1), **kw)
+
+    def _sync(self, context: Sequence[int]) -> None:
+        """Make the draft cache hold exactly ``context`` minus its last token (the root)."""
+        want = list(context[:-1])
+        if not self._started:
+            self.pipe.create(self.seq, self.capacity)
+            self._started = True
+        common = 0
+        for a, b in zip(self._tokens, want):
+            if a != b:
+                break
+            common += 1
+        if common < len(self._tokens):
+            self.pipe.truncate(self.seq, common)
+            self._tokens = self._tokens[:common]
+        if len(want) > common:
+            self.pipe.prefill(self.seq, want[common:])
+            self._tokens = want
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], length: int) -> list[int]:
+        """A greedy chain of ``length`` tokens continuing ``context`` (whose last token is the root)."""
+        if length <= 0 or not context:
+            return []
+        with self._lock:
+            return self._propose(context, min(length, self.capacity - len(context)))
+
+    def _propose(self, context: Sequence[int], length: int) -> list[int]:
+        self._sync(context)
+        out: list[int] = []
+        tok = int(context[-1])
+        for _ in range(length):
+            logits = self.pipe.forward(self.seq, torch.tensor([tok], dtype=torch.long))
+            self._tokens.append(tok)
+            tok = int(torch.argmax(logits[-1]))
+            out.append(tok)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._started:
+                self.pipe.free(self.seq)
+                self._started = False
