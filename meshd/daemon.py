@@ -289,7 +289,8 @@ class Daemon:
         try:
             from meshd.api.server import set_engine
             from meshd.pipeline.engine import PipelineEngine
-            from meshd.pipeline.serving import DraftModels, start_serving
+            from meshd.drafting import DraftModels
+            from meshd.pipeline.serving import start_serving
 
             self.serving = await start_serving(self)
             s = self.serving
@@ -693,7 +694,12 @@ class Daemon:
         """This device's stage: plan served, layers, sequences and KV tokens in use."""
         if self.serving is None:
             return None
-        return {**self.serving.stage.status(), "requests_replayed": self.serving.coordinator.resumes}
+        coord = self.serving.coordinator
+        spec = dict(coord.spec_totals)
+        spec["accepted_per_round"] = round((spec["accepted"] + spec["rounds"]) / spec["rounds"], 3) \
+            if spec["rounds"] else 0.0
+        spec["round_cost_slope"] = round(coord.round_cost.slope, 4)
+        return {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec}
 
     # -- runtime file for `meshd invite` -----------------------------------------------
     def _write_runtime_file(self) -> None:

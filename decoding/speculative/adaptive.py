@@ -30,8 +30,12 @@ class RoundCost:
     slope: float = 0.04  # prior: an m-token round on a CPU stage is nearly as cheap as one token
     decay: float = 0.95
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, Σm, Σt, Σm², Σmt
+    by_size: dict[int, list[float]] = field(default_factory=dict)  # m -> [rounds, seconds] (for reports)
 
     def observe(self, m: int, seconds: float) -> None:
+        seen = self.by_size.setdefault(int(m), [0, 0.0])
+        seen[0] += 1
+        seen[1] += seconds
         w, sm, st, smm, smt = (x * self.decay for x in self._sums)
         self._sums = [w + 1, sm + m, st + seconds, smm + m * m, smt + m * seconds]
         w, sm, st, smm, smt = self._sums
@@ -45,6 +49,10 @@ class RoundCost:
 
     def __call__(self, m: int) -> float:
         return 1.0 + self.slope * max(0, m - 1)
+
+    def mean_seconds(self) -> dict[int, float]:
+        """Mean observed round time per round size m."""
+        return {m: t / n for m, (n, t) in sorted(self.by_size.items()) if n}
 
 
 @dataclass

@@ -47,6 +47,7 @@ class ProcessMesh:
     # (stage index, or -1 for the coordinator; host; port) -> the address peers dial; a
     # testbed returns a delay proxy here so links get their round-trip time
     reach: Callable[[int, str, int], tuple[str, int]] | None = None
+    heads: str | None = None  # Medusa heads for the last stage (None: shipped; "none": off)
     ready_timeout_s: float = 180.0
     procs: list[subprocess.Popen] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
@@ -105,6 +106,8 @@ class ProcessMesh:
                 argv += ["--activation-dtype", self.activation_dtype]
             if not self.curve:
                 argv.append("--no-curve")
+            if self.heads:
+                argv += ["--heads", self.heads]
             p = (self.launcher(i, argv) if self.launcher else
                  subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True))
             self.procs.append(p)

@@ -13,7 +13,6 @@ cut points; nothing here knows about HTTP.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 from decoding.sampling import SamplingParams
 from meshd.log import get_logger
@@ -191,66 +190,21 @@ class ServingRole:
 
 
 
-def medusa_factory(source, setting: str | None):
-    """How the last stage gets Medusa heads for ``source``: a configured heads file, or the heads
-    shipped for the embedded model (only if ``source`` is that model). Raises DrafterError when
-    there are none: the stage then reports why, and requests go on without them."""
-    from decoding.errors import DrafterError
-    from decoding.speculative.generate import MedusaSource
-
-    def make(stage):
-        from decoding.medusa import MedusaHeads
-        from meshd import heads as shipped
-
-        cfg = source.config
-        if setting == "none":
-            raise DrafterError("Medusa heads are turned off in this device's config")
-        if setting:
-            heads = MedusaHeads.load(setting, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size)
-        else:
-            heads = shipped.heads_for(source)
-        if stage.lm_head is None:
-            raise DrafterError("Medusa heads need the last stage (the LM head)")
-        return MedusaSource(heads, stage.lm_head)
-
-    return make
-
-
-class DraftModels:
-    """A draft model loaded once on this device, lent to requests (each gets its own sequence)."""
-
-    def __init__(self, path: str, target):
-        self.path, self.target = path, target
-        self._pipe = None
-        self._lock = threading.Lock()
-        self._n = 0
-
-    def __call__(self):
-        from decoding.pipeline_local import LocalPipeline
-        from decoding.speculative.draft_model import ModelDrafter, check_same_tokenizer
-        from meshd.model_store import open_model
-
-        with self._lock:
-            if self._pipe is None:
-                src = open_model(self.path)
-                check_same_tokenizer(self.target.tokenizer, src.tokenizer, draft_name=self.path)
-                self._pipe = LocalPipeline.from_source(src, 1)
-            self._n += 1
-            return ModelDrafter(self._pipe, seq_id=f"draft-{self._n}", lock=self._lock)
-
-
 async def start_serving(daemon) -> ServingRole:
     """Open the model, start the stage service and the coordinator, follow the daemon's plans.
 
     Loads the local model file's metadata and tokenizer (weights are loaded per
     plan, only for this device's layer range) on the daemon's CURVE transport.
     """
+    from meshd.drafting import medusa_factory
     from meshd.model_store import open_model
     from meshd.pipeline.stage_service import StageService
     from meshd.plan import DEFAULT_LINK, default_profile
 
     cfg = daemon.config
-    source = await asyncio.to_thread(open_model, cfg.model or None)
+    sharing = getattr(daemon, "sharing", None)  # no local file: the home's members lend it (meshd.share)
+    source = await (sharing.obtain_source() if sharing is not None else
+                    asyncio.to_thread(open_model, cfg.model or None))
     # Everything lazy is done now, off the event loop: the tokenizer, and the file's
     # identity (a sha256 over the file, cached) that heartbeats carry.
     await asyncio.to_thread(lambda: (source.tokenizer, getattr(source, "identity", None)))

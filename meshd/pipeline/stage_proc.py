@@ -35,6 +35,7 @@ def load_route(path: str):
 
 
 async def serve(args) -> int:
+    from meshd.drafting import medusa_factory
     from meshd.model_store import open_model
     from meshd.pipeline.stage_service import StageService
     from transport.node import TransportNode
@@ -42,8 +43,9 @@ async def serve(args) -> int:
     route, directory = load_route(args.route)
     node = TransportNode(args.node_id, state_dir=args.state_dir, curve=not args.no_curve)
     await node.start()
-    svc = StageService(node, args.node_id, open_model(args.model), lambda n: directory[n],
-                       activation_dtype=args.activation_dtype)
+    source = open_model(args.model)
+    svc = StageService(node, args.node_id, source, lambda n: directory[n],
+                       activation_dtype=args.activation_dtype, medusa=medusa_factory(source, args.heads))
     address = await svc.start(args.bind)
     await svc.deploy(route)
     print(f"READY {address}", flush=True)
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", default=None, help="comma-separated CPU cores to pin to")
     ap.add_argument("--activation-dtype", default=None, choices=[None, "float16", "bfloat16"])
     ap.add_argument("--no-curve", action="store_true")
+    ap.add_argument("--heads", default=None, help="Medusa heads file (default: shipped heads; 'none': off)")
     args = ap.parse_args(argv)
     _die_with_parent()
     if args.cores:

@@ -1,0 +1,64 @@
+"""Which speculative drafters this device can offer, and where their weights come from.
+
+Medusa heads belong to one model: the shipped heads are used only with the
+embedded model they were trained on (a configured heads file is checked
+against the model's shapes). A draft model is loaded once per daemon, only
+when configured, and lent to requests — each gets its own sequence in it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from decoding.errors import DrafterError
+
+
+def medusa_heads_for(source, setting: str | None = None):
+    """The Medusa heads to draft with for ``source`` (a configured file, or the shipped ones)."""
+    from decoding.medusa import MedusaHeads
+    from meshd import heads as shipped
+
+    cfg = source.config
+    if setting == "none":
+        raise DrafterError("Medusa heads are turned off in this device's config")
+    if setting:
+        return MedusaHeads.load(setting, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size)
+    return shipped.embedded_heads(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                  model_identity=getattr(source, "identity", None))
+
+
+def medusa_factory(source, setting: str | None):
+    """How the last stage gets Medusa heads: ``make(stage)`` -> MedusaSource, or DrafterError
+    (the stage then reports why, and requests go on without them)."""
+
+    def make(stage):
+        from decoding.speculative.generate import MedusaSource
+
+        if stage.lm_head is None:
+            raise DrafterError("Medusa heads need the last stage (the LM head)")
+        return MedusaSource(medusa_heads_for(source, setting), stage.lm_head)
+
+    return make
+
+
+class DraftModels:
+    """A draft model loaded once on this device, lent to requests (each gets its own sequence)."""
+
+    def __init__(self, path: str, target):
+        self.path, self.target = path, target
+        self._pipe = None
+        self._lock = threading.Lock()
+        self._n = 0
+
+    def __call__(self):
+        from decoding.pipeline_local import LocalPipeline
+        from decoding.speculative.draft_model import ModelDrafter, check_same_tokenizer
+        from meshd.model_store import open_model
+
+        with self._lock:
+            if self._pipe is None:
+                src = open_model(self.path)
+                check_same_tokenizer(self.target.tokenizer, src.tokenizer, draft_name=self.path)
+                self._pipe = LocalPipeline.from_source(src, 1)
+            self._n += 1
+            return ModelDrafter(self._pipe, seq_id=f"draft-{self._n}", lock=self._lock)
