@@ -68,6 +68,8 @@ async def test_rounds_that_always_carry_candidates_roll_back_in_every_stage(tiny
             s = _session(mesh, "draft_model", prompt, tiny, fixed=fixed)
             assert await _run(mesh, prompt, 40, s, rid=f"f{fixed}") == ref
             assert s.stats().accepted == s.stats().drafted > 0
+            # it drafted each next round while the previous one was verified, and that draft was used
+            assert s.model_drafter.ahead_hits > 0
             s2 = _session(mesh, "medusa", prompt, fixed=fixed)  # poor drafts: most rolled back
             assert await _run(mesh, prompt, 40, s2, rid=f"m{fixed}") == ref
             assert s2.stats().rounds > 0

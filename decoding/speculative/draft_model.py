@@ -59,6 +59,10 @@ class ModelDrafter:
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._tokens: list[int] = []  # tokens whose KV is in the draft cache
         self._started = False
+        # Drafted ahead while a verify round was in flight: (assumed context, its chain).
+        self._ahead: tuple[tuple[int, ...], list[int]] | None = None
+        self.ahead_hits = 0
+        self.ahead_misses = 0
 
     @classmethod
     def from_source(cls, source, target_tokenizer=None, **kw) -> "ModelDrafter":
@@ -90,7 +94,28 @@ class ModelDrafter:
         if length <= 0 or not context:
             return []
         with self._lock:
+            if self._ahead is not None:
+                key, chain = self._ahead
+                self._ahead = None
+                if key == tuple(context) and len(chain) >= length:
+                    self.ahead_hits += 1
+                    return chain[:length]
+                self.ahead_misses += 1
             return self._propose(context, min(length, self.capacity - len(context)))
+
+    def draft_ahead(self, context: Sequence[int], candidates: Sequence[int], length: int) -> None:
+        """While ``candidates`` are being verified, draft the round after them, assuming they are
+        all accepted and the target's next token is the one this model predicts after them.
+        Used only if that is exactly what gets committed (SpecEdge's proactive drafting)."""
+        with self._lock:
+            ctx = list(context) + list(candidates)
+            room = self.capacity - len(ctx) - 1
+            if room <= 1:
+                return
+            chain = self._propose(ctx, min(length + 1, room))
+            if chain:
+                assumed = tuple(ctx + chain[:1])
+                self._ahead = (assumed, chain[1:])
 
     def _propose(self, context: Sequence[int], length: int) -> list[int]:
         self._sync(context)

@@ -97,6 +97,13 @@ class SpeculationSession:
         self._predicted = sum(values[:n])
         return tree.truncated(n)
 
+    def draft_ahead(self, tree: DraftTree) -> None:
+        """A draft model drafts the next round while ``tree`` is verified (idle time otherwise)."""
+        if self.model_drafter is None or not tree.num_candidates:
+            return
+        branch = tree.tokens_of(tree.path_to(_first_leaf(tree)))[1:]
+        self.model_drafter.draft_ahead(self.context, branch, min(self.max_candidates, 6))
+
     def commit(self, tree: DraftTree, verdict: Verdict) -> list[int]:
         """Record a verified round; returns the tokens it committed."""
         toks = verdict.committed(tree)
@@ -116,3 +123,13 @@ class SpeculationSession:
     def stats(self) -> SpeculativeStats:
         return SpeculativeStats(drafter=self.drafter, rounds=self.rounds, drafted=self.drafted,
                                 accepted=self.accepted, fallback_reason=self.fallback_reason)
+
+
+def _first_leaf(tree: DraftTree) -> int:
+    """The end of the tree's first branch (each node's first child, down to a leaf)."""
+    node = 0
+    while True:
+        kids = tree.children(node)
+        if not kids:
+            return node
+        node = kids[0]

@@ -389,7 +389,13 @@ class PipelineCoordinator:
                 tree_parents=None if tree.is_chain else list(tree.parents),
                 commit_start=commit[0] if commit else -1, commit_keep=commit[1] if commit else None,
                 medusa_paths=self.medusa_paths if session.uses_medusa else 0, typical=typical, **fields))
-            res = await self._next_result(flight)
+            ahead = (loop.run_in_executor(None, session.draft_ahead, tree)
+                     if session.model_drafter is not None else None)
+            try:
+                res = await self._next_result(flight)
+            finally:
+                if ahead is not None:  # never leave the drafter busy with a round we abandon
+                    await asyncio.shield(ahead)
             self.round_cost.observe(tree.size, time.monotonic() - t0)
             if res.path is None or not res.path or res.path[0] != 0:
                 raise PipelineError("the last stage answered a verify round without an accepted path")
