@@ -150,3 +150,35 @@ def test_a_draft_model_with_another_tokenizer_is_refused():
                   FakeTokenizer({"a": 0, "b": 1, "c": 2}, eos=(2,))):
         with pytest.raises(DrafterError, match="tokenizer"):
             check_same_tokenizer(ours, other)
+
+
+def test_speculative_sampling_on_a_model_keeps_its_next_token_distribution(tiny):
+    """χ² over 4000 seeded draws: the first committed token follows the model's filtered distribution,
+    and the second follows its conditional one, whatever the tree proposed."""
+    from decoding.sampling import Sampler, filtered_probs
+    from decoding.speculative.verify import verify_sampled
+    from tests.test_speculative_core import chi2_p_value
+
+    params = SamplingParams(temperature=1.3, top_k=8)
+    stage = tiny.load_stage(0, tiny.config.num_layers)
+    kv = stage.new_cache()
+    kv.create("p", 64)
+    stage.forward(kv, "p", torch.tensor(list(range(3, 20))))
+    root_logits = stage.forward(kv, "p", torch.tensor([20]))[-1]
+    p1 = filtered_probs(root_logits, params)
+    likely = torch.topk(p1, 3).indices.tolist()
+    tree = DraftTree.from_sequences(20, [[likely[0], 5], [likely[1]], [likely[2], 7]])
+    kv.truncate("p", 17)
+    logits = stage.forward(kv, "p", torch.tensor(tree.tokens), tree_mask=tree.mask())
+    counts = [0] * tiny.config.vocab_size
+    second = {}
+    for seed in range(4000):
+        s = Sampler(SamplingParams(params.temperature, params.top_k, seed=seed))
+        toks = verify_sampled(tree, logits, s.params, s.uniform).committed(tree)
+        counts[toks[0]] += 1
+        if toks[0] == likely[0] and len(toks) > 1:
+            second[toks[1]] = second.get(toks[1], 0) + 1
+    assert chi2_p_value(counts, p1.tolist()) > 0.01
+    p2 = filtered_probs(logits[1], params)  # after the first branch's first token
+    obs = [second.get(i, 0) for i in range(tiny.config.vocab_size)]
+    assert chi2_p_value(obs, p2.tolist()) > 0.01
