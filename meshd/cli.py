@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "meshd.commands.model",
     "meshd.commands.chat",
     "meshd.commands.status",
+    "meshd.commands.apikey",
     "meshd.commands.plan",
     "meshd.commands.profile",
 ]

@@ -69,6 +69,9 @@ class Config:
     invite_ttl_s: float = 15 * 60
     drain_timeout_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
     api_listen: str | None = None  # also serve the API on loopback TCP, "127.0.0.1:8080"
+    http: str | None = None  # the API on TCP for the LAN, "0.0.0.0:11434"; off loopback it needs API keys
+    tls_cert: Path | None = None  # PEM certificate chain: --http speaks HTTPS
+    tls_key: Path | None = None  # PEM private key for tls_cert
     engine: str | None = None  # "module:factory" returning the Engine (seam for the pipeline)
     log_format: str = "json"
     log_level: str = "info"

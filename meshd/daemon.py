@@ -87,6 +87,8 @@ class DrainingEngine(Engine):
     vocab_size = property(lambda self: getattr(self.inner, "vocab_size", None))
     context_length = property(lambda self: self.inner.context_length)
     tokenizer = property(lambda self: self.inner.tokenizer)
+    supports_constraints = property(lambda self: getattr(self.inner, "supports_constraints", False))
+    supports_penalties = property(lambda self: getattr(self.inner, "supports_penalties", False))
 
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         if self.draining:
@@ -272,9 +274,13 @@ class Daemon:
         self.engine = DrainingEngine(engine) if engine is not None else None
         if engine is not None:
             self.load_state = "loaded"
+        from meshd.apikeys import ApiKeyStore
+
         self.api_app = create_app(self.engine, self.status, engine_wait_s=cfg.request_wait_s,
-                                  engine_loading=lambda: self.load_state == "loading")
-        self.api_runner = await start_api(self.api_app, self.socket_path, cfg.api_listen)
+                                  engine_loading=lambda: self.load_state == "loading",
+                                  api_keys=ApiKeyStore(self.state.root))
+        self.api_runner = await start_api(self.api_app, self.socket_path, cfg.api_listen,
+                                          http=cfg.http, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
         if engine is None and cfg.model_enabled and not cfg.engine:
             # Loading weights takes a while: serve status (and 503s) meanwhile.
             self._tasks.append(asyncio.create_task(self._load_mesh_engine(), name="model-load"))
@@ -770,6 +776,8 @@ class Daemon:
             "stage": self._stage_status(),
             "requests_in_flight": self.engine.in_flight if self.engine else 0,
             "recent": {"tokens_per_s": None, "ttft_s": None},
+            "version": _meshd_version(),
+            "uptime_s": round(now - self._started_at, 1) if self._started_at else 0.0,
         }
 
 
@@ -777,6 +785,12 @@ def _digest(obj: Any) -> str:
     import hashlib
 
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _meshd_version() -> str:
+    from meshd import __version__
+
+    return __version__
 
 
 def _safe_fp(key: str) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from decoding.detok import IncrementalDetokenizer  # re-exported: the API layer streams with it
+from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams
 from decoding.speculative.params import SpeculativeParams, SpeculativeStats
 from meshd.errors import USER_ERRORS, MeshdError
@@ -156,6 +157,11 @@ class GenerationRequest:
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
     # Filled in by the engine as it runs: how speculation went (reported in usage).
     speculative_stats: SpeculativeStats | None = None
+    # Structured output: a decoding.constrained spec ({"type": "json_schema", ...}); the
+    # API sends one only to engines with ``supports_constraints``.
+    constraint: dict[str, Any] | None = None
+    # Repetition penalties; the API sends active ones only to engines with ``supports_penalties``.
+    penalties: Penalties = field(default_factory=Penalties)
 
 
 @dataclass(frozen=True)
@@ -234,6 +240,10 @@ class Engine(abc.ABC):
     model_id: str
     context_length: int
     tokenizer: Tokenizer
+    # What the engine honours beyond plain sampling. The API answers 400 to a request
+    # that needs a capability its engine lacks, instead of silently ignoring it.
+    supports_constraints: bool = False  # GenerationRequest.constraint (structured output)
+    supports_penalties: bool = False  # GenerationRequest.penalties
 
     @abc.abstractmethod
     def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
@@ -364,6 +374,8 @@ class LocalEngine(Engine):
     :meth:`open` from async code).
     """
 
+    supports_penalties = True
+
     def __init__(self, source, *, dtype=None, max_context: int | None = None, stages: int = 1):
         import concurrent.futures
 
@@ -380,6 +392,11 @@ class LocalEngine(Engine):
         self._pipeline = LocalPipeline.from_source(source, stages, dtype or torch.float32)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshd-generate")
         self._lock = asyncio.Lock()
+
+    @property
+    def supports_constraints(self) -> bool:
+        """The grammar library reads the vocabulary from the model's tokenizer.json."""
+        return getattr(self.tokenizer, "path", None) is not None
 
     @classmethod
     async def open(cls, path=None, **kw) -> LocalEngine:
@@ -416,19 +433,38 @@ class LocalEngine(Engine):
 
         sampler = Sampler(req.sampling)
         eos = self.eos_ids
+        constraint = self._constraint(req)
+        generated: list[int] = []
         pipe, seq = self._pipeline, req.request_id
         pipe.create(seq, len(req.prompt_ids) + req.max_tokens)
         try:
             with torch.inference_mode():
                 logits = pipe.prefill(seq, list(req.prompt_ids))
                 for i in range(req.max_tokens):
-                    tok = sampler(logits[-1])
+                    last = req.penalties.apply(logits[-1], req.prompt_ids, generated)
+                    if constraint is not None:
+                        last = constraint.apply(last)
+                    tok = sampler(last)
+                    generated.append(tok)
+                    if constraint is not None and tok not in eos:
+                        constraint.advance(tok)
                     yield tok
                     if tok in eos or i + 1 >= req.max_tokens or cancel.is_set():
+                        return
+                    if constraint is not None and constraint.is_finished():
+                        yield min(eos)  # the grammar is complete: nothing else may follow
                         return
                     logits = pipe.forward(seq, torch.tensor([tok], dtype=torch.long))
         finally:
             pipe.free(seq)
+
+    def _constraint(self, req: GenerationRequest):
+        if req.constraint is None:
+            return None
+        from decoding.constrained import TokenConstraint
+
+        return TokenConstraint(req.constraint, self.tokenizer.path, self.vocab_size,
+                               tuple(self.tokenizer.eos_ids))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

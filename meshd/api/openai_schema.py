@@ -3,10 +3,12 @@
 Validation is strict about what we cannot honour and lenient only about what
 cannot change the answer (``user``, ``metadata``, ``store``), because OpenAI
 clients send many optional fields and must work unchanged. Nothing we accept
-is silently ignored: a field we do not implement yet (``tools``,
-``response_format``, penalties, ``logit_bias``...) is accepted at its default
-value and rejected with a 400 "not supported yet" otherwise. Every rejection
-names the offending field in ``param`` so a client author sees what to fix.
+is silently ignored: a field we do not implement (``logit_bias``,
+``logprobs``...) is accepted at its default value and rejected with a 400
+"not supported" otherwise; fields that need an engine capability (structured
+output, penalties) are parsed here and checked against the engine by the
+server. Every rejection names the offending field in ``param`` so a client
+author sees what to fix.
 
 The body is parsed here from raw bytes, with bounds (UTF-8, nesting depth,
 integer length, no lone surrogates) checked before any field is looked at:
@@ -22,7 +24,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from decoding.constrained import BadConstraint, validate_spec
+from decoding.errors import BadSpeculativeParams
+from decoding.penalties import Penalties
 from decoding.sampling import BadSamplingParams, SamplingParams
+from decoding.speculative.params import SpeculativeParams
+from meshd.api import tools as tl
 
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -89,13 +96,20 @@ class RequestParams:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    constraint: dict[str, Any] | None = None  # a decoding.constrained spec (structured output)
+    constraint_param: str | None = None  # the request field that asked for it, for errors
+    penalties: Penalties = field(default_factory=Penalties)
+    speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
 
 
 @dataclass
 class ChatRequest:
     model: str | None
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     params: RequestParams
+    tools: list[dict[str, Any]] = field(default_factory=list)  # validated, for the chat template
+    tool_choice: str | None = None  # None (auto), "none", "required" or a tool name
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -192,7 +206,52 @@ def parse_chat_request(body: dict[str, Any], *, vocab_size: int | None = None) -
         raise _field_error("messages", "must be a non-empty array of message objects", messages)
     parsed = [_parse_message(i, m) for i, m in enumerate(messages)]
     _check_unsupported(body, CHAT_UNSUPPORTED)
-    return ChatRequest(_parse_model(body), parsed, _parse_params(body, vocab_size))
+    params = _parse_params(body, vocab_size)
+    try:
+        tools = tl.parse_tools(body.get("tools"))
+        choice = tl.parse_tool_choice(body.get("tool_choice"), tools)
+    except tl.ToolError as exc:
+        raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _field_error("parallel_tool_calls", "must be a boolean", parallel)
+    rf = body.get("response_format")
+    if rf is not None:
+        params.constraint = parse_response_format(rf)
+        params.constraint_param = "response_format"
+    if choice in ("required",) or (choice not in (None, "none") and tools):
+        if params.constraint is not None:
+            raise RequestError("'tool_choice' that forces a call cannot be combined with "
+                               "'response_format'", param="tool_choice", code="invalid_value")
+        params.constraint = {"type": "json_schema",
+                             "schema": tl.forced_call_schema(tools, None if choice == "required" else choice)}
+        params.constraint_param = "tool_choice"
+    return ChatRequest(_parse_model(body), parsed, params, tools if choice != "none" else [],
+                       choice, parallel is not False)
+
+
+def parse_response_format(rf: Any) -> dict[str, Any] | None:
+    """OpenAI ``response_format`` -> a constraint spec (None for plain text); 400 on a bad schema."""
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise _field_error("response_format", "must be {\"type\": \"text\"}, {\"type\": \"json_object\"} "
+                           "or {\"type\": \"json_schema\", \"json_schema\": {...}}", rf)
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+        raise _field_error("response_format.json_schema", "must be an object with 'name' and 'schema'", js)
+    return checked_constraint({"type": "json_schema", "schema": js["schema"]},
+                              "response_format.json_schema.schema")
+
+
+def checked_constraint(spec: dict[str, Any], param: str) -> dict[str, Any]:
+    try:
+        return validate_spec(spec)
+    except BadConstraint as exc:
+        raise RequestError(str(exc), param=param, code="invalid_schema") from None
 
 
 def parse_completion_request(
@@ -233,13 +292,24 @@ def _parse_model(body: dict[str, Any]) -> str | None:
     return model
 
 
-def _parse_message(i: int, m: Any) -> dict[str, str]:
+def _parse_message(i: int, m: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise _field_error(where, "must be an object with 'role' and 'content'", m)
     role = m.get("role")
     if role not in CHAT_ROLES:
         raise _field_error(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}", role)
+    out: dict[str, Any] = {}
+    if role == "assistant" and m.get("tool_calls"):
+        try:
+            out["tool_calls"] = tl.history_tool_calls(m["tool_calls"], f"{where}.tool_calls",
+                                                      arguments_as_string=True)
+        except tl.ToolError as exc:
+            raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                out[key] = m[key]
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""  # assistant turns that only carried tool calls
@@ -256,7 +326,7 @@ def _parse_message(i: int, m: Any) -> dict[str, str]:
         content = "".join(texts)
     if not isinstance(content, str):
         raise _field_error(f"{where}.content", "must be a string or an array of text parts", content)
-    return {"role": "system" if role == "developer" else role, "content": content}
+    return {"role": "system" if role == "developer" else role, "content": content, **out}
 
 
 def _parse_params(body: dict[str, Any], vocab_size: int | None) -> RequestParams:
@@ -270,7 +340,18 @@ def _parse_params(body: dict[str, Any], vocab_size: int | None) -> RequestParams
             raise _field_error("stream_options", "must be an object", opts)
         p.include_usage = _bool(opts, "include_usage", where="stream_options.include_usage")
     _check_one_choice(body, "n")
+    p.penalties = Penalties(presence=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                            frequency=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
+    p.speculative = parse_speculative(body.get("speculative"), "speculative")
     return p
+
+
+def parse_speculative(value: Any, param: str) -> SpeculativeParams:
+    """meshd's ``speculative`` extension field ("auto", "off" or an object)."""
+    try:
+        return SpeculativeParams.parse(value)
+    except BadSpeculativeParams as exc:
+        raise RequestError(str(exc), param=param, code="invalid_value") from None
 
 
 def _parse_max_tokens(body: dict[str, Any]) -> int | None:
@@ -315,21 +396,15 @@ def _check_one_choice(body: dict[str, Any], name: str) -> None:
         raise _field_error(name, "only 1 is supported", v)
 
 
-# Fields OpenAI defines that meshd does not implement yet, with the values
-# that mean "off": anything else would be silently ignored, so it is a 400.
-_DEFAULTS_TOOLS = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
+# Fields OpenAI defines that meshd does not implement, with the values that
+# mean "off": anything else would be silently ignored, so it is a 400.
+_DEFAULTS_TOOLS = {  # the deprecated pre-"tools" function calling
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 _DEFAULTS_COMMON = {
     "logit_bias": (None, {}),
     "logprobs": (None, False, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
 }
 CHAT_UNSUPPORTED = {
     **_DEFAULTS_TOOLS, **_DEFAULTS_COMMON,
@@ -339,17 +414,14 @@ CHAT_UNSUPPORTED = {
     "prediction": (None,),
 }
 COMPLETION_UNSUPPORTED = dict(_DEFAULTS_COMMON)
-_PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
 def _check_unsupported(body: dict[str, Any], fields: dict[str, tuple]) -> None:
-    for name in _PENALTIES:
-        _number(body, name, 0.0, -2.0, 2.0)  # a bad value is a bad value before it is unsupported
     for name, defaults in fields.items():
         v = body.get(name)
         if not _is_default(v, defaults):
             raise RequestError(
-                f"'{name}' is not supported yet by meshd (only its default is accepted; "
+                f"'{name}' is not supported by meshd (only its default is accepted; "
                 f"got {_shown(v)})", param=name, code="unsupported_parameter")
 
 
@@ -443,8 +515,12 @@ def model_object(model_id: str) -> dict[str, Any]:
 
 
 def chat_response(
-    rid: str, created: int, model: str, text: str, finish: str, usage: dict[str, int]
+    rid: str, created: int, model: str, text: str, finish: str, usage: dict[str, Any],
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
     return {
         "id": rid,
         "object": "chat.completion",
@@ -453,7 +529,7 @@ def chat_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": finish,
             }
@@ -467,7 +543,7 @@ def chat_chunk(
     created: int,
     model: str,
     *,
-    delta: dict[str, str] | None = None,
+    delta: dict[str, Any] | None = None,
     finish: str | None = None,
     usage: dict[str, int] | None = None,
     no_choices: bool = False,

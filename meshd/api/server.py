@@ -1,16 +1,19 @@
-"""The OpenAI-compatible HTTP API, served by aiohttp on a unix socket.
+"""The HTTP API, served by aiohttp on a unix socket and optional TCP listeners.
 
 ``create_app`` builds the routes around an :class:`~meshd.engine.Engine` and a
-status provider (a callable returning the daemon's status dict);
-``start_api`` binds the socket (mode 0660) and, if asked, a loopback-only TCP
-port. We never parse HTTP ourselves: aiohttp does, and this module only maps
-requests to engine calls and engine events to OpenAI JSON / server-sent
-events.
+status provider (a callable returning the daemon's status dict): the OpenAI
+routes here, the Ollama routes from :mod:`meshd.api.ollama`, ``/health`` and
+Prometheus ``/metrics``. ``start_api`` binds the socket (mode 0660) and, if
+asked, a loopback TCP port (``--api-listen``) and a LAN listener (``--http``,
+API key required, optional TLS). We never parse HTTP ourselves: aiohttp does,
+and this module only maps requests to engine calls and engine events to
+OpenAI JSON / server-sent events.
 
 Hostile or broken clients must never cost more than a 4xx: every error,
-aiohttp's own included, is an OpenAI error object; bodies, JSON nesting,
-idle and slow connections and the number of open connections are bounded
-(:class:`ApiLimits`).
+aiohttp's own included, is an error object in the dialect of the path
+(OpenAI's ``{"error": {...}}``, Ollama's ``{"error": "..."}`` under ``/api/``);
+bodies, JSON nesting, idle and slow connections and the number of open
+connections are bounded (:class:`ApiLimits`).
 """
 
 from __future__ import annotations
@@ -18,69 +21,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import inspect
 import ipaddress
 import json
 import math
 import os
 import socket
+import ssl
 import stat
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from meshd.api import openai_schema as oa
-from meshd.api.metrics import ApiMetrics
-from meshd.engine import Engine, EngineError, EngineUnavailable, GenerationRequest, TokenEvent
+from meshd.api import tools as tl
+from meshd.api.auth import PUBLIC_PATHS, Authenticator
+from meshd.api.common import (  # noqa: F401 - LIMITS, LISTENING and ApiLimits are part of this module's API
+    AUTH, ENGINE, ENGINE_SET, ENGINE_WAIT, LIMITS, LISTENING, METRICS, MODEL_INFO, PULL, STATUS,
+    ApiLimits, await_engine, chat_prompt, generation_request, log, read_json, status_of,
+    too_large, tracked, vocab_size,
+)
+from meshd.api.metrics import ApiMetrics, MeshCollector
+from meshd.apikeys import ApiKeyStore
+from meshd.engine import Engine, EngineError, TokenEvent
 from meshd.errors import MeshdError
-from meshd.log import get_logger
 from meshd.paths import check_socket_path
 
-log = get_logger("meshd.api")
-
 StatusProvider = Callable[[], "dict[str, Any] | Awaitable[dict[str, Any]]"]
+MESH = web.AppKey("mesh_collector", MeshCollector)
 
-
-@dataclass(frozen=True)
-class ApiLimits:
-    """Bounds that keep one misbehaving client from taking the API down.
-
-    ``keepalive_timeout_s`` also bounds how long a connection may take to send
-    a request's headers (aiohttp closes a connection still waiting for a whole
-    request line and headers then), which is what stops slow-loris clients;
-    ``body_timeout_s`` does the same for the body. Past ``max_connections``
-    new connections get a 503 and are closed; ``backlog`` is the listen queue,
-    large enough that a burst of connects is queued rather than refused.
-    """
-
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_json_depth: int = oa.MAX_JSON_DEPTH
-    keepalive_timeout_s: float = 15.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 256
-    backlog: int = 1024
-    max_line_size: int = 8190
-    max_field_size: int = 8190
-
-
-ENGINE = web.AppKey("engine", object)  # Engine | None
-ENGINE_SET = web.AppKey("engine_set", asyncio.Event)  # set whenever an engine is installed
-ENGINE_WAIT = web.AppKey("engine_wait", object)  # (seconds, still_loading() -> bool)
-STATUS = web.AppKey("status_provider", object)
-METRICS = web.AppKey("metrics", ApiMetrics)
-LISTENING = web.AppKey("listening", dict)
-LIMITS = web.AppKey("limits", ApiLimits)
-
-# Model ids accepted besides the engine's own: apps configured once keep
-# working when the home switches models.
-MODEL_ALIASES = ("meshd",)
 MAX_BODY_BYTES = ApiLimits.max_body_bytes
 SOCKET_MODE = 0o660
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -100,15 +73,22 @@ def create_app(
     engine: Engine | None, status_provider: StatusProvider | None = None,
     *, limits: ApiLimits | None = None, engine_wait_s: float = 0.0,
     engine_loading: Callable[[], bool] | None = None,
+    api_keys: ApiKeyStore | None = None,
+    model_info: Callable[[], dict[str, Any]] | None = None,
+    pull: Callable[..., Any] | None = None,
 ) -> web.Application:
     """The aiohttp application; ``engine`` may be None until a model is ready.
 
     While ``engine_loading()`` says a model is still loading, a request waits up
     to ``engine_wait_s`` for it instead of failing at once (a daemon that just
-    started, a request sent with ``meshd join``).
+    started, a request sent with ``meshd join``). ``api_keys`` checks keys on
+    LAN listeners; ``model_info`` and ``pull`` serve Ollama's model endpoints.
     """
+    from meshd.api import ollama
+
     limits = limits or ApiLimits()
-    app = web.Application(middlewares=[_error_middleware], client_max_size=limits.max_body_bytes)
+    app = web.Application(middlewares=[_error_middleware, _auth_middleware],
+                          client_max_size=limits.max_body_bytes)
     app[ENGINE] = engine
     app[ENGINE_SET] = asyncio.Event()
     if engine is not None:
@@ -116,13 +96,21 @@ def create_app(
     app[ENGINE_WAIT] = (engine_wait_s, engine_loading or (lambda: False))
     app[STATUS] = status_provider
     app[METRICS] = ApiMetrics()
+    app[MESH] = MeshCollector()
+    app[METRICS].registry.register(app[MESH])
     app[LISTENING] = {}
     app[LIMITS] = limits
+    app[AUTH] = Authenticator(api_keys)
+    app[MODEL_INFO] = model_info
+    app[PULL] = pull
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model_id}", _model)
     app.router.add_get("/v1/mesh/status", _mesh_status)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    ollama.add_routes(app)
     return app
 
 
@@ -133,51 +121,25 @@ def set_engine(app: web.Application, engine: Engine | None) -> None:
         app[ENGINE_SET].set()
 
 
-async def _await_engine(request: web.Request) -> Engine:
-    """The engine, waiting (bounded) while the daemon is still loading its model."""
-    app = request.app
-    wait_s, loading = app[ENGINE_WAIT]
-    if app[ENGINE] is None and wait_s > 0 and loading():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(app[ENGINE_SET].wait(), wait_s)
-    return _engine(request)
+def served_name(engine: Engine, requested: str | None) -> str:
+    """Any model name resolves to the one model this mesh serves (as llama.cpp does).
 
-
-def _engine(request: web.Request) -> Engine:
-    engine = request.app[ENGINE]
-    if engine is None:
-        raise EngineUnavailable("no model is loaded yet; the daemon is still starting or planning")
-    return engine
-
-
-def _vocab_size(engine: Engine | None) -> int | None:
-    """The vocabulary that bounds token ids and ``top_k``, where the engine tells it.
-
-    The local engine has ``vocab_size``; the pipeline engine only has its
-    model ``source``. Unknown: the schema falls back to a safe static bound.
+    Apps configured with another name (``gpt-4o-mini``, ``llama3``) keep
+    working; responses name the model actually served.
     """
-    for v in (getattr(engine, "vocab_size", None),
-              getattr(getattr(getattr(engine, "source", None), "config", None), "vocab_size", None)):
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-def _check_model(engine: Engine, model: str | None) -> None:
-    if model is None or model == engine.model_id or model in MODEL_ALIASES:
-        return
-    raise oa.RequestError(
-        f"model '{model}' is not served here; this mesh serves '{engine.model_id}' "
-        f"(GET /v1/models)", param="model", code="model_not_found",
-    )
+    return engine.model_id
 
 
 # --------------------------------------------------------------------------- errors
 
 
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
+
+
 @web.middleware
 async def _error_middleware(request: web.Request, handler):
-    """Every failure becomes an OpenAI error object and one structured log line.
+    """Every failure becomes an error object and one structured log line.
 
     An unexpected exception is logged with its traceback here and answered
     with a generic 500: exception names and messages from inside the daemon
@@ -204,6 +166,37 @@ async def _error_middleware(request: web.Request, handler):
         return _error_response(request, _internal_error(), logged=True)
 
 
+@web.middleware
+async def _auth_middleware(request: web.Request, handler):
+    """Requests on a LAN listener need ``Authorization: Bearer <key>`` (before the body is read)."""
+    auth: Authenticator = request.app[AUTH]
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    if request.path in PUBLIC_PATHS or not auth.requires_key(sockname):
+        return await handler(request)
+    peer = request.remote or "?"
+    metrics = request.app[METRICS]
+    wait = auth.limiter.retry_after(peer)
+    if wait is not None:
+        metrics.auth_failures.labels("429").inc()
+        raise oa.RequestError("too many requests with a wrong API key from this address; wait and "
+                              "retry", status=429, type="rate_limit_error", code="too_many_auth_failures",
+                              retry_after_s=wait)
+    key = auth.check(request.headers.get("Authorization"))
+    if key is None:
+        auth.limiter.failed(peer)
+        metrics.auth_failures.labels("401").inc()
+        given = "a wrong" if request.headers.get("Authorization") else "no"
+        raise _Unauthorized(
+            f"this listener needs an API key and the request carried {given} one: send "
+            f"'Authorization: Bearer <key>' with a key from 'meshd apikey create' on the daemon's device")
+    return await handler(request)
+
+
+class _Unauthorized(oa.RequestError):
+    def __init__(self, message: str):
+        super().__init__(message, status=401, type="invalid_request_error", code="invalid_api_key")
+
+
 def _from_engine_error(exc: EngineError) -> oa.RequestError:
     param = "messages" if exc.http_status == 413 else None
     return oa.RequestError(str(exc), status=exc.http_status, type=exc.error_type,
@@ -212,15 +205,10 @@ def _from_engine_error(exc: EngineError) -> oa.RequestError:
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> oa.RequestError:
     if exc.status == 413:
-        return _too_large(request.app[LIMITS])
+        return too_large(request.app[LIMITS])
     kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
     return oa.RequestError(f"{exc.reason}: {request.method} {request.path}", status=exc.status,
                            type=kind)
-
-
-def _too_large(limits: ApiLimits) -> oa.RequestError:
-    return oa.RequestError(f"request body is over the {limits.max_body_bytes} byte limit",
-                           status=413, code="request_too_large")
 
 
 def _malformed(status: int, message: str | None) -> oa.RequestError:
@@ -239,19 +227,28 @@ def _log_rejected(err: oa.RequestError, path: str | None, **extra: Any) -> None:
                 param=err.param, path=path, message=err.message[:300], **extra)
 
 
-def _json_error(err: oa.RequestError, headers: dict[str, str] | None = None) -> web.Response:
+def _json_error(err: oa.RequestError, headers: dict[str, str] | None = None,
+                ollama: bool = False) -> web.Response:
     """The error object; ``Retry-After`` (whole seconds, at least 1) when retrying helps."""
     h = dict(headers or {})
     if err.retry_after_s is not None:
         h["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
-    return web.json_response(err.body(), status=err.status, headers=h)
+    if err.status == 401:
+        h["WWW-Authenticate"] = 'Bearer realm="meshd"'
+    if ollama:  # Ollama's errors are one string: name the field in it
+        named = err.param is None or f"'{err.param}'" in err.message
+        body: dict[str, Any] = {"error": err.message if named else f"{err.param}: {err.message}"}
+    else:
+        body = err.body()
+    return web.json_response(body, status=err.status, headers=h)
 
 
 def _error_response(request: web.Request, err: oa.RequestError, *, logged: bool = False,
                     headers: dict[str, str] | None = None) -> web.Response:
     if not logged:
         _log_rejected(err, request.path)
-    resp = _json_error(err, headers)
+    request.app[METRICS].rejected.labels(str(err.status)).inc()
+    resp = _json_error(err, headers, ollama=is_ollama_path(request.path))
     if err.status in (408, 413):
         resp.force_close()  # the body may be half read: the connection cannot be reused
     return resp
@@ -260,45 +257,26 @@ def _error_response(request: web.Request, err: oa.RequestError, *, logged: bool 
 # --------------------------------------------------------------------------- handlers
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object, read within the size and time limits.
-
-    A declared Content-Length over the limit is refused before reading a
-    byte; a chunked body is cut off by aiohttp's ``client_max_size``.
-    """
-    limits = request.app[LIMITS]
-    if request.content_length is not None and request.content_length > limits.max_body_bytes:
-        raise _too_large(limits)
-    try:
-        async with asyncio.timeout(limits.body_timeout_s):
-            raw = await request.read()
-    except TimeoutError:
-        raise oa.RequestError(f"the request body did not arrive within {limits.body_timeout_s:g} s",
-                              status=408, code="request_timeout") from None
-    return oa.parse_json_body(raw, max_depth=limits.max_json_depth)
-
-
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await _read_json(request)
-    engine = await _await_engine(request)
-    req = oa.parse_chat_request(body, vocab_size=_vocab_size(engine))
-    _check_model(engine, req.model)
-    prompt_ids = list(engine.tokenizer.apply_chat(req.messages))
-    return await _serve(request, engine, "chat", prompt_ids, req.params, req.messages)
+    body = await read_json(request)
+    engine = await await_engine(request)
+    req = oa.parse_chat_request(body, vocab_size=vocab_size(engine))
+    prompt_ids = chat_prompt(engine, req.messages, req.tools)
+    return await _serve(request, engine, "chat", prompt_ids, req.params, req.messages,
+                        tl.tool_names(req.tools), req.parallel_tool_calls)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    body = await _read_json(request)
-    engine = await _await_engine(request)
-    req = oa.parse_completion_request(body, vocab_size=_vocab_size(engine))
-    _check_model(engine, req.model)
+    body = await read_json(request)
+    engine = await await_engine(request)
+    req = oa.parse_completion_request(body, vocab_size=vocab_size(engine))
     if isinstance(req.prompt, str):
         prompt_ids = list(engine.tokenizer.encode(req.prompt))
     else:
         prompt_ids = req.prompt  # checked against the vocabulary by the schema
     if not prompt_ids:
         raise oa.RequestError("'prompt' is empty", param="prompt", code="invalid_value")
-    return await _serve(request, engine, "text", prompt_ids, req.params, None)
+    return await _serve(request, engine, "text", prompt_ids, req.params, None, [], True)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -308,21 +286,14 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _model(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
-    model_id = request.match_info["model_id"]
-    if engine is None or (model_id != engine.model_id and model_id not in MODEL_ALIASES):
-        raise oa.RequestError(f"model '{model_id}' is not served here", status=404,
-                              type="not_found_error", param="model", code="model_not_found")
-    return web.json_response(oa.model_object(engine.model_id))
+    if engine is None:
+        raise oa.RequestError("no model is loaded yet", status=404, type="not_found_error",
+                              param="model", code="model_not_found")
+    return web.json_response(oa.model_object(served_name(engine, request.match_info["model_id"])))
 
 
 async def _mesh_status(request: web.Request) -> web.Response:
-    provider = request.app[STATUS]
-    status: dict[str, Any] = {}
-    if provider is not None:
-        got = provider()
-        if inspect.isawaitable(got):
-            got = await got
-        status = dict(got or {})
+    status = await status_of(request.app)
     engine = request.app[ENGINE]
     metrics = request.app[METRICS]
     # The daemon's own view wins; the API fills in what only it can measure.
@@ -337,82 +308,64 @@ async def _mesh_status(request: web.Request) -> web.Response:
     return web.json_response(status)
 
 
+async def _health(request: web.Request) -> web.Response:
+    """200 when a request sent now would be served; 503 with the reason otherwise.
+
+    Public on every listener (load balancers and Home Assistant probe it
+    without a key); it says only "ok" or why not.
+    """
+    engine = request.app[ENGINE]
+    status = await status_of(request.app)
+    reason = None
+    if engine is None:
+        load = status.get("load_state")
+        reason = {"none": "this device runs no model (model = none)",
+                  "failed": "the model failed to load; see the daemon's log"}.get(
+            load, "loading the model")
+    elif status.get("state") == "draining":
+        reason = "shutting down"
+    elif status and status.get("ready") is False:
+        plan = status.get("plan")
+        reason = ("waiting for a plan" if not plan else
+                  f"plan v{plan.get('version')} is loading its stages" if isinstance(plan, dict)
+                  else "planning")
+    if reason is not None:
+        return web.json_response({"status": "unavailable", "reason": reason}, status=503,
+                                 headers={"Retry-After": "2"})
+    return web.json_response({"status": "ok", "model": engine.model_id})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+    request.app[MESH].snapshot = await status_of(request.app)
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 # --------------------------------------------------------------------------- generation
 
 
 async def _serve(
     request: web.Request, engine: Engine, kind: str, prompt_ids: list[int],
-    params: oa.RequestParams, messages: list[dict] | None,
+    params: oa.RequestParams, messages: list[dict] | None, offered: list[str], parallel: bool,
 ) -> web.StreamResponse:
-    engine.check_prompt(prompt_ids)
-    room = engine.context_length - len(prompt_ids)
     rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
-    gen = GenerationRequest(
-        request_id=rid,
-        prompt_ids=prompt_ids,
-        max_tokens=min(params.max_tokens or room, room),
-        messages=messages,
-        sampling=params.sampling,
-        stop=params.stop,
-        stream=params.stream,
-    )
-    metrics = request.app[METRICS]
-    run = _Run(metrics, len(prompt_ids))
-    with structlog.contextvars.bound_contextvars(request_id=rid):
-        try:
-            async with contextlib.aclosing(engine.stream(gen)) as events:
-                if params.stream:
-                    resp = await _stream(request, engine, kind, rid, params, events, run)
-                else:
-                    resp = await _collect(engine, kind, rid, events, run)
-        except asyncio.CancelledError:
-            run.end(ok=False)
-            log.info("request_cancelled", reason="client disconnected",
-                     completion_tokens=run.tokens)
-            raise
-        except BaseException:
-            run.end(ok=False)
-            raise
-        rec = run.end(ok=run.ok)
-        log.info("request_done", kind=kind, stream=params.stream, ok=run.ok,
-                 finish_reason=run.finish, prompt_tokens=len(prompt_ids),
-                 completion_tokens=run.tokens,
-                 ttft_s=None if rec.ttft_s is None else round(rec.ttft_s, 4),
-                 decode_s=round(rec.decode_s, 4))
-        return resp
+    gen = generation_request(engine, rid, prompt_ids, params, messages)
+    endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    async with tracked(request, engine, gen, "openai", endpoint) as (events, run):
+        if params.stream:
+            return await _stream(request, engine, kind, rid, params, events, run, offered, parallel)
+        return await _collect(engine, kind, rid, events, run, offered, parallel)
 
 
-class _Run:
-    """Per-request bookkeeping for metrics and the final log line."""
-
-    def __init__(self, metrics: ApiMetrics, prompt_tokens: int):
-        self.metrics = metrics
-        self.prompt_tokens = prompt_tokens
-        self.started = metrics.started()
-        self.first_token_at: float | None = None
-        self.tokens = 0
-        self.finish: str | None = None
-        self.ok = True
-        self._ended = None
-
-    def saw(self, ev: TokenEvent) -> None:
-        if ev.token_id is not None:
-            if self.first_token_at is None:
-                self.first_token_at = self.metrics._clock()
-            self.tokens += 1
-        if ev.finish_reason is not None:
-            self.finish = ev.finish_reason
-            if ev.usage is not None:
-                self.tokens = ev.usage.completion_tokens
-
-    def end(self, ok: bool):
-        if self._ended is None:
-            self._ended = self.metrics.finished(
-                self.started, self.first_token_at, self.prompt_tokens, self.tokens, ok=ok)
-        return self._ended
+def _calls(text: str, offered: list[str], parallel: bool) -> tuple[str, list[tl.ToolCall]]:
+    content, calls = tl.parse_tool_calls(text, offered)
+    return content, (calls if parallel else calls[:1])
 
 
-async def _collect(engine: Engine, kind: str, rid: str, events, run: _Run) -> web.Response:
+async def _collect(engine: Engine, kind: str, rid: str, events, run, offered: list[str],
+                   parallel: bool) -> web.Response:
     parts: list[str] = []
     last: TokenEvent | None = None
     async for ev in events:
@@ -423,7 +376,10 @@ async def _collect(engine: Engine, kind: str, rid: str, events, run: _Run) -> we
         raise EngineError("the engine ended without a final event")
     text, usage, created = "".join(parts), last.usage.to_dict(), oa.now()
     if kind == "chat":
-        body = oa.chat_response(rid, created, engine.model_id, text, last.finish_reason, usage)
+        content, calls = _calls(text, offered, parallel)
+        finish = "tool_calls" if calls else last.finish_reason
+        body = oa.chat_response(rid, created, engine.model_id, content if calls else text, finish,
+                                usage, [c.openai() for c in calls] or None)
     else:
         body = oa.completion_response(rid, created, engine.model_id, text, last.finish_reason, usage)
     return web.json_response(body)
@@ -431,7 +387,7 @@ async def _collect(engine: Engine, kind: str, rid: str, events, run: _Run) -> we
 
 async def _stream(
     request: web.Request, engine: Engine, kind: str, rid: str,
-    params: oa.RequestParams, events, run: _Run,
+    params: oa.RequestParams, events, run, offered: list[str], parallel: bool,
 ) -> web.StreamResponse:
     # Wait for the first event before sending headers, so that errors raised
     # up front (no plan, prompt too long for the plan) keep their HTTP status.
@@ -442,6 +398,7 @@ async def _stream(
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid,
     })
     await resp.prepare(request)
+    calls_filter = tl.ToolStreamFilter(offered)
 
     def chunk(text: str = "", finish: str | None = None) -> bytes:
         if kind == "chat":
@@ -456,21 +413,31 @@ async def _stream(
         ev: TokenEvent | None = first
         while ev is not None:
             if ev.finish_reason is not None:
-                if ev.text:
-                    await resp.write(chunk(ev.text))
-                await resp.write(chunk(finish=ev.finish_reason))
+                finish = ev.finish_reason
+                text = calls_filter.feed(ev.text)
+                tail, calls = calls_filter.finish()
+                if not parallel:
+                    calls = calls[:1]
+                if text + tail:
+                    await resp.write(chunk(text + tail))
+                if calls:
+                    finish = "tool_calls"
+                    await resp.write(oa.sse(oa.chat_chunk(rid, created, model, delta={
+                        "tool_calls": [c.openai(index=i) for i, c in enumerate(calls)]})))
+                await resp.write(chunk(finish=finish))
                 if params.include_usage and ev.usage is not None:
                     usage = ev.usage.to_dict()
                     if kind == "chat":
-                        tail = oa.chat_chunk(rid, created, model, usage=usage, no_choices=True)
+                        tail_chunk = oa.chat_chunk(rid, created, model, usage=usage, no_choices=True)
                     else:
-                        tail = oa.completion_response(rid, created, model, "", None, usage,
-                                                      no_choices=True)
-                    await resp.write(oa.sse(tail))
+                        tail_chunk = oa.completion_response(rid, created, model, "", None, usage,
+                                                            no_choices=True)
+                    await resp.write(oa.sse(tail_chunk))
                 await resp.write(oa.SSE_DONE)
                 break
-            if ev.text:
-                await resp.write(chunk(ev.text))
+            text = calls_filter.feed(ev.text)
+            if text:
+                await resp.write(chunk(text))
             ev = await anext(events, None)
             if ev is not None:
                 run.saw(ev)
@@ -498,34 +465,51 @@ async def _stream(
 # --------------------------------------------------------------------------- listening
 
 
-def parse_listen(spec: str) -> tuple[str, int]:
-    """``127.0.0.1:8080`` / ``[::1]:8080`` / ``localhost:8080`` -> (host, port), loopback only.
+def parse_listen(spec: str, *, flag: str = "--api-listen", loopback_only: bool = True) -> tuple[str, int]:
+    """``127.0.0.1:8080`` / ``[::1]:8080`` / ``localhost:8080`` -> (host, port).
 
-    The API has no authentication: anything that can reach it can use the
-    mesh, so we refuse to listen where other machines could connect.
+    ``--api-listen`` (``loopback_only``) serves this machine only and needs no
+    key. ``--http`` may name any address; listeners off loopback require an
+    API key on every request. Errors name the flag the user actually gave.
     """
     host, sep, port_s = spec.rpartition(":")
     if not sep or not host:
-        raise ApiStartError(f"--listen expects HOST:PORT on loopback, e.g. 127.0.0.1:8080 (got {spec!r})")
+        raise ApiStartError(f"{flag} expects HOST:PORT, e.g. 127.0.0.1:8080 (got {spec!r})")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         port = int(port_s)
     except ValueError:
-        raise ApiStartError(f"--listen port must be a number (got {port_s!r})") from None
+        raise ApiStartError(f"{flag} port must be a number (got {port_s!r})") from None
     if not 0 <= port <= 65535:
-        raise ApiStartError(f"--listen port must be 0..65535 (got {port})")
+        raise ApiStartError(f"{flag} port must be 0..65535 (got {port})")
     if host == "localhost":
         host = "127.0.0.1"
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:
-        raise ApiStartError(f"--listen host must be a loopback IP address (got {host!r})") from None
-    if not addr.is_loopback:
+        raise ApiStartError(f"{flag} host must be an IP address (got {host!r})") from None
+    if loopback_only and not addr.is_loopback:
         raise ApiStartError(
-            f"--listen {spec} refused: the API has no authentication, so it only listens on "
-            f"loopback addresses (127.0.0.0/8 or ::1); use a unix socket or an SSH tunnel"
+            f"{flag} {spec} refused: {flag} serves this machine only, without authentication, so it "
+            f"listens on loopback addresses (127.0.0.0/8 or ::1); for the LAN use "
+            f"--http {spec} with an API key from 'meshd apikey create'"
         )
     return str(addr), port
+
+
+def is_loopback(host: str) -> bool:
+    return ipaddress.ip_address(host).is_loopback
+
+
+def tls_context(cert: str | os.PathLike, key: str | os.PathLike) -> ssl.SSLContext:
+    """A server TLS context from a PEM certificate chain and key (TLS 1.2+)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as exc:
+        raise ApiStartError(f"cannot load the TLS certificate {cert} / key {key}: {exc}") from None
+    return ctx
 
 
 def _socket_answers(path: Path) -> bool:
@@ -562,26 +546,40 @@ def _bind_unix(path: Path) -> socket.socket:
     return sock
 
 
-def _bind_tcp(host: str, port: int, spec: str) -> socket.socket:
+def _bind_tcp(host: str, port: int, spec: str, flag: str = "--api-listen") -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         return socket.create_server((host, port), family=family)
     except OSError as exc:
-        raise ApiStartError(f"cannot listen on {spec}: {exc}") from exc
+        raise ApiStartError(f"cannot listen on {spec} ({flag}): {exc.strerror or exc}") from exc
 
 
 async def start_api(
-    app: web.Application, socket_path: str | os.PathLike, listen: str | None = None
+    app: web.Application, socket_path: str | os.PathLike, listen: str | None = None, *,
+    http: str | None = None, tls_cert: str | os.PathLike | None = None,
+    tls_key: str | os.PathLike | None = None,
 ) -> web.AppRunner:
-    """Serve ``app`` on ``socket_path`` (0660) and optionally ``listen`` (loopback TCP).
+    """Serve ``app`` on ``socket_path`` (0660), optionally ``listen`` and ``http`` (TCP).
 
-    Both listeners share one connection cap and the limits given to
-    :func:`create_app`. Returns the runner; ``await runner.cleanup()`` stops
-    serving and removes the socket file (only if it is still ours).
+    ``listen`` is loopback only, without keys. ``http`` may be any address; off
+    loopback every request needs an API key (and with ``tls_cert``/``tls_key``
+    it speaks HTTPS). All listeners share one connection cap and the limits
+    given to :func:`create_app`. Returns the runner; ``await
+    runner.cleanup()`` stops serving and removes the socket file (only if it
+    is still ours).
     """
     limits = app[LIMITS]
     path = Path(socket_path)
-    tcp = parse_listen(listen) if listen else None
+    tcp = []
+    if listen:
+        tcp.append(("tcp", listen, "--api-listen", parse_listen(listen)))
+    if http:
+        tcp.append(("http", http, "--http", parse_listen(http, flag="--http", loopback_only=False)))
+    if (tls_cert is None) != (tls_key is None):
+        raise ApiStartError("--tls-cert and --tls-key go together")
+    tls = tls_context(tls_cert, tls_key) if tls_cert is not None else None
+    if tls is not None and not http:
+        raise ApiStartError("--tls-cert/--tls-key need --http HOST:PORT")
     sock = _bind_unix(path)
     ino = os.stat(path).st_ino
 
@@ -599,23 +597,39 @@ async def start_api(
         max_line_size=limits.max_line_size, max_field_size=limits.max_field_size,
     )
     await runner.setup()
-    tcp_sock = None
+    tcp_socks: list[socket.socket] = []
     try:
         gate = _ConnectionGate(runner.server, limits.max_connections)
         await _GatedSite(runner, sock, gate, limits.backlog).start()
         app[LISTENING]["socket"] = str(path)
-        if tcp is not None:
-            tcp_sock = _bind_tcp(tcp[0], tcp[1], listen)
-            await _GatedSite(runner, tcp_sock, gate, limits.backlog).start()
-            host = f"[{tcp[0]}]" if ":" in tcp[0] else tcp[0]
-            app[LISTENING]["tcp"] = f"{host}:{tcp_sock.getsockname()[1]}"
+        for name, spec, flag, (host, port) in tcp:
+            s = _bind_tcp(host, port, spec, flag)
+            tcp_socks.append(s)
+            keyed = name == "http" and not is_loopback(host)
+            await _GatedSite(runner, s, gate, limits.backlog,
+                             ssl_context=tls if name == "http" else None).start()
+            bound = s.getsockname()[1]
+            if keyed:
+                app[AUTH].keyed_ports.add(bound)
+            shown = f"[{host}]" if ":" in host else host
+            scheme = "https" if (tls is not None and name == "http") else "http"
+            app[LISTENING][name] = f"{shown}:{bound}"
+            if name == "http":
+                app[LISTENING]["http_url"] = f"{scheme}://{shown}:{bound}"
+                app[LISTENING]["http_auth"] = "api key" if keyed else "none (loopback)"
+                if keyed and app[AUTH].store is None:
+                    raise ApiStartError("--http on a LAN address needs the API key store")
     except BaseException:
         await runner.cleanup()
         sock.close()
-        if tcp_sock is not None:
-            tcp_sock.close()
+        for s in tcp_socks:
+            s.close()
         raise
+    if app[AUTH].keyed_ports and app[AUTH].store is not None and not app[AUTH].store.keys():
+        log.warning("api_no_keys", hint="the LAN listener refuses every request until a key exists: "
+                    "run 'meshd apikey create NAME'")
     log.info("api_listening", socket=str(path), tcp=app[LISTENING].get("tcp"),
+             http=app[LISTENING].get("http_url"), http_auth=app[LISTENING].get("http_auth"),
              max_connections=limits.max_connections,
              keepalive_timeout_s=limits.keepalive_timeout_s)
     return runner
@@ -746,12 +760,12 @@ class _GatedSite(web.SockSite):
     """A listener on our own bound socket whose connections pass the gate."""
 
     def __init__(self, runner: web.AppRunner, sock: socket.socket, gate: _ConnectionGate,
-                 backlog: int):
-        super().__init__(runner, sock, backlog=backlog)
+                 backlog: int, ssl_context: ssl.SSLContext | None = None):
+        super().__init__(runner, sock, backlog=backlog, ssl_context=ssl_context)
         self._gate = gate
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site, so runner.cleanup() stops it
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._gate, sock=self._sock,
-                                                backlog=self._backlog)
+                                                backlog=self._backlog, ssl=self._ssl_context)

@@ -37,7 +37,11 @@ _FLAGS = [
     ("--heartbeat-interval", "heartbeat_interval_s", float, "seconds between heartbeats"),
     ("--suspect-after", "suspect_after_s", float, "silence before a member is suspect"),
     ("--gone-after", "gone_after_s", float, "silence before a member is gone"),
-    ("--api-listen", "api_listen", str, "also serve the API on loopback TCP (HOST:PORT)"),
+    ("--api-listen", "api_listen", str, "also serve the API on loopback TCP (HOST:PORT), no key"),
+    ("--http", "http", str, "serve the API (OpenAI + Ollama) on TCP, e.g. 0.0.0.0:11434; "
+                            "off loopback every request needs a key from 'meshd apikey create'"),
+    ("--tls-cert", "tls_cert", str, "PEM certificate chain: --http speaks HTTPS"),
+    ("--tls-key", "tls_key", str, "PEM private key for --tls-cert"),
     ("--engine", "engine", str, "engine factory 'module:callable' (advanced)"),
 ]
 
