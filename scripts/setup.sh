@@ -24,3 +24,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 .venv/bin/meshd model pull --quiet
+# The tool-calling model for the Home Assistant tests (~490 MB, fetched once, sha256-checked).
+# Those tests skip with the reason if it is missing; MESHD_SKIP_TOOL_MODEL=1 skips the fetch.
+if [ -z "${MESHD_SKIP_TOOL_MODEL:-}" ]; then
+    .venv/bin/meshd model pull qwen2.5-coder-0.5b-instruct --quiet \
+        || echo "[setup] warning: could not fetch qwen2.5-coder-0.5b-instruct; the tool-calling tests will skip"
+fi

@@ -10,7 +10,9 @@ from meshd import model_store
 def register(sub) -> None:
     p = sub.add_parser("model", help="manage the local model cache")
     msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    pull = msub.add_parser("pull", help="fetch and verify the embedded default model")
+    pull = msub.add_parser("pull", help="fetch and verify a model (default: the embedded default model)")
+    pull.add_argument("name", nargs="?", default=None,
+                      help=f"a model by name: {', '.join(sorted(model_store.CATALOG))}")
     pull.add_argument("--quiet", action="store_true")
     pull.set_defaults(func=_pull)
     ls = msub.add_parser("list", help="show cached models")
@@ -19,8 +21,12 @@ def register(sub) -> None:
 
 
 def _pull(args) -> int:
-    already = model_store.is_pulled()
-    path = model_store.pull(quiet=args.quiet)
+    if args.name:
+        already = model_store.is_named_pulled(args.name) if args.name in model_store.CATALOG else False
+        path = model_store.pull_named(args.name, quiet=args.quiet)
+    else:
+        already = model_store.is_pulled()
+        path = model_store.pull(quiet=args.quiet)
     if not args.quiet or not already:
         print(f"{'already cached' if already else 'pulled'}: {path}")
     return 0
