@@ -174,7 +174,8 @@ def pull_named(name: str, quiet: bool = False, progress=None) -> Path:
     if is_named_pulled(name):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
+    # Per-process partial file: concurrent pulls (pytest -n 4, two daemons) never interleave.
+    partial = target.parent / f".{target.name}.{os.getpid()}.partial"
     digest, done = hashlib.sha256(), 0
     try:
         with open(partial, "wb") as out:
