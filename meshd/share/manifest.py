@@ -1,0 +1,307 @@
+"""A model file's digest manifest: enough to fetch and verify any part of the file from anyone.
+
+Built once, by a member holding the whole file verified, in one read: the file
+is cut into *regions* — the header (metadata and tensor index, up to the first
+tensor's bytes), each tensor's bytes, and any gap between them — and each
+region into *pieces* of at most ``piece_size`` bytes. Every piece, region and
+the whole file carry their sha256.
+
+Why both levels: a fetcher checks each piece as it arrives, so it knows which
+member sent a bad byte and refetches one piece, not a tensor; a loader checks
+each tensor before using it, which also catches a byte that went bad on disk
+after it was fetched. Pieces never straddle regions, so the pieces of a layer
+range are exactly the pieces of its tensors.
+
+The manifest is canonical JSON: every member that builds it from the same file
+gets the same bytes, so its sha256 (``digest``) is what members compare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from meshd.errors import MeshdError
+
+FORMAT = 1
+PIECE_SIZE = 1 << 20  # 1 MiB: a piece is one request; big enough to amortise a round trip
+MAX_PIECE_SIZE = 16 << 20  # a manifest asking for larger pieces is refused (bounds our memory)
+HEADER = "@header"
+GAP = "@gap"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ManifestError(MeshdError):
+    """A manifest that is malformed or does not describe the file it claims to."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    offset: int
+    length: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str  # a GGUF tensor name, HEADER, or GAP
+    offset: int
+    length: int
+    sha256: str
+    first_piece: int
+    pieces: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def piece_range(self) -> range:
+        return range(self.first_piece, self.first_piece + self.pieces)
+
+    @property
+    def is_tensor(self) -> bool:
+        return not self.name.startswith("@")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str  # the file's name (part of the model identity)
+    sha256: str  # the whole file
+    size: int
+    piece_size: int
+    regions: tuple[Region, ...]
+    pieces: tuple[Piece, ...]
+
+    # -- identity ---------------------------------------------------------
+    @property
+    def identity(self) -> str:
+        """The identity heartbeats and plans carry (the same as ``GGUFSource.identity``)."""
+        return f"{self.name}@{self.sha256[:16]}"
+
+    @cached_property
+    def data(self) -> bytes:
+        """The canonical bytes (what travels and what ``digest`` hashes)."""
+        doc = {
+            "format": FORMAT, "name": self.name, "sha256": self.sha256, "size": self.size,
+            "piece_size": self.piece_size,
+            "regions": [[r.name, r.offset, r.length, r.sha256] for r in self.regions],
+            "pieces": [p.sha256 for p in self.pieces],
+        }
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+    @cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    # -- lookups ------------------------------------------------------------
+    @cached_property
+    def by_name(self) -> dict[str, Region]:
+        return {r.name: r for r in self.regions if r.name != GAP}
+
+    @property
+    def header(self) -> Region:
+        return self.regions[0]
+
+    @cached_property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.regions if r.is_tensor)
+
+    @cached_property
+    def num_layers(self) -> int:
+        """Decoder layers, from the tensor names (``blk.N.…``): known before the header is parsed."""
+        return 1 + max((b for n in self.tensor_names if (b := block_of(n)) is not None), default=-1)
+
+    @cached_property
+    def region_of_piece(self) -> tuple[int, ...]:
+        out = []
+        for i, r in enumerate(self.regions):
+            out += [i] * r.pieces
+        return tuple(out)
+
+    def pieces_of(self, names: Iterable[str]) -> list[int]:
+        """Sorted piece indices of the named regions (KeyError on an unknown name)."""
+        return sorted(i for n in set(names) for i in self.by_name[n].piece_range)
+
+    def bytes_of(self, pieces: Iterable[int]) -> int:
+        return sum(self.pieces[i].length for i in set(pieces))
+
+    def regions_within(self, have: set[int]) -> list[Region]:
+        """The regions every piece of which is in ``have``."""
+        return [r for r in self.regions if all(i in have for i in r.piece_range)]
+
+    # -- wire form ----------------------------------------------------------
+    @staticmethod
+    def from_data(data: bytes) -> Manifest:
+        """Parse and check the canonical bytes; raises ManifestError on anything inconsistent."""
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != FORMAT:
+                raise ManifestError(f"unknown manifest format {doc.get('format')!r}")
+            name, sha, size, piece_size = doc["name"], doc["sha256"], doc["size"], doc["piece_size"]
+            spans = [(str(n), int(o), int(ln), str(s)) for n, o, ln, s in doc["regions"]]
+            piece_shas = [str(s) for s in doc["pieces"]]
+        except ManifestError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ManifestError(f"malformed manifest: {exc}") from None
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise ManifestError(f"bad file name in manifest: {name!r}")
+        if not isinstance(size, int) or not isinstance(piece_size, int) or not 0 < piece_size <= MAX_PIECE_SIZE:
+            raise ManifestError("bad size or piece size in manifest")
+        m = assemble(name, sha, size, piece_size, spans, piece_shas)
+        if m.data != data:
+            raise ManifestError("manifest is not in canonical form")
+        return m
+
+
+def layout(size: int, data_offset: int, tensors: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """``(name, offset, length)`` regions covering ``[0, size)``: header, tensors in file order, gaps.
+
+    Raises ManifestError when tensors overlap, start inside the header, or run past the end.
+    """
+    if not 0 < data_offset <= size:
+        raise ManifestError(f"data offset {data_offset} outside a {size}-byte file")
+    out = [(HEADER, 0, data_offset)]
+    pos = data_offset
+    for name, off, n in sorted(tensors, key=lambda t: t[1]):
+        if n <= 0 or off < pos or off + n > size:
+            raise ManifestError(f"tensor {name} at [{off}, {off + n}) overlaps or leaves the file")
+        if off > pos:
+            out.append((GAP, pos, off - pos))
+        out.append((name, off, n))
+        pos = off + n
+    if pos < size:
+        out.append((GAP, pos, size - pos))
+    return out
+
+
+def split(spans: list[tuple[str, int, int]], piece_size: int) -> list[tuple[int, int, int]]:
+    """Cut each region into pieces of at most ``piece_size``: ``(region index, offset, length)``."""
+    out = []
+    for i, (_, off, n) in enumerate(spans):
+        for start in range(off, off + n, piece_size):
+            out.append((i, start, min(piece_size, off + n - start)))
+    return out
+
+
+def assemble(name: str, sha256: str, size: int, piece_size: int, spans: list[tuple[str, int, int, str]],
+             piece_shas: list[str]) -> Manifest:
+    """A checked Manifest from regions ``(name, offset, length, sha256)`` and per-piece digests."""
+    if not _HEX64.match(sha256) or not all(_HEX64.match(s) for _, _, _, s in spans) \
+            or not all(isinstance(s, str) and _HEX64.match(s) for s in piece_shas):
+        raise ManifestError("manifest digests must be lowercase hex sha256")
+    pos = 0
+    seen: set[str] = set()
+    for n, off, ln, _ in spans:
+        if off != pos or ln <= 0:
+            raise ManifestError(f"regions must tile the file: {n} at {off} (expected {pos})")
+        if n != GAP and n in seen:
+            raise ManifestError(f"region {n} appears twice")
+        seen.add(n)
+        pos += ln
+    if pos != size or not spans or spans[0][0] != HEADER:
+        raise ManifestError("regions must start with the header and cover the whole file")
+    cuts = split([(n, o, ln) for n, o, ln, _ in spans], piece_size)
+    if len(cuts) != len(piece_shas):
+        raise ManifestError(f"manifest lists {len(piece_shas)} piece digests for {len(cuts)} pieces")
+    pieces = tuple(Piece(o, ln, s) for (_, o, ln), s in zip(cuts, piece_shas))
+    counts = [0] * len(spans)
+    for ri, _, _ in cuts:
+        counts[ri] += 1
+    regions, first = [], 0
+    for (n, off, ln, s), count in zip(spans, counts):
+        regions.append(Region(n, off, ln, s, first, count))
+        first += count
+    return Manifest(name, sha256, size, piece_size, tuple(regions), pieces)
+
+
+def gguf_layout(path: Path, reader=None) -> tuple[int, list[tuple[str, int, int]]]:
+    """(data offset, [(tensor name, absolute offset, bytes)]) as the GGUF header states them.
+
+    ``reader``: an open ``gguf.GGUFReader`` of ``path`` (parsing a header takes seconds).
+    """
+    import gguf
+
+    try:
+        reader = reader or gguf.GGUFReader(str(path), "r")
+    except Exception as exc:
+        raise ManifestError(f"{path}: not a readable GGUF file ({exc})") from exc
+    tensors = [(t.name, int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+    if not tensors:
+        raise ManifestError(f"{path}: GGUF has no tensors")
+    return min(off for _, off, _ in tensors), tensors
+
+
+def build(path: Path, piece_size: int = PIECE_SIZE, name: str | None = None, reader=None) -> Manifest:
+    """The manifest of a whole local GGUF file, in one sequential read."""
+    path = Path(path)
+    size = path.stat().st_size
+    data_offset, tensors = gguf_layout(path, reader)
+    spans = layout(size, data_offset, tensors)
+    cuts = split(spans, piece_size)
+    whole = hashlib.sha256()
+    region_h = [hashlib.sha256() for _ in spans]
+    piece_shas = []
+    with open(path, "rb") as f:
+        for ri, off, n in cuts:
+            f.seek(off)
+            block = f.read(n)
+            if len(block) != n:
+                raise ManifestError(f"{path}: file changed while building its manifest")
+            whole.update(block)
+            region_h[ri].update(block)
+            piece_shas.append(hashlib.sha256(block).hexdigest())
+    return assemble(name or path.name, whole.hexdigest(), size, piece_size,
+                    [(n, o, ln, h.hexdigest()) for (n, o, ln), h in zip(spans, region_h)], piece_shas)
+
+
+def check_against_header(manifest: Manifest, path: Path, reader=None) -> None:
+    """The manifest's tensor regions are exactly what the (fetched, verified) header says.
+
+    The header bytes were checked against the manifest; this closes the loop, so a
+    manifest cannot point a loader at bytes its own header does not describe.
+    """
+    data_offset, tensors = gguf_layout(path, reader)
+    want = layout(manifest.size, data_offset, tensors)
+    got = [(r.name, r.offset, r.length) for r in manifest.regions]
+    if want != got:
+        raise ManifestError(f"{manifest.identity}: the manifest's regions do not match the file's header")
+
+
+def needed_tensors(names: Iterable[str], num_layers: int, first: int, end: int) -> set[str]:
+    """The GGUF tensors a stage serving layers ``[first, end)`` reads.
+
+    Its blocks' tensors; the token embedding on the first stage (and on the last
+    when the head is tied to it); the final norm and head on the last;
+    ``rope_freqs`` everywhere. Mirrors ``decoding.stage.StageModel.from_source``
+    (a test checks it against the tensors that loader actually reads).
+    """
+    if not 0 <= first < end <= num_layers:
+        raise ValueError(f"invalid layer range [{first}, {end}) for {num_layers} layers")
+    names = set(names)
+    last = end == num_layers
+    tied = "output.weight" not in names
+    need = {n for n in names if (b := block_of(n)) is not None and first <= b < end}
+    if first == 0 or (last and tied):
+        need.add("token_embd.weight")
+    if last:
+        need.add("output_norm.weight")
+        if not tied:
+            need.add("output.weight")
+    if "rope_freqs.weight" in names:
+        need.add("rope_freqs.weight")
+    return need & names
+
+
+def block_of(name: str) -> int | None:
+    """The layer index of a ``blk.N.…`` tensor name, else None."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[0] == "blk" and parts[1].isdigit():
+        return int(parts[1])
+    return None
