@@ -96,6 +96,9 @@ def render_status(s: dict[str, Any]) -> str:
 
     lines.append(_plan(s.get("plan")))
     lines.append(_performance(s.get("recent"), s.get("requests_in_flight")))
+    spec = _speculation(s.get("stage"))
+    if spec:
+        lines.append(spec)
 
     ifaces = s.get("interfaces")
     if ifaces:
@@ -200,6 +203,16 @@ def _plan(p: Any) -> str:
     if p.get("reason"):
         parts.append(f"reason: {p['reason']}")
     return ", ".join(parts)
+
+
+def _speculation(stage: Any) -> str:
+    """Speculative decoding through this device's coordinator: tokens committed per verify round."""
+    spec = stage.get("speculative") if isinstance(stage, dict) else None
+    if not isinstance(spec, dict) or not spec.get("rounds"):
+        return ""
+    return (f"speculative: {spec.get('accepted_per_round', 0):.2f} tokens/verify round over "
+            f"{spec['rounds']} rounds ({spec.get('accepted', 0)} of {spec.get('drafted', 0)} drafted tokens "
+            f"accepted, {spec.get('requests', 0)} requests)")
 
 
 def _performance(recent: Any, in_flight: Any) -> str:
