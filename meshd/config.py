@@ -64,6 +64,8 @@ class Config:
     model: str | None = None  # None: embedded default; "none": no model (control plane only)
     plan_layers: int = 30  # layer count planned for engines without a model file (test fakes)
     request_wait_s: float = 45.0  # a request waits this long for a plan (start-up, re-plan) before a 503
+    share_rate: str | None = None  # cap on model sharing per direction ("50mbit", "12.5MB/s"; None: none)
+    share_fetch: str = "layers"  # no local model: fetch "layers" (only this device's) or the "whole" file; "off"
     medusa_heads: str | None = None  # Medusa heads file; None: the shipped heads of the embedded model; "none": off
     draft_model: str | None = None  # a smaller model of the same family, for speculative drafter "draft_model"
     invite_ttl_s: float = 15 * 60

@@ -154,6 +154,7 @@ class Daemon:
         self.api_app = None
         self.engine: DrainingEngine | None = None
         self.serving = None  # meshd.pipeline.serving.ServingRole: this device's stage, coordinator, plans
+        self.sharing = None  # meshd.share.service.ShareService: lends model pieces, fetches missing ones
         self.port = 0
         self.pairing_port = 0
         self.stage_port = 0  # set by the mesh engine once its stage service listens
@@ -212,6 +213,9 @@ class Daemon:
             self.port = await self.link.start(cfg.listen, cfg.port)
         except (zmq.ZMQError, TransportError) as exc:
             raise DaemonError(f"cannot listen on {cfg.listen}:{cfg.port} (port): {exc}") from None
+        from meshd.share.service import start_sharing
+
+        self.sharing = await start_sharing(self, replan_now=self._maybe_replan)
         self.pairing = PairingServer(self.state, self._on_admitted)
         try:
             self.pairing_port = await self.pairing.start(cfg.listen, cfg.pairing_port)
@@ -277,7 +281,7 @@ class Daemon:
         from meshd.apikeys import ApiKeyStore
 
         self.api_app = create_app(self.engine, self.status, engine_wait_s=cfg.request_wait_s,
-                                  engine_loading=lambda: self.load_state == "loading",
+                                  engine_loading=lambda: self.load_state in ("loading", "fetching"),
                                   api_keys=ApiKeyStore(self.state.root))
         self.api_runner = await start_api(self.api_app, self.socket_path, cfg.api_listen,
                                           http=cfg.http, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
@@ -345,7 +349,8 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         closers = [getattr(self.engine.inner, "aclose", None) if self.engine is not None else None,
-                   self.serving.aclose if self.serving is not None else None]
+                   self.serving.aclose if self.serving is not None else None,
+                   self.sharing.aclose if self.sharing is not None else None]
         for closer in closers:
             if closer is not None:
                 with contextlib.suppress(Exception):
@@ -528,6 +533,8 @@ class Daemon:
         elif isinstance(msg, control.Bye):
             log.info("peer_said_bye", peer=sender, reason=msg.reason)
             self._apply(self.membership.leave(sender, now))
+        elif self.sharing is not None and self.sharing.on_control(sender, msg):
+            pass  # model sharing: adverts and fetch targets
         else:
             log.info("message_ignored", type=type(msg).__name__, peer=sender)
 
@@ -636,14 +643,12 @@ class Daemon:
             return
         seen = [int(m.peers[n].info.get("plan_version", 0)) for n in all_ready if n in m.peers]
         version = max([self.plan.version if self.plan else 0, *seen]) + 1
-        inputs = []
-        for nid in ready:
-            info = m.peers[nid].info if nid in m.peers else {}
-            budget = self.config.memory_budget_mb if nid == self.node_id else int(
-                info.get("memory_budget_mb", 0) or 0)
-            profile = self.own_profile if nid == self.node_id else self.profiles.get(nid)
-            inputs.append(MemberInput(nid, budget, profile))
-        plan = make_plan(version, self.node_id, inputs, num_layers)
+        plan_over = lambda ids: make_plan(version, self.node_id, self._plan_inputs(ids), num_layers)  # noqa: E731
+        plan = plan_over(ready)
+        if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
+            plan = self.sharing.gate(plan, self.plan, ready, model, plan_over)
+            if plan is None:
+                return
         cur = self.plan
         if cur is not None and cur.stages == plan.stages and cur.num_layers == plan.num_layers \
                 and cur.leader == self.node_id and version <= cur.version + 1:
@@ -657,6 +662,17 @@ class Daemon:
         self._adopt(plan)
         self.link.broadcast(PlanUpdate(plan.version, plan.to_assignment()),
                             [n for n in all_ready if n != self.node_id])
+
+    def _plan_inputs(self, ids: list[str]) -> list[MemberInput]:
+        m = self.membership
+        inputs = []
+        for nid in ids:
+            info = m.peers[nid].info if nid in m.peers else {}
+            budget = self.config.memory_budget_mb if nid == self.node_id else int(
+                info.get("memory_budget_mb", 0) or 0)
+            profile = self.own_profile if nid == self.node_id else self.profiles.get(nid)
+            inputs.append(MemberInput(nid, budget, profile))
+        return inputs
 
     def _on_plan_update(self, msg: PlanUpdate, sender: str) -> None:
         try:
@@ -774,6 +790,7 @@ class Daemon:
             "ready": self._serving_ready(),
             "not_planned": [{"node_id": n, "reason": r} for n, r in sorted(self.excluded.items())],
             "stage": self._stage_status(),
+            "sharing": self.sharing.status() if self.sharing is not None else None,
             "requests_in_flight": self.engine.in_flight if self.engine else 0,
             "recent": {"tokens_per_s": None, "ttft_s": None},
             "version": _meshd_version(),

@@ -42,6 +42,7 @@ _FLAGS = [
                             "off loopback every request needs a key from 'meshd apikey create'"),
     ("--tls-cert", "tls_cert", str, "PEM certificate chain: --http speaks HTTPS"),
     ("--tls-key", "tls_key", str, "PEM private key for --tls-cert"),
+    ("--share-rate", "share_rate", str, "cap on lending/fetching model pieces (50mbit, 12.5MB/s; default none)"),
     ("--engine", "engine", str, "engine factory 'module:callable' (advanced)"),
 ]
 

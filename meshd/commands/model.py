@@ -1,4 +1,4 @@
-"""``meshd model pull|list``: manage the local model cache."""
+"""``meshd model pull|list|gc``: manage the local model cache (and the models fetched from the home)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ def register(sub) -> None:
     pull.set_defaults(func=_pull)
     ls = msub.add_parser("list", help="show cached models")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument("--state-dir", help="daemon state dir whose models fetched from the home to list")
     ls.set_defaults(func=_list)
+    gc = msub.add_parser("gc", help="remove models fetched from the home that the daemon does not run")
+    gc.add_argument("--state-dir", help="daemon state dir (default: as `meshd join` resolves it)")
+    gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    gc.add_argument("--json", action="store_true")
+    gc.set_defaults(func=_gc)
 
 
 def _pull(args) -> int:
@@ -33,14 +39,41 @@ def _pull(args) -> int:
 
 
 def _list(args) -> int:
+    from meshd.share import cli as share
+
     models = model_store.list_models()
+    state = share.state_dir(getattr(args, "state_dir", None))
+    fetched = share.shared_models(state)
     if args.json:
-        print(json.dumps({"models_dir": str(model_store.models_dir()), "models": models}))
+        print(json.dumps({"models_dir": str(model_store.models_dir()), "models": models,
+                          "fetched_dir": str(state / "models"), "fetched": fetched}))
         return 0
     if not models:
         print(f"no models in {model_store.models_dir()} (run `meshd model pull`)")
-        return 0
     for m in models:
         flag = " (default)" if m["default"] else ""
         print(f"{m['name']:<48} {m['size_bytes'] / 1e6:8.1f} MB  {m['path']}{flag}")
+    if fetched:
+        print(f"fetched from the home ({state / 'models'}):")
+        for m in fetched:
+            print("  " + share.describe_line(m))
+    return 0
+
+
+def _gc(args) -> int:
+    from meshd.share import cli as share
+
+    out = share.gc(share.state_dir(args.state_dir), dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for r in out["removed"]:
+        print(f"{verb}: {r['name']} ({r['sha256'][:16]}, {r['held_bytes'] / 1e6:.1f} MB held)")
+    for k in out["kept"]:
+        print(f"kept: {k['name']} ({k['sha256'][:16]}): {k['reason']}")
+    if not out["removed"] and not out["kept"]:
+        print("no models fetched from the home are cached")
+    elif not args.dry_run:
+        print(f"freed {out['freed_bytes'] / 1e6:.1f} MB")
     return 0

@@ -99,6 +99,8 @@ def render_status(s: dict[str, Any]) -> str:
     spec = _speculation(s.get("stage"))
     if spec:
         lines.append(spec)
+    names = {m.get("node_id"): m.get("name") or m.get("node_id") for m in members if isinstance(m, dict)}
+    lines += _sharing(s.get("sharing"), names)
 
     ifaces = s.get("interfaces")
     if ifaces:
@@ -240,3 +242,46 @@ def _iface(i: Any) -> str:
         return f"{name} ({addrs})" if addrs else str(name)
     return str(i)
 
+
+def _fetch_text(f: Any) -> str:
+    """``fetching layers 10-19: 45% (10.8 / 24.0 MB, 95 Mbit/s, 1.2 s left)`` from a fetch dict."""
+    if not isinstance(f, dict) or f.get("state") in (None, "idle"):
+        return "idle"
+    what = f"layers {_layers(f['target'])}" if f.get("target") else "the whole file" \
+        if f.get("mode") == "whole" else "the header"
+    text = f"{f.get('state')} {what}"
+    if isinstance(f.get("progress"), (int, float)):
+        text += f": {f['progress']:.0%} ({_bytes(f.get('done_bytes'))} / {_bytes(f.get('wanted_bytes'))}"
+        if f.get("rate_mbit"):
+            text += f", {f['rate_mbit']:g} Mbit/s"
+        if f.get("eta_s"):
+            text += f", {f['eta_s']:g} s left"
+        text += ")"
+    if f.get("error"):
+        text += f" - {f['error']}"
+    return text
+
+
+def _sharing(sh: Any, names: dict) -> list[str]:
+    """Model sharing: what this device holds and fetches, whom the plan waits for."""
+    if not isinstance(sh, dict):
+        return []
+    holds = sh.get("holds") or {}
+    if holds.get("complete"):
+        held = "the whole file"
+    else:
+        held = f"layers {_layers(holds.get('layers'))}" + (
+            f" + {', '.join(holds['tensors'])}" if holds.get("tensors") else "")
+        if isinstance(holds.get("fraction"), (int, float)):
+            held += f" ({holds['fraction']:.0%} of the file)"
+    lines = [f"model sharing: holds {held}; {_fetch_text(sh.get('fetch'))}"]
+    served = sh.get("served") or {}
+    if served.get("pieces"):
+        lines[-1] += f"; lent {_bytes(served.get('bytes'))} to others"
+    peers = sh.get("peers") or {}
+    for nid, rng in (sh.get("plan_waits_for") or {}).items():
+        fetch = (peers.get(nid) or {}).get("fetch")
+        lines.append(f"  plan waits for {names.get(nid, nid)} (layers {_layers(rng)}): {_fetch_text(fetch)}")
+    for nid, why in (sh.get("banned") or {}).items():
+        lines.append(f"  not asking {names.get(nid, nid)} for pieces: {why}")
+    return lines
