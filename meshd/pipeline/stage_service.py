@@ -296,9 +296,13 @@ class StageService:
         mask = tree.mask() if tree is not None else msg.tree_mask
         normed = want_logits and (msg.verify or msg.medusa_paths > 0)
         t = time.perf_counter()
-        out = await asyncio.get_running_loop().run_in_executor(
-            self._compute, lambda: stage.forward(kv, seq, x, tree_mask=mask, all_logits=msg.verify,
-                                                 head=want_logits, return_normed=normed))
+
+        def work():  # the forward, and on the last stage sampling / acceptance / drafting, in one hop
+            out = stage.forward(kv, seq, x, tree_mask=mask, all_logits=msg.verify, head=want_logits,
+                                return_normed=normed)
+            return (None, self._result(msg, tree, out, normed)) if want_logits else (out, None)
+
+        out, result = await asyncio.get_running_loop().run_in_executor(self._compute, work)
         self.stats.busy_s += time.perf_counter() - t
         self.stats.forwards += 1
         self.stats.tokens += x.shape[0]
@@ -318,16 +322,18 @@ class StageService:
             await self._send_next(nxt)
             elem = 2 if self.activation_dtype in ("float16", "bfloat16") else out.element_size()
             self.stats.activation_bytes_out += out.numel() * elem
-        elif want_logits:
-            logits, hidden = out if normed else (out, None)
-            if tree is not None:
-                result = await asyncio.get_running_loop().run_in_executor(
-                    self._compute, lambda: self._verify(msg, tree, logits, hidden))
-            else:
-                result = self._sample(msg, logits[-1])
-                if msg.medusa_paths > 0:
-                    self._attach_proposals(result, hidden[-1], msg.medusa_paths)
+        elif result is not None:
             await self._report(msg.reply_to, result)
+
+    def _result(self, msg: StageForward, tree: DraftTree | None, out, normed: bool) -> TokenResult:
+        """The last stage's answer (compute thread): a sampled token, or a verified round."""
+        logits, hidden = out if normed else (out, None)
+        if tree is not None:
+            return self._verify(msg, tree, logits, hidden)
+        result = self._sample(msg, logits[-1])
+        if msg.medusa_paths > 0:
+            self._attach_proposals(result, hidden[-1], msg.medusa_paths)
+        return result
 
     def _tree_of(self, msg: StageForward, x: torch.Tensor) -> DraftTree:
         """The verify round's token tree, checked: hostile parents must fail here, not in attention."""
