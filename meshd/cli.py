@@ -27,6 +27,7 @@ COMMAND_MODULES = [
     "meshd.commands.apikey",
     "meshd.commands.plan",
     "meshd.commands.profile",
+    "meshd.commands.heads",
 ]
 
 
