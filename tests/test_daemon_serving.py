@@ -197,3 +197,43 @@ def test_sigterm_finishes_the_stage_work_it_does_for_another_daemons_request(rea
         assert (a.status().get("stage") or {}).get("requests_replayed", 0) == replayed_before
     finally:
         mesh.cleanup()
+
+
+def _openai_over(sock):
+    import httpx
+    import openai
+
+    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
+                         http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=240))
+
+
+def test_speculative_decoding_through_two_daemons_changes_nothing_and_is_reported(home, reference):
+    """The openai SDK asks with the `speculative` extension; the text equals plain decoding and
+    usage says how many tokens each verify round committed."""
+    import openai
+
+    _, a, b, _ = home
+    client = _openai_over(a.socket)
+    question = "Repeat exactly: red green blue, red green blue, red green blue, red green blue."
+    answers = {}
+    for spec in ("off", {"drafter": "lookup"}, "auto"):
+        resp = client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": question}], max_tokens=32, temperature=0,
+            extra_body={"speculative": spec})
+        answers[json.dumps(spec)] = resp.choices[0].message.content
+        usage = resp.usage.model_dump()
+        if spec == "off":
+            assert "speculative" not in usage or usage["speculative"] is None
+        else:
+            assert usage["speculative"]["rounds"] >= 0 and "accepted_per_round" in usage["speculative"]
+    assert len(set(answers.values())) == 1, answers
+    assert answers['"off"'] == reference(question, 32)
+    stage = a.status()["stage"]
+    assert stage["speculative"]["requests"] >= 2
+    with pytest.raises(openai.BadRequestError, match="draft model"):
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_body={"speculative": {"drafter": "draft_model"}})
+    with pytest.raises(openai.BadRequestError, match="speculative"):
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_body={"speculative": {"drafter": "magic"}})
+    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
