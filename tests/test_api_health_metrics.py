@@ -1,0 +1,94 @@
+"""``/health`` says whether a request would be served now; ``/metrics`` is valid Prometheus text."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.test_api_support import STATUS, FakeEngine, ServerThread
+
+
+def get(srv, path: str) -> httpx.Response:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path)),
+                      base_url="http://localhost") as h:
+        return h.get(path)
+
+
+def metrics(srv) -> dict[str, dict]:
+    """name -> {labels tuple: value} for every sample."""
+    r = get(srv, "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict[str, dict] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_health_is_ok_when_serving():
+    with ServerThread(FakeEngine(), status={**STATUS, "ready": True}) as srv:
+        r = get(srv, "/health")
+        assert r.status_code == 200 and r.json() == {"status": "ok", "model": "fake-model"}
+
+
+@pytest.mark.parametrize("engine, status, reason", [
+    (None, {"load_state": "loading"}, "loading the model"),
+    (None, {"load_state": "failed"}, "failed to load"),
+    (None, {"load_state": "none"}, "runs no model"),
+    ("fake", {**STATUS, "ready": False, "plan": None}, "waiting for a plan"),
+    ("fake", {**STATUS, "ready": False}, "plan v3 is loading"),
+    ("fake", {**STATUS, "state": "draining"}, "shutting down"),
+])
+def test_health_is_503_with_the_reason_otherwise(engine, status, reason):
+    with ServerThread(FakeEngine() if engine else None, status=status) as srv:
+        r = get(srv, "/health")
+        assert r.status_code == 503 and reason in r.json()["reason"]
+        assert r.headers["Retry-After"]
+
+
+def test_metrics_parse_and_count_requests_tokens_and_latency():
+    status = {**STATUS, "ready": True, "uptime_s": 100.0,
+              "stage": {"layers": [0, 18], "kv_tokens_in_use": 321, "kv_tokens_max": 4096,
+                        "sequences": 2, "busy_s": 25.0, "forwards": 40, "activation_bytes_out": 9000}}
+    with ServerThread(FakeEngine(), status=status) as srv:
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0,
+                               http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path))))
+        for _ in range(2):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], seed=2**70)
+        m = metrics(srv)
+    ok = (("api", "openai"), ("endpoint", "/v1/chat/completions"), ("outcome", "ok"))
+    assert m["meshd_requests_total"][ok] == 2
+    assert m["meshd_requests_rejected_total"][(("status", "400"),)] == 1
+    assert m["meshd_generation_tokens_total"][()] == 2 * len("Hello from the fake mesh. It is deterministic.")
+    assert m["meshd_time_to_first_token_seconds_count"][()] == 2
+    assert m["meshd_time_per_output_token_seconds_count"][()] == 2
+    assert m["meshd_requests_in_flight"][()] == 0 and m["meshd_queue_depth"][()] == 0
+    assert m["meshd_plan_version"][()] == 3
+    assert m["meshd_members"][(("state", "active"),)] == 1 and m["meshd_members"][(("state", "joining"),)] == 1
+    layers = (("layers", "0-18"),)
+    assert m["meshd_stage_kv_tokens_in_use"][layers] == 321
+    assert m["meshd_stage_busy_seconds_total"][layers] == 25.0
+    assert m["meshd_stage_busy_fraction"][layers] == 0.25
+    assert m["meshd_link_bytes_sent_total"][layers] == 9000
+
+
+def test_queue_depth_counts_requests_waiting_for_their_first_token():
+    import threading
+
+    engine = FakeEngine()
+    engine.delay_s = 0.05
+    with ServerThread(engine) as srv:
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0,
+                               http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path))))
+        t = threading.Thread(target=lambda: client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]))
+        t.start()
+        from tests.test_api_support import wait_until
+
+        assert wait_until(lambda: metrics(srv)["meshd_requests_in_flight"][()] == 1)
+        t.join(30)
+        assert metrics(srv)["meshd_requests_in_flight"][()] == 0
