@@ -202,3 +202,17 @@ def build_cut_table(
         cuts=tuple(cuts),
         latency_s=tuple(float(v) for v in best_lat),
     )
+
+
+def round_cost_slope(stages: list[StageTiming], context: int = 256, m: int = 8) -> float:
+    """What each extra token of an m-token decode round costs, relative to a 1-token step.
+
+    A speculative verify round pushes the root and m−1 candidates through every
+    stage at once; from the profiles' q(x, y) this is (T(m) − T(1)) / ((m − 1)·T(1)).
+    The coordinator starts from this prior and then learns from the rounds it runs.
+    """
+    t1 = float(sum(s.chunk_time(1, context) for s in stages))
+    tm = float(sum(s.chunk_time(m, context) for s in stages))
+    if t1 <= 0 or m <= 1:
+        return 0.0
+    return max(0.0, (tm - t1) / ((m - 1) * t1))

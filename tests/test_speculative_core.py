@@ -291,3 +291,29 @@ def test_a_malformed_speculative_field_is_a_clear_error(value):
 def test_stats_report_tokens_per_round():
     s = SpeculativeStats("lookup", rounds=4, drafted=12, accepted=6)
     assert s.to_dict()["accepted_per_round"] == 2.5
+
+
+def test_the_profiles_price_a_verify_round_and_observations_then_take_over():
+    from pathlib import Path
+
+    from partition.link import parse_link
+    from partition.plan import StageAssignment
+    from partition.planner import stage_timings
+    from partition.profile import load
+    from partition.sequence import round_cost_slope
+
+    prof = load(Path(__file__).resolve().parents[1] / "profiles" / "x86_64-2core-1thread.json")
+    stages = stage_timings((StageAssignment("a", 0, 15), StageAssignment("b", 15, prof.num_layers)),
+                           {"a": prof, "b": prof}, parse_link("1gbit,1ms"))
+    slope = round_cost_slope(stages, context=256, m=8)
+    t1 = sum(s.chunk_time(1, 256) for s in stages)
+    t8 = sum(s.chunk_time(8, 256) for s in stages)
+    assert slope == pytest.approx((t8 - t1) / (7 * t1)) and 0 < slope < 1
+    cost = RoundCost()
+    cost.prior(slope)
+    assert cost.slope == pytest.approx(slope)
+    for _ in range(4):
+        for m in (1, 5):
+            cost.observe(m, 0.05 + 0.001 * (m - 1))
+    cost.prior(0.9)  # too late: what the mesh measured wins
+    assert cost.slope == pytest.approx(0.02, rel=0.1)

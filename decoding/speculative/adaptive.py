@@ -47,6 +47,11 @@ class RoundCost:
             if one > 0 and b >= 0:
                 self.slope = b / one
 
+    def prior(self, slope: float) -> None:
+        """A starting estimate (from the device profiles), used until rounds have been observed."""
+        if self._sums[0] == 0 and slope >= 0:
+            self.slope = float(slope)
+
     def __call__(self, m: int) -> float:
         return 1.0 + self.slope * max(0, m - 1)
 

@@ -76,17 +76,12 @@ def route_from_plan(plan: LayerAssignment, directory) -> Route:
 CUT_TABLE_MAX_SEQ = 2048
 
 
-def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
-    """The sequence partitioner's cut table for this route's stages (None if profiles are missing).
-
-    Pure: device profiles (plain dicts, as members share them) + layer ranges + link →
-    ``partition.plan.CutTable``; a lookup then gives a prompt's cut points in O(1).
-    """
+def _route_timings(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
+    """Per-stage timing models of this route (None if a member's profile is missing or for another model)."""
     from partition.link import parse_link
     from partition.plan import StageAssignment
     from partition.planner import stage_timings
     from partition.profile import DeviceProfile
-    from partition.sequence import build_cut_table
 
     devs = {}
     for s in route.stages:
@@ -98,7 +93,27 @@ def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link
             return None
         devs[s.node_id] = p
     stages = tuple(StageAssignment(s.node_id, s.first, s.end) for s in route.stages)
-    return build_cut_table(stage_timings(stages, devs, parse_link(link_spec)), CUT_TABLE_MAX_SEQ)
+    return stage_timings(stages, devs, parse_link(link_spec))
+
+
+def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
+    """The sequence partitioner's cut table for this route's stages (None if profiles are missing).
+
+    Pure: device profiles (plain dicts, as members share them) + layer ranges + link →
+    ``partition.plan.CutTable``; a lookup then gives a prompt's cut points in O(1).
+    """
+    from partition.sequence import build_cut_table
+
+    timings = _route_timings(route, profiles, num_layers, link_spec)
+    return None if timings is None else build_cut_table(timings, CUT_TABLE_MAX_SEQ)
+
+
+def verify_cost_slope(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str) -> float | None:
+    """The profiles' estimate of what an extra token in a speculative verify round costs on this route."""
+    from partition.sequence import round_cost_slope
+
+    timings = _route_timings(route, profiles, num_layers, link_spec)
+    return None if timings is None else round_cost_slope(timings)
 
 
 class ServingRole:
@@ -148,6 +163,10 @@ class ServingRole:
                                                     self.source.config.num_layers, self.link_spec)
                     if table is not None:
                         self._cut_tables = {route.plan_version: table}
+                    slope = verify_cost_slope(route, self.profiles_for(), self.source.config.num_layers,
+                                              self.link_spec)
+                    if slope is not None:
+                        self.coordinator.round_cost.prior(slope)
                 except Exception as exc:  # planning help is optional: equal chunks still work
                     self.cut_table_errors += 1
                     log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
