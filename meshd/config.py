@@ -75,7 +75,7 @@ class Config:
     tls_cert: Path | None = None  # PEM certificate chain: --http speaks HTTPS
     tls_key: Path | None = None  # PEM private key for tls_cert
     engine: str | None = None  # "module:factory" returning the Engine (seam for the pipeline)
-    log_format: str = "json"
+    log_format: str = "auto"  # auto: journald under systemd, console on a terminal, json otherwise
     log_level: str = "info"
 
     def resolved_state_dir(self, env: Mapping[str, str] | None = None) -> Path:
@@ -101,8 +101,8 @@ class Config:
         for key in ("port", "pairing_port"):
             if not 0 <= getattr(self, key) < 65536:
                 raise ConfigError(f"{key} must be a TCP port, got {getattr(self, key)}")
-        if self.log_format not in ("json", "console"):
-            raise ConfigError(f"log_format must be json or console, got {self.log_format!r}")
+        if self.log_format not in ("auto", "json", "console", "journald"):
+            raise ConfigError(f"log_format must be auto, json, console or journald, got {self.log_format!r}")
         return self
 
 

@@ -32,6 +32,10 @@ class MeshHeartbeat:
     load_state: str = "loading"  # "loading" | "loaded" | "failed" | "none" (model = none)
     model: str = ""  # identity of the loaded model file (name@sha256 prefix); "" for model-less engines
     model_layers: int = 0  # its decoder layer count (0: unknown)
+    version: str = ""  # meshd version the member runs
+    uptime_s: float = 0.0  # seconds since its daemon started
+    kv_tokens: int = 0  # KV cache tokens its stage holds now
+    last_error: str = ""  # its most recent serving error (model load, stage), "" if none
 
 
 @message

@@ -163,6 +163,7 @@ class Daemon:
         self.excluded: dict[str, str] = {}  # ready members the last plan left out, and why
         self._tasks: list[asyncio.Task] = []
         self._started_at = 0.0
+        self.last_error = ""  # shown per member by `meshd status` (sent in heartbeats)
 
     # -- lifecycle ----------------------------------------------------------
     async def run(self) -> int:
@@ -311,6 +312,7 @@ class Daemon:
             raise
         except Exception as exc:  # a missing model must not take the control plane down
             self.load_state = "failed"
+            self.last_error = f"model load failed: {exc}"[:300]
             log.error("model_load_failed", error=f"{type(exc).__name__}: {exc}",
                       exc_info=not isinstance(exc, USER_ERRORS))
             return
@@ -507,7 +509,8 @@ class Daemon:
                     "plan_version": msg.plan_version, "state": msg.state,
                     "requests_in_flight": msg.requests_in_flight, "stage_port": msg.stage_port,
                     "incarnation": msg.incarnation, "load_state": msg.load_state, "model": msg.model,
-                    "model_layers": msg.model_layers}
+                    "model_layers": msg.model_layers, "version": msg.version,
+                    "uptime_s": msg.uptime_s, "kv_tokens": msg.kv_tokens, "last_error": msg.last_error}
             peer = self.membership.peers.get(sender)
             before = dict(peer.info) if peer is not None else {}
             self._apply(self.membership.heartbeat(sender, now, info))
@@ -555,6 +558,9 @@ class Daemon:
             requests_in_flight=self.engine.in_flight if self.engine else 0,
             stage_port=self.stage_port, incarnation=self.incarnation, load_state=self.load_state,
             model=self._model_identity()[0], model_layers=self._model_identity()[1],
+            version=_meshd_version(), uptime_s=round(self.clock() - self._started_at, 1),
+            kv_tokens=int((self._stage_status() or {}).get("kv_tokens_in_use") or 0),
+            last_error=self.last_error,
         )
 
     def _send_heartbeat(self, node_id: str | None = None) -> None:
@@ -745,17 +751,25 @@ class Daemon:
                 state, last_seen, budget = "ready", 0.0, self.config.memory_budget_mb
                 address = self.interfaces[0].addresses[0] if self.interfaces else None
                 port = self.port
+                info = {"version": _meshd_version(), "uptime_s": round(now - self._started_at, 1),
+                        "model": self._model_identity()[0],
+                        "kv_tokens": (self._stage_status() or {}).get("kv_tokens_in_use"),
+                        "last_error": self.last_error}
             else:
                 peer = m.peers.get(nid) if m else None
                 state = peer.state.value if peer else "offline"
                 last_seen = round(now - peer.last_seen, 3) if peer else None
                 budget = peer.info.get("memory_budget_mb") if peer else None
                 address, port = self.addresses.get(nid, (None, None))
+                info = peer.info if peer else {}
             members.append({
                 "node_id": nid, "name": member.name, "state": state, "self": nid == self.node_id,
                 "address": f"{address}:{port}" if address else None,
                 "memory_budget": budget, "layers": list(layers) if layers else None,
                 "last_seen_s": last_seen, "fingerprint": _safe_fp(member.public_key),
+                "version": info.get("version") or None, "uptime_s": info.get("uptime_s"),
+                "model_digest": (info.get("model") or "").rpartition("@")[2] or None,
+                "kv_tokens": info.get("kv_tokens"), "last_error": info.get("last_error") or None,
             })
         not_admitted = []
         for s in self.sightings.values():

@@ -32,12 +32,13 @@ def test_status_table_has_one_row_per_device_then_plan_and_performance(server, c
     out = capsys.readouterr().out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("NAME"))
-    assert lines[header].split() == ["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "LAST", "SEEN"]
+    assert lines[header].split() == ["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "KV", "TOKENS",
+                                     "UPTIME", "VERSION", "MODEL", "LAST", "SEEN"]
     assert lines[header + 1].split()[:7] == ["desk-pc", "*", "active", "192.168.1.10:7400", "6.0", "GiB", "0-17"]
     assert lines[header + 2].split()[:6] == ["kitchen-pi", "joining", "192.168.1.20:7400", "1.5", "GiB", "18-29"]
     assert "3s ago" in lines[header + 2]
     assert lines[0] == "meshd - home smith-home, this node desk-pc (n-abc123), serving"
-    assert "plan v3, 2 stages, predicted bottleneck: 41.0 ms/token, leader n-abc123" in out
+    assert "plan v3, 2 stages, predicted bottleneck: 0.04 s, leader n-abc123" in out
     assert "recent:" in out and "0 in flight" in out
     assert "advertising on: eth0 (192.168.1.10)" in out
     assert "neighbour-nas" in out and "another home" in out
@@ -96,7 +97,8 @@ def test_chat_streams_the_answer_to_stdout_and_a_summary_to_stderr(server, capsy
     assert rc == 0
     out, err = capsys.readouterr()
     assert out == REPLY[:20] + "\n"
-    assert err.strip().startswith("[20 tokens in") and "finish: length" in err
+    summary = err.strip().splitlines()[-1]  # (the server thread may log to the same stderr)
+    assert summary.startswith("[20 tokens in") and "finish: length" in summary
     assert engine.requests[-1].messages == [{"role": "user", "content": "Why is the sky blue?"}]
 
 
@@ -108,3 +110,17 @@ def test_chat_without_a_daemon_says_so(short_tmp, capsys):
 def test_summary_line_reports_ttft_and_decode_speed():
     line = summary_line({"completion_tokens": 11}, 3.0, 1.0, "stop")
     assert line == "[11 tokens in 3.00 s: TTFT 1.00 s, 5.0 tokens/s; finish: stop]"
+
+
+def test_status_names_the_bottlenecks_unit_and_tells_same_named_devices_apart():
+    text = render_status({
+        "version": "0.1.0", "uptime_s": 7300,
+        "members": [{"node_id": "n-1", "name": "pi", "self": True, "kv_tokens": 512, "uptime_s": 90,
+                     "version": "0.1.0", "model_digest": "b179c9523d0e6a0f"},
+                    {"node_id": "n-2", "name": "pi", "last_error": "model load failed: no space"}],
+        "plan": {"version": 2, "predicted_bottleneck": 1.25, "predicted_bottleneck_for_tokens": 512}})
+    assert "meshd 0.1.0, up 2.0h" in text.splitlines()[0]
+    assert "pi (n-1) *" in text and "pi (n-2)" in text
+    assert "512" in text and "b179c9523d0e6a0f" in text and "90s" in text
+    assert "last error on pi (n-2): model load failed: no space" in text
+    assert "predicted bottleneck: 1.25 s per 512-token prompt" in text

@@ -60,10 +60,11 @@ def register(subparsers) -> None:
     for flag, dest, typ, help_text in _FLAGS:
         p.add_argument(flag, dest=f"cfg_{dest}", type=typ, default=None, help=help_text,
                        metavar=flag.strip("-").upper().replace("-", "_"))
-    # Own copies of the logging flags: a daemon logs JSON to stdout by default
-    # (journald), while other commands default to console lines on stderr.
-    p.add_argument("--log-format", dest="cfg_log_format", choices=["json", "console"], default=None,
-                   help="json (default, for journald) or console")
+    # Own copies of the logging flags: a daemon logs to stdout and picks its format by
+    # where that goes (auto), while other commands default to console lines on stderr.
+    p.add_argument("--log-format", dest="cfg_log_format", choices=["auto", "json", "console", "journald"],
+                   default=None, help="auto (default: journald under systemd, console on a terminal, "
+                                      "json otherwise), json, console or journald")
     p.add_argument("--log-level", dest="cfg_log_level", default=None, help="default info")
     p.set_defaults(func=run)
 

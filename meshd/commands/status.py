@@ -71,25 +71,37 @@ def render_status(s: dict[str, Any]) -> str:
         head += f", this node {me}" + (f" ({s['node_id']})" if s.get("name") and s.get("node_id") else "")
     if s.get("state"):
         head += f", {s['state']}"
+    if s.get("version"):
+        head += f", meshd {s['version']}"
+    if isinstance(s.get("uptime_s"), (int, float)):
+        head += f", up {_duration(s['uptime_s'])}"
     lines.append(head)
     lines.append(f"model: {_model(s.get('model'))}")
     lines.append("")
 
-    members = s.get("members") or []
+    members = [m for m in (s.get("members") or []) if isinstance(m, dict)]
+    names = [m.get("name") or m.get("node_id") for m in members]
     rows = [
         [
-            _text(m.get("name") or m.get("node_id")) + (" *" if m.get("self") else ""),
+            _member_name(m, names) + (" *" if m.get("self") else ""),
             _text(m.get("state")),
             _text(m.get("address")),
             _memory(m),
             _layers(m.get("layers")),
+            _text(m.get("kv_tokens")),
+            _duration(m.get("uptime_s")),
+            _text(m.get("version")),
+            _text(m.get("model_digest")),
             _ago(m.get("last_seen_s")),
         ]
         for m in members
-        if isinstance(m, dict)
     ]
     if rows:
-        lines += _table(["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "LAST SEEN"], rows)
+        lines += _table(["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "KV TOKENS", "UPTIME",
+                         "VERSION", "MODEL", "LAST SEEN"], rows)
+        errors = [(_member_name(m, names), m["last_error"]) for m in members if m.get("last_error")]
+        for name, err in errors:
+            lines.append(f"last error on {name}: {err}")
     else:
         lines.append("no devices in the mesh yet")
     lines.append("")
@@ -125,6 +137,26 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "") -> list[s
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = lambda r: indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     return [fmt(header), *(fmt(r) for r in rows)]
+
+
+def _member_name(m: dict[str, Any], names: list[Any]) -> str:
+    """The device's name; with its node id when another member has the same name."""
+    name = m.get("name") or m.get("node_id")
+    if names.count(name) > 1 and m.get("node_id") and name != m.get("node_id"):
+        return f"{name} ({m['node_id']})"
+    return _text(name)
+
+
+def _duration(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return _text(v)
+    if v < 120:
+        return f"{v:.0f}s"
+    if v < 7200:
+        return f"{v / 60:.0f}m"
+    if v < 2 * 86400:
+        return f"{v / 3600:.1f}h"
+    return f"{v / 86400:.1f}d"
 
 
 def _text(v: Any) -> str:
@@ -198,7 +230,10 @@ def _plan(p: Any) -> str:
         if isinstance(b, dict):
             b = ", ".join(f"{k} {v}" for k, v in b.items())
         elif isinstance(b, (int, float)) and not isinstance(b, bool):
-            b = f"{b * 1000:.1f} ms/token"  # seconds per token of the slowest stage
+            # seconds the slowest stage takes for one prefill of N prompt tokens (the planner's
+            # objective), not a per-token time
+            n = p.get("predicted_bottleneck_for_tokens")
+            b = f"{b:.2f} s per {n}-token prompt" if n else f"{b:.2f} s"
         parts.append(f"predicted bottleneck: {b}")
     if p.get("leader"):
         parts.append(f"leader {p['leader']}")
