@@ -1,10 +1,11 @@
-"""A small client for apps talking to the local meshd over its unix socket.
+"""A small client for apps talking to meshd over its unix socket (or its TCP listener).
 
-Two flavours with the same methods — :class:`MeshdClient` (blocking, stdlib
-``http.client`` over ``AF_UNIX``) and :class:`AsyncMeshdClient` (aiohttp's
-``UnixConnector``) — so that a script needs no dependency beyond meshd and an
-asyncio app does not block its loop. HTTP itself is parsed by those libraries;
-this module only speaks the OpenAI JSON and server-sent events on top.
+Two flavours with the same methods — :class:`MeshdClient` (blocking) and
+:class:`AsyncMeshdClient` (asyncio) — both on httpx, which speaks HTTP over a
+unix socket as well as TCP, so an asyncio app does not block its loop. HTTP
+is parsed by httpx; this module only speaks the OpenAI JSON and server-sent
+events on top. ``base_url="http://host:11434"`` with ``api_key=`` reaches a
+daemon's ``--http`` listener from another machine.
 
     from meshd.client import MeshdClient
     with MeshdClient() as c:
@@ -17,15 +18,15 @@ socket is and says clearly when no daemon is running.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from meshd.errors import MeshdError
 from meshd.paths import default_socket_path
@@ -189,49 +190,63 @@ def _api_error(status: int, raw: bytes) -> ApiError:
         return ApiError(status, raw.decode(errors="replace").strip()[:200] or "request failed")
 
 
-def _not_running(path: Path, exc: OSError) -> MeshdError:
-    if isinstance(exc, FileNotFoundError):
+def _not_running(path: Path, exc: BaseException) -> MeshdError:
+    cause = exc
+    while cause.__cause__ is not None or cause.__context__ is not None:  # httpx wraps the OSError
+        if isinstance(cause, OSError):
+            break
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, FileNotFoundError):
         return DaemonNotRunning(path, "no socket there")
-    if isinstance(exc, ConnectionRefusedError):
+    if isinstance(cause, ConnectionRefusedError):
         return DaemonNotRunning(path, "socket exists but nothing is listening")
-    if isinstance(exc, PermissionError):
+    if isinstance(cause, PermissionError):
         return MeshdError(
             f"permission denied on {path}; add your user to the 'meshd' group "
             f"(the socket is mode 0660) and log in again"
         )
-    return DaemonNotRunning(path, str(exc))
+    return DaemonNotRunning(path, str(cause))
+
+
+class _Target:
+    """Where requests go: the unix socket (default) or a TCP base URL, with an optional key."""
+
+    def __init__(self, socket_path, base_url: str | None, api_key: str | None, timeout: float):
+        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.base_url = base_url.rstrip("/") if base_url else None
+        self.where = self.base_url or str(self.socket_path)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0))
+
+    def client_kwargs(self, transport_cls) -> dict[str, Any]:
+        kw: dict[str, Any] = {"timeout": self.timeout, "headers": self.headers}
+        if self.base_url:
+            kw["base_url"] = self.base_url
+        else:
+            kw["base_url"] = "http://localhost"
+            kw["transport"] = transport_cls(uds=str(self.socket_path))
+        return kw
+
+    def unreachable(self, exc: BaseException) -> MeshdError:
+        if self.base_url:
+            return DaemonNotRunning(self.base_url, f"cannot connect: {exc}")
+        return _not_running(self.socket_path, exc)
 
 
 # --------------------------------------------------------------------------- sync
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float):
-        super().__init__("localhost", timeout=timeout)
-        self._unix_path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._unix_path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
-
-
 class ChatStream(_StreamResult):
     """Iterate for text deltas; afterwards ``.text``, ``.usage``, ``.finish_reason``."""
 
-    def __init__(self, conn: _UnixHTTPConnection, resp: http.client.HTTPResponse, state: _StreamState):
-        self._conn, self._resp, self._state = conn, resp, state
+    def __init__(self, resp: httpx.Response, state: _StreamState):
+        self._resp, self._state = resp, state
 
     def __iter__(self) -> Iterator[str]:
         sse = _SSEParser()
         try:
-            for raw in iter(self._resp.readline, b""):
-                event = sse.feed(raw)
+            for raw in self._resp.iter_lines():
+                event = sse.feed(raw.encode() + b"\n")
                 if sse.done:
                     break
                 text = self._state.take(event) if event is not None else ""
@@ -243,7 +258,7 @@ class ChatStream(_StreamResult):
 
     def close(self) -> None:
         """Stop early: closing the connection makes the daemon stop generating."""
-        self._conn.close()
+        self._resp.close()
 
     def __enter__(self) -> ChatStream:
         return self
@@ -253,38 +268,34 @@ class ChatStream(_StreamResult):
 
 
 class MeshdClient:
-    """Blocking client; one connection per request (the socket is local and cheap)."""
+    """Blocking client. ``base_url``/``api_key`` reach a TCP listener instead of the socket."""
 
     def __init__(self, socket_path: str | os.PathLike | None = None, *,
-                 timeout: float = DEFAULT_TIMEOUT_S, model: str | None = None):
-        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+                 timeout: float = DEFAULT_TIMEOUT_S, model: str | None = None,
+                 base_url: str | None = None, api_key: str | None = None):
+        self._target = _Target(socket_path, base_url, api_key, timeout)
+        self.socket_path = self._target.socket_path
         self.timeout = timeout
         self.model = model
+        self._http = httpx.Client(**self._target.client_kwargs(httpx.HTTPTransport))
 
-    def _request(self, method: str, url: str, body: dict | None = None):
-        conn = _UnixHTTPConnection(str(self.socket_path), self.timeout)
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+    def _send(self, method: str, url: str, body: dict | None, stream: bool) -> httpx.Response:
+        req = self._http.build_request(method, url, json=body)
         try:
-            conn.request(method, url, body=data, headers=headers)
-            resp = conn.getresponse()
-        except OSError as exc:
-            conn.close()
-            if isinstance(exc, (socket.timeout, TimeoutError)):
-                raise MeshdError(f"meshd at {self.socket_path} did not answer in {self.timeout:g}s") from exc
-            raise _not_running(self.socket_path, exc) from exc
-        if resp.status >= 400:
+            resp = self._http.send(req, stream=stream)
+        except httpx.TimeoutException as exc:
+            raise MeshdError(f"meshd at {self._target.where} did not answer in {self.timeout:g}s") from exc
+        except httpx.TransportError as exc:
+            raise self._target.unreachable(exc) from exc
+        if resp.status_code >= 400:
             raw = resp.read()
-            conn.close()
-            raise _api_error(resp.status, raw)
-        return conn, resp
+            resp.close()
+            raise _api_error(resp.status_code, raw)
+        return resp
 
     def _json(self, method: str, url: str, body: dict | None = None) -> dict[str, Any]:
-        conn, resp = self._request(method, url, body)
-        try:
-            return json.loads(resp.read())
-        finally:
-            conn.close()
+        resp = self._send(method, url, body, stream=False)
+        return resp.json()
 
     def status(self) -> dict[str, Any]:
         """The mesh status dict (members, plan, model, recent speed)."""
@@ -316,16 +327,17 @@ class MeshdClient:
     def _complete(self, url: str, body: dict, stream: bool, chat: bool):
         state = _StreamState()
         if stream:
-            conn, resp = self._request("POST", url, body)
-            return ChatStream(conn, resp, state)
-        raw = self._json("POST", url, body)
-        return _completion(raw, chat)
+            return ChatStream(self._send("POST", url, body, stream=True), state)
+        return _completion(self._json("POST", url, body), chat)
+
+    def close(self) -> None:
+        self._http.close()
 
     def __enter__(self) -> MeshdClient:
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        self.close()
 
 
 def _completion(raw: dict[str, Any], chat: bool) -> Completion:
@@ -341,14 +353,14 @@ def _completion(raw: dict[str, Any], chat: bool) -> Completion:
 class AsyncChatStream(_StreamResult):
     """``async for`` text deltas; afterwards ``.text``, ``.usage``, ``.finish_reason``."""
 
-    def __init__(self, resp, state: _StreamState):
+    def __init__(self, resp: httpx.Response, state: _StreamState):
         self._resp, self._state = resp, state
 
     async def __aiter__(self) -> AsyncIterator[str]:
         sse = _SSEParser()
         try:
-            async for raw in self._resp.content:
-                event = sse.feed(raw)
+            async for raw in self._resp.aiter_lines():
+                event = sse.feed(raw.encode() + b"\n")
                 if sse.done:
                     break
                 text = self._state.take(event) if event is not None else ""
@@ -356,11 +368,11 @@ class AsyncChatStream(_StreamResult):
                     yield text
         finally:
             self._state.end()
-            self._resp.release()
+            await self._resp.aclose()
 
     async def aclose(self) -> None:
         """Stop early; the daemon notices the hang-up and stops generating."""
-        self._resp.close()
+        await self._resp.aclose()
 
     async def __aenter__(self) -> AsyncChatStream:
         return self
@@ -370,44 +382,33 @@ class AsyncChatStream(_StreamResult):
 
 
 class AsyncMeshdClient:
-    """asyncio client over aiohttp's UnixConnector; use ``async with``."""
+    """asyncio client (httpx); use ``async with``. Same ``base_url``/``api_key`` as the sync one."""
 
     def __init__(self, socket_path: str | os.PathLike | None = None, *,
-                 timeout: float = DEFAULT_TIMEOUT_S, model: str | None = None):
-        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+                 timeout: float = DEFAULT_TIMEOUT_S, model: str | None = None,
+                 base_url: str | None = None, api_key: str | None = None):
+        self._target = _Target(socket_path, base_url, api_key, timeout)
+        self.socket_path = self._target.socket_path
         self.timeout = timeout
         self.model = model
-        self._session = None
+        self._http = httpx.AsyncClient(**self._target.client_kwargs(httpx.AsyncHTTPTransport))
 
-    def _sess(self):
-        import aiohttp
-
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=str(self.socket_path)),
-                timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout),
-            )
-        return self._session
-
-    async def _request(self, method: str, url: str, body: dict | None = None):
-        import aiohttp
-
+    async def _send(self, method: str, url: str, body: dict | None, stream: bool) -> httpx.Response:
+        req = self._http.build_request(method, url, json=body)
         try:
-            resp = await self._sess().request(method, "http://localhost" + url, json=body)
-        except aiohttp.ClientConnectorError as exc:
-            raise _not_running(self.socket_path, exc.os_error) from exc
-        if resp.status >= 400:
-            raw = await resp.read()
-            resp.release()
-            raise _api_error(resp.status, raw)
+            resp = await self._http.send(req, stream=stream)
+        except httpx.TimeoutException as exc:
+            raise MeshdError(f"meshd at {self._target.where} did not answer in {self.timeout:g}s") from exc
+        except httpx.TransportError as exc:
+            raise self._target.unreachable(exc) from exc
+        if resp.status_code >= 400:
+            raw = await resp.aread()
+            await resp.aclose()
+            raise _api_error(resp.status_code, raw)
         return resp
 
     async def _json(self, method: str, url: str, body: dict | None = None) -> dict[str, Any]:
-        resp = await self._request(method, url, body)
-        try:
-            return json.loads(await resp.read())
-        finally:
-            resp.release()
+        return (await self._send(method, url, body, stream=False)).json()
 
     async def status(self) -> dict[str, Any]:
         return await self._json("GET", "/v1/mesh/status")
@@ -426,12 +427,11 @@ class AsyncMeshdClient:
     async def _complete(self, url: str, body: dict, stream: bool, chat: bool):
         state = _StreamState()
         if stream:
-            return AsyncChatStream(await self._request("POST", url, body), state)
+            return AsyncChatStream(await self._send("POST", url, body, stream=True), state)
         return _completion(await self._json("POST", url, body), chat)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._http.aclose()
 
     async def __aenter__(self) -> AsyncMeshdClient:
         return self

@@ -138,3 +138,14 @@ def test_https_with_a_certificate_and_key(tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{s.port}/health", timeout=5)  # plain HTTP is not spoken
+
+
+def test_meshd_client_reaches_the_lan_listener_with_its_key(srv):
+    from meshd.client import ApiError, MeshdClient
+
+    with MeshdClient(base_url=srv.url, api_key=srv.key) as c:
+        assert c.chat("hi").text == REPLY
+        assert "".join(c.chat("hi", stream=True)) == REPLY
+    with MeshdClient(base_url=srv.url) as c, pytest.raises(ApiError) as info:
+        c.models()
+    assert info.value.status == 401

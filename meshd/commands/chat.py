@@ -12,6 +12,10 @@ import sys
 from meshd.client import MeshdClient
 
 DEFAULT_MAX_TOKENS = 512
+# What llama.cpp / Ollama users expect from a chat: varied but on-topic. (The API itself keeps
+# OpenAI's temperature 1.0 default, which small models turn into rambling.)
+DEFAULT_TEMPERATURE = 0.7
+DEFAULT_TOP_P = 0.9
 
 
 def register(subparsers) -> None:
@@ -25,9 +29,10 @@ def register(subparsers) -> None:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS,
                    help=f"most tokens to generate (default {DEFAULT_MAX_TOKENS})")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature (0 = greedy; default: the server's, 1.0)")
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help=f"sampling temperature (0 = greedy; default {DEFAULT_TEMPERATURE})")
+    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P,
+                   help=f"nucleus sampling mass (default {DEFAULT_TOP_P})")
     p.add_argument("--seed", type=int, default=None, help="sampling seed, for repeatable answers")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--quiet", "-q", action="store_true", help="no summary line")
