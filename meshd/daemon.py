@@ -55,6 +55,8 @@ from transport.messages import Envelope, PlanUpdate
 
 log = get_logger("meshd.daemon")
 
+_PORT_HINT = ("; if another meshd runs on this machine, give this one --port 0 --pairing-port 0 "
+              "(and its own --state-dir and --socket)")
 RUNTIME_FILE = "daemon.json"  # in the state dir while running: ports/addresses for `meshd invite`
 SHUTDOWN_MESSAGE = "meshd is shutting down on this device; retry the request"
 
@@ -213,7 +215,8 @@ class Daemon:
         try:
             self.port = await self.link.start(cfg.listen, cfg.port)
         except (zmq.ZMQError, TransportError) as exc:
-            raise DaemonError(f"cannot listen on {cfg.listen}:{cfg.port} (port): {exc}") from None
+            raise DaemonError(f"cannot listen on {cfg.listen}:{cfg.port} (--port): {exc}"
+                              f"{_PORT_HINT if cfg.port else ''}") from None
         from meshd.share.service import start_sharing
 
         self.sharing = await start_sharing(self, replan_now=self._maybe_replan)
@@ -221,8 +224,8 @@ class Daemon:
         try:
             self.pairing_port = await self.pairing.start(cfg.listen, cfg.pairing_port)
         except OSError as exc:
-            raise DaemonError(f"cannot listen on {cfg.listen}:{cfg.pairing_port} (pairing_port): "
-                              f"{exc.strerror or exc}") from None
+            raise DaemonError(f"cannot listen on {cfg.listen}:{cfg.pairing_port} (--pairing-port): "
+                              f"{exc.strerror or exc}{_PORT_HINT if cfg.pairing_port else ''}") from None
         self._write_runtime_file()  # before the API answers, so `meshd invite` sees real ports
 
         await self._start_api()

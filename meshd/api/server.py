@@ -533,7 +533,9 @@ def _bind_unix(path: Path) -> socket.socket:
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise ApiStartError(f"{path} exists and is not a socket; refusing to replace it")
         if _socket_answers(path):
-            raise ApiStartError(f"another meshd is already serving on {path}")
+            raise ApiStartError(f"another meshd is already serving on {path}; a second daemon on this "
+                                f"machine needs its own --socket and --state-dir, and --port 0 "
+                                f"--pairing-port 0")
         log.info("api_stale_socket_removed", path=str(path))
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

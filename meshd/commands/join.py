@@ -78,10 +78,56 @@ def run(args) -> int:
     log.configure(cfg.log_format, cfg.log_level, stream=sys.stdout)
     state = StateDir(cfg.resolved_state_dir()).ensure()
     structlog.contextvars.bind_contextvars(node=state.node_id())
+    if args.token:
+        check_can_listen(cfg)  # an invite token is single-use: never spend it on a daemon that cannot start
     prepare_home(state, cfg, new_home=args.new_home, token=args.token)
     from meshd.daemon import Daemon
 
     return asyncio.run(Daemon(cfg).run())
+
+
+SECOND_DAEMON_HINT = ("a second meshd on this machine needs its own --state-dir and --socket, "
+                      "and --port 0 --pairing-port 0 (any free ports)")
+
+
+def check_can_listen(cfg) -> None:
+    """Bind (and release) every port and the socket the daemon will use, or say what is in the way.
+
+    Run before an invite token is consumed: the daemon binds for real right
+    after, so only a program grabbing a port in that instant can still fail it.
+    """
+    import errno
+    import socket
+
+    from meshd.api.server import parse_listen
+
+    wanted = [(cfg.listen, cfg.port, "--port"), (cfg.listen, cfg.pairing_port, "--pairing-port")]
+    for spec, flag in ((cfg.api_listen, "--api-listen"), (cfg.http, "--http")):
+        if spec:
+            host, port = parse_listen(spec, flag=flag, loopback_only=flag == "--api-listen")
+            wanted.append((host, port, flag))
+    for host, port, flag in wanted:
+        if not port:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            socket.create_server((host, port), family=family).close()
+        except OSError as exc:
+            hint = f"; {SECOND_DAEMON_HINT}" if exc.errno == errno.EADDRINUSE else ""
+            raise MeshdError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}{hint}; "
+                             f"the invite token was not used") from None
+    path = cfg.resolved_socket()
+    if path.exists():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(path))
+        except OSError:
+            pass  # stale: the daemon replaces it
+        else:
+            raise MeshdError(f"another meshd is already serving on {path}; {SECOND_DAEMON_HINT}; "
+                             f"the invite token was not used")
+        finally:
+            s.close()
 
 
 def prepare_home(state: StateDir, cfg, new_home: str | None, token: str | None) -> None:
