@@ -46,6 +46,18 @@ ANSWERS = [
     {"name": "workbench strip", "area": "garage", "brightness": 100, "on": True,
      "tags": ["led", "outdoor", "motion sensor"]},
 ]
+def _available() -> list[str]:
+    import importlib.util
+
+    libs = ["llguidance"]
+    if importlib.util.find_spec("xgrammar") is not None:
+        libs.append("xgrammar")
+    else:
+        print("xgrammar is not installed (pip install '.[grammar-compare]'): measuring llguidance only")
+    return libs
+
+
+LIBS = _available()
 MODELS = ["embedded", "qwen2.5-coder-0.5b-instruct"]  # "embedded": SmolLM2-135M-Instruct
 
 
@@ -136,6 +148,8 @@ def run_model(name: str, quick: bool) -> dict:
     token_lists = [source.tokenizer.encode(json.dumps(a)) for a in answers]
     out = {"model": name, "vocab_size": vocab, "answer_tokens": sum(map(len, token_lists))}
     for lib, make in (("llguidance", llg_runner), ("xgrammar", xgr_runner)):
+        if lib not in LIBS:
+            continue
         t = time.perf_counter()
         compile_, walk = make(hf, vocab)
         setup_s = time.perf_counter() - t
@@ -157,7 +171,7 @@ def run_model(name: str, quick: bool) -> dict:
         out[lib] = row
     step = decode_step_s(source, 8 if quick else 24)
     out["decode_step_ms"] = round(step * 1e3, 2)
-    for lib in ("llguidance", "xgrammar"):
+    for lib in LIBS:
         for kind in ("json_schema", "json_object"):
             r = out[lib][kind]
             r["overhead_vs_decode_step"] = round(r["mask_ms_per_token_median"] / (step * 1e3), 4)
@@ -179,7 +193,7 @@ def main() -> None:
 
     from importlib.metadata import version
 
-    versions = {"llguidance": version("llguidance"), "xgrammar": version("xgrammar")}
+    versions = {lib: version(lib) for lib in LIBS}
     print(f"libraries: {versions}")
     runs = []
     for name in args.models:
@@ -189,7 +203,7 @@ def main() -> None:
               f"{r['answer_tokens']} answer tokens)")
         print(f"  {'library':<11} {'spec':<12} {'compile ms':>11} {'mask+advance ms/token':>22} "
               f"{'p95':>8} {'of a step':>10}")
-        for lib in ("llguidance", "xgrammar"):
+        for lib in LIBS:
             for kind in ("json_schema", "json_object"):
                 x = r[lib][kind]
                 print(f"  {lib:<11} {kind:<12} {x['compile_ms_first']:>11.2f} "
