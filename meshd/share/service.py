@@ -112,6 +112,7 @@ class ShareService:
         self._fetch_wanted: frozenset[int] = frozenset()
         self._fetched_before = 0  # bytes fetched by earlier (finished or replaced) fetches of this run
         self.resumed_bytes = 0  # verified bytes the cache already held when this daemon started
+        self._by_holder_before: dict[str, int] = {}
         self.moved = {"manifest_bytes": 0, "piece_bytes": 0}
         self.served = {"pieces": 0, "bytes": 0, "manifests": 0, "refused": 0}
         # the leader's view
@@ -368,6 +369,8 @@ class ShareService:
         self._fetch_wanted = wanted
         if self.fetch is not None:
             self._fetched_before += self.fetch.stats.fetched_bytes
+            for nid, n in self.fetch.stats.by_holder.items():
+                self._by_holder_before[nid] = self._by_holder_before.get(nid, 0) + n
         self.fetch = Fetch(self.entry, sorted(wanted), self._holders, self.down, self.banned)
         self.error = ""
         self._fetch_task = asyncio.create_task(self._run_fetch(self.fetch, target), name="share-fetch")
@@ -649,6 +652,10 @@ class ShareService:
         fetch["bytes_moved"] = self.moved["manifest_bytes"] + self.moved["piece_bytes"]
         fetch["fetched_bytes_total"] = self._fetched_before + (self.fetch.stats.fetched_bytes if self.fetch else 0)
         fetch["resumed_bytes"] = self.resumed_bytes
+        by = dict(self._by_holder_before)
+        for nid, n in (self.fetch.stats.by_holder.items() if self.fetch else ()):
+            by[nid] = by.get(nid, 0) + n
+        fetch["by_holder_total"] = by
         return {
             "mode": self.mode, "share_port": self.port,
             "rate_limit_mbit": round(self.rate * 8 / 1e6, 3) if self.rate else None,
