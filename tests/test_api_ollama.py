@@ -232,3 +232,25 @@ def test_unknown_ollama_paths_answer_in_ollamas_error_format(srv):
         assert r.status_code == 404 and isinstance(r.json()["error"], str)
         r = h.post("/api/chat", content=b"{not json")
         assert r.status_code == 400 and isinstance(r.json()["error"], str)
+
+
+def test_speculation_stats_ride_in_the_final_message_and_in_openai_usage():
+    from decoding.speculative.params import SpeculativeStats
+
+    class Speculating(FakeEngine):
+        async def token_ids(self, req):
+            req.speculative_stats = SpeculativeStats("lookup", rounds=4, drafted=12, accepted=6)
+            async for t in super().token_ids(req):
+                yield t
+
+    with ServerThread(Speculating()) as s:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(s.socket_path)), base_url="http://localhost") as h:
+            final = h.post("/api/chat", json={"model": "m", "stream": False,
+                                              "messages": [{"role": "user", "content": "hi"}]}).json()
+            usage = h.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}]}).json()["usage"]
+        lines = [json.loads(x) for x in client(s)._client.post(
+            "/api/chat", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}).text.splitlines()]
+    assert final["speculative"]["drafter"] == "lookup" and final["speculative"]["accepted"] == 6
+    assert usage["speculative"]["rounds"] == 4
+    assert lines[-1]["done"] and lines[-1]["speculative"]["drafted"] == 12
