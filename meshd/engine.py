@@ -429,29 +429,22 @@ class LocalEngine(Engine):
         """Blocking token loop (worker thread); checks ``cancel`` before each forward."""
         import torch
 
-        from decoding.sampling import Sampler
+        from decoding.selector import TokenSelector
 
-        sampler = Sampler(req.sampling)
         eos = self.eos_ids
-        constraint = self._constraint(req)
-        generated: list[int] = []
+        select = TokenSelector(req.sampling, penalties=req.penalties, constraint=self._constraint(req),
+                               prompt_tail=req.prompt_ids, eos_ids=eos)
         pipe, seq = self._pipeline, req.request_id
         pipe.create(seq, len(req.prompt_ids) + req.max_tokens)
         try:
             with torch.inference_mode():
                 logits = pipe.prefill(seq, list(req.prompt_ids))
                 for i in range(req.max_tokens):
-                    last = req.penalties.apply(logits[-1], req.prompt_ids, generated)
-                    if constraint is not None:
-                        last = constraint.apply(last)
-                    tok = sampler(last)
-                    generated.append(tok)
-                    if constraint is not None and tok not in eos:
-                        constraint.advance(tok)
+                    tok = select(logits[-1])
                     yield tok
                     if tok in eos or i + 1 >= req.max_tokens or cancel.is_set():
                         return
-                    if constraint is not None and constraint.is_finished():
+                    if select.finished:
                         yield min(eos)  # the grammar is complete: nothing else may follow
                         return
                     logits = pipe.forward(seq, torch.tensor([tok], dtype=torch.long))

@@ -237,3 +237,19 @@ def test_speculative_decoding_through_two_daemons_changes_nothing_and_is_reporte
         client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        extra_body={"speculative": {"drafter": "magic"}})
     wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+
+
+def test_structured_output_through_two_daemons_always_parses(home):
+    """Home Assistant asks for JSON through the mesh engine: the last stage's grammar mask holds."""
+    _, a, b, _ = home
+    client = _openai_over(a.socket)
+    schema = {"type": "object", "properties": {"room": {"type": "string"}, "on": {"type": "boolean"}},
+              "required": ["room", "on"], "additionalProperties": False}
+    for seed in (1, 2):
+        resp = client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "Turn on the kitchen light, as JSON."}],
+            max_tokens=48, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "light", "schema": schema}})
+        obj = json.loads(resp.choices[0].message.content)
+        assert set(obj) == {"room", "on"} and isinstance(obj["on"], bool)
+    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")

@@ -407,6 +407,13 @@ class StageForward:
     commit_keep: list[int] | None = None
     medusa_paths: int = 0
     typical: bool = False
+    # How the last stage turns logits into tokens beyond sampling (sent with a sequence's last
+    # prompt chunk): a structured-output grammar spec, repetition penalties, the prompt's tail
+    # they look back into, and the tokens generated so far (a replay rebuilds that state).
+    constraint: dict | None = None
+    penalties: dict | None = None
+    prompt_tail: list[int] | None = None
+    history: list[int] | None = None
 
 
 @message
@@ -429,6 +436,7 @@ class TokenResult:
     proposals: list[list[int]] | None = None
     proposal_values: list[float] | None = None  # each proposal's estimated chance of acceptance
     note: str = ""
+    finished: bool = False  # the grammar is complete: the answer ends after these tokens
 
 
 @message

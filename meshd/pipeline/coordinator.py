@@ -258,7 +258,8 @@ class PipelineCoordinator:
                     sampling: SamplingParams, eos_ids=(), cuts: Cuts = None,
                     chunks: int | None = None, return_topk: int = 0,
                     wait_s: float | None = None, speculation: SpeculationSession | None = None,
-                    typical: bool = False, context_limit: int | None = None) -> AsyncIterator[TokenStep]:
+                    typical: bool = False, context_limit: int | None = None,
+                    constraint: dict | None = None, penalties=None) -> AsyncIterator[TokenStep]:
         """Like :meth:`generate`, with each step's top-k probabilities when ``return_topk`` > 0.
 
         Only the k ids and probabilities travel back from the last stage — never full logits.
@@ -266,7 +267,11 @@ class PipelineCoordinator:
         asked again whenever the request is replayed on a new route.
         ``speculation``: decode in verify rounds drafted by this session (its context is the
         prompt); its stats say how it went. ``context_limit`` bounds a round's KV positions.
+        ``constraint`` (a structured-output spec) and ``penalties`` (decoding.penalties.Penalties)
+        shape the last stage's sampling; they exclude speculation.
         """
+        if speculation is not None and (constraint is not None or (penalties is not None and penalties.active)):
+            raise PipelineError("speculation cannot be combined with structured output or penalties")
         if request_id in self._requests:
             raise PipelineError(f"request id {request_id!r} is already running")
         if not sampling.greedy and sampling.seed is None:
@@ -282,7 +287,8 @@ class PipelineCoordinator:
                 try:
                     async for step in self._attempt(request_id, route, prompt_ids, generated, max_tokens,
                                                     sampling, eos_ids, cuts, chunks, return_topk,
-                                                    speculation, typical, context_limit):
+                                                    speculation, typical, context_limit,
+                                                    self._shaping(prompt_ids, constraint, penalties)):
                         generated.append(step.token)
                         yield step
                     return
@@ -299,6 +305,19 @@ class PipelineCoordinator:
         finally:
             self._requests.discard(request_id)
 
+    @staticmethod
+    def _shaping(prompt_ids: list[int], constraint: dict | None, penalties) -> dict:
+        """Header fields that make the last stage build a grammar / penalty state for the sequence."""
+        out: dict = {}
+        if constraint is not None:
+            out["constraint"] = constraint
+        if penalties is not None and penalties.active:
+            out["penalties"] = {"presence": penalties.presence, "frequency": penalties.frequency,
+                                "repeat": penalties.repeat, "repeat_last_n": penalties.repeat_last_n}
+            n = penalties.repeat_last_n
+            out["prompt_tail"] = list(prompt_ids if n < 0 else prompt_ids[len(prompt_ids) - n:] if n else [])
+        return out
+
     def _gone_message(self, route: Route, exc: _Interrupted) -> str:
         now = self.route
         left = [s.node_id for s in route.stages if now is None or now.index_of(s.node_id) is None]
@@ -309,7 +328,7 @@ class PipelineCoordinator:
     async def _attempt(self, request_id: str, route: Route, prompt_ids: list[int], generated: list[int],
                        max_tokens: int, sampling: SamplingParams, eos_ids, cuts: Cuts, chunks: int | None,
                        return_topk: int, speculation: SpeculationSession | None = None, typical: bool = False,
-                       context_limit: int | None = None) -> AsyncIterator[TokenStep]:
+                       context_limit: int | None = None, shaping: dict | None = None) -> AsyncIterator[TokenStep]:
         """One pass on one route: (re-)prefill prompt + generated tokens, then decode."""
         seq = self.keys.next()
         flight = _Flight(request_id, route, seq, asyncio.Queue())
@@ -331,10 +350,11 @@ class PipelineCoordinator:
             bounds = chunk_bounds(len(ids), chunks, cut_points)
             for j, (a, b) in enumerate(bounds):
                 last = j == len(bounds) - 1
+                shape = {**shaping, "history": list(generated)} if shaping and last else {}
                 await self._send(first, StageForward(
                     position_offset=a, chunk_index=j, token_ids=torch.tensor(ids[a:b], dtype=torch.long),
                     is_last_chunk=last, sample_step=len(generated),
-                    medusa_paths=medusa_paths if last else 0, **fields))
+                    medusa_paths=medusa_paths if last else 0, **shape, **fields))
             pos = len(ids)
             if speculation is not None:
                 async for step in self._speculate(flight, speculation, ids, generated, max_tokens, eos_ids,
@@ -342,10 +362,14 @@ class PipelineCoordinator:
                     yield step
                 return
             while True:
-                step = await self._next_step(flight)
+                step, finished = await self._next_step(flight)
                 yield step  # the caller appends it to ``generated`` before resuming us
                 token = step.token
                 if token in eos_ids or len(generated) >= max_tokens:
+                    return
+                if finished:  # the grammar is complete: nothing may follow but the end
+                    if eos_ids:
+                        yield TokenStep(min(eos_ids))
                     return
                 await self._send(first, StageForward(
                     position_offset=pos, chunk_index=0, token_ids=torch.tensor([token], dtype=torch.long),
@@ -417,11 +441,11 @@ class PipelineCoordinator:
             log.warning("speculation_fallback", reason=res.note, drafter=session.drafter)
         return None
 
-    async def _next_step(self, flight: _Flight) -> TokenStep:
+    async def _next_step(self, flight: _Flight) -> tuple[TokenStep, bool]:
         item = await self._next_result(flight)
         return TokenStep(int(item.token_ids[0]),
                          item.topk_ids.tolist() if item.topk_ids is not None else None,
-                         item.topk_probs.tolist() if item.topk_probs is not None else None)
+                         item.topk_probs.tolist() if item.topk_probs is not None else None), item.finished
 
     async def _next_result(self, flight: _Flight) -> TokenResult:
         try:

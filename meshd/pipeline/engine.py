@@ -53,12 +53,24 @@ class PipelineEngine(Engine):
     def in_flight(self) -> int:
         return self.coordinator.in_flight
 
+    supports_penalties = True
+
+    @property
+    def supports_constraints(self) -> bool:
+        """The grammar library reads the vocabulary from the model's tokenizer.json."""
+        return getattr(self.tokenizer, "path", None) is not None
+
     def speculation_for(self, req: GenerationRequest) -> SpeculationSession | None:
         """The drafting session a request asked for (``auto``: Medusa heads + prompt lookup;
         the adaptive controller sends no candidates where they do not pay)."""
         spec = req.speculative
         if not spec.enabled:
             return None
+        if req.constraint is not None or req.penalties.active:
+            if spec.mode == "on":
+                raise BadEngineRequest("speculative decoding cannot be combined with structured output or "
+                                       "repetition penalties; use speculative \"auto\" or \"off\"")
+            return None  # auto: the grammar / penalties shape every token, plain decoding it is
         drafter = spec.drafter or "auto"
         model_drafter = None
         if drafter == "draft_model":
@@ -81,7 +93,8 @@ class PipelineEngine(Engine):
                                                      req.sampling, self.eos_ids, cuts=self.cuts_for,
                                                      wait_s=self.wait_s, speculation=session,
                                                      typical=req.speculative.typical,
-                                                     context_limit=self.context_length):
+                                                     context_limit=self.context_length,
+                                                     constraint=req.constraint, penalties=req.penalties):
                 yield step.token
         except NoRoute as exc:
             raise NoPlan(str(exc), retry_after_s=5.0) from exc

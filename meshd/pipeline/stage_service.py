@@ -26,6 +26,7 @@ Three rules keep the cache honest under hang-ups, failures and restarts:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,9 @@ from typing import Any
 import torch
 
 from decoding.errors import CacheFull, DecodingError
-from decoding.sampling import Sampler, SamplingParams, filtered_probs
+from decoding.penalties import Penalties
+from decoding.sampling import SamplingParams, filtered_probs
+from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.tree import DraftTree
@@ -111,7 +114,7 @@ class StageService:
         self.index: int | None = None
         self.stage: StageModel | None = None
         self.kv = None
-        self.samplers: dict[str, Sampler] = {}
+        self.samplers: dict[str, TokenSelector] = {}  # last stage: per sequence, logits -> tokens
         self.stats = StageStats()
         self.server: StageServer | None = None
         self.links = Links(node, directory)
@@ -310,15 +313,9 @@ class StageService:
             self._free(seq, "freed")
             return
         if not stage.is_last:
-            nxt = StageForward(
-                request_id=msg.request_id, plan_version=msg.plan_version, seq_id=seq,
-                position_offset=msg.position_offset, chunk_index=msg.chunk_index, hidden=out,
-                tree_mask=msg.tree_mask, reply_to=msg.reply_to, is_last_chunk=msg.is_last_chunk,
-                capacity=msg.capacity, temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p,
-                seed=msg.seed, sample_step=msg.sample_step, return_topk=msg.return_topk,
-                verify=msg.verify, tree_parents=msg.tree_parents, commit_start=msg.commit_start,
-                commit_keep=msg.commit_keep, medusa_paths=msg.medusa_paths, typical=msg.typical,
-                token_ids=msg.token_ids if msg.verify else None)
+            # Everything travels on (sampling, verify tree, commit, shaping); only the payload changes:
+            # our activations, and token ids only where the last stage needs them (a verify round).
+            nxt = dataclasses.replace(msg, hidden=out, token_ids=msg.token_ids if msg.verify else None)
             await self._send_next(nxt)
             elem = 2 if self.activation_dtype in ("float16", "bfloat16") else out.element_size()
             self.stats.activation_bytes_out += out.numel() * elem
@@ -358,18 +355,38 @@ class StageService:
         else:
             kv.keep(seq, start, keep)
 
-    def _sampler_for(self, msg: StageForward) -> Sampler:
-        sampler = self.samplers.get(msg.seq_id)
-        if sampler is None:
+    def _selector_for(self, msg: StageForward) -> TokenSelector:
+        sel = self.samplers.get(msg.seq_id)
+        if sel is None:
             params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed)
-            sampler = self.samplers[msg.seq_id] = Sampler(params, skip=msg.sample_step)
-        return sampler
+            constraint = None
+            tok = None
+            if msg.constraint is not None:
+                from decoding.constrained import TokenConstraint
+
+                tok = self.source.tokenizer
+                constraint = TokenConstraint(msg.constraint, tok.path, self.stage.config.vocab_size,
+                                             tuple(tok.eos_ids))
+            penalties = None
+            if msg.penalties:
+                try:
+                    penalties = Penalties(**msg.penalties)
+                except TypeError as exc:
+                    raise StageError("bad_input", f"bad penalties: {exc}") from None
+            eos = tuple(tok.eos_ids) if tok is not None else ()
+            sel = self.samplers[msg.seq_id] = TokenSelector(
+                params, penalties=penalties, constraint=constraint, prompt_tail=msg.prompt_tail or (),
+                eos_ids=eos, history=msg.history or (), skip=msg.sample_step)
+        return sel
 
     def _verify(self, msg: StageForward, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor
                 ) -> TokenResult:
         """Acceptance at the last stage (compute thread). This stage's own KV rollback waits, like
         every other stage's, for the next round's header."""
-        verdict = verify(tree, logits, self._sampler_for(msg), msg.typical)
+        sel = self._selector_for(msg)
+        if not sel.plain:
+            raise StageError("bad_input", "speculative rounds cannot verify a grammar- or penalty-shaped sequence")
+        verdict = verify(tree, logits, sel.sampler, msg.typical)
         result = TokenResult(request_id=msg.request_id, plan_version=msg.plan_version, seq_id=msg.seq_id,
                              token_ids=torch.tensor(verdict.committed(tree), dtype=torch.long),
                              chunk_index=msg.chunk_index, path=list(verdict.path))
@@ -399,17 +416,17 @@ class StageService:
 
     def _sample(self, msg: StageForward, logits: torch.Tensor) -> TokenResult:
         seq = msg.seq_id
-        sampler = self._sampler_for(msg)
+        sampler = self._selector_for(msg)
         token = sampler(logits)
         topk_ids = topk_probs = None
         if msg.return_topk > 0:  # the compressed distribution a verifier needs, instead of 49k logits
-            probs = (torch.softmax(logits.float(), -1) if sampler.params.greedy
-                     else filtered_probs(logits, sampler.params))
+            params = sampler.sampler.params
+            probs = torch.softmax(logits.float(), -1) if params.greedy else filtered_probs(logits, params)
             top = torch.topk(probs, min(msg.return_topk, probs.shape[-1]))
             topk_ids, topk_probs = top.indices.to(torch.int64), top.values.to(torch.float32)
         return TokenResult(request_id=msg.request_id, plan_version=msg.plan_version, seq_id=seq,
                            token_ids=torch.tensor([token], dtype=torch.long), chunk_index=msg.chunk_index,
-                           topk_ids=topk_ids, topk_probs=topk_probs)
+                           topk_ids=topk_ids, topk_probs=topk_probs, finished=sampler.finished)
 
     def _control(self, msg) -> None:
         kv = self.kv
