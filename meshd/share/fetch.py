@@ -127,7 +127,11 @@ class Fetch:
         try:
             while self._pending or self._in_flight:
                 now = time.monotonic()
-                for nid, h in self.holders().items():
+                holders = self.holders()
+                for nid in [n for n in self._workers if n not in holders and self._workers[n]]:
+                    for t in self._workers[nid]:  # it left the home: its pieces go back to the others now
+                        t.cancel()
+                for nid, h in holders.items():
                     if nid in self.banned or self._resting.get(nid, 0.0) > now:
                         continue
                     tasks = self._workers.setdefault(nid, set())

@@ -53,6 +53,7 @@ log = get_logger("meshd.share")
 MODES = ("layers", "whole", "off")
 LOCAL_MANIFESTS = ".local-manifests"  # under the cache root: manifests of local files, by path/size/mtime
 REQUEST_TIMEOUT_S = 60.0
+MAX_LAYERS = 4096  # an advert claiming layers beyond this is malformed
 
 
 class ShareError(MeshdError):
@@ -72,7 +73,7 @@ class PeerShare:
 
 def advert_holdings(a: ShareAdvert) -> Holdings:
     """Raises ValueError on malformed runs."""
-    return Holdings(bool(a.complete), frozenset(from_runs(a.layers, 1 << 20)), frozenset(map(str, a.tensors)),
+    return Holdings(bool(a.complete), frozenset(from_runs(a.layers, MAX_LAYERS)), frozenset(map(str, a.tensors)),
                     bool(a.header))
 
 
@@ -312,11 +313,14 @@ class ShareService:
             choice = self._home_choice()
             if choice is None:
                 if not logged:
-                    log.info("share_waiting_for_holders", reason="no member advertises a model yet")
+                    self.error = ("no member of the home advertises a model to share yet "
+                                  "(or run `meshd model pull` on this device)")
+                    log.info("share_waiting_for_holders", reason=self.error)
                     logged = True
                 await asyncio.sleep(0.2)
                 continue
             sha, digest, holders = choice
+            self.error = ""
             for nid in holders:
                 try:
                     peer = await self._client(nid)
