@@ -57,10 +57,11 @@ async def run(args) -> dict:
     ranges = even_split(source.config.num_layers, 2)
     setup = {**machine_banner(), "model": source.identity, "devices": 2, "ranges": ranges,
              "threads_per_stage": 1, "cores": [[0], [1]], "curve": True, "sampling": "greedy",
-             "max_tokens": args.max_tokens, "prompts": len(prompts), "methods": METHODS}
+             "max_tokens": args.max_tokens, "prompts": len(prompts), "methods": METHODS,
+             "heads": args.heads or "shipped"}
     print("# setup", json.dumps(setup), flush=True)
     rows = []
-    async with ProcessMesh(ranges, threads=1, cores=[[0], [1]]) as mesh:
+    async with ProcessMesh(ranges, threads=1, cores=[[0], [1]], heads=args.heads) as mesh:
         coord = mesh.coord
         ids0 = tok.apply_chat([{"role": "user", "content": "Hello"}])
         async for _ in coord.steps("warm", ids0, 4, SamplingParams()):
@@ -159,6 +160,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode.json"))
+    ap.add_argument("--heads", default=None, help="Medusa heads file (default: the shipped heads)")
     args = ap.parse_args()
     if args.max_tokens is None:
         args.max_tokens = 48 if args.quick else 128
