@@ -140,14 +140,21 @@ class MedusaHeads(torch.nn.Module):
         return int(v) if v is not None else None
 
     # -- compute ------------------------------------------------------------------
-    def residual(self, hidden: torch.Tensor) -> torch.Tensor:
+    def residual(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """[n, d] -> [n, K, d]: each head's hidden state before the LM head (differentiable)."""
+        k = self.num_heads if num_heads is None else num_heads
         x = hidden.to(self.w1.dtype)
-        r = torch.einsum("nd,ked->nke", x, self.w1) + self.b1
+        r = torch.einsum("nd,ked->nke", x, self.w1[:k]) + self.b1[:k]
         return x.unsqueeze(1) + F.silu(r)
 
-    def head_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-        """Logits [K, V] (or [n, K, V]) of tokens t+2 … t+K+1 from the final-normed hidden at t."""
+    def head_logits(self, hidden: torch.Tensor, lm_head: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """Logits [K, V] (or [n, K, V]) of tokens t+2 … t+K+1 from the final-normed hidden at t.
+
+        ``num_heads`` computes only the first heads (a shallower tree needs no
+        deeper guesses; each head costs one LM-head row per position).
+        """
+        if num_heads is not None and not 1 <= num_heads <= self.num_heads:
+            raise DrafterError(f"num_heads must be in [1, {self.num_heads}], got {num_heads}")
         if hidden.dim() not in (1, 2) or hidden.shape[-1] != self.hidden_size:
             raise DrafterError(
                 f"Medusa heads expect final hidden states of size {self.hidden_size}, got shape {tuple(hidden.shape)}")
@@ -159,7 +166,7 @@ class MedusaHeads(torch.nn.Module):
                 f"Medusa heads were trained for a vocabulary of {self.vocab_size}; this LM head has {lm_head.shape[0]}")
         single = hidden.dim() == 1
         h = hidden.unsqueeze(0) if single else hidden
-        y = self.residual(h.float())
+        y = self.residual(h.float(), num_heads)
         out = F.linear(y.to(lm_head.dtype), lm_head).float()
         return out[0] if single else out
 

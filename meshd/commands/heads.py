@@ -2,11 +2,13 @@
 
 ``train`` runs the whole Medusa-1 recipe inside a time budget (default 30
 minutes on a 2-core CPU): the model's own greedy answers to the shipped prompt
-set (held-out prompts first, so evaluation always has data), their hidden
-states from the project's runtime, AdamW on the heads with the backbone
-frozen, then held-out accuracy, the candidate tree built from it, and a replay
-of greedy verification. The budget is split up front; the number of training
-steps is planned from a measured step time so the cosine schedule ends on time.
+set (in a seeded shuffle, so a budget cut keeps every category and the
+held-out share), their hidden states from the project's runtime, AdamW on the
+heads with the backbone frozen, then held-out accuracy, the candidate tree
+built from it, and a replay of greedy verification. The budget is split up
+front (answers get at most GEN_SHARE of it); the training schedule follows the
+clock as well as the step count, so it ends decayed and on time even when a
+shared machine slows down mid-run.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import time
 from pathlib import Path
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "heads_prompts.jsonl"
-GEN_SHARE = 0.45      # at most this share of the budget generating answers
-EVAL_RESERVE_S = 45.0  # kept back for the held-out evaluation and saving
+GEN_SHARE = 0.55       # at most this share of the budget generating answers (more prompts beat more epochs)
+EVAL_RESERVE_S = 20.0  # kept back for saving, plus the evaluation's own estimate
 
 
 def register(sub) -> None:
@@ -57,7 +59,7 @@ def _common(p) -> None:
     p.add_argument("--generator", choices=["auto", "transformers", "runtime"], default="auto",
                    help="how answers are generated (auto: transformers' batched greedy on the same weights; "
                         "answers are always checked against, and hidden states taken from, meshd's runtime)")
-    p.add_argument("--gen-batch", type=int, default=32, help="prompts per batch with the transformers generator")
+    p.add_argument("--gen-batch", type=int, default=64, help="prompts per batch with the transformers generator")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
@@ -136,16 +138,21 @@ class _Run:
 
 
 def _prompts(args):
-    """Held-out prompts in file order; training prompts in a seeded shuffle, so that a run cut
-    short by its time budget still covers every category."""
-    import random
-
+    """(held-out, training) prompts, in file order."""
     from decoding.medusa_train import load_prompts
 
     prompts = load_prompts(args.prompts or DEFAULT_PROMPTS)
-    train = [p for p in prompts if not p.heldout]
-    random.Random(getattr(args, "seed", 0)).shuffle(train)
-    return [p for p in prompts if p.heldout], train
+    return [p for p in prompts if p.heldout], [p for p in prompts if not p.heldout]
+
+
+def _answer_order(heldout_p, train_p, seed: int):
+    """All prompts in a seeded shuffle: a run cut short by its time budget still covers every
+    category and keeps the held-out share, instead of spending its time on held-out prompts."""
+    import random
+
+    order = heldout_p + train_p
+    random.Random(seed).shuffle(order)
+    return order
 
 
 def _save_answers(path: Path, examples) -> None:
@@ -189,16 +196,17 @@ def run_train(args) -> int:
     if answers_path is not None and answers_path.is_file():
         examples = _load_answers(answers_path)
     else:
-        examples = run.answers(heldout_p + train_p, start + GEN_SHARE * budget)
+        examples = run.answers(_answer_order(heldout_p, train_p, args.seed), start + GEN_SHARE * budget)
         if answers_path is not None:
             _save_answers(answers_path, examples)
     t_gen = time.monotonic() - t_gen
     held = [e for e in examples if e.heldout]
     train = [e for e in examples if not e.heldout]
-    if not train:
+    if not train or not held:
         from decoding.errors import DrafterError
 
-        raise DrafterError("no training prompts were answered within the time budget; give more --minutes")
+        raise DrafterError(f"{len(train)} training and {len(held)} held-out prompts were answered within the "
+                           f"time budget; both are needed (give more --minutes)")
     t_hid = time.monotonic()
     check = RuntimeCheck()
     train_set = run.hidden(train, args.heads, check, "hidden (train)")
@@ -209,11 +217,12 @@ def run_train(args) -> int:
     cfg = TrainConfig(lr=args.lr, batch_size=args.batch_size, seed=args.seed, bf16=not args.fp32)
     torch.manual_seed(args.seed)
     heads = MedusaHeads(args.heads, run.cfg.hidden_size)
-    train_until = deadline - EVAL_RESERVE_S
+    step_s = _time_one_step(heads, train_set, run.lm_head, cfg, medusa_loss)
+    # evaluation runs the heads forward (about a third of a training step per row) on every held-out row
+    eval_s = EVAL_RESERVE_S + 0.5 * step_s * len(held_set) / cfg.batch_size
+    train_until = deadline - eval_s
     steps = args.steps
-    step_s = None
     if steps is None:
-        step_s = _time_one_step(heads, train_set, run.lm_head, cfg, medusa_loss)
         by_epochs = int(args.epochs * len(train_set) / cfg.batch_size)
         by_time = int(max(0.0, train_until - time.monotonic()) / step_s)
         steps = max(1, min(by_epochs, by_time))
@@ -224,6 +233,9 @@ def run_train(args) -> int:
                 bar.set_postfix(loss=f"{loss:.3f}")
         stats = train_heads(heads, train_set, run.lm_head, steps, cfg, deadline=train_until, on_step=on_step)
     t_eval = time.monotonic()
+    with torch.no_grad():  # evaluate exactly what the file will hold (fp16 weights)
+        for p in heads.parameters():
+            p.copy_(p.to(torch.float16).float())
     ev = evaluate(heads, held_set, run.lm_head)
     t_eval = time.monotonic() - t_eval
     heads.tree = [tuple(p) for p in ev["tree"]]
@@ -244,7 +256,8 @@ def run_train(args) -> int:
             "optimizer": "AdamW", "lr": cfg.lr, "schedule": f"linear warm-up {cfg.warmup_fraction:.0%}, cosine",
             "weight_decay": cfg.weight_decay, "batch_size": cfg.batch_size,
             "lm_head_product": "bfloat16" if cfg.bf16 else "float32", "seed": args.seed,
-            **stats, "measured_step_s": round(step_s, 4) if step_s else None,
+            **stats, "measured_step_s": round(step_s, 4), "eval_reserve_s": round(eval_s, 1),
+            "gen_batch": args.gen_batch, "gen_share": GEN_SHARE,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
             "seconds": {"generate": round(t_gen, 1), "hidden": round(t_hid, 1), "train": stats["seconds"],
                         "eval": round(t_eval, 1), "total": round(total_s, 1)},

@@ -1,0 +1,33 @@
+"""The Medusa heads shipped for the embedded model, pinned by sha256.
+
+They were trained with ``meshd heads train`` (defaults) on the embedded
+SmolLM2-135M-Instruct; the file sits in the package so the quick start drafts
+with them without downloading anything. The pin catches a damaged install or
+a file swapped after training; ``model_identity`` catches pairing them with a
+different model that happens to have the same shapes (heads guess what one
+particular model will say, they are useless for another).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from decoding.errors import DrafterError
+from decoding.medusa import MedusaHeads
+
+HEADS_FILE = Path(__file__).parent / "data" / "medusa-smollm2-135m.pt"
+HEADS_SHA256 = "5043d2488fa8f4b6153d687fbb8c7f84d998dcff9feaa70d996f5f95f4723cdb"
+
+
+def embedded_heads(*, vocab_size: int | None = None, hidden_size: int | None = None,
+                   model_identity: str | None = None) -> MedusaHeads:
+    """Load and verify the shipped heads; ``DrafterError`` says why they cannot be used."""
+    heads = MedusaHeads.load(HEADS_FILE, sha256=HEADS_SHA256, vocab_size=vocab_size, hidden_size=hidden_size)
+    trained_for = (heads.meta.get("model") or {}).get("identity")
+    if model_identity is not None and trained_for is not None and model_identity != trained_for:
+        raise DrafterError(f"the shipped Medusa heads were trained for {trained_for}, not {model_identity}; "
+                           f"train heads for this model with `meshd heads train --model ...`")
+    return heads
+
+
+__all__ = ["HEADS_FILE", "HEADS_SHA256", "embedded_heads"]
