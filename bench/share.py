@@ -276,8 +276,9 @@ def join_run(label: str, root: Path, holders: list[Daemon], tb, host: int, core:
              control_window=None) -> dict:
     """One joiner, from spawn to serving its layers, then stopped. ``label`` "local": a control joiner
     that has the file already (its window for alpha's latency is ``control_window``, the layers run's)."""
-    home = root / f"{label}-meshd-home"
-    beta = Daemon(root, f"beta-{label}", host, core, ["--model", "", *extra] if label != "local" else extra,
+    n = sum(1 for d in SPAWNED if d.name.startswith(f"beta-{label}"))
+    home = root / f"{label}-{n}-meshd-home"
+    beta = Daemon(root, f"beta-{label}-{n}", host, core, ["--model", "", *extra] if label != "local" else extra,
                   {**no_index_env(home), **env_extra}, tb)
     beta.start(["--token", invite(holders[0])], id_prefix="f")  # joins as a follower: alpha keeps leading
     bid = wait("beta's node id", lambda: beta.state.joinpath("node_id").exists() and beta.node_id(), 60)
@@ -380,7 +381,8 @@ def link_rate(tb) -> float | None:
     return res["mbit_s"] * 1e6
 
 
-def run_link(spec: str, quick: bool, model: Path, manifest, reference: dict, which: list[str]) -> dict:
+def run_link(spec: str, quick: bool, model: Path, manifest, reference: dict, which: list[str], reps: int = 1
+             ) -> dict:
     root = Path(tempfile.mkdtemp(prefix="meshd-bshare-"))
     tb = None
     t_link = time.monotonic()
@@ -405,29 +407,44 @@ def run_link(spec: str, quick: bool, model: Path, manifest, reference: dict, whi
         baseline = streamer.window(0, time.time())
         log(f"[{spec}] baseline at alpha: {baseline}")
         runs = {}
-        # beta shares core 1 with gamma (2-core machine); in --quick alpha is alone on core 0
-        if "layers" in which:
-            runs["layers"] = join_run("layers", root, holders, tb, 2, 1, [], {}, manifest, reference, streamer,
-                                      rate)
-        if "whole" in which:
-            runs["whole"] = join_run("whole", root, holders, tb, 2, 1, [], {"MESHD_SHARE_FETCH": "whole"},
-                                     manifest, reference, streamer, rate)
-        if "local" in which:
-            lw = runs.get("layers", {}).get("control_window")
-            runs["local"] = join_run("local", root, holders, tb, 2, 1, ["--model", str(model)], {}, manifest,
-                                     reference, streamer, rate, control_window=lw)
-            for name in ("layers", "whole"):
-                if name in runs and runs[name]["time_to_ready_s"] and runs["local"]["time_to_ready_s"]:
+        cap = 0.4 * (rate or 500e6)
+        plans = {  # label -> (extra args, extra env); beta shares core 1 with gamma (2-core machine)
+            "layers": ([], {}), "whole": ([], {"MESHD_SHARE_FETCH": "whole"}),
+            "local": (["--model", str(model)], {}), "capped": (["--share-rate", f"{cap / 1e6:.0f}mbit"], {})}
+        reps_of: dict[str, list[dict]] = {}
+        for rep in range(reps):
+            for label in which:
+                extra, env_extra = plans[label]
+                lw = (reps_of.get("layers") or [{}])[-1].get("control_window")
+                r = join_run(label, root, holders, tb, 2, 1, extra, env_extra, manifest, reference, streamer,
+                             rate, control_window=lw if label == "local" else None)
+                reps_of.setdefault(label, []).append(r)
+        for label, rs in reps_of.items():
+            ok = [r for r in rs if not r.get("failed")]
+            runs[label] = dict(ok[0] if ok else rs[0])
+            runs[label]["parity"] = all(r["parity"] for r in rs)
+            if ok:
+                for key in ("time_to_ready_s", "fetch_s"):
+                    vals = [r[key] for r in ok if r.get(key) is not None]
+                    if vals:
+                        runs[label][key] = round(statistics.median(vals), 2)
+                        runs[label][key.replace("_s", "_all_s")] = vals
+                if runs[label].get("transfer_alone_s"):
+                    runs[label]["ready_over_transfer"] = round(runs[label]["time_to_ready_s"]
+                                                               / runs[label]["transfer_alone_s"], 2)
+                if runs[label].get("transfer_alone_s") and runs[label].get("fetch_s"):
+                    runs[label]["fetch_over_transfer"] = round(runs[label]["fetch_s"] / runs[label]["transfer_alone_s"], 2)
+            runs[label]["reps"] = len(rs)
+            runs[label]["failed_reps"] = len(rs) - len(ok)
+            if label == "capped":
+                runs[label]["share_rate_mbit"] = round(cap / 1e6)
+        if "local" in runs and runs["local"].get("time_to_ready_s"):
+            for name in ("layers", "whole", "capped"):
+                if name in runs and runs[name].get("time_to_ready_s"):
                     added = runs[name]["time_to_ready_s"] - runs["local"]["time_to_ready_s"]
                     runs[name]["added_vs_local_file_s"] = round(added, 2)
                     if runs[name].get("transfer_alone_s"):
                         runs[name]["added_over_transfer"] = round(added / runs[name]["transfer_alone_s"], 2)
-        if "capped" in which:
-            cap = 0.4 * (rate or 500e6)
-            runs["capped"] = join_run("capped", root, holders, tb, 2, 1,
-                                      ["--share-rate", f"{cap / 1e6:.0f}mbit"], {}, manifest, reference, streamer,
-                                      rate)
-            runs["capped"]["share_rate_mbit"] = round(cap / 1e6)
         served = {h.name: ((h.status() or {}).get("sharing") or {}).get("served") for h in holders}
         streamer.stop()
         for h in holders:
@@ -460,6 +477,7 @@ def main() -> int:
     ap.add_argument("--links", nargs="*", default=None, help="link settings (default 1gbit,1ms 100mbit,4ms)")
     ap.add_argument("--runs", nargs="*", default=None, choices=["layers", "whole", "local", "capped"],
                     help="which joiner runs (default: layers whole local, + capped without --quick)")
+    ap.add_argument("--reps", type=int, default=1, help="joiners per run kind (medians reported)")
     ap.add_argument("--model", default=None, help="GGUF the holders run (default: the embedded model)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args()
@@ -482,7 +500,7 @@ def main() -> int:
         f"regions, header {manifest.header.length / 1e6:.2f} MB of {manifest.size / 1e6:.1f} MB")
     reference = references(model)
     which = args.runs or (["layers", "whole", "local"] + ([] if args.quick else ["capped"]))
-    results = [run_link(spec, args.quick, model, manifest, reference, which) for spec in links]
+    results = [run_link(spec, args.quick, model, manifest, reference, which, args.reps) for spec in links]
 
     first = {k: results[0]["runs"].get(k, {}) for k in ("layers", "whole", "local")}
     summary = {

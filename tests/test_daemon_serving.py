@@ -84,7 +84,10 @@ def reference(real_source, real_stage):
 
 @pytest.fixture(scope="module")
 def home(real_source):
-    """Two paired daemons with the real model, each serving its half of a warm plan."""
+    """Two paired daemons with the real model, each serving its half of a warm plan.
+
+    A list, not a tuple: the restart test replaces beta with its restarted process, so the
+    tests after it (in whatever order a worker runs them) talk to the live one."""
     mesh = Mesh()
     try:
         model = str(real_source.path)
@@ -93,7 +96,7 @@ def home(real_source):
         b = mesh.spawn("beta", "--model", model, token=mesh.invite(a))
         b.wait_serving(60)
         wait_for(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
-        yield mesh, a, b, model
+        yield [mesh, a, b, model]
     finally:
         mesh.cleanup()
 
@@ -154,6 +157,7 @@ def test_a_member_restarting_on_a_new_port_is_found_and_used_again(home, referen
     b.signal(signal.SIGKILL)
     b.wait(30)
     b2 = mesh.spawn("beta", "--model", model)  # same state dir: same node id, a new port
+    home[2] = b2
     wait_for(lambda: both_ready(a, b2) and b2.status()["ports"]["transport"] != old_port, 120,
              what="the restarted member back in a warm plan", explain=lambda: summary(a, b2))
     for proc in (a, b2):
