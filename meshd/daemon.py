@@ -46,7 +46,7 @@ from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 from meshd.membership import Change, Debouncer, Membership, PeerState, affects_plan
 from meshd.pairing import PairingServer
-from meshd.peerlink import PeerLink
+from meshd.peerlink import PeerLink, probe_interval_for
 from meshd.plan import MemberInput, Plan, make_plan, plannable_members
 from meshd.sdnotify import Notifier
 from meshd.state import Home, Member, StateDir, key_fingerprint, members_digest
@@ -210,8 +210,10 @@ class Daemon:
         self._started_at = self.clock()
         self.interfaces = select_interfaces(cfg.interface)
 
+        probe_s = probe_interval_for(cfg.heartbeat_interval_s)
         self.link = PeerLink(self.node_id, self.state.root, self._on_message,
-                             send_timeout_s=max(0.2, cfg.heartbeat_interval_s))
+                             send_timeout_s=max(0.2, cfg.heartbeat_interval_s),
+                             probe_interval_s=probe_s, probe_timeout_s=min(2.0, probe_s), clock=self.clock)
         try:
             self.port = await self.link.start(cfg.listen, cfg.port)
         except (zmq.ZMQError, TransportError) as exc:
@@ -585,6 +587,7 @@ class Daemon:
                 if now >= next_beat:
                     self._send_heartbeat()
                     next_beat = now + cfg.heartbeat_interval_s
+                self.link.probe_due()  # round trips, in background tasks: never waits here
                 self._apply(self.membership.tick(now))
                 if self.debounce.due(now):
                     self._maybe_replan()
@@ -732,6 +735,15 @@ class Daemon:
         spec["round_cost_slope"] = round(coord.round_cost.slope, 4)
         return {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec}
 
+    def _links_status(self) -> dict[str, dict[str, Any]]:
+        """Per linked member: round trip (``rtt_s``, None unless fresh), ``age_s``, ``reachable``;
+        ``bytes_sent``: activation bytes this device's stage sent it."""
+        links = self.link.link_status() if self.link is not None else {}
+        stage = self.serving.stage.status() if self.serving is not None else {}
+        for nid, n in (stage.get("activation_bytes_to") or {}).items():
+            links.setdefault(nid, {})["bytes_sent"] = n
+        return links
+
     # -- runtime file for `meshd invite` -----------------------------------------------
     def _write_runtime_file(self) -> None:
         from meshd.state import atomic_write
@@ -807,6 +819,7 @@ class Daemon:
             "ready": self._serving_ready(),
             "not_planned": [{"node_id": n, "reason": r} for n, r in sorted(self.excluded.items())],
             "stage": self._stage_status(),
+            "links": self._links_status(),
             "sharing": self.sharing.status() if self.sharing is not None else None,
             "requests_in_flight": self.engine.in_flight if self.engine else 0,
             "recent": {"tokens_per_s": None, "ttft_s": None},

@@ -2,7 +2,8 @@
 
 The daemon runs a fake engine (``--engine``), so this checks the wiring
 (flags, key store in the state dir, health from the daemon's readiness,
-mesh metrics), not generation.
+mesh metrics, the link round trip to a second, model-less member), not
+generation.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_api_support import REPLY, FakeEngine
-from tests.test_daemon_helpers import mesh, run_cli  # noqa: F401
+from tests.test_daemon_helpers import kill_hard, mesh, run_cli, summary, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +51,33 @@ def test_daemon_serves_ollama_and_openai_on_its_lan_listener_with_a_key(mesh):
 
     me = next(m for m in d.status()["members"] if m["self"])
     assert me["version"] and me["uptime_s"] is not None
+
+    # A second member: its link's round trip shows in /metrics (parsed as Prometheus text) and in
+    # the status; once it is gone, the link turns unreachable and the stale RTT disappears.
+    b = mesh.spawn("member", token=mesh.invite(d))
+    b.wait_serving()
+    b_id = b.node_id()
+
+    def link_samples() -> dict[str, dict]:
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=10).text
+        out: dict[str, dict] = {}
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name.startswith("meshd_link_") and "peer" in smp.labels:
+                    out.setdefault(smp.name, {})[smp.labels["peer"]] = smp.value
+        return out
+
+    rtt = wait_for(lambda: link_samples().get("meshd_link_rtt_seconds", {}).get(b_id), 30,
+                   what="a link RTT sample for the second member", explain=lambda: summary(d, b))
+    assert 0 < rtt < 5 and link_samples()["meshd_link_reachable"][b_id] == 1
+    link = d.status()["links"][b_id]
+    assert link["reachable"] and link["age_s"] is not None and link["rtt_s"] > 0
+    assert wait_for(lambda: (b.status()["links"].get(d.node_id()) or {}).get("rtt_s"), 30,
+                    what="the second member's RTT to the first")
+    kill_hard(b)
+    wait_for(lambda: link_samples().get("meshd_link_reachable", {}).get(b_id) == 0, 30,
+             what="the killed member's link reported unreachable", explain=lambda: d.status()["links"])
+    assert b_id not in link_samples().get("meshd_link_rtt_seconds", {})
 
     rc, _ = run_cli("apikey", "revoke", "ha", "--state-dir", str(d.state_dir))
     assert rc == 0

@@ -76,6 +76,21 @@ def test_metrics_parse_and_count_requests_tokens_and_latency():
     assert m["meshd_link_bytes_sent_total"][layers] == 9000
 
 
+def test_metrics_show_each_links_round_trip_reachability_and_bytes_sent():
+    status = {**STATUS, "links": {
+        "n-def456": {"rtt_s": 0.0042, "age_s": 1.2, "reachable": True, "failures": 0, "probes": 3,
+                     "bytes_sent": 4096},
+        "n-gone": {"rtt_s": None, "age_s": 40.0, "reachable": False, "failures": 5, "probes": 9},
+        "n-new": {"rtt_s": None, "age_s": None, "reachable": False, "failures": 0, "probes": 1},
+    }}
+    with ServerThread(FakeEngine(), status=status) as srv:
+        m = metrics(srv)
+    assert m["meshd_link_rtt_seconds"] == {(("peer", "n-def456"),): 0.0042}  # no stale value for the others
+    assert m["meshd_link_reachable"] == {(("peer", "n-def456"),): 1.0, (("peer", "n-gone"),): 0.0,
+                                         (("peer", "n-new"),): 0.0}
+    assert m["meshd_link_activation_bytes_sent_total"] == {(("peer", "n-def456"),): 4096}
+
+
 def test_queue_depth_counts_requests_waiting_for_their_first_token():
     import threading
 

@@ -33,7 +33,7 @@ def test_status_table_has_one_row_per_device_then_plan_and_performance(server, c
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("NAME"))
     assert lines[header].split() == ["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "KV", "TOKENS",
-                                     "UPTIME", "VERSION", "MODEL", "LAST", "SEEN"]
+                                     "UPTIME", "VERSION", "MODEL", "LAST", "SEEN", "RTT"]
     assert lines[header + 1].split()[:7] == ["desk-pc", "*", "active", "192.168.1.10:7400", "6.0", "GiB", "0-17"]
     assert lines[header + 2].split()[:6] == ["kitchen-pi", "joining", "192.168.1.20:7400", "1.5", "GiB", "18-29"]
     assert "3s ago" in lines[header + 2]
@@ -124,3 +124,19 @@ def test_status_names_the_bottlenecks_unit_and_tells_same_named_devices_apart():
     assert "512" in text and "b179c9523d0e6a0f" in text and "90s" in text
     assert "last error on pi (n-2): model load failed: no space" in text
     assert "predicted bottleneck: 1.25 s per 512-token prompt" in text
+
+
+def test_status_shows_each_members_link_round_trip_or_that_it_stopped_answering():
+    text = render_status({
+        "members": [{"node_id": "n-1", "name": "desk", "self": True},
+                    {"node_id": "n-2", "name": "pi"}, {"node_id": "n-3", "name": "nas"},
+                    {"node_id": "n-4", "name": "laptop"}, {"node_id": "n-5", "name": "tv"}],
+        "links": {"n-2": {"rtt_s": 0.00042, "reachable": True, "failures": 0, "age_s": 1.0},
+                  "n-3": {"rtt_s": None, "reachable": False, "failures": 3, "age_s": 30.0},
+                  "n-4": {"rtt_s": None, "reachable": False, "failures": 0, "age_s": None}}})
+    rows = {line.split()[0]: line for line in text.splitlines() if line.split()[:1] in
+            (["desk"], ["pi"], ["nas"], ["laptop"], ["tv"])}
+    assert rows["pi"].endswith("0.4 ms")
+    assert rows["nas"].endswith("unreachable")
+    assert rows["laptop"].endswith("-")  # its first probe is still out
+    assert rows["desk"].endswith("-") and rows["tv"].endswith("-")

@@ -257,3 +257,33 @@ def test_structured_output_through_two_daemons_always_parses(home):
         obj = json.loads(resp.choices[0].message.content)
         assert set(obj) == {"room", "on"} and isinstance(obj["on"], bool)
     wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+
+
+def _link_samples(proc) -> dict[str, dict[str, float]]:
+    """``meshd_link_*`` samples by peer from the daemon's /metrics, parsed as Prometheus text."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(proc.socket)), base_url="http://meshd",
+                      timeout=10) as h:
+        text = h.get("/metrics").text
+    out: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("meshd_link_") and "peer" in s.labels:
+                out.setdefault(s.name, {})[s.labels["peer"]] = s.value
+    return out
+
+
+def test_metrics_show_the_round_trip_and_the_activation_bytes_to_the_other_daemon(home):
+    _, a, b, _ = home
+    MeshdClient(a.socket, timeout=240).chat(QUESTIONS[0], max_tokens=4, temperature=0)
+    for proc, other in ((a, b), (b, a)):
+        rtt = wait_for(lambda p=proc, o=other: _link_samples(p).get("meshd_link_rtt_seconds", {}).get(o.node_id()),
+                       30, what=f"{proc.name}'s link RTT to {other.name}", explain=lambda: summary(a, b))
+        assert 0 < rtt < 5
+        assert _link_samples(proc)["meshd_link_reachable"][other.node_id()] == 1
+    first, second = plan_nodes(a)
+    by_id = {a.node_id(): a, b.node_id(): b}
+    assert _link_samples(by_id[first])["meshd_link_activation_bytes_sent_total"][second] > 0
+    assert by_id[first].status()["links"][second]["bytes_sent"] > 0

@@ -5,8 +5,9 @@ place that can time what a user experiences: time to first token (TTFT) and
 time per output token. ``meshd status`` shows the recent window next to the
 planner's prediction; ``GET /metrics`` exposes the same measurements as
 Prometheus histograms and counters, plus the mesh's state (plan version,
-members by state, this device's stage: KV tokens, busy time, bytes sent),
-read from the daemon's status at scrape time.
+members by state, this device's stage: KV tokens, busy time, bytes sent;
+per peer: link round trip, reachability, activation bytes sent), read from
+the daemon's status at scrape time.
 
 Each app has its own ``CollectorRegistry`` (never the process-global one), so
 several daemons or test servers in one process do not share counters.
@@ -194,12 +195,28 @@ class MeshCollector:
                 yield b
         links = s.get("links")
         if isinstance(links, dict) and links:
-            rtt = GaugeMetricFamily("meshd_link_rtt_seconds", "Last measured round trip to a peer",
+            links = sorted((str(p), i) for p, i in links.items() if isinstance(i, dict))
+            rtt = GaugeMetricFamily("meshd_link_rtt_seconds", "Last measured round trip to a peer over "
+                                    "the control link (absent while the peer does not answer)",
                                     labels=["peer"])
-            for peer, info in sorted(links.items()):
-                if isinstance(info, dict) and isinstance(info.get("rtt_s"), (int, float)):
-                    rtt.add_metric([str(peer)], float(info["rtt_s"]))
+            up = GaugeMetricFamily("meshd_link_reachable", "1 when the peer answered its recent "
+                                   "round-trip probes", labels=["peer"])
+            sent = CounterMetricFamily("meshd_link_activation_bytes_sent", "Activation bytes this "
+                                       "device's stage sent to a peer", labels=["peer"])
+            for peer, info in links:
+                if _number(info.get("rtt_s")):
+                    rtt.add_metric([peer], float(info["rtt_s"]))
+                if isinstance(info.get("reachable"), bool):
+                    up.add_metric([peer], 1.0 if info["reachable"] else 0.0)
+                if _number(info.get("bytes_sent")):
+                    sent.add_metric([peer], float(info["bytes_sent"]))
             yield rtt
+            yield up
+            yield sent
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 StatusFn = Callable[[], "dict[str, Any] | Awaitable[dict[str, Any]]"]

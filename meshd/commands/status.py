@@ -81,6 +81,7 @@ def render_status(s: dict[str, Any]) -> str:
 
     members = [m for m in (s.get("members") or []) if isinstance(m, dict)]
     names = [m.get("name") or m.get("node_id") for m in members]
+    links = s.get("links") if isinstance(s.get("links"), dict) else {}
     rows = [
         [
             _member_name(m, names) + (" *" if m.get("self") else ""),
@@ -93,12 +94,13 @@ def render_status(s: dict[str, Any]) -> str:
             _text(m.get("version")),
             _text(m.get("model_digest")),
             _ago(m.get("last_seen_s")),
+            DASH if m.get("self") else _rtt(links.get(m.get("node_id"))),
         ]
         for m in members
     ]
     if rows:
         lines += _table(["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "KV TOKENS", "UPTIME",
-                         "VERSION", "MODEL", "LAST SEEN"], rows)
+                         "VERSION", "MODEL", "LAST SEEN", "RTT"], rows)
         errors = [(_member_name(m, names), m["last_error"]) for m in members if m.get("last_error")]
         for name, err in errors:
             lines.append(f"last error on {name}: {err}")
@@ -212,6 +214,17 @@ def _ago(v: Any) -> str:
     if v < 7200:
         return f"{v / 60:.0f}m ago"
     return f"{v / 3600:.0f}h ago"
+
+
+def _rtt(link: Any) -> str:
+    """The control link's last round trip to a member, or "unreachable" once it stopped answering."""
+    if not isinstance(link, dict):
+        return DASH
+    rtt = link.get("rtt_s")
+    if isinstance(rtt, (int, float)) and not isinstance(rtt, bool):
+        return f"{rtt * 1000:.1f} ms"
+    stopped = link.get("failures") or link.get("age_s") is not None  # failed, or answered long ago
+    return "unreachable" if link.get("reachable") is False and stopped else DASH
 
 
 def _plan(p: Any) -> str:

@@ -70,6 +70,7 @@ class StageStats:
     forwards: int = 0
     tokens: int = 0
     activation_bytes_out: int = 0
+    activation_bytes_to: dict[str, int] = field(default_factory=dict)  # next stage's node id -> bytes
     busy_s: float = 0.0
     errors: int = 0
     late_dropped: int = 0
@@ -80,6 +81,7 @@ class StageStats:
         up = max(time.monotonic() - self.started, 1e-9)
         return {"forwards": self.forwards, "tokens": self.tokens, "busy_s": round(self.busy_s, 3),
                 "activation_bytes_out": self.activation_bytes_out,
+                "activation_bytes_to": dict(self.activation_bytes_to),
                 "utilisation": round(self.busy_s / up, 3), "errors": self.errors,
                 "late_dropped": self.late_dropped, "reaped": self.reaped}
 
@@ -316,9 +318,11 @@ class StageService:
             # Everything travels on (sampling, verify tree, commit, shaping); only the payload changes:
             # our activations, and token ids only where the last stage needs them (a verify round).
             nxt = dataclasses.replace(msg, hidden=out, token_ids=msg.token_ids if msg.verify else None)
-            await self._send_next(nxt)
+            to = await self._send_next(nxt)
             elem = 2 if self.activation_dtype in ("float16", "bfloat16") else out.element_size()
-            self.stats.activation_bytes_out += out.numel() * elem
+            sent = out.numel() * elem
+            self.stats.activation_bytes_out += sent
+            self.stats.activation_bytes_to[to] = self.stats.activation_bytes_to.get(to, 0) + sent
         elif result is not None:
             await self._report(msg.reply_to, result)
 
@@ -450,10 +454,12 @@ class StageService:
                     self._free(seq, "reaped")
 
     # -- links ----------------------------------------------------------------------------
-    async def _send_next(self, msg) -> None:
+    async def _send_next(self, msg) -> str:
+        """Send ``msg`` to the next stage; returns its node id."""
         nxt = self.route.next_after(self.index)
         peer = await self.links.to(nxt.node_id)
         await peer.send(msg, timeout=self.send_timeout_s, activation_dtype=self.activation_dtype)
+        return nxt.node_id
 
     async def _report(self, reply_to: str, msg) -> None:
         """Send to a coordinator; ``reply_to`` is "node_id|address" (its key comes from the directory)."""
