@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams
@@ -53,6 +53,7 @@ from meshd.api.common import (
     ENGINE, MODEL_INFO, PULL, await_engine, chat_prompt, generation_request, log, read_json,
     tracked, vocab_size,
 )
+from meshd.api.validation import validate
 from meshd.engine import Engine, EngineError, TokenEvent
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama API release whose endpoints and fields we mirror
@@ -211,19 +212,6 @@ class NameBody(BaseModel):
         return self.model or self.name or ""
 
 
-def _validate(model: type[BaseModel], body: dict[str, Any]):
-    """pydantic validation whose errors read like the rest of the API's (``param`` = field path)."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        msg = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            msg = "is not a field meshd knows (an unknown option would be silently ignored)"
-        raise oa.RequestError(f"'{param}' {msg}", param=param, code="invalid_value") from None
-
-
 # --------------------------------------------------------------------------- model metadata
 
 
@@ -333,7 +321,7 @@ async def _ps(request: web.Request) -> web.Response:
 
 
 async def _show(request: web.Request) -> web.Response:
-    body = _validate(NameBody, await read_json(request))
+    body = validate(NameBody, await read_json(request))
     engine = await await_engine(request)
     src = _source(engine)
     cfg = getattr(src, "config", None)
@@ -370,7 +358,7 @@ async def _pull(request: web.Request) -> web.StreamResponse:
     """Success when the name is served (any name resolves); progress while a catalog model is fetched."""
     from meshd import model_store
 
-    body = _validate(NameBody, await read_json(request))
+    body = validate(NameBody, await read_json(request))
     name = body.target.removesuffix(":latest")
     pull = request.app[PULL] or model_store.pull_named
     fetch = name in model_store.CATALOG and not model_store.is_named_pulled(name)
@@ -483,7 +471,7 @@ def _history(messages: list[Message]) -> list[dict[str, Any]]:
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    body = _validate(ChatBody, await read_json(request))
+    body = validate(ChatBody, await read_json(request))
     engine = await await_engine(request)
     params, num_ctx = _params(body, vocab_size(engine))
     if not body.messages:  # Ollama: an empty chat loads the model and answers at once
@@ -499,7 +487,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    body = _validate(GenerateBody, await read_json(request))
+    body = validate(GenerateBody, await read_json(request))
     engine = await await_engine(request)
     params, num_ctx = _params(body, vocab_size(engine))
     if not body.prompt and not body.context:

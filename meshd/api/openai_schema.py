@@ -1,7 +1,10 @@
 """OpenAI wire format: request validation, response and chunk builders, SSE.
 
-Validation is strict about what we cannot honour and lenient only about what
-cannot change the answer (``user``, ``metadata``, ``store``), because OpenAI
+Request bodies are validated by strict pydantic models (``ChatBody``,
+``CompletionBody``; errors become 400s through ``meshd.api.validation``, as
+in the Ollama API). Validation is strict about what we cannot honour and
+lenient only about what cannot change the answer (``user``, ``metadata``,
+``store``, and fields OpenAI adds that we do not know), because OpenAI
 clients send many optional fields and must work unchanged. Nothing we accept
 is silently ignored: a field we do not implement (``logit_bias``,
 ``logprobs``...) is accepted at its default value and rejected with a 400
@@ -22,7 +25,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+    field_validator, model_validator,
+)
 
 from decoding.constrained import BadConstraint, validate_spec
 from decoding.errors import BadSpeculativeParams
@@ -30,6 +38,9 @@ from decoding.penalties import Penalties
 from decoding.sampling import BadSamplingParams, SamplingParams
 from decoding.speculative.params import SpeculativeParams
 from meshd.api import tools as tl
+from meshd.api.validation import (  # noqa: F401 - RequestError and error_body are used as oa.* too
+    RequestError, described, error_body, invalid, json_type, validate,
+)
 
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -42,41 +53,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's seed range; torch and msg
 # them inside the int32/int64 tensors and message fields they end up in.
 MAX_VOCAB = 2**31 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class RequestError(Exception):
-    """A request the API answers with an OpenAI-style error object.
-
-    ``retry_after_s`` becomes a ``Retry-After`` header (busy / no plan yet).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        retry_after_s: float | None = None,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type
-        self.param = param
-        self.code = code
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str, type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """``{"error": {...}}`` exactly as OpenAI returns it."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # --------------------------------------------------------------------------- requests
@@ -143,7 +119,7 @@ def parse_json_body(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str,
         raise _json_error(f"is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RequestError(
-            f"request body must be a JSON object, got {_json_type(body)}", code="invalid_json"
+            f"request body must be a JSON object, got {json_type(body)}", code="invalid_json"
         )
     _check_structure(body, text, max_depth)
     return body
@@ -196,233 +172,42 @@ def _surrogate_error(param: str | None) -> RequestError:
                         "valid Unicode text", param=param, code="invalid_json")
 
 
-# --------------------------------------------------------------------------- fields
+# --------------------------------------------------------------------------- request models
+#
+# pydantic models, strict (no "10" for 10, no true for 1): an OpenAI client sends
+# JSON types, and anything else is a client bug worth a 400. Unknown fields are
+# ignored (OpenAI keeps adding optional ones); the OpenAI fields meshd does not
+# implement are declared below and accepted only at their default value.
 
 
-def parse_chat_request(body: dict[str, Any], *, vocab_size: int | None = None) -> ChatRequest:
-    """Validate a chat request; ``vocab_size`` (the engine's, if known) bounds ``top_k``."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _field_error("messages", "must be a non-empty array of message objects", messages)
-    parsed = [_parse_message(i, m) for i, m in enumerate(messages)]
-    _check_unsupported(body, CHAT_UNSUPPORTED)
-    params = _parse_params(body, vocab_size)
-    try:
-        tools = tl.parse_tools(body.get("tools"))
-        choice = tl.parse_tool_choice(body.get("tool_choice"), tools)
-    except tl.ToolError as exc:
-        raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise _field_error("parallel_tool_calls", "must be a boolean", parallel)
-    rf = body.get("response_format")
-    if rf is not None:
-        params.constraint = parse_response_format(rf)
-        params.constraint_param = "response_format"
-    if choice in ("required",) or (choice not in (None, "none") and tools):
-        if params.constraint is not None:
-            raise RequestError("'tool_choice' that forces a call cannot be combined with "
-                               "'response_format'", param="tool_choice", code="invalid_value")
-        params.constraint = {"type": "json_schema",
-                             "schema": tl.forced_call_schema(tools, None if choice == "required" else choice)}
-        params.constraint_param = "tool_choice"
-    return ChatRequest(_parse_model(body), parsed, params, tools if choice != "none" else [],
-                       choice, parallel is not False)
+def _vocab(info: ValidationInfo) -> int:
+    return (info.context or {}).get("vocab") or MAX_VOCAB
 
 
-def parse_response_format(rf: Any) -> dict[str, Any] | None:
-    """OpenAI ``response_format`` -> a constraint spec (None for plain text); 400 on a bad schema."""
-    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise _field_error("response_format", "must be {\"type\": \"text\"}, {\"type\": \"json_object\"} "
-                           "or {\"type\": \"json_schema\", \"json_schema\": {...}}", rf)
-    kind = rf["type"]
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    js = rf.get("json_schema")
-    if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-        raise _field_error("response_format.json_schema", "must be an object with 'name' and 'schema'", js)
-    return checked_constraint({"type": "json_schema", "schema": js["schema"]},
-                              "response_format.json_schema.schema")
+def _only_one(v: int) -> int:
+    if v != 1:
+        raise invalid("only 1 is supported")
+    return v
 
 
-def checked_constraint(spec: dict[str, Any], param: str) -> dict[str, Any]:
-    try:
-        return validate_spec(spec)
-    except BadConstraint as exc:
-        raise RequestError(str(exc), param=param, code="invalid_schema") from None
-
-
-def parse_completion_request(
-    body: dict[str, Any], *, vocab_size: int | None = None
-) -> CompletionRequest:
-    """Validate a text completion; token-id prompts must lie in ``[0, vocab_size)``."""
-    prompt = _parse_prompt(body.get("prompt"), vocab_size or MAX_VOCAB)
-    if body.get("echo"):
-        raise _field_error("echo", "is not supported", body.get("echo"))
-    if body.get("suffix"):
-        raise _field_error("suffix", "is not supported", body.get("suffix"))
-    _check_one_choice(body, "best_of")
-    _check_unsupported(body, COMPLETION_UNSUPPORTED)
-    return CompletionRequest(_parse_model(body), prompt, _parse_params(body, vocab_size))
-
-
-def _parse_prompt(prompt: Any, vocab: int) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one is the same request
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(
-                f"'prompt' token id {prompt[bad]} at index {bad} is outside the vocabulary "
-                f"[0, {vocab})", param="prompt", code="invalid_value")
-        return [int(t) for t in prompt]
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-        raise _field_error("prompt", "batches of several prompts are not supported; send one", None)
-    raise _field_error("prompt", "must be a string or an array of token ids", prompt)
-
-
-def _parse_model(body: dict[str, Any]) -> str | None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _field_error("model", "must be a string", model)
-    return model
-
-
-def _parse_message(i: int, m: Any) -> dict[str, Any]:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise _field_error(where, "must be an object with 'role' and 'content'", m)
-    role = m.get("role")
-    if role not in CHAT_ROLES:
-        raise _field_error(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}", role)
-    out: dict[str, Any] = {}
-    if role == "assistant" and m.get("tool_calls"):
-        try:
-            out["tool_calls"] = tl.history_tool_calls(m["tool_calls"], f"{where}.tool_calls",
-                                                      arguments_as_string=True)
-        except tl.ToolError as exc:
-            raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
-    if role == "tool":
-        for key in ("tool_call_id", "name"):
-            if isinstance(m.get(key), str):
-                out[key] = m[key]
-    content = m.get("content")
-    if content is None and role == "assistant":
-        content = ""  # assistant turns that only carried tool calls
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise _field_error(
-                    f"{where}.content[{j}]", "only parts of type 'text' are supported", part
-                )
-            if not isinstance(part.get("text"), str):
-                raise _field_error(f"{where}.content[{j}].text", "must be a string", part.get("text"))
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise _field_error(f"{where}.content", "must be a string or an array of text parts", content)
-    return {"role": "system" if role == "developer" else role, "content": content, **out}
-
-
-def _parse_params(body: dict[str, Any], vocab_size: int | None) -> RequestParams:
-    p = RequestParams(sampling=_parse_sampling(body, vocab_size or MAX_VOCAB))
-    p.max_tokens = _parse_max_tokens(body)
-    p.stop = _parse_stop(body.get("stop"))
-    p.stream = _bool(body, "stream")
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise _field_error("stream_options", "must be an object", opts)
-        p.include_usage = _bool(opts, "include_usage", where="stream_options.include_usage")
-    _check_one_choice(body, "n")
-    p.penalties = Penalties(presence=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-                            frequency=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
-    p.speculative = parse_speculative(body.get("speculative"), "speculative")
-    return p
-
-
-def parse_speculative(value: Any, param: str) -> SpeculativeParams:
-    """meshd's ``speculative`` extension field ("auto", "off" or an object)."""
-    try:
-        return SpeculativeParams.parse(value)
-    except BadSpeculativeParams as exc:
-        raise RequestError(str(exc), param=param, code="invalid_value") from None
-
-
-def _parse_max_tokens(body: dict[str, Any]) -> int | None:
-    """Any integer >= 1; the server clips it to the room left in the context."""
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    mt = body.get(name)
-    if mt is None:
-        return None
-    if not _is_int(mt) or mt < 1:
-        raise _field_error(name, "must be an integer >= 1", mt)
-    return int(mt)
-
-
-def _parse_sampling(body: dict[str, Any], vocab: int) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        raise _field_error("top_p", "must be greater than 0 and at most 1", body["top_p"])
-    top_k = _integer(body, "top_k", 0, 0, vocab, "0 disables it")
-    seed = _integer(body, "seed", None, INT64_MIN, INT64_MAX, "a signed 64-bit integer")
-    try:
-        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    except BadSamplingParams as exc:  # our bounds are tighter; kept as a safety net
-        raise RequestError(str(exc), code="invalid_value") from None
-
-
-def _parse_stop(stop: Any) -> list[str]:
-    if stop is None:
-        return []
+def _stop_list(stop: str | list[str]) -> list[str]:
     if isinstance(stop, str):
-        return [stop] if stop else []
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > MAX_STOP_STRINGS:
-            raise _field_error("stop", f"accepts at most {MAX_STOP_STRINGS} strings", stop)
-        return [s for s in stop if s]
-    raise _field_error("stop", "must be a string or an array of strings", stop)
+        return [stop]
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"accepts at most {MAX_STOP_STRINGS} strings")
+    return stop
 
 
-def _check_one_choice(body: dict[str, Any], name: str) -> None:
-    v = _integer(body, name, None, 1, 128, "OpenAI's range")
-    if v is not None and v != 1:
-        raise _field_error(name, "only 1 is supported", v)
+def only_default(*defaults: Any) -> AfterValidator:
+    """A field meshd does not implement: accepted at one of ``defaults``, else a 400 "not supported"."""
 
-
-# Fields OpenAI defines that meshd does not implement, with the values that
-# mean "off": anything else would be silently ignored, so it is a 400.
-_DEFAULTS_TOOLS = {  # the deprecated pre-"tools" function calling
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"),
-}
-_DEFAULTS_COMMON = {
-    "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-}
-CHAT_UNSUPPORTED = {
-    **_DEFAULTS_TOOLS, **_DEFAULTS_COMMON,
-    "top_logprobs": (None, 0),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "prediction": (None,),
-}
-COMPLETION_UNSUPPORTED = dict(_DEFAULTS_COMMON)
-
-
-def _check_unsupported(body: dict[str, Any], fields: dict[str, tuple]) -> None:
-    for name, defaults in fields.items():
-        v = body.get(name)
+    def check(v: Any) -> Any:
         if not _is_default(v, defaults):
-            raise RequestError(
-                f"'{name}' is not supported by meshd (only its default is accepted; "
-                f"got {_shown(v)})", param=name, code="unsupported_parameter")
+            raise invalid("is not supported by meshd (only its default is accepted)",
+                          "unsupported_parameter")
+        return v
+
+    return AfterValidator(check)
 
 
 def _is_default(v: Any, defaults: tuple) -> bool:
@@ -436,63 +221,300 @@ def _is_default(v: Any, defaults: tuple) -> bool:
     return False
 
 
-def _bool(body: dict[str, Any], name: str, *, where: str | None = None) -> bool:
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise _field_error(where or name, "must be a boolean", v)
-    return v
-
-
-def _integer(
-    body: dict[str, Any], name: str, default: int | None, lo: int, hi: int, note: str
-) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v) or not lo <= v <= hi:
-        raise _field_error(name, f"must be an integer from {lo} to {hi} ({note})", v)
-    return int(v)
-
-
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_number(v) or v != v:
-        raise _field_error(name, f"must be a number between {lo:g} and {hi:g}", v)
-    if not lo <= v <= hi:
-        raise _field_error(name, f"must be between {lo:g} and {hi:g}", v)
-    return float(v)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _json_type(v: Any) -> str:
-    return {
-        dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-        int: "a number", float: "a number", type(None): "null",
-    }.get(type(v), type(v).__name__)
+Temperature = Annotated[float, Field(ge=0.0, le=2.0), described("a number between 0 and 2")]
+TopP = Annotated[float, Field(gt=0.0, le=1.0), described("a number greater than 0 and at most 1")]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0), described("a number between -2 and 2")]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX),
+                 described(f"an integer from {INT64_MIN} to {INT64_MAX} (a signed 64-bit integer)")]
+MaxTokens = Annotated[int, Field(ge=1), described("an integer >= 1")]  # the server clips it to the context
+OneChoice = Annotated[int, Field(ge=1, le=128), described("an integer from 1 to 128 (OpenAI's range)"),
+                      AfterValidator(_only_one)]
+Stop = Annotated[str | list[str], described("a string or an array of strings"), AfterValidator(_stop_list)]
+_STRICT = ConfigDict(strict=True, extra="ignore")
 
 
-def _shown(value: Any) -> str:
-    """A short rendering of a client's value for an error message (never the whole body)."""
-    if value is None:
-        return "missing or null"
-    if isinstance(value, (dict, list)) and len(value) > 8:
-        return f"{_json_type(value)} of {len(value)} items"
-    return json.dumps(value)[:80]
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+
+    include_usage: bool | None = None
 
 
-def _field_error(param: str, what: str, value: Any) -> RequestError:
-    return RequestError(f"'{param}' {what} (got {_shown(value)})", param=param, code="invalid_value")
+class _Params(BaseModel):
+    """What chat and text completions share: sampling, length, stop, streaming, extensions."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None  # the newer name; wins over max_tokens
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: int | None = None  # not OpenAI's; llama.cpp's and vLLM's servers take it too
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: OneChoice | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    speculative: Any = None  # meshd's extension: "auto", "off" or an object (SpeculativeParams)
+    logit_bias: Annotated[Any, only_default(None, {})] = None
+    logprobs: Annotated[Any, only_default(None, False, 0)] = None
+    # Lenient: they cannot change the answer.
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+
+    @field_validator("top_k", mode="wrap")
+    @classmethod
+    def _top_k(cls, v: Any, handler, info: ValidationInfo) -> int | None:
+        vocab = _vocab(info)  # the engine's vocabulary, where it tells it
+        try:
+            v = handler(v)
+        except ValidationError:
+            v = False
+        if v is not None and (v is False or not 0 <= v <= vocab):
+            raise invalid(f"must be an integer from 0 to {vocab} (0 disables it)")
+        return v
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, v: Any) -> SpeculativeParams:
+        try:
+            return SpeculativeParams.parse(v)
+        except BadSpeculativeParams as exc:
+            raise invalid(str(exc), whole=True) from None
+
+    def params(self) -> RequestParams:
+        try:
+            sampling = SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                                      top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
+                                      seed=self.seed)
+        except BadSamplingParams as exc:  # our bounds are tighter; kept as a safety net
+            raise RequestError(str(exc), code="invalid_value") from None
+        return RequestParams(
+            sampling=sampling,
+            max_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
+            stop=[s for s in self.stop or [] if s],
+            stream=bool(self.stream),
+            include_usage=bool(self.stream_options and self.stream_options.include_usage),
+            penalties=Penalties(presence=self.presence_penalty or 0.0, frequency=self.frequency_penalty or 0.0),
+            speculative=self.speculative if self.speculative is not None else SpeculativeParams(),
+        )
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if not (isinstance(v, dict) and v.get("type") == "text"):
+            raise invalid("only parts of type 'text' are supported")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+
+    role: Annotated[Literal[CHAT_ROLES], described(f"one of {', '.join(CHAT_ROLES)}")] = Field(
+        None, validate_default=True)
+    content: list[TextPart] | None = Field(None, validate_default=True)
+    tool_calls: Any = None  # an assistant's earlier calls (meshd.api.tools.history_tool_calls)
+    tool_call_id: Any = None  # a tool result's (kept when a string)
+    name: Any = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]
+        if v is None and info.data.get("role") == "assistant":
+            return None  # an assistant turn that only carried tool calls
+        if not isinstance(v, list):
+            raise invalid("must be a string or an array of text parts")
+        return v
+
+    def history(self, where: str) -> dict[str, Any]:
+        """The message as the chat template takes it (``developer`` is ``system`` there)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": "".join(p.text for p in self.content or [])}
+        if self.role == "assistant" and self.tool_calls:
+            out["tool_calls"] = tl.history_tool_calls(self.tool_calls, f"{where}.tool_calls",
+                                                      arguments_as_string=True)
+        if self.role == "tool":
+            out.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name))
+                        if isinstance(v, str)})
+        return out
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+
+    name: Any = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape(cls, v: Any) -> Any:
+        if not isinstance(v, dict) or not isinstance(v.get("schema"), dict):
+            raise invalid("must be an object with 'name' and 'schema'")
+        return v
+
+    @field_validator("json_schema")
+    @classmethod
+    def _compiles(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            validate_spec({"type": "json_schema", "schema": v})
+        except BadConstraint as exc:
+            raise invalid(str(exc), "invalid_schema", whole=True) from None
+        return v
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind(cls, v: Any) -> Any:
+        if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+            raise invalid('must be {"type": "text"}, {"type": "json_object"} or '
+                          '{"type": "json_schema", "json_schema": {...}}')
+        return v
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _needed(cls, v: Any, info: ValidationInfo) -> Any:
+        if info.data.get("type") != "json_schema":
+            return None  # ignored by OpenAI for the other types, too
+        if v is None:
+            raise invalid("must be an object with 'name' and 'schema'")
+        return v
+
+    def constraint(self) -> dict[str, Any] | None:
+        """The decoding.constrained spec (None for plain text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "schema": self.json_schema.json_schema}
+
+
+class ChatBody(_Params):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(None, validate_default=True)
+    tools: Any = None  # meshd.api.tools.parse_tools (shared with the Ollama API)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    functions: Annotated[Any, only_default(None, [])] = None  # pre-"tools" function calling
+    function_call: Annotated[Any, only_default(None, "none", "auto")] = None
+    top_logprobs: Annotated[Any, only_default(None, 0)] = None
+    modalities: Annotated[Any, only_default(None, ["text"])] = None
+    audio: Annotated[Any, only_default(None)] = None
+    prediction: Annotated[Any, only_default(None)] = None
+
+    @field_validator("messages", mode="wrap")
+    @classmethod
+    def _messages(cls, v: Any, handler) -> list[ChatMessage]:
+        if not isinstance(v, list) or not v:
+            raise invalid("must be a non-empty array of message objects")
+        return handler(v)
+
+    def request(self) -> ChatRequest:
+        params = self.params()
+        try:
+            messages = [m.history(f"messages[{i}]") for i, m in enumerate(self.messages)]
+            tools = tl.parse_tools(self.tools)
+            choice = tl.parse_tool_choice(self.tool_choice, tools)
+        except tl.ToolError as exc:
+            raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
+        if self.response_format is not None:
+            params.constraint = self.response_format.constraint()
+            params.constraint_param = "response_format"
+        if choice == "required" or (choice not in (None, "none") and tools):
+            if params.constraint is not None:
+                raise RequestError("'tool_choice' that forces a call cannot be combined with "
+                                   "'response_format'", param="tool_choice", code="invalid_value")
+            # a forced call is constrained by the tools' parameter schemas: they must compile
+            schema = tl.forced_call_schema(tools, None if choice == "required" else choice)
+            params.constraint = checked_constraint({"type": "json_schema", "schema": schema}, "tools")
+            params.constraint_param = "tool_choice"
+        return ChatRequest(self.model, messages, params, tools if choice != "none" else [], choice,
+                           self.parallel_tool_calls is not False)
+
+
+def _one_prompt(v: Any) -> Any:
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        return v[0]  # a batch of one is the same request
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(p, str) for p in v):
+        raise invalid("batches of several prompts are not supported; send one")
+    return v
+
+
+Prompt = Annotated[str | Annotated[list[int], Field(min_length=1)],
+                   described("a string or an array of token ids"), BeforeValidator(_one_prompt)]
+
+
+class CompletionBody(_Params):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt = Field(None, validate_default=True)
+    echo: Annotated[Any, only_default(None, False, 0)] = None
+    suffix: Annotated[Any, only_default(None, "")] = None
+    best_of: OneChoice | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _in_vocabulary(cls, v: str | list[int], info: ValidationInfo) -> str | list[int]:
+        vocab = _vocab(info)
+        bad = None if isinstance(v, str) else next((i for i, t in enumerate(v) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid(f"token id {v[bad]} at index {bad} is outside the vocabulary [0, {vocab})",
+                          show_value=False)
+        return v
+
+    def request(self) -> CompletionRequest:
+        return CompletionRequest(self.model, self.prompt, self.params())
+
+
+def parse_chat_request(body: dict[str, Any], *, vocab_size: int | None = None) -> ChatRequest:
+    """Validate a chat request; ``vocab_size`` (the engine's, if known) bounds ``top_k``."""
+    return validate(ChatBody, body, context={"vocab": vocab_size}).request()
+
+
+def parse_completion_request(
+    body: dict[str, Any], *, vocab_size: int | None = None
+) -> CompletionRequest:
+    """Validate a text completion; token-id prompts must lie in ``[0, vocab_size)``."""
+    return validate(CompletionBody, body, context={"vocab": vocab_size}).request()
+
+
+def checked_constraint(spec: dict[str, Any], param: str) -> dict[str, Any]:
+    try:
+        return validate_spec(spec)
+    except BadConstraint as exc:
+        raise RequestError(str(exc), param=param, code="invalid_schema") from None
+
+
+def parse_speculative(value: Any, param: str) -> SpeculativeParams:
+    """meshd's ``speculative`` extension field ("auto", "off" or an object)."""
+    try:
+        return SpeculativeParams.parse(value)
+    except BadSpeculativeParams as exc:
+        raise RequestError(str(exc), param=param, code="invalid_value") from None
 
 
 # --------------------------------------------------------------------------- responses
