@@ -248,6 +248,41 @@ def test_the_controller_probes_again_after_a_run_of_plain_rounds():
     assert [c.choose([0.2, 0.1]) for _ in range(3)] == [0, 0, 2]
 
 
+def test_heads_are_asked_for_only_when_the_next_round_may_use_them():
+    """Once speculation stops paying, the last stage stops computing heads, except before a probe."""
+    s = SpeculationSession("medusa", [1, 2, 3], cost=RoundCost(slope=1.0))
+    s.controller = Controller(s.cost, probe_every=3)
+    from decoding.speculative.verify import Verdict
+
+    weak = MedusaProposal([[9], [9, 8]], [0.2, 0.1])
+    wants = []
+    for _ in range(6):
+        tree = s.next_tree(weak if wants[-1:] != [False] else None)
+        wants.append(s.wants_medusa)
+        s.commit(tree, Verdict((0,), 4))
+    # idle, ask before the probe, probe; it won nothing, so the next probe is twice as far away
+    assert wants == [False, True, True, False, False, False]
+    assert SpeculationSession("lookup", [1, 2]).wants_medusa is False
+    eager = SpeculationSession("medusa", [1, 2], cost=RoundCost(slope=0.0))
+    eager.next_tree(MedusaProposal([[9]], [0.9]))
+    assert eager.wants_medusa
+
+
+def test_probes_that_win_nothing_back_off_and_a_win_restores_them():
+    c = Controller(RoundCost(slope=1.0), probe_every=2, max_probe_every=8)
+
+    def plain_rounds_before_a_probe(accepted: int) -> int:
+        n = 0
+        while c.choose([0.2, 0.1]) == 0:
+            n += 1
+        c.observe(0.3, accepted)
+        return n
+
+    assert [plain_rounds_before_a_probe(0) for _ in range(5)] == [1, 3, 7, 7, 7]
+    plain_rounds_before_a_probe(1)
+    assert plain_rounds_before_a_probe(0) == 1
+
+
 def test_round_cost_learns_the_slope_of_observed_rounds():
     cost = RoundCost(slope=0.5)
     for _ in range(5):

@@ -69,7 +69,14 @@ class Controller:
     fixed: int | None = None  # the client asked for exactly this many (still capped by what is drafted)
     scale: float = 1.0
     probe_every: int = 8
+    max_probe_every: int = 64
     _idle_rounds: int = 0
+    _probing: bool = False
+    _gap: int = 0  # plain rounds before the next probe; doubles after each probe that won nothing
+    last_choice: int = 0
+
+    def __post_init__(self):
+        self._gap = self.probe_every
 
     def choose(self, values: Sequence[float]) -> int:
         """How many of the (best-first) candidates with acceptance estimates ``values`` to send."""
@@ -83,17 +90,32 @@ class Controller:
             gain = (1.0 + self.scale * acc) / self.cost(n + 1)
             if gain > best * 1.02:  # a 2 % margin: don't speculate for noise
                 best_n, best = n, gain
-        if best_n == 0 and limit:
+        self.last_choice, self._probing = best_n, False
+        if best_n == 0:
             self._idle_rounds += 1
-            if self._idle_rounds >= self.probe_every:  # look again: the text may have turned repetitive
+            if limit and self._idle_rounds >= self._gap:  # look again: the text may have turned repetitive
                 self._idle_rounds = 0
-                return min(limit, 2)
+                self.last_choice, self._probing = min(limit, 2), True
         else:
             self._idle_rounds = 0
-        return best_n
+        return self.last_choice
+
+    @property
+    def probing_next(self) -> bool:
+        """The next ``choose`` will send candidates even if they do not look worth it (a probe)."""
+        return self._idle_rounds + 1 >= self._gap
 
     def observe(self, predicted: float, accepted: int) -> None:
-        """After a round: ``predicted`` = Σ v_i of the candidates sent, ``accepted`` = how many were."""
+        """After a round: ``predicted`` = Σ v_i of the candidates sent, ``accepted`` = how many were.
+
+        A probe that won nothing doubles the wait before the next one (up to
+        ``max_probe_every``): on text the drafters cannot guess, each probe is a
+        round that costs more than a plain step and returns the same one token.
+        Any accepted candidate brings the wait back to ``probe_every``.
+        """
+        if self._probing or accepted:
+            self._gap = (min(2 * self._gap, self.max_probe_every) if self._probing and not accepted
+                         else self.probe_every)
         if predicted <= 0:
             return
         ratio = min(4.0, accepted / predicted)

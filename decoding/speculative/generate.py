@@ -99,7 +99,8 @@ def speculative_generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new
                                               tree_mask=tree.mask(), all_logits=True, return_normed=True)
             verdict = verify(tree, logits, sampler, typical)
             pipeline.keep(seq_id, n, list(verdict.path))
-            if medusa is not None and session.uses_medusa:
+            proposal = None
+            if medusa is not None and session.wants_medusa:
                 proposal = medusa.propose(hidden[verdict.path[-1]])
             pending = session.commit(tree, verdict)
         t_end = time.perf_counter()

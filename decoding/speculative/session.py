@@ -58,6 +58,20 @@ class SpeculationSession:
     def uses_medusa(self) -> bool:
         return self.drafter in ("medusa", "auto") and not self._medusa_off
 
+    @property
+    def wants_medusa(self) -> bool:
+        """Ask for head proposals with this round only if the next round may use them.
+
+        The heads cost the last stage an LM-head product per head and round, about as
+        much as a decode step's own head on a small model; when the controller has
+        stopped speculating (nothing pays), that is pure loss. It asks again just
+        before each probe, so speculation can come back when the text turns predictable.
+        """
+        if not self.uses_medusa:
+            return False
+        c = self.controller
+        return c.fixed is not None or c.last_choice > 0 or c.probing_next
+
     def drop_medusa(self, reason: str) -> None:
         """The heads are unavailable: go on with the other drafters (or plain decoding)."""
         self._medusa_off = True

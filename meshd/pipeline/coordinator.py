@@ -412,7 +412,7 @@ class PipelineCoordinator:
                 is_last_chunk=True, sample_step=len(generated), verify=True,
                 tree_parents=None if tree.is_chain else list(tree.parents),
                 commit_start=commit[0] if commit else -1, commit_keep=commit[1] if commit else None,
-                medusa_paths=self.medusa_paths if session.uses_medusa else 0, typical=typical, **fields))
+                medusa_paths=self.medusa_paths if session.wants_medusa else 0, typical=typical, **fields))
             ahead = (loop.run_in_executor(None, session.draft_ahead, tree)
                      if session.model_drafter is not None else None)
             try:
