@@ -164,11 +164,14 @@ def test_an_interrupted_fetch_resumes_from_what_it_recorded(model, tmp_path):
     async def interrupted():
         task = asyncio.create_task(Fetch(entry, wanted(m, 0, LAYERS), lambda: {"a": Holder("a", lambda i: True,
                                                                                            slow)}).run())
+        deadline = asyncio.get_running_loop().time() + 120
         while len(entry.have) < 10:
+            assert asyncio.get_running_loop().time() < deadline, f"only {len(entry.have)} pieces after {count} calls"
             await asyncio.sleep(0.01)
         task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        async with asyncio.timeout(60):  # a cancelled fetch stops (it once swallowed the cancel and looped)
+            with pytest.raises(asyncio.CancelledError):
+                await task
 
     asyncio.run(interrupted())
     again = CachedModel.open(root / m.sha256)  # what a restarted daemon finds

@@ -145,9 +145,12 @@ class Fetch:
                 elif now - last_progress > self.stall_s and not self._in_flight:
                     raise NoHolder(self._stall_message())
                 self._wake.clear()
+                # asyncio.timeout, not wait_for: on 3.11, wait_for can swallow a cancel that lands
+                # as the wait completes, and a cancelled fetch then kept looping forever.
                 try:
-                    await asyncio.wait_for(self._wake.wait(), 0.25)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(0.25):
+                        await self._wake.wait()
+                except TimeoutError:
                     pass
         finally:
             workers = [t for ts in self._workers.values() for t in ts]
@@ -177,7 +180,8 @@ class Fetch:
             piece = self.entry.manifest.pieces[i]
             try:
                 await self.limiter.take(piece.length)
-                data = await asyncio.wait_for(h.get(i), self.piece_timeout_s)
+                async with asyncio.timeout(self.piece_timeout_s):
+                    data = await h.get(i)
                 await asyncio.to_thread(self.entry.write_piece, i, data)
             except PieceCorrupt as exc:
                 self._give_back(i)
