@@ -7,7 +7,8 @@ Design choices, and why:
   no per-step concatenation on the hot path.
 - ``fork`` makes a child that *references* the first ``prefix_len`` positions of
   its parent instead of copying them (outline decoding expands many points
-  over one shared prompt). The parent is pinned: it cannot roll back below a
+  over one shared prompt): N children of a P-token prefix hold P + their own
+  positions, not N·P, and attention reads the prefix in place (``segments``). The parent is pinned: it cannot roll back below a
   prefix a child still uses, and its storage lives until its last child is freed.
 - ``truncate`` is O(1): speculative decoding rolls rejected tokens out of every
   stage by moving the length back; stale entries are overwritten by later writes.
@@ -168,24 +169,29 @@ class KVCache:
         s.k[layer, :, offset: offset + n] = k
         s.v[layer, :, offset: offset + n] = v
 
-    def visible(self, seq_id, layer: int, own_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values this sequence attends to: ancestors' shared prefixes, then its own [0, own_end).
+    def segments(self, seq_id, layer: int, own_end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Where this sequence's keys/values live, oldest first: each ancestor's shared prefix, then its own [0, own_end).
 
-        A lone sequence gets views (no copy); a forked one concatenates its
-        ancestors' prefix views with its own, a transient copy at attention time.
+        Views only, nothing copied: a forked child reads its parent's prefix in
+        place (attention concatenates scores, not keys — see
+        ``decoding.stage.segmented_attention``).
         """
         s = self._seqs[seq_id]
-        own_k, own_v = s.k[layer, :, :own_end], s.v[layer, :, :own_end]
-        if s.parent is None:
-            return own_k, own_v
-        ks, vs = [own_k], [own_v]
+        segs = [(s.k[layer, :, :own_end], s.v[layer, :, :own_end])]
         node, upto = s.parent, s.prefix_len
         while node is not None:
             take = upto - node.prefix_len
-            ks.append(node.k[layer, :, :take])
-            vs.append(node.v[layer, :, :take])
+            if take:
+                segs.append((node.k[layer, :, :take], node.v[layer, :, :take]))
             node, upto = node.parent, node.prefix_len
-        return torch.cat(ks[::-1], dim=1), torch.cat(vs[::-1], dim=1)
+        return segs[::-1]
+
+    def visible(self, seq_id, layer: int, own_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All keys/values this sequence attends to, as one tensor each (a copy when it is forked)."""
+        segs = self.segments(seq_id, layer, own_end)
+        if len(segs) == 1:
+            return segs[0]
+        return torch.cat([k for k, _ in segs], dim=1), torch.cat([v for _, v in segs], dim=1)
 
     def commit(self, seq_id, n: int) -> None:
         self._seqs[seq_id].length += n

@@ -38,20 +38,35 @@ class LayerWeights:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
-# CPU GEMMs with 2 or 3 rows take a path that re-reads the weights once per row
-# (measured, torch 2.13 CPU, one thread: the 49152x576 LM head costs 10 / 24 / 35 /
-# 17 ms for 1 / 2 / 3 / 4 rows). Verify rounds of 2-3 tokens hit exactly those
-# shapes; padding them to 4 rows makes them cost what 4 rows cost.
-_PAD_ROWS = (2, 3)
-_PADDED = 4
+# On a CPU, torch's default GEMM is slow exactly where a stage lives: a handful of
+# rows against a large weight (decode steps, verify rounds, batched steps of a few
+# sequences). It re-reads or repacks the weights for small row counts (M = 2-3
+# cost 2-3x M = 1). oneDNN's inference linear streams them once. Measured on this
+# machine (torch 2.13 CPU, one thread, the embedded model's four projections over
+# 30 layers, ms): M=1 36.4 -> 31.9, M=2 63.7 -> 42.6, M=3 85.9 -> 49.0,
+# M=4 50.9 -> 46.5, M=8 58.0 -> 55.2; the 49152x576 LM head M=1..4:
+# 12.5/17.7/17.7/21.3 -> 9.8/10.6/11.6/14.4 (the first row already padded 2-3 rows to 4).
+def _onednn_linear():
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        x, w, b = torch.ones(3, 8), torch.ones(5, 8), torch.zeros(5)
+        if not torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)):
+            return None
+    except (RuntimeError, NotImplementedError):
+        return None
+    return op
+
+
+_ONEDNN = _onednn_linear()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, with 2-3 rows on CPU computed as 4 (zero rows, sliced off)."""
-    n = x.shape[0]
-    if n in _PAD_ROWS and x.dim() == 2 and x.device.type == "cpu":
-        padded = torch.cat([x, x.new_zeros(_PADDED - n, x.shape[1])])
-        return F.linear(padded, w, b)[:n]
+    """``F.linear``, through oneDNN on CPU (2-D float32/bfloat16 inputs) where this torch has it."""
+    if (_ONEDNN is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype == w.dtype
+            and x.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()):
+        return _ONEDNN(x, w, b, "none", [], "")
     return F.linear(x, w, b)
 
 
@@ -139,7 +154,6 @@ class StageModel:
         return KVCache(self.config, self.num_layers, self.dtype, max_tokens)
 
     # -- forward --------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, kv: KVCache, seq_id, x: torch.Tensor, tree_mask: torch.Tensor | None = None,
                 all_logits: bool = True, head: bool = True, return_normed: bool = False):
         """Append ``x`` (token ids on the first stage, hidden states otherwise) to ``seq_id``.
@@ -151,58 +165,169 @@ class StageModel:
         states the LM head consumed, as ``(logits, normed)`` — Medusa heads draft
         from them without another pass through the model.
         """
+        return self.forward_batch(kv, [BatchItem(seq_id, x, tree_mask, all_logits, head, return_normed)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, kv: KVCache, items: "list[BatchItem]") -> list:
+        """Run several sequences' new tokens in one pass; returns what :meth:`forward` would, per item.
+
+        The weights are read once for all rows (on a CPU, decode is bound by
+        reading them: four sequences' steps cost little more than one), while
+        each sequence attends only to its own keys — ragged, one attention call
+        per sequence, so nobody's cache is copied into a padded batch. A
+        sequence may appear once per batch (its rows must see each other's keys
+        in order); the caller runs a second message for it in the next batch.
+        """
+        if len({it.seq_id for it in items}) != len(items):
+            raise ValueError("a sequence may appear only once in a batch")
         cfg = self.config
-        past = kv.length(seq_id)
-        n = x.shape[0]
-        if past + n > cfg.max_position:
-            raise ContextOverflow(
-                f"sequence would reach {past + n} positions; the model's context is {cfg.max_position}")
-        if cfg.sliding_window and past + n > cfg.sliding_window:
-            raise ContextOverflow(
-                f"sequence would reach {past + n} positions, beyond the sliding window {cfg.sliding_window}")
+        plans = []
+        for it in items:
+            past, n = kv.length(it.seq_id), it.x.shape[0]
+            if past + n > cfg.max_position:
+                raise ContextOverflow(
+                    f"sequence would reach {past + n} positions; the model's context is {cfg.max_position}")
+            if cfg.sliding_window and past + n > cfg.sliding_window:
+                raise ContextOverflow(
+                    f"sequence would reach {past + n} positions, beyond the sliding window {cfg.sliding_window}")
+            plans.append(_RowPlan.of(it, past))
         if self.is_first:
-            h = F.embedding(x, self.embed)
+            h = F.embedding(torch.cat([it.x for it in items]) if len(items) > 1 else items[0].x, self.embed)
         else:
-            h = x.to(self.dtype)
-        causal = False
-        if tree_mask is not None:
-            positions = past + tree_depths(tree_mask)
-            mask = with_prefix(tree_mask, past)
-        else:
-            positions = torch.arange(past, past + n)
-            causal = n > 1 and past == 0  # let SDPA use its fused causal path
-            mask = None if causal else chunk_mask(past, n)
+            h = torch.cat([it.x for it in items]).to(self.dtype) if len(items) > 1 else items[0].x.to(self.dtype)
+        positions = torch.cat([p.positions for p in plans]) if len(plans) > 1 else plans[0].positions
         freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        offset = kv.reserve(seq_id, n)
+        for p, it in zip(plans, items):
+            p.offset = kv.reserve(it.seq_id, p.n)
         for li, lw in enumerate(self.layers):
-            h = self._layer(kv, seq_id, li, lw, h, cos, sin, mask, causal, offset, n)
-        kv.commit(seq_id, n)
-        if not self.is_last or not head:
-            return h
-        if not all_logits:
-            h = h[-1:]
-        h = rms_norm(h, self.final_norm, cfg.rms_eps)
-        logits = linear(h, self.lm_head).float()
-        return (logits, h) if return_normed else logits
+            h = self._layer(kv, li, lw, h, cos, sin, items, plans)
+        for p, it in zip(plans, items):
+            kv.commit(it.seq_id, p.n)
+        if not self.is_last:
+            return list(h.split([p.n for p in plans]))
+        # The LM head only over the rows someone reads: one product for the whole batch.
+        rows, spans = [], []
+        start = got = 0
+        for p, it in zip(plans, items):
+            if it.head:
+                a, b = (start, start + p.n) if it.all_logits else (start + p.n - 1, start + p.n)
+                spans.append((got, b - a))
+                rows.append((a, b))
+                got += b - a
+            else:
+                spans.append(None)
+            start += p.n
+        outs: list = []
+        if rows:
+            picked = torch.cat([h[a:b] for a, b in rows]) if len(rows) > 1 else h[rows[0][0]:rows[0][1]]
+            normed = rms_norm(picked, self.final_norm, cfg.rms_eps)
+            logits = linear(normed, self.lm_head).float()
+        start = 0
+        for p, it, span in zip(plans, items, spans):
+            if span is None:
+                outs.append(h[start:start + p.n])
+            else:
+                a, m = span
+                lg, nm = logits[a:a + m], normed[a:a + m]
+                outs.append((lg, nm) if it.return_normed else lg)
+            start += p.n
+        return outs
 
-    def _layer(self, kv, seq_id, li, lw: LayerWeights, h, cos, sin, mask, causal, offset, n):
+    def _layer(self, kv, li, lw: LayerWeights, h, cos, sin, items, plans):
         cfg = self.config
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        total = h.shape[0]
         x = rms_norm(h, lw.attn_norm, cfg.rms_eps)
         qkv = linear(x, lw.qkv, lw.qkv_bias)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = rotate(q.view(n, nh, hd).transpose(0, 1), cos, sin)
-        k = rotate(k.view(n, nkv, hd).transpose(0, 1), cos, sin)
-        v = v.view(n, nkv, hd).transpose(0, 1)
-        kv.write(seq_id, li, offset, k, v)
-        keys, values = kv.visible(seq_id, li, offset + n)
-        attn = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=causal,
-            scale=self.scale, enable_gqa=nkv != nh,
-        )[0]
-        h = h + linear(attn.transpose(0, 1).reshape(n, nh * hd), lw.o)
+        q = rotate(q.view(total, nh, hd).transpose(0, 1), cos, sin)
+        k = rotate(k.view(total, nkv, hd).transpose(0, 1), cos, sin)
+        v = v.view(total, nkv, hd).transpose(0, 1)
+        if len(items) == 1:
+            attn = self._attend(kv, li, items[0].seq_id, plans[0], q, k, v)
+        else:
+            parts, start = [], 0
+            for it, p in zip(items, plans):
+                end = start + p.n
+                parts.append(self._attend(kv, li, it.seq_id, p, q[:, start:end], k[:, start:end], v[:, start:end]))
+                start = end
+            attn = torch.cat(parts, dim=1)
+        h = h + linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o)
         x = rms_norm(h, lw.mlp_norm, cfg.rms_eps)
         gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, lw.down)
+
+    def _attend(self, kv: KVCache, li: int, seq_id, p: "_RowPlan", q, k, v) -> torch.Tensor:
+        """One sequence's attention, [heads, n, head_dim]: its new keys written, then read in place."""
+        nh, nkv = self.config.num_heads, self.config.num_kv_heads
+        kv.write(seq_id, li, p.offset, k, v)
+        segments = kv.segments(seq_id, li, p.offset + p.n)
+        if len(segments) == 1:
+            keys, values = segments[0]
+            return F.scaled_dot_product_attention(
+                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=p.mask, is_causal=p.causal,
+                scale=self.scale, enable_gqa=nkv != nh)[0]
+        return segmented_attention(q, segments, p.mask, self.scale)
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One sequence's share of a batched forward (the arguments of :meth:`StageModel.forward`)."""
+
+    seq_id: object
+    x: torch.Tensor
+    tree_mask: torch.Tensor | None = None
+    all_logits: bool = True
+    head: bool = True
+    return_normed: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass
+class _RowPlan:
+    n: int
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+    offset: int = 0
+
+    @classmethod
+    def of(cls, it: BatchItem, past: int) -> "_RowPlan":
+        n = it.x.shape[0]
+        if it.tree_mask is not None:
+            return cls(n, past + tree_depths(it.tree_mask), with_prefix(it.tree_mask, past), False)
+        causal = n > 1 and past == 0  # let SDPA use its fused causal path
+        return cls(n, torch.arange(past, past + n), None if causal else chunk_mask(past, n), causal)
+
+
+def segmented_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]],
+                        mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention over keys/values stored in several places (a forked child's shared prefixes, then its own).
+
+    Concatenating the segments would copy every ancestor's prefix at every
+    layer and step; the scores are what get concatenated instead (per head,
+    n x positions — for one decode step a few hundred floats against the
+    prefix's thousands). ``mask`` [n, positions] (True = may attend) spans all
+    segments in order; None means every new row sees every position.
+    q: [heads, n, head_dim]; segment keys/values: [kv_heads, length, head_dim].
+    """
+    nh, n, hd = q.shape
+    nkv = segments[0][0].shape[0]
+    g = nh // nkv
+    qg = q.reshape(nkv, g * n, hd)  # query heads grouped under the kv head they share
+    scores = torch.cat([torch.matmul(qg, k.transpose(-1, -2)) for k, _ in segments], dim=-1)
+    scores = scores.view(nkv, g, n, -1) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(nkv, g * n, -1)
+    out, start = None, 0
+    for k, v in segments:
+        part = torch.matmul(probs[..., start:start + k.shape[1]], v)
+        out = part if out is None else out + part
+        start += k.shape[1]
+    return out.view(nh, n, hd)

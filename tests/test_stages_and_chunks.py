@@ -65,8 +65,8 @@ def test_seeded_sampling_is_reproducible_and_stage_independent(tiny):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
-def test_padded_small_gemms_give_the_same_rows_as_plain_ones(rows):
-    """2-3 row products run padded to 4 (a faster CPU path); the rows that come back are the same."""
+def test_the_fast_cpu_linear_gives_what_f_linear_gives(rows):
+    """Small-row products take oneDNN's inference path on CPU; the rows that come back are the same."""
     import torch.nn.functional as F
 
     from decoding.stage import linear

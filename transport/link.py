@@ -117,6 +117,12 @@ class StageServer:
     whose client hung up stops costing compute at once instead of after every
     chunk queued before its free. Up to ``max_queued`` ordered messages wait in
     memory; beyond that reading pauses and ZeroMQ's high-water mark pushes back.
+
+    ``batch_handler(messages, requests) -> replies`` (ordered servers with an
+    ``urgent`` lane): the ordered lane hands over everything already queued
+    (up to ``max_batch`` messages) in one call, so a stage can run several
+    sequences' work in one forward. The handler keeps the order that matters
+    (per sequence) itself and returns one reply per message.
     """
 
     def __init__(
@@ -132,6 +138,8 @@ class StageServer:
         ordered: bool = False,
         urgent: Callable[[Any], bool] | None = None,
         max_queued: int = 1024,
+        batch_handler: Callable[[list[Any], list["Request"]], Awaitable[list[Any]]] | None = None,
+        max_batch: int = 64,
     ) -> None:
         self.handler = handler
         self.node_id = node_id
@@ -141,6 +149,8 @@ class StageServer:
         self.hwm = hwm
         self.ordered = ordered
         self.urgent = urgent
+        self.batch_handler = batch_handler
+        self.max_batch = max(1, int(max_batch))
         self._queue: asyncio.Queue | None = asyncio.Queue(max_queued) if ordered and urgent else None
         self._worker_task: asyncio.Task | None = None
         self.address: str | None = None
@@ -232,7 +242,41 @@ class StageServer:
         assert self._queue is not None
         while True:
             req = await self._queue.get()
-            await self._handle(req)
+            if self.batch_handler is None:
+                await self._handle(req)
+                continue
+            reqs = [req]
+            while len(reqs) < self.max_batch and not self._queue.empty():
+                reqs.append(self._queue.get_nowait())
+            await self._handle_batch(reqs)
+
+    async def _handle_batch(self, reqs: list[Request]) -> None:
+        try:
+            replies = await self.batch_handler([r.message for r in reqs], reqs)
+            if len(replies) != len(reqs):
+                raise TransportError(f"batch handler answered {len(replies)} of {len(reqs)} messages")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            replies = [self._handler_failed(r, e) for r in reqs]
+        for r, reply in zip(reqs, replies):
+            await self._reply(r, reply)
+
+    def _handler_failed(self, req: Request, e: Exception) -> ErrorReply:
+        self.stats["handler_errors"] += 1
+        log.warning(
+            "handler_error",
+            message_type=type(req.message).__name__,
+            error=f"{type(e).__name__}: {e}",
+            exc_info=not isinstance(e, TransportError),
+        )
+        gen_id = getattr(req.message, "request_id", "")
+        return ErrorReply(_error_code(e), f"{type(e).__name__}: {e}", gen_id if isinstance(gen_id, str) else "")
+
+    async def _reply(self, req: Request, reply: Any) -> None:
+        if req.one_way and not isinstance(reply, ErrorReply):
+            return
+        await self._send(req.identity, reply if reply is not None else Ack(), req.envelope.request_id)
 
     async def _handle(self, req: Request, release: bool = False) -> None:
         try:
@@ -241,20 +285,8 @@ class StageServer:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self.stats["handler_errors"] += 1
-                log.warning(
-                    "handler_error",
-                    message_type=type(req.message).__name__,
-                    error=f"{type(e).__name__}: {e}",
-                    exc_info=not isinstance(e, TransportError),
-                )
-                gen_id = getattr(req.message, "request_id", "")
-                reply = ErrorReply(
-                    _error_code(e), f"{type(e).__name__}: {e}", gen_id if isinstance(gen_id, str) else ""
-                )
-            if req.one_way and not isinstance(reply, ErrorReply):
-                return
-            await self._send(req.identity, reply if reply is not None else Ack(), req.envelope.request_id)
+                reply = self._handler_failed(req, e)
+            await self._reply(req, reply)
         finally:
             if release:
                 self._sem.release()

@@ -45,7 +45,8 @@ async def serve(args) -> int:
     await node.start()
     source = open_model(args.model)
     svc = StageService(node, args.node_id, source, lambda n: directory[n],
-                       activation_dtype=args.activation_dtype, medusa=medusa_factory(source, args.heads))
+                       activation_dtype=args.activation_dtype, medusa=medusa_factory(source, args.heads),
+                       **({} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}))
     address = await svc.start(args.bind)
     await svc.deploy(route)
     print(f"READY {address}", flush=True)
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", default=None, help="comma-separated CPU cores to pin to")
     ap.add_argument("--activation-dtype", default=None, choices=[None, "float16", "bfloat16"])
     ap.add_argument("--no-curve", action="store_true")
+    ap.add_argument("--max-batch-tokens", type=int, default=None,
+                    help="tokens in one batched forward (0: one message per forward)")
     ap.add_argument("--heads", default=None, help="Medusa heads file (default: shipped heads; 'none': off)")
     args = ap.parse_args(argv)
     _die_with_parent()

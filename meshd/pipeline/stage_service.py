@@ -35,14 +35,14 @@ from typing import Any
 
 import torch
 
-from decoding.errors import CacheFull, DecodingError
+from decoding.errors import CacheFull, ContextOverflow, DecodingError
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, filtered_probs
 from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.tree import DraftTree
-from decoding.stage import StageModel
+from decoding.stage import BatchItem, StageModel
 from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 from meshd.pipeline.links import Directory, Links
@@ -57,6 +57,27 @@ from transport.node import TransportNode
 log = get_logger("meshd.stage")
 
 TOMBSTONES = 1 << 16  # freed keys remembered (keys are never reused; old ones age out)
+MAX_BATCH_TOKENS = 512  # tokens in one batched pass (a lone larger message still runs)
+BATCH_HIST_MAX = 16  # batch sizes counted exactly up to this; larger ones in its bucket
+
+
+def _rows(msg: StageForward) -> int:
+    t = msg.hidden if msg.hidden is not None else msg.token_ids
+    return int(t.shape[0]) if t is not None and t.ndim >= 1 else 1
+
+
+@dataclass
+class _Work:
+    msg: StageForward
+    item: BatchItem
+    tree: DraftTree | None
+    want_logits: bool
+    normed: bool
+    index: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.item.tokens
 
 
 class StageError(MeshdError):
@@ -75,6 +96,7 @@ class StageStats:
     errors: int = 0
     late_dropped: int = 0
     reaped: int = 0
+    batches: dict[int, int] = field(default_factory=dict)  # sequences in a pass -> passes
     started: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict:
@@ -83,7 +105,8 @@ class StageStats:
                 "activation_bytes_out": self.activation_bytes_out,
                 "activation_bytes_to": dict(self.activation_bytes_to),
                 "utilisation": round(self.busy_s / up, 3), "errors": self.errors,
-                "late_dropped": self.late_dropped, "reaped": self.reaped}
+                "late_dropped": self.late_dropped, "reaped": self.reaped,
+                "batch_sizes": {str(k): v for k, v in sorted(self.batches.items())}}
 
 
 def _error_code(exc: BaseException) -> str:
@@ -102,7 +125,7 @@ class StageService:
     def __init__(self, node: TransportNode, node_id: str, model_source, directory: Directory,
                  dtype: torch.dtype = torch.float32, max_kv_tokens: int = 1 << 16,
                  activation_dtype: str | None = None, send_timeout_s: float = 5.0,
-                 idle_seq_timeout_s: float = 300.0, medusa=None):
+                 idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS):
         self.node = node
         self.node_id = node_id
         self.source = model_source
@@ -112,6 +135,8 @@ class StageService:
         self.activation_dtype = activation_dtype
         self.send_timeout_s = send_timeout_s
         self.idle_seq_timeout_s = idle_seq_timeout_s
+        # 0 or 1: no batching (one message per pass, the way every stage used to run).
+        self.max_batch_tokens = int(max_batch_tokens)
         self.route: Route | None = None
         self.index: int | None = None
         self.stage: StageModel | None = None
@@ -124,6 +149,8 @@ class StageService:
         self._deploy_lock = asyncio.Lock()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._touched: dict[str, float] = {}
+        self._busy: set[str] = set()  # sequences the compute thread is working on now
+        self._free_after_compute: set[str] = set()
         self._reaper: asyncio.Task | None = None
         self.vocab_size = int(getattr(getattr(model_source, "config", None), "vocab_size", 0) or 0)
         # Medusa heads for the last stage: ``medusa(stage)`` -> MedusaSource (or raises DrafterError);
@@ -136,8 +163,10 @@ class StageService:
     async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
         # Frees and readiness probes overtake queued chunks: a hung-up request stops
         # costing compute at once, and a probe is not stuck behind a long prefill.
+        batching = self.max_batch_tokens > 1
         self.server = await self.node.serve(self.handle, address, ordered=True,
-                                            urgent=lambda m: isinstance(m, (FreeSequence, Hello)))
+                                            urgent=lambda m: isinstance(m, (FreeSequence, Hello)),
+                                            batch_handler=self.handle_batch if batching else None)
         self._reaper = asyncio.create_task(self._reap_loop(), name="stage-reaper")
         return self.server.address
 
@@ -211,7 +240,9 @@ class StageService:
                 case Hello():  # readiness probe: which plan is loaded and serving here
                     return HelloReply(self.node_id, self.serving_version, "")
                 case StageForward():
-                    await self._forward(msg)
+                    reply = await self._forward(msg)  # errors are already reported (per message)
+                    if reply is not None:
+                        return reply
                 case FreeSequence():
                     # Frees come straight from the coordinator to every stage, whatever the plan.
                     self._free(msg.seq_id, "freed")
@@ -250,6 +281,9 @@ class StageService:
             self._tombstones.popitem(last=False)
         self.samplers.pop(seq, None)
         self._touched.pop(seq, None)
+        if seq in self._busy:  # the compute thread is using its cache: free it when the pass ends
+            self._free_after_compute.add(seq)
+            return
         if self.kv is not None and seq in self.kv:
             self.kv.free(seq)
             log.debug("sequence_freed", seq=seq, why=why)
@@ -276,12 +310,103 @@ class StageService:
             raise StageError("bad_input", f"expected hidden states [n, {stage.config.hidden_size}]")
         return h
 
-    async def _forward(self, msg: StageForward) -> None:
+    # -- forwards, batched ----------------------------------------------------------------
+    async def handle_batch(self, msgs: list, reqs: list) -> list:
+        """Everything queued at once: forwards of different sequences share one pass.
+
+        Order is kept where it matters. A sequence's second message waits for
+        the next pass (its rows need the first one's keys), and any control
+        message runs between passes exactly where it arrived. A pass holds at
+        most ``max_batch_tokens`` tokens (a lone message may exceed it), so a
+        long prompt chunk does not ride with a crowd of decode steps that would
+        each wait for all of it.
+        """
+        replies: list = [None] * len(msgs)
+        group: list[int] = []
+        seqs: set = set()
+        tokens = 0
+
+        async def flush():
+            nonlocal tokens
+            if group:
+                for i, r in zip(group, await self._forward_group([msgs[i] for i in group])):
+                    replies[i] = r
+            group.clear()
+            seqs.clear()
+            tokens = 0
+
+        for i, m in enumerate(msgs):
+            if isinstance(m, StageForward):
+                n = _rows(m)
+                if m.seq_id in seqs or (group and tokens + n > self.max_batch_tokens):
+                    await flush()
+                group.append(i)
+                seqs.add(m.seq_id)
+                tokens += n
+            else:
+                await flush()
+                replies[i] = await self.handle(m, reqs[i])
+        await flush()
+        return [Ack(self.serving_version) if r is None else r for r in replies]
+
+    async def _forward(self, msg: StageForward):
+        return (await self._forward_group([msg]))[0]
+
+    async def _forward_group(self, msgs: list[StageForward]) -> list:
+        """One forward pass for these messages (distinct sequences); one reply per message.
+
+        A message that fails its checks fails alone (its coordinator is told,
+        its sequence freed); the others still run.
+        """
+        replies: list = [None] * len(msgs)
+        works: list[_Work] = []
+        for i, msg in enumerate(msgs):
+            try:
+                w = self._prepare(msg)
+            except Exception as exc:  # noqa: BLE001 - the one error path, per message
+                replies[i] = await self._fail(msg, exc)
+                continue
+            if w is not None:
+                w.index = i
+                works.append(w)
+        if not works:
+            return replies
+        stage, kv = self.stage, self.kv
+        self._busy.update(w.msg.seq_id for w in works)
+        t = time.perf_counter()
+        try:
+            outcomes = await asyncio.get_running_loop().run_in_executor(
+                self._compute, self._compute_group, stage, kv, works)
+        finally:
+            self._busy.difference_update(w.msg.seq_id for w in works)
+            for seq in [w.msg.seq_id for w in works if w.msg.seq_id in self._free_after_compute]:
+                self._free_after_compute.discard(seq)
+                self._free(seq, "freed")
+        self.stats.busy_s += time.perf_counter() - t
+        self.stats.forwards += 1
+        self.stats.batches[min(len(works), BATCH_HIST_MAX)] = self.stats.batches.get(
+            min(len(works), BATCH_HIST_MAX), 0) + 1
+        for w, (out, exc) in zip(works, outcomes):
+            msg = w.msg
+            if exc is not None:
+                replies[w.index] = await self._fail(msg, exc)
+                continue
+            self.stats.tokens += w.rows
+            if msg.seq_id in self._tombstones:  # freed while computing: do not pass stale work on
+                continue
+            try:
+                await self._finish(msg, stage, out, w.want_logits)
+            except Exception as exc:  # noqa: BLE001
+                replies[w.index] = await self._fail(msg, exc)
+        return replies
+
+    def _prepare(self, msg: StageForward) -> "_Work | None":
+        """Checks and cache bookkeeping before a forward (event loop; None: a late chunk, dropped)."""
         seq = msg.seq_id
         if seq in self._tombstones:  # freed (hang-up, failure) while this chunk was queued upstream
             self.stats.late_dropped += 1
             log.debug("late_chunk_dropped", seq=seq, offset=msg.position_offset)
-            return
+            return None
         self._check_plan(msg.plan_version)
         stage, kv = self.stage, self.kv
         x = self._input_of(msg, stage)
@@ -296,24 +421,41 @@ class StageService:
         if kv.length(seq) != msg.position_offset:
             raise StageError("position_mismatch", f"sequence {seq} holds {kv.length(seq)} positions, "
                                                   f"message starts at {msg.position_offset}")
+        cfg = stage.config
+        end = msg.position_offset + x.shape[0]
+        if end > cfg.max_position or (cfg.sliding_window and end > cfg.sliding_window):
+            raise ContextOverflow(f"sequence would reach {end} positions; the model's context is "
+                                  f"{min(cfg.max_position, cfg.sliding_window or cfg.max_position)}")
+        kv.reserve(seq, x.shape[0])  # grow here: a full cache fails this message, not the whole pass
         self._touched[seq] = time.monotonic()
         want_logits = stage.is_last and msg.is_last_chunk
         mask = tree.mask() if tree is not None else msg.tree_mask
         normed = want_logits and (msg.verify or msg.medusa_paths > 0)
-        t = time.perf_counter()
+        item = BatchItem(seq, x, mask, all_logits=msg.verify, head=want_logits, return_normed=normed)
+        return _Work(msg, item, tree, want_logits, normed)
 
-        def work():  # the forward, and on the last stage sampling / acceptance / drafting, in one hop
-            out = stage.forward(kv, seq, x, tree_mask=mask, all_logits=msg.verify, head=want_logits,
-                                return_normed=normed)
-            return (None, self._result(msg, tree, out, normed)) if want_logits else (out, None)
+    def _compute_group(self, stage: StageModel, kv, works: list["_Work"]) -> list[tuple[Any, Exception | None]]:
+        """The forward, and on the last stage sampling / acceptance / drafting, in one hop (compute thread).
 
-        out, result = await asyncio.get_running_loop().run_in_executor(self._compute, work)
-        self.stats.busy_s += time.perf_counter() - t
-        self.stats.forwards += 1
-        self.stats.tokens += x.shape[0]
-        if seq in self._tombstones:  # freed while computing: do not pass stale work on
-            self._free(seq, "freed")
-            return
+        Should the pass itself fail, each message is retried alone, so one
+        sequence's problem stays that sequence's.
+        """
+        try:
+            outs = stage.forward_batch(kv, [w.item for w in works])
+        except Exception as exc:  # noqa: BLE001
+            if len(works) == 1:
+                return [(None, exc)]
+            log.warning("batch_failed_retrying_alone", sequences=len(works), error=f"{type(exc).__name__}: {exc}")
+            return [self._compute_group(stage, kv, [w])[0] for w in works]
+        results = []
+        for w, out in zip(works, outs):
+            try:
+                results.append((self._result(w.msg, w.tree, out, w.normed) if w.want_logits else out, None))
+            except Exception as exc:  # noqa: BLE001 - reported per message by the caller
+                results.append((None, exc))
+        return results
+
+    async def _finish(self, msg: StageForward, stage: StageModel, out, want_logits: bool) -> None:
         if not stage.is_last:
             # Everything travels on (sampling, verify tree, commit, shaping); only the payload changes:
             # our activations, and token ids only where the last stage needs them (a verify round).
@@ -323,8 +465,8 @@ class StageService:
             sent = out.numel() * elem
             self.stats.activation_bytes_out += sent
             self.stats.activation_bytes_to[to] = self.stats.activation_bytes_to.get(to, 0) + sent
-        elif result is not None:
-            await self._report(msg.reply_to, result)
+        elif want_logits and out is not None:
+            await self._report(msg.reply_to, out)
 
     def _result(self, msg: StageForward, tree: DraftTree | None, out, normed: bool) -> TokenResult:
         """The last stage's answer (compute thread): a sampled token, or a verified round."""
