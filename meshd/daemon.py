@@ -91,6 +91,7 @@ class DrainingEngine(Engine):
     tokenizer = property(lambda self: self.inner.tokenizer)
     supports_constraints = property(lambda self: getattr(self.inner, "supports_constraints", False))
     supports_penalties = property(lambda self: getattr(self.inner, "supports_penalties", False))
+    supports_outline = property(lambda self: getattr(self.inner, "supports_outline", False))
 
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         if self.draining:
@@ -733,7 +734,8 @@ class Daemon:
         spec["accepted_per_round"] = round((spec["accepted"] + spec["rounds"]) / spec["rounds"], 3) \
             if spec["rounds"] else 0.0
         spec["round_cost_slope"] = round(coord.round_cost.slope, 4)
-        return {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec}
+        return {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec,
+                "outline": dict(coord.outline_totals)}
 
     def _links_status(self) -> dict[str, dict[str, Any]]:
         """Per linked member: round trip (``rtt_s``, None unless fresh), ``age_s``, ``reachable``;

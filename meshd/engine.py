@@ -162,6 +162,10 @@ class GenerationRequest:
     constraint: dict[str, Any] | None = None
     # Repetition penalties; the API sends active ones only to engines with ``supports_penalties``.
     penalties: Penalties = field(default_factory=Penalties)
+    # Outline-based parallel decoding: "auto" (the router decides), "on" or "off"; engines
+    # with ``supports_outline`` honour it. Filled in by the engine: whether it was used.
+    outline: str = "auto"
+    outline_used: bool = False
 
 
 @dataclass(frozen=True)

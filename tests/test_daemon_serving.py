@@ -7,6 +7,8 @@ restarting on a new port, a request arriving while the daemon still starts.
 import json
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -256,6 +258,28 @@ def test_structured_output_through_two_daemons_always_parses(home):
             response_format={"type": "json_schema", "json_schema": {"name": "light", "schema": schema}})
         obj = json.loads(resp.choices[0].message.content)
         assert set(obj) == {"room", "on"} and isinstance(obj["on"], bool)
+    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+
+
+def test_outline_decoding_through_two_daemons_answers_point_by_point_and_is_counted(home):
+    """The openai SDK asks for outline mode: the answer is numbered points, streamed in order;
+    `meshd status` counts it; a coding question under "auto" is left to plain decoding."""
+    _, a, b, _ = home
+    client = _openai_over(a.socket)
+    stream = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
+        max_tokens=120, temperature=0, stream=True, extra_body={"outline": "on"})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text.startswith("1. ") and "\n2. " in text and text.index("\n2. ") < text.index("\n3. "), text
+    code = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
+        max_tokens=8, temperature=0, extra_body={"outline": "auto"})
+    assert not code.choices[0].message.content.startswith("1. ")
+    outline = a.status()["stage"]["outline"]
+    assert outline["used"] >= 1 and outline["requests"] == outline["used"] + outline["fallbacks"]
+    out = subprocess.run([sys.executable, "-m", "meshd", "status", "--socket", str(a.socket)],
+                         capture_output=True, text=True, timeout=60, env=a.env)
+    assert "outline decoding: used by" in out.stdout, out.stdout
     wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
 

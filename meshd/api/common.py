@@ -156,6 +156,12 @@ def generation_request(engine: Engine, rid: str, prompt_ids: list[int], params: 
     if params.penalties.active and not getattr(engine, "supports_penalties", False):
         raise oa.RequestError("repetition penalties are not supported by this engine (yet); send "
                               "them at their defaults", param=penalty_param, code="unsupported_parameter")
+    if params.outline == "on" and not getattr(engine, "supports_outline", False):
+        raise oa.RequestError("outline decoding needs the mesh's pipeline engine; send outline \"auto\" or "
+                              "\"off\"", param="outline", code="unsupported_parameter")
+    if params.outline == "on" and not messages:
+        raise oa.RequestError("outline decoding needs a chat request (it asks the model for an outline of "
+                              "its answer)", param="outline", code="unsupported_parameter")
     engine.check_prompt(prompt_ids)
     ctx = engine.context_length if context_limit is None else min(engine.context_length, context_limit)
     room = ctx - len(prompt_ids)
@@ -166,6 +172,7 @@ def generation_request(engine: Engine, rid: str, prompt_ids: list[int], params: 
         request_id=rid, prompt_ids=prompt_ids, max_tokens=min(params.max_tokens or room, room),
         messages=messages, sampling=params.sampling, stop=params.stop, stream=params.stream,
         speculative=params.speculative, constraint=params.constraint, penalties=params.penalties,
+        outline=params.outline,
     )
 
 

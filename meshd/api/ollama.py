@@ -155,6 +155,7 @@ class _Common(BaseModel):
     keep_alive: int | float | str | None = None
     think: bool | str | None = None
     speculative: Any = None  # meshd extension
+    outline: Literal["auto", "on", "off"] | None = None  # meshd extension: outline-based parallel decoding
 
     @field_validator("keep_alive")
     @classmethod
@@ -442,6 +443,7 @@ def _params(body: _Common, vocab: int | None) -> tuple[oa.RequestParams, int | N
     spec_param = "speculative" if body.speculative is not None else "options.speculative"
     p.speculative = oa.parse_speculative(body.speculative if body.speculative is not None
                                          else o.speculative, spec_param)
+    p.outline = getattr(body, "outline", None) or "auto"
     if body.format not in (None, ""):
         if body.format == "json":
             p.constraint = {"type": "json_object"}

@@ -76,6 +76,7 @@ class RequestParams:
     constraint_param: str | None = None  # the request field that asked for it, for errors
     penalties: Penalties = field(default_factory=Penalties)
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
+    outline: str = "auto"  # meshd's extension: outline-based parallel decoding ("auto" | "on" | "off")
 
 
 @dataclass
@@ -262,6 +263,7 @@ class _Params(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     speculative: Any = None  # meshd's extension: "auto", "off" or an object (SpeculativeParams)
+    outline: Literal["auto", "on", "off"] | None = None  # meshd's extension: outline-based parallel decoding
     logit_bias: Annotated[Any, only_default(None, {})] = None
     logprobs: Annotated[Any, only_default(None, False, 0)] = None
     # Lenient: they cannot change the answer.
@@ -304,6 +306,7 @@ class _Params(BaseModel):
             include_usage=bool(self.stream_options and self.stream_options.include_usage),
             penalties=Penalties(presence=self.presence_penalty or 0.0, frequency=self.frequency_penalty or 0.0),
             speculative=self.speculative if self.speculative is not None else SpeculativeParams(),
+            outline=self.outline or "auto",
         )
 
 

@@ -113,6 +113,9 @@ def render_status(s: dict[str, Any]) -> str:
     spec = _speculation(s.get("stage"))
     if spec:
         lines.append(spec)
+    outline = _outline(s.get("stage"))
+    if outline:
+        lines.append(outline)
     names = {m.get("node_id"): m.get("name") or m.get("node_id") for m in members if isinstance(m, dict)}
     lines += _sharing(s.get("sharing"), names)
 
@@ -263,6 +266,17 @@ def _speculation(stage: Any) -> str:
     return (f"speculative: {spec.get('accepted_per_round', 0):.2f} tokens/verify round over "
             f"{spec['rounds']} rounds ({spec.get('accepted', 0)} of {spec.get('drafted', 0)} drafted tokens "
             f"accepted, {spec.get('requests', 0)} requests)")
+
+
+def _outline(stage: Any) -> str:
+    """Outline-based parallel decoding through this device's coordinator: how many requests used it."""
+    o = stage.get("outline") if isinstance(stage, dict) else None
+    if not isinstance(o, dict) or not o.get("requests"):
+        return ""
+    used = o.get("used", 0)
+    points = f", {o.get('points', 0) / used:.1f} points each" if used else ""
+    return (f"outline decoding: used by {used} of {o['requests']} requests routed to it{points}"
+            f" ({o.get('fallbacks', 0)} fell back to a plain answer)")
 
 
 def _performance(recent: Any, in_flight: Any) -> str:

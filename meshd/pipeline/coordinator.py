@@ -45,7 +45,7 @@ from meshd.pipeline.route import Route
 from meshd.pipeline.seqkey import SeqKey, SeqKeys
 from transport.errors import TransportError
 from transport.link import Request
-from transport.messages import Ack, ErrorReply, FreeSequence, Hello, StageForward, TokenResult
+from transport.messages import Ack, ErrorReply, ForkSequence, FreeSequence, Hello, StageForward, TokenResult
 from transport.node import TransportNode
 
 log = get_logger("meshd.coordinator")
@@ -92,6 +92,21 @@ class _Replanned:
 
 
 @dataclass
+class SharedPrefix:
+    """A sequence kept in every stage's cache after its request ended, for children to fork from.
+
+    Outline decoding writes the outline once and expands every point from it:
+    each child reads these ``length`` positions in place on every stage. The
+    owner frees it (:meth:`PipelineCoordinator.release`) when the last child is done.
+    """
+
+    request_id: str
+    route: Route | None = None
+    seq: SeqKey | None = None
+    length: int = 0
+
+
+@dataclass
 class _Flight:
     request_id: str
     route: Route
@@ -128,6 +143,7 @@ class PipelineCoordinator:
         self.round_cost = RoundCost()
         self.medusa_paths = MAX_CANDIDATES
         self.spec_totals = {"rounds": 0, "drafted": 0, "accepted": 0, "requests": 0}
+        self.outline_totals = {"requests": 0, "used": 0, "fallbacks": 0, "points": 0}
         self._closing = False
         self._freeing: set[asyncio.Task] = set()
 
@@ -259,7 +275,8 @@ class PipelineCoordinator:
                     chunks: int | None = None, return_topk: int = 0,
                     wait_s: float | None = None, speculation: SpeculationSession | None = None,
                     typical: bool = False, context_limit: int | None = None,
-                    constraint: dict | None = None, penalties=None) -> AsyncIterator[TokenStep]:
+                    constraint: dict | None = None, penalties=None, keep: SharedPrefix | None = None,
+                    fork: SharedPrefix | None = None) -> AsyncIterator[TokenStep]:
         """Like :meth:`generate`, with each step's top-k probabilities when ``return_topk`` > 0.
 
         Only the k ids and probabilities travel back from the last stage — never full logits.
@@ -269,6 +286,12 @@ class PipelineCoordinator:
         prompt); its stats say how it went. ``context_limit`` bounds a round's KV positions.
         ``constraint`` (a structured-output spec) and ``penalties`` (decoding.penalties.Penalties)
         shape the last stage's sampling; they exclude speculation.
+        ``keep``: leave the sequence in the stages' caches when the request ends — or
+        when the caller stops iterating after a step — and describe it there (for
+        children to fork from; free it with :meth:`release`). Plain decoding only.
+        ``fork``: this request continues ``fork``'s sequence: ``prompt_ids`` come after
+        its positions, which are read in place, never re-computed. Neither can be
+        replayed on another plan: a device leaving fails such a request clearly.
         """
         if speculation is not None and (constraint is not None or (penalties is not None and penalties.active)):
             raise PipelineError("speculation cannot be combined with structured output or penalties")
@@ -288,11 +311,15 @@ class PipelineCoordinator:
                     async for step in self._attempt(request_id, route, prompt_ids, generated, max_tokens,
                                                     sampling, eos_ids, cuts, chunks, return_topk,
                                                     speculation, typical, context_limit,
-                                                    self._shaping(prompt_ids, constraint, penalties)):
+                                                    self._shaping(prompt_ids, constraint, penalties),
+                                                    keep=keep, fork=fork):
                         generated.append(step.token)
                         yield step
                     return
                 except _Interrupted as exc:
+                    if keep is not None or fork is not None:
+                        raise PipelineError(f"a request sharing its prefix was interrupted ({exc}); retry it") \
+                            from None
                     self.resumes += 1
                     self._ready_version = 0
                     log.info("request_replaying", request_id=request_id, generated=len(generated),
@@ -328,12 +355,16 @@ class PipelineCoordinator:
     async def _attempt(self, request_id: str, route: Route, prompt_ids: list[int], generated: list[int],
                        max_tokens: int, sampling: SamplingParams, eos_ids, cuts: Cuts, chunks: int | None,
                        return_topk: int, speculation: SpeculationSession | None = None, typical: bool = False,
-                       context_limit: int | None = None, shaping: dict | None = None) -> AsyncIterator[TokenStep]:
+                       context_limit: int | None = None, shaping: dict | None = None,
+                       keep: SharedPrefix | None = None, fork: SharedPrefix | None = None
+                       ) -> AsyncIterator[TokenStep]:
         """One pass on one route: (re-)prefill prompt + generated tokens, then decode."""
         seq = self.keys.next()
         flight = _Flight(request_id, route, seq, asyncio.Queue())
         self._flights[seq] = flight
         first = route.stages[0].node_id
+        base = 0  # positions before ours: a forked parent's, read in place
+        kept = False
         capacity = len(prompt_ids) + max_tokens
         if speculation is not None:
             capacity += MAX_CANDIDATES + 1
@@ -345,6 +376,11 @@ class PipelineCoordinator:
                       seed=sampling.seed, return_topk=int(return_topk))
         medusa_paths = self.medusa_paths if speculation is not None and speculation.uses_medusa else 0
         try:
+            if fork is not None:
+                if fork.seq is None or fork.route is None or fork.route.plan_version != route.plan_version:
+                    raise PipelineError("the shared prefix is gone (the mesh re-planned); retry the request")
+                base = fork.length
+                await self._send(first, ForkSequence(route.plan_version, seq, fork.seq, base))
             ids = list(prompt_ids) + generated
             cut_points = cuts(len(ids), route) if callable(cuts) else cuts  # fixed cuts stay valid on a replay
             bounds = chunk_bounds(len(ids), chunks, cut_points)
@@ -352,20 +388,27 @@ class PipelineCoordinator:
                 last = j == len(bounds) - 1
                 shape = {**shaping, "history": list(generated)} if shaping and last else {}
                 await self._send(first, StageForward(
-                    position_offset=a, chunk_index=j, token_ids=torch.tensor(ids[a:b], dtype=torch.long),
+                    position_offset=base + a, chunk_index=j, token_ids=torch.tensor(ids[a:b], dtype=torch.long),
                     is_last_chunk=last, sample_step=len(generated),
                     medusa_paths=medusa_paths if last else 0, **shape, **fields))
-            pos = len(ids)
+            pos = base + len(ids)
             if speculation is not None:
                 async for step in self._speculate(flight, speculation, ids, generated, max_tokens, eos_ids,
-                                                  capacity, typical, fields):
+                                                  capacity, typical, fields, base):
                     yield step
                 return
             while True:
                 step, finished = await self._next_step(flight)
-                yield step  # the caller appends it to ``generated`` before resuming us
                 token = step.token
+                if keep is not None:
+                    # Should the caller stop here, the stages hold ``pos`` positions (this token is not
+                    # fed): that is the prefix it keeps. Resuming us moves on, and nothing is kept yet.
+                    keep.route, keep.seq, keep.length = route, seq, pos
+                    kept = True
+                yield step  # the caller appends it to ``generated`` before resuming us
+                kept = False
                 if token in eos_ids or len(generated) >= max_tokens:
+                    kept = keep is not None
                     return
                 if finished:  # the grammar is complete: nothing may follow but the end
                     if eos_ids:
@@ -377,11 +420,20 @@ class PipelineCoordinator:
                 pos += 1
         finally:
             self._flights.pop(seq, None)
-            await self._free_surely(route, seq)
+            if not kept:
+                if keep is not None:
+                    keep.seq = None
+                await self._free_surely(route, seq)
+
+    async def release(self, prefix: SharedPrefix) -> None:
+        """Free a kept prefix on every stage (its children's own positions are theirs to free)."""
+        if prefix.seq is not None and prefix.route is not None:
+            seq, prefix.seq = prefix.seq, None
+            await self._free_surely(prefix.route, seq)
 
     async def _speculate(self, flight: _Flight, session: SpeculationSession, ids: list[int],
                          generated: list[int], max_tokens: int, eos_ids, capacity: int, typical: bool,
-                         fields: dict) -> AsyncIterator[TokenStep]:
+                         fields: dict, base: int = 0) -> AsyncIterator[TokenStep]:
         """Decode in verify rounds: each sends the root and the drafted tree through every stage at once.
 
         The previous round's accepted path rides in the next round's header, so every stage
@@ -400,12 +452,12 @@ class PipelineCoordinator:
                 yield TokenStep(t)
                 if t in eos_ids or len(generated) >= max_tokens:
                     return
-            n = len(session.context) - 1  # positions every stage holds (after the pending commit)
+            n = base + len(session.context) - 1  # positions every stage holds (after the pending commit)
             if session.model_drafter is not None:  # a draft model computes: off the event loop
                 tree = await loop.run_in_executor(None, session.next_tree, proposal)
             else:
                 tree = session.next_tree(proposal)
-            tree = tree.truncated(max(0, min(max_tokens - len(generated) - 1, capacity - n - 1)))
+            tree = tree.truncated(max(0, min(max_tokens - len(generated) - 1, capacity + base - n - 1)))
             t0 = time.monotonic()
             await self._send(first, StageForward(
                 position_offset=n, chunk_index=0, token_ids=torch.tensor(tree.tokens, dtype=torch.long),

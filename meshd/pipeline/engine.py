@@ -9,6 +9,7 @@ device left → a clear error naming the device.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from decoding.errors import DrafterError
@@ -17,6 +18,8 @@ from meshd.engine import (BadEngineRequest, Engine, EngineBusy, GenerationFailed
                           model_id_of)
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import NoRoute, PipelineBusy, PipelineCoordinator, PipelineError
+from meshd.pipeline.outline import OutlineDecoder, OutlineStats
+from meshd.pipeline.outline_router import shipped as outline_router
 from meshd.pipeline.route import Route
 
 log = get_logger("meshd.pipeline.engine")
@@ -60,7 +63,8 @@ class PipelineEngine(Engine):
         """The grammar library reads the vocabulary from the model's tokenizer.json."""
         return getattr(self.tokenizer, "path", None) is not None
 
-    def speculation_for(self, req: GenerationRequest) -> SpeculationSession | None:
+    def speculation_for(self, req: GenerationRequest, context: list[int] | None = None
+                        ) -> SpeculationSession | None:
         """The drafting session a request asked for (``auto``: Medusa heads + prompt lookup;
         the adaptive controller sends no candidates where they do not pay)."""
         spec = req.speculative
@@ -81,10 +85,63 @@ class PipelineEngine(Engine):
                 model_drafter = self.draft_model()
             except DrafterError as exc:
                 raise BadEngineRequest(str(exc)) from exc
-        return SpeculationSession(drafter, list(req.prompt_ids), cost=self.coordinator.round_cost,
+        return SpeculationSession(drafter, list(req.prompt_ids if context is None else context),
+                                  cost=self.coordinator.round_cost,
                                   fixed=spec.max_candidates, model_drafter=model_drafter)
 
+    supports_outline = True
+
+    def outline_for(self, req: GenerationRequest) -> bool:
+        """Whether to answer in outline mode: asked for (``on``), or the router says the question suits it."""
+        if req.outline == "off" or not req.messages:
+            return False
+        last = req.messages[-1]
+        shaped = req.constraint is not None or req.penalties.active
+        usable = last.get("role") == "user" and isinstance(last.get("content"), str) and not shaped
+        if req.outline == "on":
+            if not usable:
+                raise BadEngineRequest("outline decoding needs a plain chat question as the last message, "
+                                       "without structured output or repetition penalties")
+            return True
+        return usable and outline_router().wants_outline(last["content"])
+
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        # aclosing: a caller that stops early closes the inner generator now, so its bookkeeping
+        # (speculation stats for usage, the outline's shared prefix) is done before usage is read
+        inner = self._outline_ids(req) if self.outline_for(req) else self._plain_ids(req)
+        async with contextlib.aclosing(inner) as ids:
+            async for t in ids:
+                yield t
+
+    async def _outline_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        totals = self.coordinator.outline_totals
+        totals["requests"] += 1
+        stats = OutlineStats()
+        decoder = OutlineDecoder(self.coordinator, self.tokenizer, self.eos_ids, self.wait_s,
+                                 speculation=(lambda ids: self.speculation_for(req, ids))
+                                 if req.speculative.enabled else None)
+        try:
+            stream = await decoder.run(req.request_id, req.messages, req.max_tokens, req.sampling, stats,
+                                       cuts=self.cuts_for)
+            if stream is None:  # no usable outline: the plain answer it is
+                totals["fallbacks"] += 1
+                log.info("outline_fallback", request_id=req.request_id, reason=stats.fallback)
+                stream = self._plain_ids(req)
+            else:
+                req.outline_used = True
+                totals["used"] += 1
+                totals["points"] += stats.points
+            async with contextlib.aclosing(stream) as ids:
+                async for t in ids:
+                    yield t
+        except NoRoute as exc:
+            raise NoPlan(str(exc), retry_after_s=5.0) from exc
+        except PipelineBusy as exc:
+            raise EngineBusy(str(exc), retry_after_s=exc.retry_after_s) from exc
+        except PipelineError as exc:
+            raise GenerationFailed(str(exc)) from exc
+
+    async def _plain_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         session = self.speculation_for(req)
         if session is not None:
             self.coordinator.spec_totals["requests"] += 1

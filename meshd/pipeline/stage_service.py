@@ -267,7 +267,8 @@ class StageService:
         log.warning("stage_error", code=code, error=text, request_id=rid, seq=seq,
                     message_type=type(msg).__name__, exc_info=code == "internal")
         reply = ErrorReply(code, f"{self.node_id}: {text}", rid if isinstance(rid, str) else "")
-        if isinstance(seq, str) and seq:
+        if isinstance(seq, str) and seq and not isinstance(msg, ForkSequence):
+            # (a failed fork created nothing: the child's first chunk then fails as unknown, reported)
             self._free(seq, "failed")
         reply_to = getattr(msg, "reply_to", "")
         if reply_to:
