@@ -11,6 +11,7 @@ tokens committed per verify round, and the measured cost of a verify round
 of m tokens relative to a 1-token step.
 
     .venv/bin/python bench/decode.py [--quick] [--json] [--max-tokens N] [--prompts N]
+    .venv/bin/python bench/decode.py --outline [--judge] [--quick] [--json]   (bench/outline.py)
 """
 
 from __future__ import annotations
@@ -161,7 +162,12 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode.json"))
     ap.add_argument("--heads", default=None, help="Medusa heads file (default: the shipped heads)")
+    ap.add_argument("--outline", action="store_true",
+                    help="outline-based parallel decoding instead: latency, concurrency, quality (bench/outline.py)")
+    ap.add_argument("--judge", action="store_true", help="with --outline: judge quality with the local 1.5B model")
     args = ap.parse_args()
+    if args.outline:
+        return outline_main(args)
     if args.max_tokens is None:
         args.max_tokens = 48 if args.quick else 128
     out = asyncio.run(run(args))
@@ -173,6 +179,47 @@ def main() -> int:
     if args.json:
         emit_json({k: v for k, v in out.items() if k != "runs"} | {"runs": len(out["runs"])})
     return 0 if out["parity"] else 1
+
+
+def outline_main(args) -> int:
+    from bench import outline
+
+    out = asyncio.run(outline.run(args))
+    outline.report(out)
+    path = Path(args.out if args.out != str(ROOT / "bench" / "results" / "decode.json")
+                else ROOT / "bench" / "results" / ("outline_quick.json" if args.quick else "outline.json"))
+    path.write_text(json.dumps(out, indent=1))
+    try:
+        outline_plot(out, path.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -e .[bench])")
+    if args.json:
+        emit_json({k: v for k, v in out.items() if k != "runs"} | {"runs": len(out["runs"])})
+    return 0 if out["parity"] else 1
+
+
+def outline_plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["naive", "outline", "outline + SD"]
+    vals = [1.0, out["outline_speedup"] or 0, out["outline_sd_speedup"] or 0]
+    a1.bar(names, vals, color=["#999", "#2a7", "#27a"])
+    a1.set_ylabel("answer latency speedup over naive")
+    a1.set_title("Outline-suited prompts, 2 devices")
+    rows = out["concurrency"]
+    x = [r["requests"] for r in rows]
+    a2.plot(x, [r["single_tok_s"] for r in rows], "o-", label="1 device, unbatched")
+    a2.plot(x, [r["single_batched_tok_s"] for r in rows], "o-", label="1 device, batched")
+    a2.plot(x, [r["mesh_tok_s"] for r in rows], "o-", label="2 devices, batched")
+    a2.set_xlabel("concurrent requests")
+    a2.set_ylabel("aggregate decode tokens/s")
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

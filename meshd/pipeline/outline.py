@@ -34,7 +34,8 @@ log = get_logger("meshd.outline")
 MIN_POINTS, MAX_POINTS = 3, 10
 DEFAULT_POINTS = 5  # the most points the decoder asks for (each one a child in the pipeline)
 TITLE_TOKENS = 16  # a point's title is a few words
-MIN_POINT_TOKENS = 24
+MIN_POINT_TOKENS = 16  # fewer tokens than this per point: fewer points
+MAX_POINT_TOKENS = 96  # "two or three sentences"; the paragraph usually ends first
 POINT_TITLE_WORDS = 10
 
 OUTLINE_ASK = ("{question}\n\nDo not answer yet. Write only an outline of the answer: 3 to 8 numbered "
@@ -187,14 +188,27 @@ class OutlineDecoder:
         except BaseException:
             await self._release(segments)
             raise
-        stats.points = len(titles)
-        # Children fork from the segment that wrote the last title; its head (cut off with the
-        # token that ended it) is theirs to feed.
-        held_text, head = held_at[len(titles) - 1]
+        # The answer must fit the request's budget whole: headers plus every point's paragraph.
+        # Too little room for as many points: the last ones go (below MIN_POINTS, no outline).
+        n, budget = len(titles), 0
+        while n >= MIN_POINTS:
+            headers = sum(len(self._header_ids(k, titles[k])) for k in range(n))
+            budget = min(MAX_POINT_TOKENS, (max_tokens - headers) // n)
+            if budget >= MIN_POINT_TOKENS:
+                break
+            n -= 1
+        if n < MIN_POINTS:
+            stats.fallback = f"{max_tokens} tokens leave too little room for {MIN_POINTS} points"
+            await self._release(segments)
+            return None
+        titles = titles[:n]
+        stats.points = n
+        # Children fork from the segment that wrote the last kept title; its head (cut off with
+        # the token that ended it) is theirs to feed.
+        held_text, head = held_at[n - 1]
         pending = self.tok.encode(head, add_bos=False) if head else []
-        budget = max(MIN_POINT_TOKENS, (max_tokens - stats.points * 8) // stats.points)
         suffixes = [pending + self.point_suffix(asked, held_text + head, i, t) for i, t in enumerate(titles, 1)]
-        return self._expand(request_id, segments, segments[len(titles) - 1], Outline(tuple(titles)), suffixes,
+        return self._expand(request_id, segments, segments[n - 1], Outline(tuple(titles)), suffixes,
                             budget, sampling, stats)
 
     async def _title(self, feed: list[int], keep: SharedPrefix, parent: SharedPrefix | None,
@@ -222,6 +236,10 @@ class OutlineDecoder:
         # the budget ran out: the last token was sampled but not fed
         return _clean_title(text), text[: len(text) - len(last)], last, toks, False
 
+    def _header_ids(self, k: int, title: str) -> list[int]:
+        """What the answer shows before point k's paragraph (0-based): a line break, then "k. title:"."""
+        return self.tok.encode(("\n" if k else "") + point_header(k + 1, title), add_bos=False)
+
     async def _release(self, segments: list[SharedPrefix]) -> None:
         for seg in reversed(segments):
             await self.coord.release(seg)
@@ -236,8 +254,7 @@ class OutlineDecoder:
         async def child(k: int) -> None:
             q = queues[k]
             try:
-                header = self.tok.encode(point_header(k + 1, outline.points[k]), add_bos=False)
-                for t in ([] if k == 0 else self.tok.encode("\n", add_bos=False)) + header:
+                for t in self._header_ids(k, outline.points[k]):
                     q.put_nowait(t)
                 text = ""
                 point_sampling = sampling if sampling.greedy or sampling.seed is None else SamplingParams(

@@ -81,10 +81,10 @@ class Router:
 
     def probability(self, text: str) -> float:
         z = float(features(text) @ self.weights + self.bias)
-        return 1.0 / (1.0 + np.exp(-z))
+        return float(1.0 / (1.0 + np.exp(-z)))
 
     def wants_outline(self, text: str) -> bool:
-        return self.probability(text) >= self.threshold
+        return bool(self.probability(text) >= self.threshold)
 
     def to_json(self, meta: dict) -> dict:
         nz = np.nonzero(self.weights)[0]
