@@ -21,7 +21,7 @@ from meshd.api import openai_schema as oa
 from meshd.api.validation import RequestError
 from meshd.pipeline import outline_router
 from meshd.pipeline.coordinator import PipelineError, SharedPrefix
-from meshd.pipeline.outline import OutlineDecoder, OutlineStats, _title_end, parse_outline
+from meshd.pipeline.outline import OutlineDecoder, OutlineStats, _title_end
 from tests.test_api_support import engine, server, short_tmp  # noqa: F401
 from tests.test_pipeline_inprocess import Mesh, eventually
 
@@ -75,19 +75,6 @@ async def test_a_fork_of_a_released_prefix_fails_clearly_instead_of_hanging(tiny
 
 
 # --------------------------------------------------------------------------- parsing the outline
-
-
-@pytest.mark.parametrize("text, points", [
-    ("1. Use LED bulbs\n2. Seal the windows\n3. Turn down the heating", ["Use LED bulbs", "Seal the windows",
-                                                                          "Turn down the heating"]),
-    ("1. Comfort: enough food. 2. Safety: a plan. 3. Water: a bottle.", ["Comfort", "Safety", "Water"]),
-    ("1. Wake up early.\n2. Eat well.\n3. Eat well.\n4. Move", ["Wake up early", "Eat well", "Move"]),
-    ("1. One\n2. Two\n5. Five\n6. Six", None),  # numbering breaks: two points are too few
-    ("Sure! Here you go.", None),
-])
-def test_outlines_are_parsed_into_short_unique_titles(text, points):
-    got = parse_outline(text)
-    assert (got.points if got else None) == (tuple(points) if points else None)
 
 
 @pytest.mark.parametrize("text, end", [("Use LED", None), ("Use LED bulbs:", 13), ("Seal gaps. More", 9),

@@ -69,9 +69,16 @@ async def test_a_client_hanging_up_mid_batch_frees_only_its_sequence(tiny):
     prompts = [list(range(5, 45)), list(range(50, 90)), list(range(100, 140))]
     refs = [generate(LocalPipeline.from_source(tiny, 1), p, 40).token_ids for p in prompts]
     async with Mesh(tiny, 2) as mesh:
-        victim = asyncio.create_task(mesh.run(list(range(150, 210)), 120, rid="victim"))
+        got_any = asyncio.Event()
+
+        async def victim_run():  # runs until cancelled: it would take 440 tokens to end by itself
+            async for _ in mesh.coord.generate("victim", list(range(150, 210)), 440, SamplingParams()):
+                got_any.set()
+
+        victim = asyncio.create_task(victim_run())
         survivors = asyncio.gather(*(mesh.run(p, 40, rid=f"r{i}", chunks=2) for i, p in enumerate(prompts)))
-        assert await eventually(lambda: any(_batched_passes(s) for s in mesh.services), timeout=60)
+        assert await eventually(lambda: got_any.is_set() and any(_batched_passes(s) for s in mesh.services),
+                                timeout=60)
         victim.cancel()
         got = await survivors
         with pytest.raises(asyncio.CancelledError):

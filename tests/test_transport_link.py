@@ -276,6 +276,43 @@ async def test_urgent_messages_overtake_the_ordered_queue_which_keeps_its_order(
         await server.close()
 
 
+async def test_a_batch_handler_gets_everything_queued_behind_a_running_message_at_once(ctx):
+    """A stage batches the work that queued while it computed: one call, arrival order, one reply each."""
+    calls, gate = [], asyncio.Event()
+
+    async def handler(msg, req):  # unused with a batch handler, except for urgent messages
+        return None
+
+    async def batch(msgs, reqs):
+        calls.append([m.seq_id for m in msgs])
+        if len(calls) == 1:
+            await gate.wait()  # a long forward while more arrive
+        return [ErrorReply("bad", "s2 is bad") if m.seq_id == "s2" else None for m in msgs]
+
+    server, peer = await _pair(ctx, handler, server_kw={
+        "ordered": True, "urgent": lambda m: isinstance(m, FreeSequence), "batch_handler": batch})
+    try:
+        first = asyncio.create_task(peer.request(_fwd(0)))
+        await _until(lambda: calls == [["s0"]])
+        rest = [asyncio.create_task(peer.request(_fwd(i))) for i in range(1, 4)]
+        await _until(lambda: server._queue.qsize() == 3)
+        gate.set()
+        replies = await asyncio.gather(first, *rest, return_exceptions=True)
+        assert calls == [["s0"], ["s1", "s2", "s3"]]
+        assert [type(r).__name__ for r in replies] == ["Ack", "Ack", "RemoteError", "Ack"]
+    finally:
+        await peer.close()
+        await server.close()
+
+
+async def _until(cond, timeout=5.0):
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
 # ------------------------------------------------------------ malformed input
 
 

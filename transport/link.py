@@ -123,6 +123,8 @@ class StageServer:
     (up to ``max_batch`` messages) in one call, so a stage can run several
     sequences' work in one forward. The handler keeps the order that matters
     (per sequence) itself and returns one reply per message.
+    ``batch_linger(requests) -> seconds``: how long to wait for more before
+    handing a batch over (0: not at all), asked again after each arrival.
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class StageServer:
         max_queued: int = 1024,
         batch_handler: Callable[[list[Any], list["Request"]], Awaitable[list[Any]]] | None = None,
         max_batch: int = 64,
+        batch_linger: Callable[[list["Request"]], float] | None = None,
     ) -> None:
         self.handler = handler
         self.node_id = node_id
@@ -151,6 +154,7 @@ class StageServer:
         self.urgent = urgent
         self.batch_handler = batch_handler
         self.max_batch = max(1, int(max_batch))
+        self.batch_linger = batch_linger
         self._queue: asyncio.Queue | None = asyncio.Queue(max_queued) if ordered and urgent else None
         self._worker_task: asyncio.Task | None = None
         self.address: str | None = None
@@ -248,6 +252,20 @@ class StageServer:
             reqs = [req]
             while len(reqs) < self.max_batch and not self._queue.empty():
                 reqs.append(self._queue.get_nowait())
+            linger = self.batch_linger(reqs) if self.batch_linger is not None else 0.0
+            if linger > 0:  # the handler expects more work any moment: let it join this batch
+                deadline = asyncio.get_running_loop().time() + linger
+                while len(reqs) < self.max_batch:
+                    left = deadline - asyncio.get_running_loop().time()
+                    if left <= 0:
+                        break
+                    try:
+                        async with asyncio.timeout(left):
+                            reqs.append(await self._queue.get())
+                    except TimeoutError:
+                        break
+                    if self.batch_linger(reqs) <= 0:
+                        break
             await self._handle_batch(reqs)
 
     async def _handle_batch(self, reqs: list[Request]) -> None:

@@ -31,7 +31,7 @@ from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError, Share
 
 log = get_logger("meshd.outline")
 
-MIN_POINTS, MAX_POINTS = 3, 10
+MIN_POINTS = 3  # fewer points than this: a plain answer (nothing to parallelise)
 DEFAULT_POINTS = 5  # the most points the decoder asks for (each one a child in the pipeline)
 TITLE_TOKENS = 16  # a point's title is a few words
 MIN_POINT_TOKENS = 16  # fewer tokens than this per point: fewer points
@@ -47,38 +47,6 @@ OUTLINE_START = "1."  # the assistant's outline starts here: the model lists rat
 @dataclass(frozen=True)
 class Outline:
     points: tuple[str, ...]
-
-
-_NUMBERED = re.compile(r"(?:^|\s)(\d{1,2})[.)]\s+")
-
-
-def parse_outline(text: str) -> Outline | None:
-    """The points of an outline the model wrote (None when there are too few to be worth it).
-
-    Small models number inline ("1. a 2. b"), repeat themselves and explain
-    every point; a point's title is kept to its first clause, repeats are
-    dropped, and numbering must run 1, 2, 3, ... (whatever follows a break in
-    it is not part of the outline).
-    """
-    marks = list(_NUMBERED.finditer(text))
-    points: list[str] = []
-    seen: set[str] = set()
-    expect = 1
-    for j, m in enumerate(marks):
-        if int(m.group(1)) != expect:
-            break
-        expect += 1
-        body = text[m.end(): marks[j + 1].start() if j + 1 < len(marks) else len(text)]
-        title = re.split(r"[:\n]|(?<=[a-z])\.\s", body.strip(), maxsplit=1)[0].strip().rstrip(".").strip()
-        title = " ".join(title.split()[:POINT_TITLE_WORDS]).strip(" *-\"'")
-        key = title.lower()
-        if not title or key in seen:
-            continue
-        seen.add(key)
-        points.append(title)
-        if len(points) == MAX_POINTS:
-            break
-    return Outline(tuple(points)) if len(points) >= MIN_POINTS else None
 
 
 _TITLE_END = re.compile(r"[:\n]|[.!?](?:\s|$)| - ")

@@ -58,6 +58,7 @@ log = get_logger("meshd.stage")
 
 TOMBSTONES = 1 << 16  # freed keys remembered (keys are never reused; old ones age out)
 MAX_BATCH_TOKENS = 512  # tokens in one batched pass (a lone larger message still runs)
+MAX_LINGER_S = 0.005  # the longest a pass waits for a decoding sequence's next step to join it
 BATCH_HIST_MAX = 16  # batch sizes counted exactly up to this; larger ones in its bucket
 
 
@@ -137,6 +138,13 @@ class StageService:
         self.idle_seq_timeout_s = idle_seq_timeout_s
         # 0 or 1: no batching (one message per pass, the way every stage used to run).
         self.max_batch_tokens = int(max_batch_tokens)
+        # Lingering for stragglers (see _linger): when each sequence was last seen stepping here,
+        # the last pass's duration, and how often lingering caught someone lately.
+        self._stepping: dict[str, float] = {}
+        self._last_pass_s = 0.0
+        self._waiting_for: set[str] | None = None
+        self._linger_pays = 1.0
+        self._passes = 0
         self.route: Route | None = None
         self.index: int | None = None
         self.stage: StageModel | None = None
@@ -166,7 +174,8 @@ class StageService:
         batching = self.max_batch_tokens > 1
         self.server = await self.node.serve(self.handle, address, ordered=True,
                                             urgent=lambda m: isinstance(m, (FreeSequence, Hello)),
-                                            batch_handler=self.handle_batch if batching else None)
+                                            batch_handler=self.handle_batch if batching else None,
+                                            batch_linger=self._linger if batching else None)
         self._reaper = asyncio.create_task(self._reap_loop(), name="stage-reaper")
         return self.server.address
 
@@ -214,6 +223,7 @@ class StageService:
             self._medusa, self._medusa_error = None, ""
             self.samplers.clear()
             self._touched.clear()
+            self._stepping.clear()
             self.route, self.index = route, idx
 
     # -- what the daemon and status need ---------------------------------------------
@@ -282,6 +292,7 @@ class StageService:
             self._tombstones.popitem(last=False)
         self.samplers.pop(seq, None)
         self._touched.pop(seq, None)
+        self._stepping.pop(seq, None)
         if seq in self._busy:  # the compute thread is using its cache: free it when the pass ends
             self._free_after_compute.add(seq)
             return
@@ -326,6 +337,13 @@ class StageService:
         group: list[int] = []
         seqs: set = set()
         tokens = 0
+        if self._waiting_for is not None:  # did lingering catch anyone we waited for?
+            caught = bool(self._waiting_for & {getattr(m, "seq_id", None) for m in msgs})
+            self._linger_pays = 0.8 * self._linger_pays + 0.2 * caught
+            self._waiting_for = None
+        stepping = self._recently_stepping()
+        cap = self._steps_per_pass(stepping)
+        steps = 0  # decode steps / verify rounds in the group
 
         async def flush():
             nonlocal tokens
@@ -339,16 +357,58 @@ class StageService:
         for i, m in enumerate(msgs):
             if isinstance(m, StageForward):
                 n = _rows(m)
-                if m.seq_id in seqs or (group and tokens + n > self.max_batch_tokens):
+                is_step = m.seq_id in stepping
+                if m.seq_id in seqs or (group and tokens + n > self.max_batch_tokens) or (is_step and steps >= cap):
                     await flush()
+                    steps = 0
                 group.append(i)
                 seqs.add(m.seq_id)
                 tokens += n
+                steps += is_step
             else:
                 await flush()
                 replies[i] = await self.handle(m, reqs[i])
         await flush()
         return [Ack(self.serving_version) if r is None else r for r in replies]
+
+    def _linger(self, reqs: list) -> float:
+        """Seconds the batch lane should wait for more before this pass (0: start now).
+
+        Decoding sequences fall into step: while the stage computes one, the
+        other's next token is still on its way back from the coordinator, so
+        it arrives just after the pass started and each runs alone. Waiting a
+        moment — at most a tenth of a pass, never over MAX_LINGER_S — for the
+        sequences that were stepping here lately lets them share the pass.
+        When lingering stops catching anyone (their steps are a whole pass
+        away), it stops, trying again every 32 passes.
+        """
+        if self._last_pass_s <= 0:
+            return 0.0
+        here = {r.message.seq_id for r in reqs if isinstance(r.message, StageForward)}
+        if not here:
+            return 0.0
+        stepping = self._recently_stepping()
+        missing = stepping - here
+        if not missing or len(here & stepping) >= self._steps_per_pass(stepping):
+            return 0.0
+        if self._linger_pays < 0.3 and self._passes % 32:
+            return 0.0
+        if self._waiting_for is None:
+            self._waiting_for = missing
+        return min(MAX_LINGER_S, 0.1 * self._last_pass_s)
+
+    def _recently_stepping(self) -> set[str]:
+        """Sequences decoding through this stage now (a step or verify round within the last few passes)."""
+        now = time.monotonic()
+        recent = max(0.05, 3 * self._last_pass_s)
+        return {q for q, t in self._stepping.items() if now - t < recent}
+
+    def _steps_per_pass(self, stepping: set[str]) -> int:
+        """How many decoding sequences one pass should take: enough to share the weights' reads, few
+        enough that the pipeline keeps as many groups in flight as it has stages — merging two
+        sequences that alternate between two stages would leave each stage idle half the time."""
+        depth = len(self.route.stages) if self.route is not None else 1
+        return max(1, -(-len(stepping) // max(1, depth)))
 
     async def _forward(self, msg: StageForward):
         return (await self._forward_group([msg]))[0]
@@ -383,7 +443,9 @@ class StageService:
             for seq in [w.msg.seq_id for w in works if w.msg.seq_id in self._free_after_compute]:
                 self._free_after_compute.discard(seq)
                 self._free(seq, "freed")
-        self.stats.busy_s += time.perf_counter() - t
+        self._last_pass_s = time.perf_counter() - t
+        self._passes += 1
+        self.stats.busy_s += self._last_pass_s
         self.stats.forwards += 1
         self.stats.batches[min(len(works), BATCH_HIST_MAX)] = self.stats.batches.get(
             min(len(works), BATCH_HIST_MAX), 0) + 1
@@ -429,6 +491,8 @@ class StageService:
                                   f"{min(cfg.max_position, cfg.sliding_window or cfg.max_position)}")
         kv.reserve(seq, x.shape[0])  # grow here: a full cache fails this message, not the whole pass
         self._touched[seq] = time.monotonic()
+        if msg.is_last_chunk and x.shape[0] <= MAX_CANDIDATES + 1:  # a decode step or a verify round
+            self._stepping[seq] = self._touched[seq]
         want_logits = stage.is_last and msg.is_last_chunk
         mask = tree.mask() if tree is not None else msg.tree_mask
         normed = want_logits and (msg.verify or msg.medusa_paths > 0)
