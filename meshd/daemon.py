@@ -262,8 +262,9 @@ class Daemon:
                        f"warming up plan v{self.plan.version}")
             self.notifier.status(f"home {home}: {waiting}")
             if warm is not None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(warm.wait(), 1.0)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await warm.wait()
             else:
                 await asyncio.sleep(0.2)
         self.notifier.ready(f"serving home {home!r} as {self.node_id}")

@@ -101,7 +101,8 @@ async def await_engine(request: web.Request) -> Engine:
     wait_s, loading = app[ENGINE_WAIT]
     if app[ENGINE] is None and wait_s > 0 and loading():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(app[ENGINE_SET].wait(), wait_s)
+            async with asyncio.timeout(wait_s):
+                await app[ENGINE_SET].wait()
     return engine_of(request)
 
 

@@ -251,8 +251,9 @@ class PipelineCoordinator:
             route = self.route
             if route is None or not route.stages:
                 changed = self._route_changed
-                try:
-                    await asyncio.wait_for(changed.wait(), left)
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (a hang-up)
+                    async with asyncio.timeout(left):
+                        await changed.wait()
                 except TimeoutError:
                     pass
                 continue
@@ -500,8 +501,9 @@ class PipelineCoordinator:
                          item.topk_probs.tolist() if item.topk_probs is not None else None), item.finished
 
     async def _next_result(self, flight: _Flight) -> TokenResult:
-        try:
-            item = await asyncio.wait_for(flight.queue.get(), self.token_timeout_s)
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a client's cancel
+            async with asyncio.timeout(self.token_timeout_s):
+                item = await flight.queue.get()
         except TimeoutError:
             raise _Interrupted(f"no token from the last stage within {self.token_timeout_s:g}s") from None
         match item:
