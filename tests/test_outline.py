@@ -74,6 +74,24 @@ async def test_a_fork_of_a_released_prefix_fails_clearly_instead_of_hanging(tiny
             await _take(mesh.coord.steps("child", [5, 6], 4, SamplingParams(), fork=stale))
 
 
+async def test_a_fork_that_arrives_after_its_free_creates_nothing(tiny):
+    """A cancelled child's free overtakes its queued fork; the late fork must not leak a sequence."""
+    import torch
+
+    from transport.messages import ForkSequence, FreeSequence, StageForward
+
+    async with Mesh(tiny, 1) as mesh:
+        svc, v = mesh.services[0], mesh.route.plan_version
+        await svc.handle(StageForward(request_id="p", plan_version=v, seq_id="coord:p", position_offset=0,
+                                      chunk_index=0, token_ids=torch.tensor([5, 6, 7]), is_last_chunk=False,
+                                      reply_to="", capacity=8), None)
+        await svc.handle(FreeSequence(v, "coord:c"), None)
+        await svc.handle(ForkSequence(v, "coord:c", "coord:p", 3), None)
+        assert "coord:c" not in svc.kv and svc.sequences() == ["coord:p"]
+        await svc.handle(FreeSequence(v, "coord:p"), None)
+        assert svc.kv_tokens_in_use() == 0
+
+
 # --------------------------------------------------------------------------- parsing the outline
 
 

@@ -256,6 +256,10 @@ class StageService:
                 case FreeSequence():
                     # Frees come straight from the coordinator to every stage, whatever the plan.
                     self._free(msg.seq_id, "freed")
+                case ForkSequence() if msg.seq_id in self._tombstones:
+                    # freed (its request ended) while the fork was queued: creating it now would leak it
+                    self.stats.late_dropped += 1
+                    log.debug("late_fork_dropped", seq=msg.seq_id, parent=msg.parent_id)
                 case Truncate() | ForkSequence():
                     self._check_plan(msg.plan_version)
                     self._control(msg)
