@@ -97,6 +97,19 @@ async def measure_configs(levels: list[int], tokens: int, reps: int, log=print) 
     return results
 
 
+def concurrency_rows(res: dict, levels: list[int]) -> list[dict]:
+    """One row per level: every configuration's tokens/s and the ratios the issue asks for."""
+    rows = []
+    for n in levels:
+        g = lambda name: res[(name, n)]["tok_s"]  # noqa: E731
+        rows.append({"requests": n, "single_tok_s": g("single/unbatched"), "single_batched_tok_s": g("single/batched"),
+                     "mesh_unbatched_tok_s": g("mesh/unbatched"), "mesh_tok_s": g("mesh/batched"),
+                     "ratio": round(g("mesh/batched") / g("single/unbatched"), 3),
+                     "ratio_vs_single_batched": round(g("mesh/batched") / g("single/batched"), 3),
+                     "batching_gain_mesh": round(g("mesh/batched") / g("mesh/unbatched"), 3)})
+    return rows
+
+
 def attention_microbench(batch_sizes=(2, 4, 8), context: int = 256, reps: int = 200) -> list[dict]:
     """One layer's attention for B single-token steps: ragged calls vs padding the caches into one call."""
     import torch
@@ -157,14 +170,7 @@ def main() -> int:
              "max_batch_tokens": "stage default (512)"}
     print("# setup", json.dumps(setup), flush=True)
     res = asyncio.run(measure_configs(levels, args.tokens, args.reps))
-    rows = []
-    for n in levels:
-        g = lambda name: res[(name, n)]["tok_s"]  # noqa: E731
-        rows.append({"requests": n, "single_tok_s": g("single/unbatched"), "single_batched_tok_s": g("single/batched"),
-                     "mesh_unbatched_tok_s": g("mesh/unbatched"), "mesh_tok_s": g("mesh/batched"),
-                     "ratio": round(g("mesh/batched") / g("single/unbatched"), 3),
-                     "ratio_vs_single_batched": round(g("mesh/batched") / g("single/batched"), 3),
-                     "batching_gain_mesh": round(g("mesh/batched") / g("mesh/unbatched"), 3)})
+    rows = concurrency_rows(res, levels)
     parity = all(v["parity"] for v in res.values())
     attn = attention_microbench()
     print("\n| requests | single, unbatched | single, batched | mesh, unbatched | mesh, batched | "

@@ -232,7 +232,7 @@ def judge_rows(rows: list[dict], log=print) -> dict:
 
 async def run(args, log=print) -> dict:
     from bench._common import machine_banner
-    from bench.concurrency import measure_configs
+    from bench.concurrency import concurrency_rows, measure_configs
 
     rows = load_set(args.quick)
     max_tokens = args.max_tokens or (160 if args.quick else 256)
@@ -244,14 +244,7 @@ async def run(args, log=print) -> dict:
     speed = speed_summary(rows)
     levels = [1, 4] if args.quick else [1, 2, 4, 8]
     conc = await measure_configs(levels, 16 if args.quick else 32, 1 if args.quick else 2, log)
-    concurrency = [{"requests": n, "single_tok_s": conc[("single/unbatched", n)]["tok_s"],
-                    "single_batched_tok_s": conc[("single/batched", n)]["tok_s"],
-                    "mesh_unbatched_tok_s": conc[("mesh/unbatched", n)]["tok_s"],
-                    "mesh_tok_s": conc[("mesh/batched", n)]["tok_s"],
-                    "ratio": round(conc[("mesh/batched", n)]["tok_s"] / conc[("single/unbatched", n)]["tok_s"], 3),
-                    "ratio_vs_single_batched": round(conc[("mesh/batched", n)]["tok_s"]
-                                                     / conc[("single/batched", n)]["tok_s"], 3)}
-                   for n in levels]
+    concurrency = concurrency_rows(conc, levels)
     parity = all(v["parity"] for v in conc.values())
     quality = judge_rows(rows, log) if args.judge else "not judged (run with --judge)"
     return {"setup": setup, **speed, "concurrency": concurrency, "quality": quality, "parity": parity,

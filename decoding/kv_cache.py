@@ -8,8 +8,9 @@ Design choices, and why:
 - ``fork`` makes a child that *references* the first ``prefix_len`` positions of
   its parent instead of copying them (outline decoding expands many points
   over one shared prompt): N children of a P-token prefix hold P + their own
-  positions, not N·P, and attention reads the prefix in place (``segments``). The parent is pinned: it cannot roll back below a
-  prefix a child still uses, and its storage lives until its last child is freed.
+  positions, not N·P, and attention reads the prefix in place (``segments``).
+  The parent is pinned: it cannot roll back below a prefix a child still uses,
+  and its storage lives until its last child is freed.
 - ``truncate`` is O(1): speculative decoding rolls rejected tokens out of every
   stage by moving the length back; stale entries are overwritten by later writes.
 - A token budget bounds the whole cache, so admission fails loudly ("cache full")

@@ -205,34 +205,22 @@ class StageModel:
             h = self._layer(kv, li, lw, h, cos, sin, items, plans)
         for p, it in zip(plans, items):
             kv.commit(it.seq_id, p.n)
-        if not self.is_last:
-            return list(h.split([p.n for p in plans]))
+        parts = h.split([p.n for p in plans])
+        read = [part if it.all_logits else part[-1:] for part, it in zip(parts, items) if it.head]
+        if not self.is_last or not read:
+            return list(parts)
         # The LM head only over the rows someone reads: one product for the whole batch.
-        rows, spans = [], []
-        start = got = 0
-        for p, it in zip(plans, items):
-            if it.head:
-                a, b = (start, start + p.n) if it.all_logits else (start + p.n - 1, start + p.n)
-                spans.append((got, b - a))
-                rows.append((a, b))
-                got += b - a
-            else:
-                spans.append(None)
-            start += p.n
+        normed = rms_norm(torch.cat(read), self.final_norm, cfg.rms_eps)
+        logits = linear(normed, self.lm_head).float()
+        sizes = [r.shape[0] for r in read]
+        heads = iter(zip(logits.split(sizes), normed.split(sizes)))
         outs: list = []
-        if rows:
-            picked = torch.cat([h[a:b] for a, b in rows]) if len(rows) > 1 else h[rows[0][0]:rows[0][1]]
-            normed = rms_norm(picked, self.final_norm, cfg.rms_eps)
-            logits = linear(normed, self.lm_head).float()
-        start = 0
-        for p, it, span in zip(plans, items, spans):
-            if span is None:
-                outs.append(h[start:start + p.n])
-            else:
-                a, m = span
-                lg, nm = logits[a:a + m], normed[a:a + m]
-                outs.append((lg, nm) if it.return_normed else lg)
-            start += p.n
+        for part, it in zip(parts, items):
+            if not it.head:
+                outs.append(part)
+                continue
+            lg, nm = next(heads)
+            outs.append((lg, nm) if it.return_normed else lg)
         return outs
 
     def _layer(self, kv, li, lw: LayerWeights, h, cos, sin, items, plans):

@@ -402,19 +402,18 @@ class PipelineCoordinator:
                 step, finished = await self._next_step(flight)
                 token = step.token
                 if keep is not None:
-                    # Should the caller stop here, the stages hold ``pos`` positions (this token is not
-                    # fed): that is the prefix it keeps. Resuming us moves on, and nothing is kept yet.
+                    # Should the caller stop here (or the request end), the stages hold ``pos``
+                    # positions (this token is not fed): that is the prefix it keeps.
                     keep.route, keep.seq, keep.length = route, seq, pos
                     kept = True
                 yield step  # the caller appends it to ``generated`` before resuming us
-                kept = False
                 if token in eos_ids or len(generated) >= max_tokens:
-                    kept = keep is not None
                     return
                 if finished:  # the grammar is complete: nothing may follow but the end
                     if eos_ids:
                         yield TokenStep(min(eos_ids))
                     return
+                kept = False  # feeding another token: what was kept moves on
                 await self._send(first, StageForward(
                     position_offset=pos, chunk_index=0, token_ids=torch.tensor([token], dtype=torch.long),
                     is_last_chunk=True, sample_step=len(generated), **fields))

@@ -109,29 +109,8 @@ class PipelineEngine(Engine):
         # aclosing: a caller that stops early closes the inner generator now, so its bookkeeping
         # (speculation stats for usage, the outline's shared prefix) is done before usage is read
         inner = self._outline_ids(req) if self.outline_for(req) else self._plain_ids(req)
-        async with contextlib.aclosing(inner) as ids:
-            async for t in ids:
-                yield t
-
-    async def _outline_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
-        totals = self.coordinator.outline_totals
-        totals["requests"] += 1
-        stats = OutlineStats()
-        decoder = OutlineDecoder(self.coordinator, self.tokenizer, self.eos_ids, self.wait_s,
-                                 speculation=(lambda ids: self.speculation_for(req, ids))
-                                 if req.speculative.enabled else None)
         try:
-            stream = await decoder.run(req.request_id, req.messages, req.max_tokens, req.sampling, stats,
-                                       cuts=self.cuts_for)
-            if stream is None:  # no usable outline: the plain answer it is
-                totals["fallbacks"] += 1
-                log.info("outline_fallback", request_id=req.request_id, reason=stats.fallback)
-                stream = self._plain_ids(req)
-            else:
-                req.outline_used = True
-                totals["used"] += 1
-                totals["points"] += stats.points
-            async with contextlib.aclosing(stream) as ids:
+            async with contextlib.aclosing(inner) as ids:
                 async for t in ids:
                     yield t
         except NoRoute as exc:
@@ -140,6 +119,27 @@ class PipelineEngine(Engine):
             raise EngineBusy(str(exc), retry_after_s=exc.retry_after_s) from exc
         except PipelineError as exc:
             raise GenerationFailed(str(exc)) from exc
+
+    async def _outline_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        totals = self.coordinator.outline_totals
+        totals["requests"] += 1
+        stats = OutlineStats()
+        decoder = OutlineDecoder(self.coordinator, self.tokenizer, self.eos_ids, self.wait_s,
+                                 speculation=(lambda ids: self.speculation_for(req, ids))
+                                 if req.speculative.enabled else None)
+        stream = await decoder.run(req.request_id, req.messages, req.max_tokens, req.sampling, stats,
+                                   cuts=self.cuts_for)
+        if stream is None:  # no usable outline: the plain answer it is
+            totals["fallbacks"] += 1
+            log.info("outline_fallback", request_id=req.request_id, reason=stats.fallback)
+            stream = self._plain_ids(req)
+        else:
+            req.outline_used = True
+            totals["used"] += 1
+            totals["points"] += stats.points
+        async with contextlib.aclosing(stream) as ids:
+            async for t in ids:
+                yield t
 
     async def _plain_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         session = self.speculation_for(req)
@@ -153,12 +153,6 @@ class PipelineEngine(Engine):
                                                      context_limit=self.context_length,
                                                      constraint=req.constraint, penalties=req.penalties):
                 yield step.token
-        except NoRoute as exc:
-            raise NoPlan(str(exc), retry_after_s=5.0) from exc
-        except PipelineBusy as exc:
-            raise EngineBusy(str(exc), retry_after_s=exc.retry_after_s) from exc
-        except PipelineError as exc:
-            raise GenerationFailed(str(exc)) from exc
         finally:
             if session is not None:
                 req.speculative_stats = session.stats()

@@ -26,10 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from decoding.sampling import SamplingParams
-from meshd.log import get_logger
 from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError, SharedPrefix
 
-log = get_logger("meshd.outline")
 
 MIN_POINTS = 3  # fewer points than this: a plain answer (nothing to parallelise)
 DEFAULT_POINTS = 5  # the most points the decoder asks for (each one a child in the pipeline)
@@ -42,11 +40,6 @@ OUTLINE_ASK = ("{question}\n\nDo not answer yet. Write only an outline of the an
                "points, a few words each, one per line.")
 POINT_ASK = "Write point {i} only, \"{title}\", in two or three sentences."
 OUTLINE_START = "1."  # the assistant's outline starts here: the model lists rather than answers
-
-
-@dataclass(frozen=True)
-class Outline:
-    points: tuple[str, ...]
 
 
 _TITLE_END = re.compile(r"[:\n]|[.!?](?:\s|$)| - ")
@@ -149,24 +142,13 @@ class OutlineDecoder:
                 nxt = f"{head}\n{len(titles) + 1}."
                 feed = self.tok.encode(nxt, add_bos=False)
                 held += nxt
-            if len(titles) < MIN_POINTS:
-                stats.fallback = f"the model wrote {len(titles)} usable outline points"
-                await self._release(segments)
-                return None
         except BaseException:
             await self._release(segments)
             raise
-        # The answer must fit the request's budget whole: headers plus every point's paragraph.
-        # Too little room for as many points: the last ones go (below MIN_POINTS, no outline).
-        n, budget = len(titles), 0
-        while n >= MIN_POINTS:
-            headers = sum(len(self._header_ids(k, titles[k])) for k in range(n))
-            budget = min(MAX_POINT_TOKENS, (max_tokens - headers) // n)
-            if budget >= MIN_POINT_TOKENS:
-                break
-            n -= 1
-        if n < MIN_POINTS:
-            stats.fallback = f"{max_tokens} tokens leave too little room for {MIN_POINTS} points"
+        n, budget = self._fit(titles, max_tokens)
+        if len(titles) < MIN_POINTS or n < MIN_POINTS:
+            stats.fallback = (f"the model wrote {len(titles)} usable outline points" if len(titles) < MIN_POINTS
+                              else f"{max_tokens} tokens leave too little room for {MIN_POINTS} points")
             await self._release(segments)
             return None
         titles = titles[:n]
@@ -176,8 +158,7 @@ class OutlineDecoder:
         held_text, head = held_at[n - 1]
         pending = self.tok.encode(head, add_bos=False) if head else []
         suffixes = [pending + self.point_suffix(asked, held_text + head, i, t) for i, t in enumerate(titles, 1)]
-        return self._expand(request_id, segments, segments[n - 1], Outline(tuple(titles)), suffixes,
-                            budget, sampling, stats)
+        return self._expand(request_id, segments, segments[n - 1], titles, suffixes, budget, sampling, stats)
 
     async def _title(self, feed: list[int], keep: SharedPrefix, parent: SharedPrefix | None,
                      cuts) -> tuple[str, str, str, int, bool]:
@@ -204,6 +185,18 @@ class OutlineDecoder:
         # the budget ran out: the last token was sampled but not fed
         return _clean_title(text), text[: len(text) - len(last)], last, toks, False
 
+    def _fit(self, titles: list[str], max_tokens: int) -> tuple[int, int]:
+        """(points, tokens per point) so the answer fits the request's budget whole: headers plus every
+        paragraph. With too little room the last points go; fewer than MIN_POINTS means no outline."""
+        n = len(titles)
+        while n >= MIN_POINTS:
+            headers = sum(len(self._header_ids(k, titles[k])) for k in range(n))
+            budget = min(MAX_POINT_TOKENS, (max_tokens - headers) // n)
+            if budget >= MIN_POINT_TOKENS:
+                return n, budget
+            n -= 1
+        return n, 0
+
     def _header_ids(self, k: int, title: str) -> list[int]:
         """What the answer shows before point k's paragraph (0-based): a line break, then "k. title:"."""
         return self.tok.encode(("\n" if k else "") + point_header(k + 1, title), add_bos=False)
@@ -212,8 +205,8 @@ class OutlineDecoder:
         for seg in reversed(segments):
             await self.coord.release(seg)
 
-    async def _expand(self, request_id: str, segments: list[SharedPrefix], prefix: SharedPrefix, outline: Outline,
-                      suffixes: list[list[int]], budget: int, sampling: SamplingParams,
+    async def _expand(self, request_id: str, segments: list[SharedPrefix], prefix: SharedPrefix,
+                      titles: list[str], suffixes: list[list[int]], budget: int, sampling: SamplingParams,
                       stats: OutlineStats) -> AsyncIterator[int]:
         queues = [asyncio.Queue() for _ in suffixes]
         done = object()
@@ -222,7 +215,7 @@ class OutlineDecoder:
         async def child(k: int) -> None:
             q = queues[k]
             try:
-                for t in self._header_ids(k, outline.points[k]):
+                for t in self._header_ids(k, titles[k]):
                     q.put_nowait(t)
                 text = ""
                 point_sampling = sampling if sampling.greedy or sampling.seed is None else SamplingParams(
@@ -238,13 +231,12 @@ class OutlineDecoder:
                         if not text.strip() and not piece.strip():
                             continue  # blank lines before the paragraph: not part of it
                         text += piece
-                        if "\n" in text.strip():  # one paragraph per point: the next line is another point
-                            if piece.split("\n", 1)[0].strip():  # the paragraph's last words ride on it
-                                q.put_nowait(step.token)
-                                stats.point_tokens[k] += 1
+                        ends = "\n" in text.strip()  # one paragraph per point: the next line is another point
+                        if not ends or piece.split("\n", 1)[0].strip():  # its last words may ride on the break
+                            q.put_nowait(step.token)
+                            stats.point_tokens[k] += 1
+                        if ends:
                             break
-                        q.put_nowait(step.token)
-                        stats.point_tokens[k] += 1
                 q.put_nowait(done)
             except Exception as exc:  # noqa: BLE001 - every reader must hear of it: no silent gaps
                 for other in queues:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from decoding.errors import CacheFull, ContextOverflow, DecodingError
+from decoding.errors import CacheFull, DecodingError
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, filtered_probs
 from decoding.selector import TokenSelector
@@ -350,13 +350,13 @@ class StageService:
         steps = 0  # decode steps / verify rounds in the group
 
         async def flush():
-            nonlocal tokens
+            nonlocal tokens, steps
             if group:
                 for i, r in zip(group, await self._forward_group([msgs[i] for i in group])):
                     replies[i] = r
             group.clear()
             seqs.clear()
-            tokens = 0
+            tokens = steps = 0
 
         for i, m in enumerate(msgs):
             if isinstance(m, StageForward):
@@ -364,7 +364,6 @@ class StageService:
                 is_step = m.seq_id in stepping
                 if m.seq_id in seqs or (group and tokens + n > self.max_batch_tokens) or (is_step and steps >= cap):
                     await flush()
-                    steps = 0
                 group.append(i)
                 seqs.add(m.seq_id)
                 tokens += n
@@ -451,8 +450,8 @@ class StageService:
         self._passes += 1
         self.stats.busy_s += self._last_pass_s
         self.stats.forwards += 1
-        self.stats.batches[min(len(works), BATCH_HIST_MAX)] = self.stats.batches.get(
-            min(len(works), BATCH_HIST_MAX), 0) + 1
+        size = min(len(works), BATCH_HIST_MAX)
+        self.stats.batches[size] = self.stats.batches.get(size, 0) + 1
         for w, (out, exc) in zip(works, outcomes):
             msg = w.msg
             if exc is not None:
@@ -488,12 +487,6 @@ class StageService:
         if kv.length(seq) != msg.position_offset:
             raise StageError("position_mismatch", f"sequence {seq} holds {kv.length(seq)} positions, "
                                                   f"message starts at {msg.position_offset}")
-        cfg = stage.config
-        end = msg.position_offset + x.shape[0]
-        if end > cfg.max_position or (cfg.sliding_window and end > cfg.sliding_window):
-            raise ContextOverflow(f"sequence would reach {end} positions; the model's context is "
-                                  f"{min(cfg.max_position, cfg.sliding_window or cfg.max_position)}")
-        kv.reserve(seq, x.shape[0])  # grow here: a full cache fails this message, not the whole pass
         self._touched[seq] = time.monotonic()
         if msg.is_last_chunk and x.shape[0] <= MAX_CANDIDATES + 1:  # a decode step or a verify round
             self._stepping[seq] = self._touched[seq]
