@@ -168,7 +168,8 @@ class StageModel:
         return self.forward_batch(kv, [BatchItem(seq_id, x, tree_mask, all_logits, head, return_normed)])[0]
 
     @torch.inference_mode()
-    def forward_batch(self, kv: KVCache, items: "list[BatchItem]") -> list:
+    def forward_batch(self, kv: KVCache, items: "list[BatchItem]", probes: dict[int, torch.Tensor] | None = None
+                      ) -> list:
         """Run several sequences' new tokens in one pass; returns what :meth:`forward` would, per item.
 
         The weights are read once for all rows (on a CPU, decode is bound by
@@ -177,6 +178,12 @@ class StageModel:
         per sequence, so nobody's cache is copied into a padded batch. A
         sequence may appear once per batch (its rows must see each other's keys
         in order); the caller runs a second message for it in the next batch.
+
+        ``probes`` (last stage): for each item with ``attention_tail`` = W > 0,
+        ``probes[index]`` receives [rows, W]: the final layer's attention, averaged
+        over heads, that each new row pays to the sequence's last W positions. An
+        edge device asks for it to judge how much later tokens lean on a drafted
+        chunk (the importance half of deciding what a cloud verifier should see).
         """
         if len({it.seq_id for it in items}) != len(items):
             raise ValueError("a sequence may appear only once in a batch")
@@ -201,12 +208,16 @@ class StageModel:
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         for p, it in zip(plans, items):
             p.offset = kv.reserve(it.seq_id, p.n)
+        if probes is not None and self.is_last:
+            for i, (p, it) in enumerate(zip(plans, items)):
+                p.probe_tail, p.probe_index = it.attention_tail, i
         for li, lw in enumerate(self.layers):
-            h = self._layer(kv, li, lw, h, cos, sin, items, plans)
+            h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes)
         for p, it in zip(plans, items):
             kv.commit(it.seq_id, p.n)
         parts = h.split([p.n for p in plans])
-        read = [part if it.all_logits else part[-1:] for part, it in zip(parts, items) if it.head]
+        read = [(part[-it.logit_rows:] if it.logit_rows else part) if it.all_logits else part[-1:]
+                for part, it in zip(parts, items) if it.head]
         if not self.is_last or not read:
             return list(parts)
         # The LM head only over the rows someone reads: one product for the whole batch.
@@ -223,7 +234,7 @@ class StageModel:
             outs.append((lg, nm) if it.return_normed else lg)
         return outs
 
-    def _layer(self, kv, li, lw: LayerWeights, h, cos, sin, items, plans):
+    def _layer(self, kv, li, lw: LayerWeights, h, cos, sin, items, plans, probes=None):
         cfg = self.config
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         total = h.shape[0]
@@ -234,12 +245,13 @@ class StageModel:
         k = rotate(k.view(total, nkv, hd).transpose(0, 1), cos, sin)
         v = v.view(total, nkv, hd).transpose(0, 1)
         if len(items) == 1:
-            attn = self._attend(kv, li, items[0].seq_id, plans[0], q, k, v)
+            attn = self._attend(kv, li, items[0].seq_id, plans[0], q, k, v, probes)
         else:
             parts, start = [], 0
             for it, p in zip(items, plans):
                 end = start + p.n
-                parts.append(self._attend(kv, li, it.seq_id, p, q[:, start:end], k[:, start:end], v[:, start:end]))
+                parts.append(self._attend(kv, li, it.seq_id, p, q[:, start:end], k[:, start:end], v[:, start:end],
+                                          probes))
                 start = end
             attn = torch.cat(parts, dim=1)
         h = h + linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o)
@@ -247,17 +259,36 @@ class StageModel:
         gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, lw.down)
 
-    def _attend(self, kv: KVCache, li: int, seq_id, p: "_RowPlan", q, k, v) -> torch.Tensor:
+    def _attend(self, kv: KVCache, li: int, seq_id, p: "_RowPlan", q, k, v, probes=None) -> torch.Tensor:
         """One sequence's attention, [heads, n, head_dim]: its new keys written, then read in place."""
         nh, nkv = self.config.num_heads, self.config.num_kv_heads
         kv.write(seq_id, li, p.offset, k, v)
         segments = kv.segments(seq_id, li, p.offset + p.n)
+        if p.probe_tail and probes is not None and li == len(self.layers) - 1:
+            probes[p.probe_index] = self._attention_tail(q, segments, p, p.probe_tail)
         if len(segments) == 1:
             keys, values = segments[0]
             return F.scaled_dot_product_attention(
                 q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=p.mask, is_causal=p.causal,
                 scale=self.scale, enable_gqa=nkv != nh)[0]
         return segmented_attention(q, segments, p.mask, self.scale)
+
+
+    def _attention_tail(self, q: torch.Tensor, segments, p: "_RowPlan", width: int) -> torch.Tensor:
+        """[n, width]: head-averaged attention of the new rows on the last ``width`` positions."""
+        nh, n, hd = q.shape
+        nkv = segments[0][0].shape[0]
+        qg = q.reshape(nkv, (nh // nkv) * n, hd)
+        scores = torch.cat([torch.matmul(qg, k.transpose(-1, -2)) for k, _ in segments], dim=-1)
+        scores = scores.view(nkv, nh // nkv, n, -1).float() * self.scale
+        mask = p.mask if p.mask is not None else chunk_mask(0, n) if p.causal else None
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).mean(dim=(0, 1))  # [n, positions]
+        tail = probs[:, -width:]
+        if tail.shape[1] < width:  # fewer positions than asked: pad on the left
+            tail = F.pad(tail, (width - tail.shape[1], 0))
+        return tail
 
 
 @dataclass(frozen=True)
@@ -270,6 +301,8 @@ class BatchItem:
     all_logits: bool = True
     head: bool = True
     return_normed: bool = False
+    logit_rows: int = 0  # with all_logits: only the last this many rows (0: all)
+    attention_tail: int = 0  # see StageModel.forward_batch's ``probes``
 
     @property
     def tokens(self) -> int:
@@ -283,6 +316,8 @@ class _RowPlan:
     mask: torch.Tensor | None
     causal: bool
     offset: int = 0
+    probe_tail: int = 0
+    probe_index: int = 0
 
     @classmethod
     def of(cls, it: BatchItem, past: int) -> "_RowPlan":

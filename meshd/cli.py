@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "meshd.commands.plan",
     "meshd.commands.profile",
     "meshd.commands.heads",
+    "meshd.commands.cloud",
 ]
 
 

@@ -156,6 +156,7 @@ class Daemon:
         self.api_runner = None
         self.api_app = None
         self.engine: DrainingEngine | None = None
+        self.cloud = None  # meshd.cloud.home.CloudHome once a paired verifier is connected
         self.serving = None  # meshd.pipeline.serving.ServingRole: this device's stage, coordinator, plans
         self.sharing = None  # meshd.share.service.ShareService: lends model pieces, fetches missing ones
         self.port = 0
@@ -313,8 +314,9 @@ class Daemon:
             self.serving = await start_serving(self)
             s = self.serving
             drafts = DraftModels(self.config.draft_model, s.source) if self.config.draft_model else None
+            cloud = await self._cloud_home(s)
             engine = PipelineEngine(s.source, s.coordinator, cuts_for=s.cuts, wait_s=self.config.request_wait_s,
-                                    draft_model=drafts)
+                                    draft_model=drafts, cloud=cloud)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a missing model must not take the control plane down
@@ -331,6 +333,25 @@ class Daemon:
         log.info("model_ready", model=engine.model_id, identity=self._model_identity()[0])
         self._send_heartbeat()  # peers may plan with us now
         self.debounce.poke(self.clock())
+
+    async def _cloud_home(self, serving):
+        """The paired cloud verifier (``meshd cloud pair``), connected over this device's transport."""
+        info = self.state.cloud()
+        if not info:
+            return None
+        try:
+            from decoding.speculative.draft_model import tokenizer_fingerprint
+            from meshd.cloud.home import CloudHome
+
+            if info.get("tokenizer") and info["tokenizer"] != tokenizer_fingerprint(serving.source.tokenizer):
+                raise DaemonError(f"the paired verifier's model ({info.get('model')}) does not share this "
+                                  "home's tokenizer; run 'meshd cloud unpair' or pair a matching verifier")
+            self.cloud = await CloudHome.connect(serving.coordinator.node, info, self.config.cloud_budget)
+            return self.cloud
+        except Exception as exc:  # noqa: BLE001 - the home runs without its verifier rather than not at all
+            self.last_error = f"cloud verifier not used: {exc}"[:300]
+            log.error("cloud_verifier_unusable", error=f"{type(exc).__name__}: {exc}")
+            return None
 
     async def stop(self) -> None:
         """Graceful shutdown; safe to call after a failed or partial start.
@@ -735,8 +756,11 @@ class Daemon:
         spec["accepted_per_round"] = round((spec["accepted"] + spec["rounds"]) / spec["rounds"], 3) \
             if spec["rounds"] else 0.0
         spec["round_cost_slope"] = round(coord.round_cost.slope, 4)
-        return {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec,
-                "outline": dict(coord.outline_totals)}
+        out = {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec,
+               "outline": dict(coord.outline_totals)}
+        if self.cloud is not None:
+            out["cloud"] = self.cloud.status()
+        return out
 
     def _links_status(self) -> dict[str, dict[str, Any]]:
         """Per linked member: round trip (``rtt_s``, None unless fresh), ``age_s``, ``reachable``;

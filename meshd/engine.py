@@ -119,6 +119,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     speculative: SpeculativeStats | None = None  # how speculation went (None: not attempted)
+    cloud: dict[str, Any] | None = None  # how a cloud verifier was used (None: it was not)
 
     @property
     def total_tokens(self) -> int:
@@ -132,6 +133,8 @@ class Usage:
         }
         if self.speculative is not None:
             d["speculative"] = self.speculative.to_dict()
+        if self.cloud is not None:
+            d["cloud"] = dict(self.cloud)
         return d
 
 
@@ -166,6 +169,10 @@ class GenerationRequest:
     # with ``supports_outline`` honour it. Filled in by the engine: whether it was used.
     outline: str = "auto"
     outline_used: bool = False
+    # A paired cloud verifier: "auto" (use it at the daemon's budget), "off", or a budget in [0, 1].
+    # Filled in by the engine: how the offloading went (reported in usage).
+    cloud: str | float = "auto"
+    cloud_stats: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -299,7 +306,8 @@ class Engine(abc.ABC):
                 # natural stop (e.g. the engine's own end-of-context).
                 finish = "stop" if produced < req.max_tokens else "length"
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, req.speculative_stats))
+        yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, req.speculative_stats,
+                                                         req.cloud_stats))
 
 
 # --------------------------------------------------------------------------- threads

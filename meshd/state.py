@@ -306,6 +306,18 @@ class StateDir:
             return None
         return found
 
+    # -- cloud verifier -------------------------------------------------------
+    def cloud(self) -> dict[str, Any] | None:
+        """The cloud verifier this device paired with (``meshd cloud pair``), if any."""
+        return self._read_json("cloud.json", None) or None
+
+    def set_cloud(self, value: dict[str, Any] | None) -> None:
+        with self.locked():
+            if value is None:
+                (self.root / "cloud.json").unlink(missing_ok=True)
+            else:
+                self._write_json("cloud.json", value)
+
     # -- profiles ---------------------------------------------------------
     def own_profile(self) -> dict[str, Any] | None:
         """The newest profile the profiler wrote for this device, if any."""

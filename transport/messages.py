@@ -53,6 +53,9 @@ __all__ = [
     "Ack",
     "ErrorReply",
     "PlanUpdate",
+    "CloudVerify",
+    "CloudVerdict",
+    "CloudClose",
 ]
 
 Message = Any  # any instance of a registered message class
@@ -76,6 +79,7 @@ class _ClassSpec:
     cls: type
     fields: tuple[_FieldSpec, ...]
     by_name: dict[str, _FieldSpec]
+    compact: bool = False
 
 
 def activation(**kwargs: Any) -> Any:
@@ -112,8 +116,13 @@ def _check_hint(hint: Any) -> None:
     raise TypeError(f"unsupported field type {hint!r} in a message (use plain types, list, dict, tuple)")
 
 
-def message(cls: type | None = None, *, name: str | None = None):
-    """Register a dataclass as a wire message (its ``type`` is the class name)."""
+def message(cls: type | None = None, *, name: str | None = None, compact: bool = False):
+    """Register a dataclass as a wire message (its ``type`` is the class name).
+
+    ``compact=True``: the message travels as one positional array frame
+    (``transport.wire.encode_compact``) — for small messages on slow links. It
+    may not have tensor fields.
+    """
 
     def wrap(c: type) -> type:
         if not dataclasses.is_dataclass(c):
@@ -132,9 +141,11 @@ def message(cls: type | None = None, *, name: str | None = None):
             if act and kind is None:
                 raise TypeError(f"{type_name}.{f.name}: activation() is for tensor fields")
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if compact and kind is not None:
+                raise TypeError(f"{type_name}.{f.name}: a compact message cannot carry tensors")
             specs.append(_FieldSpec(f.name, hint, kind, act, required))
         _REGISTRY[type_name] = c
-        _SPECS[c] = _ClassSpec(type_name, c, tuple(specs), {s.name: s for s in specs})
+        _SPECS[c] = _ClassSpec(type_name, c, tuple(specs), {s.name: s for s in specs}, compact)
         return c
 
     return wrap(cls) if cls is not None else wrap
@@ -249,6 +260,12 @@ def encode(
     spec = _SPECS.get(type(msg))
     if spec is None:
         raise ProtocolError(f"{type(msg).__name__} is not a registered message type")
+    if spec.compact:
+        values = [getattr(msg, f.name) for f in spec.fields]
+        defaults = [f.default for f in dataclasses.fields(spec.cls)]
+        while values and values[-1] == defaults[len(values) - 1] and not spec.fields[len(values) - 1].required:
+            values.pop()
+        return wire.encode_compact(spec.type_name, values, request_id=request_id, seq=seq)
     fields: dict[str, Any] = {}
     tensors: list[tuple[str, Any, str | None]] = []
     for f in spec.fields:
@@ -276,6 +293,15 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelop
         raise ProtocolError(f"unknown message type {header.type!r}", request_id=rid)
     spec = _SPECS[cls]
     kwargs: dict[str, Any] = {}
+    if isinstance(header.fields, list):
+        if not spec.compact:
+            raise ProtocolError(f"{header.type} does not travel in compact form", request_id=rid)
+        if len(header.fields) > len(spec.fields):
+            raise ProtocolError(f"{header.type} has {len(spec.fields)} fields, got {len(header.fields)}",
+                                request_id=rid)
+        header.fields = {f.name: v for f, v in zip(spec.fields, header.fields)}
+    elif spec.compact:
+        raise ProtocolError(f"{header.type} travels in compact form only", request_id=rid)
     for name, value in header.fields.items():
         f = spec.by_name.get(name)
         if f is None:
@@ -414,6 +440,10 @@ class StageForward:
     penalties: dict | None = None
     prompt_tail: list[int] | None = None
     history: list[int] | None = None
+    # Edge drafting for a cloud verifier: the last stage also reports the final layer's
+    # head-averaged attention of this step's row on the sequence's last ``attention_tail``
+    # positions (TokenResult.attention), from which the home judges a chunk's importance.
+    attention_tail: int = 0
 
 
 @message
@@ -437,6 +467,7 @@ class TokenResult:
     proposal_values: list[float] | None = None  # each proposal's estimated chance of acceptance
     note: str = ""
     finished: bool = False  # the grammar is complete: the answer ends after these tokens
+    attention: list[float] | None = None  # see StageForward.attention_tail
 
 
 @message
@@ -500,3 +531,55 @@ class PlanUpdate:
 
     plan_version: int
     assignment: dict[str, Any]
+
+
+# ------------------------------------------------------------------ the cloud verifier's link
+# A home's uplink may be a few Mbit/s with 100 ms of latency: these travel in the
+# compact positional form (``message(compact=True)``), a greedy round in ~40 bytes.
+
+
+@message(compact=True)
+@dataclass
+class CloudVerify:
+    """Verify a home's drafted chunk on the verifier's bigger model.
+
+    ``session`` is the home's number for one answer (the verifier keys it by the
+    home's public key as well, so homes never see each other's). ``start``: the
+    positions the home believes the verifier holds for it. ``tokens`` (uint32
+    little-endian): the committed tokens from ``start`` on that the verifier has not
+    seen — at least the root, the last committed token — then the ``drafts``.
+    ``q`` (sampled drafts only): per draft, the drafter's distribution on the
+    sampler's support as (uint32 id, float32 prob) pairs; absent for greedy requests,
+    and for drafts sent as plain candidates (the verifier then samples its own token
+    and accepts a draft that matches it — lossless too, for any drafter).
+    ``open`` starts (or restarts after an eviction) the session: sampling
+    (temperature, top_k, top_p, seed, draws already spent) and ``capacity`` positions.
+    """
+
+    session: int
+    start: int
+    tokens: bytes
+    drafts: int
+    q: list[bytes] | None = None
+    open: dict | None = None
+
+
+@message(compact=True)
+@dataclass
+class CloudVerdict:
+    """The verifier's answer: ``accepted`` drafts, then its own ``token`` (not yet in its cache);
+    ``draws`` is how many uniform draws the session's random stream has spent (a resent
+    session continues it)."""
+
+    session: int
+    accepted: int
+    token: int
+    draws: int = 0
+
+
+@message(compact=True)
+@dataclass
+class CloudClose:
+    """The answer is done (or abandoned): free the session's cache now."""
+
+    session: int

@@ -52,6 +52,7 @@ __all__ = [
     "WireStats",
     "stats",
     "encode_frames",
+    "encode_compact",
     "decode_header",
     "decode_tensor",
 ]
@@ -320,6 +321,23 @@ def encode_frames(
     return frames
 
 
+def encode_compact(type_name: str, values: list[Any], *, request_id: int = 0, seq: int = 0) -> list[Any]:
+    """One frame for a small message that crosses a slow link (a home's WAN uplink).
+
+    The header is a msgpack *array* ``[version, type, request_id, seq, [values...]]``:
+    the values in the class's field order, trailing defaults left out. A map header
+    spends ~50 bytes on key names alone, as much as a whole greedy verification round
+    carries; which fields the positions mean is fixed by the message class on both
+    ends. Compact messages have no tensor frames and no sender (the link's key says
+    who sent it).
+    """
+    try:
+        return [msgpack.packb([PROTOCOL_VERSION, type_name, request_id, seq, values], use_bin_type=True,
+                              default=_msgpack_default)]
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"cannot encode {type_name}: {e}", request_id=request_id) from e
+
+
 # --------------------------------------------------------------------- decode
 
 
@@ -365,6 +383,8 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
         raw = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises a zoo of types on garbage
         raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    if isinstance(raw, list):
+        return _compact_header(raw, len(frames))
     if not isinstance(raw, dict):
         raise ProtocolError(f"header must be a map, got {type(raw).__name__}")
 
@@ -408,6 +428,27 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     for i, d in enumerate(descs, start=1):
         specs.append(_tensor_spec(d, i, lengths[i], names, limits, fail, type_name))
     return Header(type_name, rid, seq, sender, fields, specs, version)
+
+
+def _compact_header(raw: list, nframes: int) -> Header:
+    """The array header of :func:`encode_compact`; ``fields`` stays a list (the class maps positions)."""
+    rid = raw[2] if len(raw) > 2 and _is_uint(raw[2]) else 0
+    if len(raw) != 5:
+        raise ProtocolError(f"a compact header has 5 entries, got {len(raw)}", request_id=rid)
+    version, type_name, _, seq, values = raw
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r} (this node speaks {PROTOCOL_VERSION})",
+                            request_id=rid)
+    if not isinstance(type_name, str) or not type_name:
+        raise ProtocolError("header has no message type", request_id=rid)
+    if not _is_uint(raw[2]) or not _is_uint(seq):
+        raise ProtocolError("request_id and seq must be unsigned 64-bit integers", request_id=rid)
+    if not isinstance(values, list):
+        raise ProtocolError(f"{type_name}: compact values must be a list", request_id=rid)
+    if nframes != 1:
+        raise ProtocolError(f"{type_name}: a compact message has no tensor frames, got {nframes - 1}",
+                            request_id=rid)
+    return Header(type_name, rid, seq, "", values, [], version)  # type: ignore[arg-type]
 
 
 def _tensor_spec(d, index, got, names, limits, fail, type_name) -> TensorSpec:

@@ -21,7 +21,7 @@ is Medusa's typical acceptance: faster, but lossy — only on explicit opt-in.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,3 +128,39 @@ def verify_chain_rejection(tree: DraftTree, logits: torch.Tensor, draft_probs: t
         return Verdict(tuple(path), inverse_cdf(residual / residual.sum(), uniform()), draws)
     draws += 1
     return Verdict(tuple(path), inverse_cdf(filtered_probs(logits[tree.size - 1], params), uniform()), draws)
+
+
+def dense_draft_probs(support: Sequence[tuple[Sequence[int], Sequence[float]]], vocab: int) -> torch.Tensor:
+    """[drafts, vocab] from per-draft (ids, probs) on the sampler's support (the rest is 0).
+
+    Refuses what a hostile sender could use to bend the verdict: ids out of range,
+    repeated ids, negative or non-finite probabilities, rows not summing to ~1.
+    """
+    out = torch.zeros(len(support), vocab, dtype=torch.float64)
+    for r, (ids, probs) in enumerate(support):
+        if len(ids) != len(probs) or not ids:
+            raise ValueError(f"draft {r}: {len(ids)} ids but {len(probs)} probabilities")
+        if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"draft {r}: token ids must be distinct and in [0, {vocab})")
+        p = torch.tensor(list(probs), dtype=torch.float64)
+        if not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or abs(float(p.sum()) - 1.0) > 1e-3:
+            raise ValueError(f"draft {r}: probabilities must be finite, non-negative and sum to 1")
+        out[r, torch.tensor(list(ids))] = p
+    return out
+
+
+def verify_offloaded(drafts: Sequence[int], root: int, logits: torch.Tensor, params: SamplingParams,
+                     uniform: Uniform, support=None) -> Verdict:
+    """A cloud verifier's verdict on a home's drafted chain (logits: root's row first).
+
+    Greedy: argmax matching, so committed tokens are the target's own greedy ones.
+    With the drafter's distribution (``support``: per draft (ids, probs)): rejection
+    sampling. Without it: the drafts are candidates, the target samples each
+    position and accepts a matching draft. All three keep the target's law.
+    """
+    tree = DraftTree.chain(root, list(drafts))
+    if params.greedy:
+        return verify_greedy(tree, logits)
+    if support is None:
+        return verify_sampled(tree, logits, params, uniform)
+    return verify_chain_rejection(tree, logits, dense_draft_probs(support, logits.shape[-1]), params, uniform)

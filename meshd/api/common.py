@@ -173,7 +173,7 @@ def generation_request(engine: Engine, rid: str, prompt_ids: list[int], params: 
         request_id=rid, prompt_ids=prompt_ids, max_tokens=min(params.max_tokens or room, room),
         messages=messages, sampling=params.sampling, stop=params.stop, stream=params.stream,
         speculative=params.speculative, constraint=params.constraint, penalties=params.penalties,
-        outline=params.outline,
+        outline=params.outline, cloud=params.cloud,
     )
 
 

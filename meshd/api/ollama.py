@@ -156,6 +156,7 @@ class _Common(BaseModel):
     think: bool | str | None = None
     speculative: Any = None  # meshd extension
     outline: Literal["auto", "on", "off"] | None = None  # meshd extension: outline-based parallel decoding
+    cloud: oa.Cloud | None = None  # meshd extension: a paired cloud verifier ("auto", "off", budget 0..1)
 
     @field_validator("keep_alive")
     @classmethod
@@ -444,6 +445,8 @@ def _params(body: _Common, vocab: int | None) -> tuple[oa.RequestParams, int | N
     p.speculative = oa.parse_speculative(body.speculative if body.speculative is not None
                                          else o.speculative, spec_param)
     p.outline = getattr(body, "outline", None) or "auto"
+    cloud = getattr(body, "cloud", None)
+    p.cloud = "auto" if cloud is None else (cloud if isinstance(cloud, str) else float(cloud))
     if body.format not in (None, ""):
         if body.format == "json":
             p.constraint = {"type": "json_object"}

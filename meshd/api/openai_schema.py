@@ -77,6 +77,7 @@ class RequestParams:
     penalties: Penalties = field(default_factory=Penalties)
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
     outline: str = "auto"  # meshd's extension: outline-based parallel decoding ("auto" | "on" | "off")
+    cloud: str | float = "auto"  # meshd's extension: a paired cloud verifier ("auto" | "off" | budget 0..1)
 
 
 @dataclass
@@ -228,6 +229,8 @@ def _is_number(v: Any) -> bool:
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0), described("a number between 0 and 2")]
 TopP = Annotated[float, Field(gt=0.0, le=1.0), described("a number greater than 0 and at most 1")]
+# meshd's extension: whether a paired cloud verifier checks the answer ("auto", "off") or at which budget.
+Cloud = Literal["auto", "off"] | Annotated[float, Field(ge=0.0, le=1.0, strict=True)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0), described("a number between -2 and 2")]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX),
                  described(f"an integer from {INT64_MIN} to {INT64_MAX} (a signed 64-bit integer)")]
@@ -264,6 +267,7 @@ class _Params(BaseModel):
     frequency_penalty: Penalty | None = None
     speculative: Any = None  # meshd's extension: "auto", "off" or an object (SpeculativeParams)
     outline: Literal["auto", "on", "off"] | None = None  # meshd's extension: outline-based parallel decoding
+    cloud: Cloud | None = None  # meshd's extension: "auto", "off" or a budget in [0, 1]
     logit_bias: Annotated[Any, only_default(None, {})] = None
     logprobs: Annotated[Any, only_default(None, False, 0)] = None
     # Lenient: they cannot change the answer.
@@ -307,6 +311,8 @@ class _Params(BaseModel):
             penalties=Penalties(presence=self.presence_penalty or 0.0, frequency=self.frequency_penalty or 0.0),
             speculative=self.speculative if self.speculative is not None else SpeculativeParams(),
             outline=self.outline or "auto",
+            cloud="auto" if self.cloud is None else (float(self.cloud) if not isinstance(self.cloud, str)
+                                                     else self.cloud),
         )
 
 

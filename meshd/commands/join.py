@@ -43,6 +43,8 @@ _FLAGS = [
     ("--tls-cert", "tls_cert", str, "PEM certificate chain: --http speaks HTTPS"),
     ("--tls-key", "tls_key", str, "PEM private key for --tls-cert"),
     ("--share-rate", "share_rate", str, "cap on lending/fetching model pieces (50mbit, 12.5MB/s; default none)"),
+    ("--cloud-budget", "cloud_budget", float, "share of drafted chunks a paired cloud verifier checks, "
+                                              "0..1 (default 0.2; 1 = every chunk: the big model's output)"),
     ("--engine", "engine", str, "engine factory 'module:callable' (advanced)"),
 ]
 

@@ -116,6 +116,9 @@ def render_status(s: dict[str, Any]) -> str:
     outline = _outline(s.get("stage"))
     if outline:
         lines.append(outline)
+    cloud = _cloud(s.get("stage"))
+    if cloud:
+        lines.append(cloud)
     names = {m.get("node_id"): m.get("name") or m.get("node_id") for m in members if isinstance(m, dict)}
     lines += _sharing(s.get("sharing"), names)
 
@@ -277,6 +280,26 @@ def _outline(stage: Any) -> str:
     points = f", {o.get('points', 0) / used:.1f} points each" if used else ""
     return (f"outline decoding: used by {used} of {o['requests']} requests routed to it{points}"
             f" ({o.get('fallbacks', 0)} fell back to a plain answer)")
+
+
+def _cloud(stage: Any) -> str:
+    """The paired cloud verifier: reachable or not (and since when it failed), what it checked."""
+    c = stage.get("cloud") if isinstance(stage, dict) else None
+    if not isinstance(c, dict):
+        return ""
+    link = c.get("link") if isinstance(c.get("link"), dict) else {}
+    t = c.get("totals") if isinstance(c.get("totals"), dict) else {}
+    state = link.get("state", DASH)
+    text = f"cloud verifier {link.get('address', DASH)} ({c.get('model') or DASH}): {state}"
+    if link.get("rounds"):
+        text += f", RTT {link.get('rtt_ms', 0):.0f} ms"
+    if state != "connected" and link.get("last_error"):
+        text += f" — generating locally ({link['last_error']})"
+    if t.get("chunks"):
+        text += (f"; budget {c.get('budget')}: {t.get('offloaded', 0)} of {t['chunks']} chunks offloaded, "
+                 f"{t.get('accepted', 0)} of {t.get('drafted', 0)} drafts accepted, "
+                 f"{t.get('local_fallbacks', 0)} committed locally for want of a verdict")
+    return text
 
 
 def _performance(recent: Any, in_flight: Any) -> str:

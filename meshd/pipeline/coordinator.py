@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from decoding.offload.loop import SUPPORT_MAX, DraftStep, draft_step
+from decoding.offload.policy import GAMMA
 from decoding.pipeline_local import chunk_bounds
 from decoding.sampling import SamplingParams
 from decoding.speculative.adaptive import RoundCost
@@ -425,6 +427,17 @@ class PipelineCoordinator:
                     keep.seq = None
                 await self._free_surely(route, seq)
 
+    def drafter(self, request_id: str, capacity: int, sampling: SamplingParams, cuts: Cuts = None,
+                wait_s: float | None = None) -> "MeshDrafter":
+        """Draft through the mesh for a cloud verifier (see :class:`MeshDrafter`); close it when done."""
+        if request_id in self._requests:
+            raise PipelineError(f"request id {request_id!r} is already running")
+        if not sampling.greedy and sampling.seed is None:
+            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
+        self._requests.add(request_id)
+        return MeshDrafter(self, request_id, capacity, sampling, cuts,
+                           self.resume_timeout_s if wait_s is None else wait_s)
+
     async def release(self, prefix: SharedPrefix) -> None:
         """Free a kept prefix on every stage (its children's own positions are theirs to free)."""
         if prefix.seq is not None and prefix.route is not None:
@@ -547,3 +560,88 @@ class PipelineCoordinator:
             except (TransportError, TimeoutError, KeyError) as exc:
                 log.info("free_unreachable", node=node_id, seq=seq, error=str(exc))
         await asyncio.gather(*(one(s.node_id) for s in route.stages))
+
+
+class MeshDrafter:
+    """The home's model drafting through the pipeline, one fed step at a time, for a cloud verifier.
+
+    ``feed(tokens, at)`` rolls every stage back to ``at`` positions (riding in the
+    message's header, like a verify round's rollback), appends ``tokens`` and returns
+    the last stage's proposal for the next token with its distribution on the
+    sampler's support and the final layer's attention on the last γ positions. The
+    drafter remembers what its cache holds, so when a device leaves it re-prefills
+    that on the next plan and carries on: the answer is not failed for it.
+    """
+
+    def __init__(self, coord: PipelineCoordinator, request_id: str, capacity: int, sampling: SamplingParams,
+                 cuts: Cuts, wait_s: float):
+        self.coord = coord
+        self.request_id = request_id
+        self.capacity = capacity
+        self.sampling = sampling
+        self.cuts = cuts
+        self.wait_s = wait_s
+        self.held: list[int] = []  # the tokens in the stages' caches, in order
+        self.steps = 0
+        self._flight: _Flight | None = None
+
+    async def _open(self) -> _Flight:
+        c = self.coord
+        route = await c.serving_route(self.wait_s)
+        seq = c.keys.next()
+        flight = _Flight(self.request_id, route, seq, asyncio.Queue())
+        c._flights[seq] = flight
+        self._flight = flight
+        return flight
+
+    def _fields(self, flight: _Flight) -> dict:
+        s = self.sampling
+        return dict(request_id=self.request_id, plan_version=flight.route.plan_version, seq_id=flight.seq,
+                    reply_to=self.coord.reply_to, capacity=self.capacity, temperature=s.temperature, top_k=s.top_k,
+                    top_p=s.top_p, seed=s.seed, return_topk=SUPPORT_MAX + 1, attention_tail=GAMMA)
+
+    async def feed(self, tokens, at: int) -> DraftStep:
+        tokens = [int(t) for t in tokens]
+        if not 0 <= at <= len(self.held):
+            raise PipelineError(f"cannot feed at {at}: the drafter holds {len(self.held)} positions")
+        for _ in range(3):  # a device leaving: re-prefill what we hold on the next plan and go on
+            flight = self._flight or await self._open()
+            try:
+                return await self._feed(flight, tokens, at)
+            except _Interrupted as exc:
+                log.info("drafter_replaying", request_id=self.request_id, held=len(self.held), reason=str(exc))
+                await self._drop()
+                self.coord.resumes += 1
+                tokens, at = self.held[:at] + tokens, 0
+                self.held = []
+        raise PipelineError("the mesh kept re-planning while drafting; retry the request")
+
+    async def _feed(self, flight: _Flight, tokens: list[int], at: int) -> DraftStep:
+        first = flight.route.stages[0].node_id
+        fields = self._fields(flight)
+        rollback = at < len(self.held)
+        bounds = chunk_bounds(len(tokens), None, (self.cuts(len(tokens), flight.route) if callable(self.cuts)
+                                                  else self.cuts) if at == 0 and len(tokens) > 1 else None)
+        for j, (a, b) in enumerate(bounds):
+            commit = dict(commit_start=at, commit_keep=[]) if rollback and j == 0 else {}
+            await self.coord._send(first, StageForward(
+                position_offset=at + a, chunk_index=j, token_ids=torch.tensor(tokens[a:b], dtype=torch.long),
+                is_last_chunk=j == len(bounds) - 1, sample_step=self.steps, **commit, **fields))
+        self.held = self.held[:at] + tokens
+        res = await self.coord._next_result(flight)
+        self.steps += 1
+        ids = res.topk_ids.tolist() if res.topk_ids is not None else [int(res.token_ids[0])]
+        probs = res.topk_probs.tolist() if res.topk_probs is not None else [1.0]
+        return draft_step(int(res.token_ids[0]), ids, probs, res.attention)
+
+    async def _drop(self) -> None:
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self.coord._flights.pop(flight.seq, None)
+            await self.coord._free_surely(flight.route, flight.seq)
+
+    async def close(self) -> None:
+        try:
+            await self._drop()
+        finally:
+            self.coord._requests.discard(self.request_id)

@@ -10,9 +10,12 @@ device left → a clear error naming the device.
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Callable
 
 from decoding.errors import DrafterError
+from decoding.offload.policy import GAMMA
+from decoding.sampling import SamplingParams
 from decoding.speculative.session import SpeculationSession
 from meshd.engine import (BadEngineRequest, Engine, EngineBusy, GenerationFailed, GenerationRequest, NoPlan,
                           model_id_of)
@@ -40,10 +43,12 @@ def default_cuts(prompt_len: int, num_stages: int) -> list[int]:
 class PipelineEngine(Engine):
     def __init__(self, source, coordinator: PipelineCoordinator,
                  cuts_for: Callable[[int, Route], list[int]] | None = None, wait_s: float = DEFAULT_WAIT_S,
-                 draft_model: Callable[[], object] | None = None):
+                 draft_model: Callable[[], object] | None = None, cloud=None):
         """``draft_model()``: a ModelDrafter for this request (a draft model loaded on this device),
-        or raises DrafterError; None when no draft model is configured."""
+        or raises DrafterError; None when no draft model is configured. ``cloud``: a
+        :class:`meshd.cloud.home.CloudHome` when this device is paired with a cloud verifier."""
         self.source = source
+        self.cloud = cloud
         self.draft_model = draft_model
         self.tokenizer = source.tokenizer
         self.model_id = model_id_of(source)
@@ -108,7 +113,10 @@ class PipelineEngine(Engine):
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         # aclosing: a caller that stops early closes the inner generator now, so its bookkeeping
         # (speculation stats for usage, the outline's shared prefix) is done before usage is read
-        inner = self._outline_ids(req) if self.outline_for(req) else self._plain_ids(req)
+        if self.cloud_for(req):
+            inner = self._cloud_ids(req)
+        else:
+            inner = self._outline_ids(req) if self.outline_for(req) else self._plain_ids(req)
         try:
             async with contextlib.aclosing(inner) as ids:
                 async for t in ids:
@@ -119,6 +127,48 @@ class PipelineEngine(Engine):
             raise EngineBusy(str(exc), retry_after_s=exc.retry_after_s) from exc
         except PipelineError as exc:
             raise GenerationFailed(str(exc)) from exc
+
+    def cloud_for(self, req: GenerationRequest) -> bool:
+        """Whether a paired cloud verifier checks this answer's hard chunks (``cloud``: "auto" uses it
+        when paired at the daemon's budget; a number sets the budget; "off" never)."""
+        if req.cloud == "off":
+            return False
+        if self.cloud is None:
+            if req.cloud not in ("auto", None):
+                raise BadEngineRequest("this device is not paired with a cloud verifier "
+                                       "(run 'meshd cloud pair ADDRESS TOKEN')")
+            return False
+        shaped = req.constraint is not None or req.penalties.active
+        if shaped:
+            if req.cloud not in ("auto", None):
+                raise BadEngineRequest("cloud verification cannot be combined with structured output or "
+                                       "repetition penalties")
+            return False
+        budget = self.cloud.budget if not isinstance(req.cloud, float) else req.cloud
+        return budget > 0.0
+
+    async def _cloud_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+        from meshd.cloud.home import draft_seed
+
+        sampling = req.sampling
+        if not sampling.greedy and sampling.seed is None:
+            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
+        draft_sampling = sampling if sampling.greedy else SamplingParams(
+            sampling.temperature, sampling.top_k, sampling.top_p, draft_seed(sampling.seed))
+        capacity = min(len(req.prompt_ids) + req.max_tokens + 2 * GAMMA + 2, self.context_length)
+        drafter = self.coordinator.drafter(req.request_id, capacity, draft_sampling, cuts=self.cuts_for,
+                                           wait_s=self.wait_s)
+        budget = req.cloud if isinstance(req.cloud, float) else None
+        decoder = self.cloud.decoder(drafter, sampling, self.eos_ids, budget)
+        n = 0
+        try:
+            async for t in decoder.run(list(req.prompt_ids), req.max_tokens):
+                n += 1
+                yield t
+        finally:
+            self.cloud.record(decoder.stats, n)
+            req.cloud_stats = decoder.stats.to_dict()
+            await drafter.close()
 
     async def _outline_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         totals = self.coordinator.outline_totals

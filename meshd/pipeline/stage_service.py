@@ -493,7 +493,8 @@ class StageService:
         want_logits = stage.is_last and msg.is_last_chunk
         mask = tree.mask() if tree is not None else msg.tree_mask
         normed = want_logits and (msg.verify or msg.medusa_paths > 0)
-        item = BatchItem(seq, x, mask, all_logits=msg.verify, head=want_logits, return_normed=normed)
+        item = BatchItem(seq, x, mask, all_logits=msg.verify, head=want_logits, return_normed=normed,
+                         attention_tail=max(0, min(int(msg.attention_tail), 64)) if want_logits else 0)
         return _Work(msg, item, tree, want_logits, normed)
 
     def _compute_group(self, stage: StageModel, kv, works: list["_Work"]) -> list[tuple[Any, Exception | None]]:
@@ -502,17 +503,24 @@ class StageService:
         Should the pass itself fail, each message is retried alone, so one
         sequence's problem stays that sequence's.
         """
+        probes: dict[int, torch.Tensor] = {}
         try:
-            outs = stage.forward_batch(kv, [w.item for w in works])
+            outs = stage.forward_batch(kv, [w.item for w in works], probes)
         except Exception as exc:  # noqa: BLE001
             if len(works) == 1:
                 return [(None, exc)]
             log.warning("batch_failed_retrying_alone", sequences=len(works), error=f"{type(exc).__name__}: {exc}")
             return [self._compute_group(stage, kv, [w])[0] for w in works]
         results = []
-        for w, out in zip(works, outs):
+        for i, (w, out) in enumerate(zip(works, outs)):
             try:
-                results.append((self._result(w.msg, w.tree, out, w.normed) if w.want_logits else out, None))
+                if not w.want_logits:
+                    results.append((out, None))
+                    continue
+                result = self._result(w.msg, w.tree, out, w.normed)
+                if i in probes:  # the drafter of a cloud-verified answer judges importance from it
+                    result.attention = [float(a) for a in probes[i][-1].tolist()]
+                results.append((result, None))
             except Exception as exc:  # noqa: BLE001 - reported per message by the caller
                 results.append((None, exc))
         return results

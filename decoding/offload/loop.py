@@ -1,0 +1,327 @@
+"""The home's decoding loop with a cloud verifier: draft, decide, offload, keep drafting.
+
+The home's model (the SLM) drafts one token at a time through ``Drafter.feed``.
+Every γ drafted tokens form a chunk; :class:`~decoding.offload.policy.OffloadPolicy`
+decides whether the cloud's bigger model (the LLM) verifies it. A chunk kept
+local is committed as drafted. An offloaded chunk goes up with the committed
+tokens the verifier has not seen yet; it answers with how many drafts it
+accepted and its own next token, computed by exact rejection sampling (or
+argmax for greedy requests), so what it commits follows the LLM's distribution.
+
+Never stall (SpecEdge's proactive drafting): while a verification is in flight
+the SLM keeps drafting along its own most likely path. When the verdict comes
+back and the LLM's token is the one the SLM had drafted at that position, the
+drafts after it are already computed and stay; otherwise the SLM's cache rolls
+back to the verified prefix and drafting restarts from the LLM's token.
+
+The verifier can be slow, full or gone: a verification that does not come
+back in time, or is refused, commits the chunk as drafted — generation goes on
+locally and no token is lost or duplicated. A session the verifier evicted is
+resent from the start with the next offloaded chunk. ``start`` in each request
+is the prefix the verifier *confirmed*, so a verdict that came too late, or a
+request that never arrived, can never leave the two sides disagreeing: the
+verifier rolls its cache back to ``start`` before it runs.
+
+Nothing here does I/O itself: the drafter (an in-process pipeline or the mesh)
+and the verifier link are passed in, so tests run the same loop against
+in-process fakes, a real verifier on loopback, or a killed one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from decoding.offload.policy import GAMMA, OffloadPolicy, chunk_confidence, chunk_importance
+from decoding.sampling import SamplingParams
+
+SUPPORT_MAX = 64  # largest sampler support sent as a sparse distribution (else drafts go as candidates)
+AHEAD = 2 * GAMMA  # tokens drafted past an in-flight chunk, at most
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """What the drafter says after the tokens it was just fed.
+
+    ``token`` is its proposal for the next position (not fed yet) and ``ids``/``probs``
+    the distribution it was drawn from, on the sampler's support (top entries, best
+    first); ``exact``: that support is complete (every other token has probability 0).
+    ``attention``: the last fed token's row of final-layer attention on the sequence's
+    last γ positions (None if the drafter cannot tell).
+    """
+
+    token: int
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+    exact: bool = False
+    attention: tuple[float, ...] | None = None
+
+
+def draft_step(token: int, ids: Sequence[int], probs: Sequence[float],
+               attention: Sequence[float] | None = None) -> DraftStep:
+    """A DraftStep from the drafter's top SUPPORT_MAX + 1 entries (best first): exact when
+    fewer came back or the last one has probability 0 (the support fits)."""
+    ids, probs = list(ids), [float(p) for p in probs]
+    exact = len(probs) <= SUPPORT_MAX or probs[SUPPORT_MAX] <= 0.0
+    keep = [i for i, p in enumerate(probs[:SUPPORT_MAX]) if p > 0.0] if exact else range(min(len(ids), SUPPORT_MAX))
+    return DraftStep(int(token), tuple(int(ids[i]) for i in keep), tuple(probs[i] for i in keep), exact,
+                     None if attention is None else tuple(float(a) for a in attention))
+
+
+class Drafter(Protocol):
+    async def feed(self, tokens: Sequence[int], at: int) -> DraftStep:
+        """Roll the cache back to ``at`` positions, append ``tokens``, propose the next token."""
+        ...
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    session: int
+    start: int  # positions the verifier confirmed holding
+    tokens: tuple[int, ...]  # uncached committed tokens (the root last), then the drafts
+    drafts: int
+    q: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] | None = None  # per draft: (ids, probs)
+    open: dict | None = None
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted: int
+    token: int
+    draws: int = 0
+
+
+class VerifierUnavailable(Exception):
+    """No verdict this time (timed out, busy, disconnected): the chunk is committed as drafted."""
+
+
+class VerifierEvicted(Exception):
+    """The verifier dropped this session's cache: resend it from the start."""
+
+
+class Verifier(Protocol):
+    @property
+    def available(self) -> bool: ...
+
+    async def verify(self, request: VerifyRequest, timeout_s: float | None = None) -> VerifyResult: ...
+
+    async def close_session(self, session: int) -> None: ...
+
+
+@dataclass
+class OffloadStats:
+    chunks: int = 0
+    offloaded: int = 0
+    verified: int = 0  # offloaded chunks that got a verdict
+    drafted: int = 0  # drafts sent for verification (in verified chunks)
+    accepted: int = 0
+    corrected: int = 0  # verdicts whose token replaced a draft
+    aligned: int = 0  # verdicts whose token the drafter had already drafted (its drafts after it kept)
+    local_fallbacks: int = 0  # offloaded chunks committed as drafted (no verdict in time / refused)
+    resent: int = 0  # sessions resent after an eviction
+    ahead_drafted: int = 0  # tokens drafted while a verification was in flight
+    stall_s: float = 0.0  # time spent waiting for a verdict with nothing left to draft
+    wait_s: float = 0.0  # time from sending a chunk to its verdict
+    llm_tokens: int = 0  # tokens the verifier computed for us (cloud cost)
+    local_only_reason: str | None = None
+
+    def to_dict(self) -> dict:
+        d = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        d["accepted_per_chunk"] = round(self.accepted / self.verified, 3) if self.verified else 0.0
+        return d
+
+
+@dataclass
+class _Draft:
+    token: int
+    step: DraftStep  # the step that proposed it (its distribution)
+    attention: tuple[float, ...] | None = None  # its own row (from feeding it)
+
+
+@dataclass
+class OffloadDecoder:
+    """One answer's loop. ``session`` must be unique among the home's live answers."""
+
+    drafter: Drafter
+    verifier: Verifier | None
+    policy: OffloadPolicy
+    session: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_ids: frozenset[int] = frozenset()
+    gamma: int = GAMMA
+    ahead: int = AHEAD
+    seed: int | None = None
+    stats: OffloadStats = field(default_factory=OffloadStats)
+
+    def __post_init__(self):
+        self._rng = random.Random(self.seed)
+
+    async def run(self, prompt: Sequence[int], max_tokens: int) -> AsyncIterator[int]:
+        """Yield the answer's tokens as they are committed (EOS last, if the model ends)."""
+        self._ctx = list(prompt)
+        self._max = max_tokens
+        self._buf: list[_Draft] = []
+        self._generated = 0
+        self._cloud_has = 0
+        self._opened = False
+        self._draws = 0
+        self._next = await self.drafter.feed(self._ctx, 0)
+        try:
+            while self._generated < max_tokens:
+                want = min(self.gamma, max_tokens - self._generated)
+                while len(self._buf) < want and not self._ends(self._buf):
+                    await self._extend()
+                chunk = self._buf[:want]
+                cut = next((i + 1 for i, d in enumerate(chunk) if d.token in self.eos_ids), len(chunk))
+                chunk = chunk[:cut]
+                self.stats.chunks += 1
+                if not self._offload(chunk, max_tokens):
+                    for tok in self._commit(len(chunk), ()):
+                        yield tok
+                else:
+                    async for tok in self._verify(chunk):
+                        yield tok
+                if self._done(max_tokens):
+                    return
+        finally:
+            if self._opened and self.verifier is not None:
+                try:
+                    await self.verifier.close_session(self.session)
+                except Exception:  # noqa: BLE001 - closing is a courtesy; the verifier's LRU reclaims it
+                    pass
+
+    # -- steps ----------------------------------------------------------------------
+    def _ends(self, buf: list[_Draft]) -> bool:
+        return bool(buf) and buf[-1].token in self.eos_ids
+
+    def _done(self, max_tokens: int) -> bool:
+        return self._generated >= max_tokens or (self._ctx and self._ctx[-1] in self.eos_ids
+                                                 and self._generated > 0)
+
+    async def _extend(self) -> None:
+        """Feed the pending proposal: it joins the buffer of drafted, uncommitted tokens."""
+        prop = self._next
+        at = len(self._ctx) + len(self._buf)
+        step = await self.drafter.feed([prop.token], at)
+        self._buf.append(_Draft(prop.token, prop, step.attention))
+        self._next = step
+
+    def _offload(self, chunk: list[_Draft], max_tokens: int) -> bool:
+        if self.verifier is None or not chunk:
+            return False
+        conf = chunk_confidence([d.step.probs[0] if d.step.probs else 1.0 for d in chunk])
+        rows = [d.attention for d in chunk if d.attention is not None]
+        imp = chunk_importance(rows, self.gamma) if len(rows) == len(chunk) else 0.0
+        self._conf = conf
+        if not self.verifier.available:
+            self.stats.local_only_reason = "verifier unavailable"
+            return False
+        go = self.policy.decide(conf, imp, self._generated, max_tokens, self._rng)
+        if go:
+            self.stats.offloaded += 1
+        return go
+
+    def _commit(self, n: int, extra: Sequence[int]) -> list[int]:
+        """Commit the first ``n`` buffered drafts and then ``extra``; return the tokens to emit."""
+        toks = [d.token for d in self._buf[:n]] + list(extra)
+        self._buf = self._buf[n:]
+        out = []
+        for t in toks:
+            if self._generated >= self._max:
+                break
+            self._ctx.append(t)
+            self._generated += 1
+            out.append(t)
+            if t in self.eos_ids:
+                break
+        return out
+
+    def _request(self, chunk: list[_Draft]) -> VerifyRequest:
+        drafts = tuple(d.token for d in chunk)
+        q = None
+        if not self.sampling.greedy and all(d.step.exact and len(d.step.ids) <= SUPPORT_MAX for d in chunk):
+            q = tuple((d.step.ids, d.step.probs) for d in chunk)
+        opened = None
+        if not self._opened:
+            s = self.sampling
+            opened = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                      "seed": s.seed, "draws": self._draws,
+                      "capacity": len(self._ctx) + (self._max - self._generated) + 2 * self.gamma + 2}
+        return VerifyRequest(self.session, self._cloud_has, tuple(self._ctx[self._cloud_has:]) + drafts,
+                             len(drafts), q, opened)
+
+    def _timeout(self) -> float | None:
+        return None  # the verifier link derives it from its measured round times
+
+    async def _verify(self, chunk: list[_Draft]) -> AsyncIterator[int]:
+        assert self.verifier is not None
+        req = self._request(chunk)
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(self.verifier.verify(req, self._timeout()))
+        try:
+            # Proactive drafting: the SLM works on while the LLM verifies.
+            while not task.done() and len(self._buf) < len(chunk) + self.ahead and not self._ends(self._buf):
+                await self._extend()
+                self.stats.ahead_drafted += 1
+            t_idle = time.monotonic()
+            try:
+                res = await task
+            finally:
+                self.stats.stall_s += time.monotonic() - t_idle
+        except VerifierEvicted:
+            self._opened, self._cloud_has = False, 0
+            self.stats.resent += 1
+            req = self._request(chunk)
+            res = await self._resend(req)
+        except VerifierUnavailable as exc:
+            self.stats.local_fallbacks += 1
+            self.stats.local_only_reason = str(exc) or "verifier unavailable"
+            res = None
+        finally:
+            if not task.done():
+                task.cancel()
+        self.stats.wait_s += time.monotonic() - t0
+        if res is None:  # no verdict: the chunk stands as drafted
+            for tok in self._commit(len(chunk), ()):
+                yield tok
+            return
+        for tok in await self._apply(chunk, req, res):
+            yield tok
+
+    async def _resend(self, req: VerifyRequest) -> VerifyResult | None:
+        try:
+            return await self.verifier.verify(req, self._timeout())
+        except (VerifierEvicted, VerifierUnavailable) as exc:
+            self.stats.local_fallbacks += 1
+            self.stats.local_only_reason = str(exc) or "verifier unavailable"
+            return None
+
+    async def _apply(self, chunk: list[_Draft], req: VerifyRequest, res: VerifyResult) -> list[int]:
+        a, y = res.accepted, res.token
+        if not 0 <= a <= len(chunk):
+            raise ValueError(f"the verifier accepted {a} of {len(chunk)} drafts")
+        self._opened, self._draws = True, res.draws
+        self.stats.verified += 1
+        self.stats.drafted += len(chunk)
+        self.stats.accepted += a
+        self.stats.llm_tokens += len(req.tokens)
+        self.policy.observe(self._conf, a, len(chunk))
+        if chunk[a - 1].token in self.eos_ids if a else False:  # accepted up to the EOS: nothing follows
+            self._cloud_has = len(self._ctx) + a
+            return self._commit(a, ())
+        self._cloud_has = len(self._ctx) + a  # the verifier holds the old context and the accepted drafts
+        aligned = len(self._buf) > a and self._buf[a].token == y
+        if aligned:  # the SLM drafted the LLM's token: its drafts after it stand
+            self.stats.aligned += 1
+            return self._commit(a + 1, ())
+        if a < len(chunk):
+            self.stats.corrected += 1
+        out = self._commit(a, [y])
+        self._buf = []
+        if y not in self.eos_ids:
+            self._next = await self.drafter.feed([y], len(self._ctx) - 1)
+        return out

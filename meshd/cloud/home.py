@@ -1,0 +1,72 @@
+"""The home's use of a paired cloud verifier: one link, the offload policies, the totals.
+
+The daemon builds it from ``cloud.json`` (``meshd cloud pair``) once its
+transport is up; the pipeline engine asks it for a decoder per request. One
+:class:`~decoding.offload.policy.OffloadPolicy` per budget is shared by the
+requests that use that budget, so the importance percentile behind the budget
+learns from all of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+
+from decoding.offload.loop import OffloadDecoder, OffloadStats
+from decoding.offload.policy import OffloadPolicy
+from meshd.cloud.link import CloudLink
+from meshd.log import get_logger
+
+log = get_logger("meshd.cloud.home")
+
+
+def draft_seed(seed: int) -> int:
+    """The drafter's own random stream: rejection sampling is exact only if the drafts are drawn
+    independently of the verifier's uniforms (which follow the request's seed)."""
+    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63)
+
+
+class CloudHome:
+    def __init__(self, link: CloudLink, budget: float = 0.2, model: str = ""):
+        self.link = link
+        self.budget = budget
+        self.model = model
+        self._policies: dict[float, OffloadPolicy] = {}
+        self._sessions = itertools.count(secrets.randbits(30))
+        self.totals = {"requests": 0, "chunks": 0, "offloaded": 0, "verified": 0, "accepted": 0, "drafted": 0,
+                       "local_fallbacks": 0, "tokens": 0}
+
+    @classmethod
+    async def connect(cls, node, info: dict, budget: float) -> "CloudHome":
+        peer = await node.connect(info["address"], server_key=info["server_key"])
+        log.info("cloud_verifier_paired", address=info["address"], model=info.get("model"), budget=budget)
+        return cls(CloudLink(peer, info["address"]), budget, str(info.get("model", "")))
+
+    def policy(self, budget: float | None) -> OffloadPolicy:
+        b = self.budget if budget is None else float(budget)
+        if b not in self._policies:
+            self._policies[b] = OffloadPolicy(b)
+        return self._policies[b]
+
+    def decoder(self, drafter, sampling, eos_ids, budget: float | None = None) -> OffloadDecoder:
+        self.totals["requests"] += 1
+        return OffloadDecoder(drafter, self.link, self.policy(budget), next(self._sessions) % (1 << 31),
+                              sampling=sampling, eos_ids=frozenset(eos_ids), seed=sampling.seed)
+
+    def record(self, stats: OffloadStats, tokens: int) -> None:
+        t = self.totals
+        for k in ("chunks", "offloaded", "verified", "accepted", "drafted", "local_fallbacks"):
+            t[k] += getattr(stats, k)
+        t["tokens"] += tokens
+
+    def status(self) -> dict:
+        t = dict(self.totals)
+        t["share_offloaded"] = round(t["offloaded"] / t["chunks"], 3) if t["chunks"] else 0.0
+        return {"model": self.model, "budget": self.budget, "link": self.link.status(), "totals": t,
+                "policies": {str(b): p.to_dict() for b, p in self._policies.items()}}
+
+    async def close(self) -> None:
+        try:
+            await self.link.peer.close()
+        except Exception:  # noqa: BLE001 - closing on shutdown
+            pass

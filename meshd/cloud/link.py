@@ -1,0 +1,149 @@
+"""The home's link to a cloud verifier: requests, timeouts from measured round times, backoff.
+
+Implements ``decoding.offload.loop.Verifier``. The timeout of a verification
+is derived from what this link has measured (an EWMA of round times and of
+their spread), so a verifier that usually answers in 60 ms is given up on
+after a few hundred, not after a fixed ten seconds — the home keeps
+generating either way, but a stuck answer costs it the chunk's correction,
+not the user's time. After a failure the link stays *unavailable* for a
+backoff (doubling, capped) so the home does not pay a timeout per chunk while
+the verifier is down; ZeroMQ reconnects underneath, and the first request
+after the backoff finds out whether it is back. ``status()`` is what
+``meshd status`` prints.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass, field
+
+from decoding.offload.loop import VerifierEvicted, VerifierUnavailable, VerifyRequest, VerifyResult
+from meshd.log import get_logger
+from transport.errors import RemoteError, TransportError
+from transport.messages import CloudClose, CloudVerdict, CloudVerify, encode
+
+log = get_logger("meshd.cloud.link")
+
+FIRST_TIMEOUT_S = 30.0  # before anything was measured, and for a session's first (prompt-carrying) request
+MIN_TIMEOUT_S = 0.25
+PER_TOKEN_S = 0.002  # allowance per uncached token beyond a round's usual size
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+
+
+def to_message(req: VerifyRequest) -> CloudVerify:
+    q = None
+    if req.q is not None:
+        q = [b"".join(struct.pack("<If", int(i), float(p)) for i, p in zip(ids, probs)) for ids, probs in req.q]
+    return CloudVerify(req.session, req.start, struct.pack(f"<{len(req.tokens)}I", *req.tokens), req.drafts,
+                       q, req.open)
+
+
+@dataclass
+class LinkStats:
+    rounds: int = 0
+    timeouts: int = 0
+    refused: int = 0
+    evicted: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    last_error: str = ""
+    last_error_at: float = 0.0
+    connected_since: float = 0.0
+    rtt_s: float = 0.0  # EWMA of a verification's round time
+    rtt_dev_s: float = 0.0
+    up_sizes: list = field(default_factory=list)  # per round, the last 256 (reporting)
+    down_sizes: list = field(default_factory=list)
+
+
+class CloudLink:
+    def __init__(self, peer, address: str = "", *, first_timeout_s: float = FIRST_TIMEOUT_S,
+                 min_timeout_s: float = MIN_TIMEOUT_S):
+        self.peer = peer
+        self.address = address
+        self.first_timeout_s = first_timeout_s
+        self.min_timeout_s = min_timeout_s
+        self.stats = LinkStats()
+        self._retry_at = 0.0
+        self._backoff = BACKOFF_MIN_S
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._retry_at
+
+    def timeout_for(self, req: VerifyRequest) -> float:
+        s = self.stats
+        if s.rounds == 0 or req.open is not None:
+            return self.first_timeout_s
+        return max(self.min_timeout_s, 2.0 * s.rtt_s + 4.0 * s.rtt_dev_s + PER_TOKEN_S * len(req.tokens))
+
+    async def verify(self, req: VerifyRequest, timeout_s: float | None = None) -> VerifyResult:
+        msg = to_message(req)
+        timeout = timeout_s if timeout_s is not None else self.timeout_for(req)
+        t0 = time.monotonic()
+        try:
+            reply = await self.peer.request(msg, timeout=timeout)
+        except RemoteError as exc:
+            if exc.code == "evicted":
+                self.stats.evicted += 1
+                raise VerifierEvicted(str(exc)) from None
+            self.stats.refused += 1
+            self._failed(f"verifier refused ({exc.code}): {exc}", short=exc.code in ("busy", "superseded"))
+            raise VerifierUnavailable(str(exc)) from None
+        except (TransportError, OSError) as exc:
+            self.stats.timeouts += 1
+            self._failed(str(exc) or type(exc).__name__)
+            raise VerifierUnavailable(str(exc)) from None
+        if not isinstance(reply, CloudVerdict) or reply.session != req.session:
+            self._failed(f"unexpected reply {type(reply).__name__}")
+            raise VerifierUnavailable("the verifier answered something else")
+        self._observe(time.monotonic() - t0, msg, reply, req)
+        return VerifyResult(reply.accepted, reply.token, reply.draws)
+
+    async def close_session(self, session: int) -> None:
+        try:
+            await self.peer.send(CloudClose(session), timeout=1.0)
+        except (TransportError, OSError):
+            pass
+
+    def _observe(self, dt: float, msg: CloudVerify, reply: CloudVerdict, req: VerifyRequest) -> None:
+        s = self.stats
+        up = sum(len(f) for f in encode(msg, request_id=1, seq=1))
+        down = sum(len(f) for f in encode(reply, request_id=1, seq=1))
+        s.bytes_up += up
+        s.bytes_down += down
+        s.up_sizes = (s.up_sizes + [up])[-256:]
+        s.down_sizes = (s.down_sizes + [down])[-256:]
+        if req.open is None:  # a session's first request carries the prompt: not a usual round
+            if s.rounds == 0 or s.rtt_s == 0.0:
+                s.rtt_s, s.rtt_dev_s = dt, dt / 2
+            else:
+                s.rtt_dev_s += 0.25 * (abs(dt - s.rtt_s) - s.rtt_dev_s)
+                s.rtt_s += 0.125 * (dt - s.rtt_s)
+        s.rounds += 1
+        if not s.connected_since:
+            s.connected_since = time.time()
+            log.info("cloud_verifier_reachable", address=self.address, rtt_ms=round(dt * 1000, 1))
+        self._backoff = BACKOFF_MIN_S
+
+    def _failed(self, why: str, short: bool = False) -> None:
+        s = self.stats
+        s.last_error, s.last_error_at = why, time.time()
+        if s.connected_since and not short:
+            log.warning("cloud_verifier_unreachable", address=self.address, error=why)
+            s.connected_since = 0.0
+        self._retry_at = time.monotonic() + (BACKOFF_MIN_S if short else self._backoff)
+        if not short:
+            self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+
+    def status(self) -> dict:
+        s = self.stats
+        state = "connected" if s.connected_since and self.available else (
+            "backing off" if not self.available else ("unreachable" if s.last_error else "idle"))
+        mean = lambda xs: round(sum(xs) / len(xs), 1) if xs else 0.0  # noqa: E731
+        return {"address": self.address, "state": state, "rounds": s.rounds, "timeouts": s.timeouts,
+                "refused": s.refused, "evicted": s.evicted, "rtt_ms": round(s.rtt_s * 1000, 1),
+                "bytes_up": s.bytes_up, "bytes_down": s.bytes_down,
+                "uplink_bytes_per_round": mean(s.up_sizes), "downlink_bytes_per_round": mean(s.down_sizes),
+                "last_error": s.last_error, "retry_in_s": round(max(0.0, self._retry_at - time.monotonic()), 1)}
