@@ -4,6 +4,7 @@ or mutated frames, either returns a well-typed message or raises ProtocolError."
 from __future__ import annotations
 
 import dataclasses
+import struct
 import math
 import os
 
@@ -47,6 +48,11 @@ EXAMPLES = [
     M.Ack(3, "ok"),
     M.ErrorReply("stale_plan", "plan 2 is older than 3", "req-1"),
     M.PlanUpdate(4, {"kitchen": {"layers": [0, 12], "next": "laptop"}, "laptop": {"layers": [12, 24]}}),
+    M.CloudVerify(3, 412, struct.pack("<5I", 151000, 15, 16, 17, 18), 4),
+    M.CloudVerify(4, 0, struct.pack("<3I", 1, 2, 3), 2, q=[struct.pack("<If", 7, 1.0)] * 2,
+                  open={"temperature": 0.7, "top_k": 40, "seed": 5, "draws": 0, "capacity": 300}),
+    M.CloudVerdict(3, 2, 151000, 17),
+    M.CloudClose(3),
 ]
 
 
@@ -72,7 +78,8 @@ def test_every_message_of_the_mesh_has_an_example_here():
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_mesh_message_round_trips(msg):
     env = decode(encode(msg, request_id=99, seq=5, sender="kitchen"))
-    assert (env.request_id, env.seq, env.sender) == (99, 5, "kitchen")
+    compact = type(msg).__name__.startswith("Cloud")  # the WAN messages: no sender, the CURVE key says who
+    assert (env.request_id, env.seq, env.sender) == (99, 0, "") if compact else (99, 5, "kitchen")
     assert _same_message(env.message, msg)
 
 
@@ -216,7 +223,7 @@ msgpack_values = st.recursive(
     max_leaves=8,
 )
 
-_VALID = [encode(m, request_id=3) for m in EXAMPLES] + [
+_VALID = [encode(m, request_id=3) for m in EXAMPLES if not type(m).__name__.startswith("Cloud")] + [
     encode(Probe(torch.zeros(2, 3), np.ones(4, dtype=bool), "x", 1, [0.5], {"k": 1}))
 ]
 
@@ -261,3 +268,68 @@ def test_decoder_never_crashes_on_corrupted_bytes(which, cuts, truncate, drop_fr
     if drop_frame is not None and len(frames) > 1:
         del frames[1 + drop_frame % (len(frames) - 1)]
     _assert_valid_or_protocol_error(frames)
+
+
+# ------------------------------------------------------------------ compact messages (a home's WAN uplink)
+
+def test_a_greedy_verification_round_fits_in_fifty_bytes_each_way():
+    up = encode(M.CloudVerify(123, 4000, struct.pack("<5I", 151000, 151001, 151002, 151003, 151004), 4),
+                request_id=70000, seq=70000)
+    down = encode(M.CloudVerdict(123, 4, 151005, 0), request_id=70000, seq=70000)
+    assert len(up) == 1 and len(up[0]) <= 50
+    assert len(down) == 1 and len(down[0]) <= 50
+
+
+def test_compact_messages_leave_trailing_defaults_out():
+    bare = encode(M.CloudVerify(1, 0, b"\x00" * 8, 1))[0]
+    full = encode(M.CloudVerify(1, 0, b"\x00" * 8, 1, open={"seed": 1}))[0]
+    assert len(bare) < len(full)
+    assert decode([bare]).message.open is None and decode([full]).message.open == {"seed": 1}
+
+
+@pytest.mark.parametrize("header, error", [
+    ([1, "CloudClose", 0], "4 entries"),
+    ([2, "CloudClose", 0, [1]], "version"),
+    ([1, "CloudClose", -1, [1]], "unsigned"),
+    ([1, "CloudClose", 0, {"session": 1}], "must be a list"),
+    ([1, "CloudClose", 0, [1, 2]], "has 1 fields"),
+    ([1, "CloudClose", 0, ["x"]], "should be int"),
+    ([1, "CloudClose", 0, []], "missing"),
+    ([1, "FreeSequence", 0, [1, "s"]], "does not travel in compact form"),
+    ([1, "Nope", 0, []], "unknown message type"),
+])
+def test_hostile_compact_headers_are_refused_clearly(header, error):
+    import msgpack
+
+    with pytest.raises(ProtocolError, match=error):
+        decode([msgpack.packb(header)])
+
+
+def test_a_compact_message_in_map_form_or_with_tensor_frames_is_refused():
+    import msgpack
+
+    from transport import wire
+
+    frames = wire.encode_frames("CloudClose", {"session": 1}, [])
+    with pytest.raises(ProtocolError, match="compact form only"):
+        decode(frames)
+    with pytest.raises(ProtocolError, match="no tensor frames"):
+        decode([msgpack.packb([1, "CloudClose", 0, [1]]), b"\x00" * 4])
+
+
+_COMPACT = [encode(m, request_id=3) for m in EXAMPLES if type(m).__name__.startswith("Cloud")]
+
+
+@FAST
+@given(which=st.integers(0, len(_COMPACT) - 1), pos=st.integers(0, 9), value=msgpack_values,
+       inner=st.booleans(), delete=st.booleans())
+def test_decoder_never_crashes_on_mutated_compact_headers(which, pos, value, inner, delete):
+    h = msgpack.unpackb(_COMPACT[which][0], strict_map_key=False)
+    target = h[3] if inner and isinstance(h[3], list) else h
+    if delete and target:
+        target.pop(pos % len(target))
+    elif pos < len(target):
+        target[pos] = value
+    else:
+        target.append(value)
+    _assert_valid_or_protocol_error([msgpack.packb(h, use_bin_type=True)])

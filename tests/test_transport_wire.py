@@ -305,8 +305,10 @@ def test_field_of_the_wrong_type_is_a_protocol_error():
 def test_garbage_header_is_a_protocol_error():
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         decode([b"\xc1\xc1\xc1"])
-    with pytest.raises(ProtocolError, match="header must be a map"):
+    with pytest.raises(ProtocolError, match="a compact header has 4 entries"):
         decode([msgpack.packb([1, 2, 3])])
+    with pytest.raises(ProtocolError, match="header must be a map"):
+        decode([msgpack.packb("text")])
     with pytest.raises(ProtocolError, match="empty message"):
         decode([])
 
@@ -316,3 +318,15 @@ def test_stated_error_bounds_match_the_formats():
     assert math.isclose(REDUCED_PRECISION_ERROR["float16"]["max_rel_error"], torch.finfo(torch.float16).eps / 2)
     assert math.isclose(REDUCED_PRECISION_ERROR["bfloat16"]["max_rel_error"], torch.finfo(torch.bfloat16).eps / 2)
     assert set(DTYPES) >= {"float32", "float16", "bfloat16", "int64", "bool"}
+
+
+def test_an_oversized_header_is_refused_with_its_request_id_so_the_sender_fails_at_once():
+    small = Limits(max_header_bytes=1024)
+    big_map = encode(StageForward("r" * 4000, 1, "n/x/0", 0), request_id=4242)
+    with pytest.raises(ProtocolError) as err:
+        decode(big_map, limits=small)
+    assert err.value.request_id == 4242
+    big_array = [msgpack.packb([1, "CloudClose", 77, [b"\x00" * 4000]])]
+    with pytest.raises(ProtocolError) as err:
+        decode(big_array, limits=small)
+    assert err.value.request_id == 77

@@ -265,7 +265,7 @@ def encode(
         defaults = [f.default for f in dataclasses.fields(spec.cls)]
         while values and values[-1] == defaults[len(values) - 1] and not spec.fields[len(values) - 1].required:
             values.pop()
-        return wire.encode_compact(spec.type_name, values, request_id=request_id, seq=seq)
+        return wire.encode_compact(spec.type_name, values, request_id=request_id)
     fields: dict[str, Any] = {}
     tensors: list[tuple[str, Any, str | None]] = []
     for f in spec.fields:

@@ -321,18 +321,18 @@ def encode_frames(
     return frames
 
 
-def encode_compact(type_name: str, values: list[Any], *, request_id: int = 0, seq: int = 0) -> list[Any]:
+def encode_compact(type_name: str, values: list[Any], *, request_id: int = 0) -> list[Any]:
     """One frame for a small message that crosses a slow link (a home's WAN uplink).
 
-    The header is a msgpack *array* ``[version, type, request_id, seq, [values...]]``:
+    The header is a msgpack *array* ``[version, type, request_id, [values...]]``:
     the values in the class's field order, trailing defaults left out. A map header
     spends ~50 bytes on key names alone, as much as a whole greedy verification round
     carries; which fields the positions mean is fixed by the message class on both
-    ends. Compact messages have no tensor frames and no sender (the link's key says
-    who sent it).
+    ends. Compact messages have no tensor frames, no sender (the link's key says
+    who sent it) and no sequence number.
     """
     try:
-        return [msgpack.packb([PROTOCOL_VERSION, type_name, request_id, seq, values], use_bin_type=True,
+        return [msgpack.packb([PROTOCOL_VERSION, type_name, request_id, values], use_bin_type=True,
                               default=_msgpack_default)]
     except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"cannot encode {type_name}: {e}", request_id=request_id) from e
@@ -375,10 +375,12 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     lengths = [_frame_len(f) for f in frames]
     hlen = lengths[0]
     if hlen > limits.max_header_bytes:
-        raise ProtocolError(f"header is {hlen} bytes, limit is {limits.max_header_bytes}")
+        raise ProtocolError(f"header is {hlen} bytes, limit is {limits.max_header_bytes}",
+                            request_id=_peek_request_id(frames[0]))
     total = sum(lengths)
     if total > limits.max_total_bytes:
-        raise ProtocolError(f"message is {total} bytes, limit is {limits.max_total_bytes}")
+        raise ProtocolError(f"message is {total} bytes, limit is {limits.max_total_bytes}",
+                            request_id=_peek_request_id(frames[0]))
     try:
         raw = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises a zoo of types on garbage
@@ -430,25 +432,53 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     return Header(type_name, rid, seq, sender, fields, specs, version)
 
 
+def _peek_request_id(frame: Any) -> int:
+    """The request id of a header too large to decode, read from its first entries only, so the
+    sender's request fails with the size error at once instead of timing out (0 if unreadable)."""
+    try:
+        u = msgpack.Unpacker(raw=False, max_buffer_size=2 ** 31 - 1)
+        u.feed(_buffer(frame))
+        try:
+            n = u.read_array_header()
+            if n >= 3:
+                u.skip()
+                u.skip()
+                rid = u.unpack()
+                return rid if _is_uint(rid) else 0
+            return 0
+        except msgpack.UnpackValueError:
+            pass
+        u = msgpack.Unpacker(raw=False, max_buffer_size=2 ** 31 - 1)
+        u.feed(_buffer(frame))
+        for _ in range(min(u.read_map_header(), 4)):
+            if u.unpack() == "request_id":
+                rid = u.unpack()
+                return rid if _is_uint(rid) else 0
+            u.skip()
+    except Exception:  # noqa: BLE001 - best effort on a message we refuse anyway
+        pass
+    return 0
+
+
 def _compact_header(raw: list, nframes: int) -> Header:
     """The array header of :func:`encode_compact`; ``fields`` stays a list (the class maps positions)."""
     rid = raw[2] if len(raw) > 2 and _is_uint(raw[2]) else 0
-    if len(raw) != 5:
-        raise ProtocolError(f"a compact header has 5 entries, got {len(raw)}", request_id=rid)
-    version, type_name, _, seq, values = raw
+    if len(raw) != 4:
+        raise ProtocolError(f"a compact header has 4 entries, got {len(raw)}", request_id=rid)
+    version, type_name, _, values = raw
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r} (this node speaks {PROTOCOL_VERSION})",
                             request_id=rid)
     if not isinstance(type_name, str) or not type_name:
         raise ProtocolError("header has no message type", request_id=rid)
-    if not _is_uint(raw[2]) or not _is_uint(seq):
-        raise ProtocolError("request_id and seq must be unsigned 64-bit integers", request_id=rid)
+    if not _is_uint(raw[2]):
+        raise ProtocolError("request_id must be an unsigned 64-bit integer", request_id=rid)
     if not isinstance(values, list):
         raise ProtocolError(f"{type_name}: compact values must be a list", request_id=rid)
     if nframes != 1:
         raise ProtocolError(f"{type_name}: a compact message has no tensor frames, got {nframes - 1}",
                             request_id=rid)
-    return Header(type_name, rid, seq, "", values, [], version)  # type: ignore[arg-type]
+    return Header(type_name, rid, 0, "", values, [], version)  # type: ignore[arg-type]
 
 
 def _tensor_spec(d, index, got, names, limits, fail, type_name) -> TensorSpec:

@@ -27,8 +27,9 @@ log = get_logger("meshd.cloud.service")
 
 DEFAULT_PORT = 5730
 DEFAULT_PAIRING_PORT = 5731
-# A verification is tiny; a session's first request carries its prompt (<= 32k tokens * 4 B).
-CLOUD_LIMITS = Limits(max_header_bytes=512 * 1024, max_frames=1, max_tensor_bytes=0, max_total_bytes=512 * 1024)
+# A verification is tiny; a session's first request carries its prompt (64k tokens = 256 KiB). Beyond the
+# header limit a request gets a protocol error; beyond 1 MiB libzmq drops the connection before reading it.
+CLOUD_LIMITS = Limits(max_header_bytes=256 * 1024, max_frames=1, max_tensor_bytes=0, max_total_bytes=1024 * 1024)
 
 
 class VerifierService:
