@@ -300,3 +300,34 @@ def test_the_verifier_refuses_malformed_requests_clearly_and_keeps_serving(pair)
     codes, ok, busy = run(main())
     assert codes[:-1] == ["bad_request"] * 7 and codes[-1] == "evicted"
     assert 0 <= ok.accepted <= 1 and busy == "busy"
+
+
+def test_a_session_reopened_or_closed_while_its_pass_runs_is_freed_once_the_pass_ends(pair):
+    _, big = pair
+    from transport.messages import CloudVerify
+
+    pk = lambda xs: struct.pack(f"<{len(xs)}I", *xs)  # noqa: E731
+
+    async def main():
+        v = Verifier(big, chunk=8)  # a long prompt fills over many passes
+        v.start()
+        try:
+            long = asyncio.create_task(v.submit("h", CloudVerify(1, 0, pk(list(range(3, 200))), 2,
+                                                                 open={"capacity": 256})))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while not any(s.busy for s in v._sessions.values()):  # its first pass is running
+                assert loop.time() < deadline, "the fill never started"
+                await asyncio.sleep(0.001)
+            again = await v.submit("h", CloudVerify(1, 0, pk([5, 6, 7]), 1, open={}))  # the home resends
+            with pytest.raises(VerifierRefusal, match="newer request"):
+                await long
+            other = await v.submit("h2", CloudVerify(4, 0, pk([5, 6, 7]), 1, open={}))
+            v.close_session("h", 1)
+            v.close_session("h2", 4)
+            return again, other, v.kv.reserved_tokens, v.stats.superseded
+        finally:
+            await v.close()
+    again, other, reserved, superseded = run(main())
+    assert again.session == 1 and other.session == 4
+    assert reserved == 0 and superseded == 1

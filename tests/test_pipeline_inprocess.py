@@ -49,6 +49,18 @@ class Mesh:
         for nd in self.nodes:
             await nd.close()
 
+    async def drop_middle(self) -> None:
+        """Of three devices the middle one leaves; the leader re-plans over the other two (plan 2)."""
+        await self.services[1].server.close()
+        ranges = even_split(self.source.config.num_layers, 2)
+        survivors = (self.route.stages[0], self.route.stages[2])
+        new = Route(2, tuple(StageEndpoint(s.node_id, s.address, "", a, b) for s, (a, b) in zip(survivors, ranges)))
+        self.coord.set_route(None)
+        for svc in (self.services[0], self.services[2]):
+            await svc.deploy(new)
+        self.coord.set_route(new)
+        self.route = new
+
     async def run(self, prompt, max_tokens, sampling=SamplingParams(), rid="r1", **kw):
         return [t async for t in self.coord.generate(rid, prompt, max_tokens, sampling, **kw)]
 
@@ -204,15 +216,7 @@ async def test_an_answer_survives_a_device_leaving_mid_decode(tiny, sampling):
         async for tok in mesh.coord.generate("r", prompt, 24, sampling, chunks=2):
             got.append(tok)
             if len(got) == 5:  # dev1 leaves; the leader re-plans over dev0 and dev2
-                await mesh.services[1].server.close()
-                ranges = even_split(tiny.config.num_layers, 2)
-                survivors = (mesh.route.stages[0], mesh.route.stages[2])
-                new = Route(2, tuple(StageEndpoint(s.node_id, s.address, "", a, b)
-                                     for s, (a, b) in zip(survivors, ranges)))
-                mesh.coord.set_route(None)
-                for svc in (mesh.services[0], mesh.services[2]):
-                    await svc.deploy(new)
-                mesh.coord.set_route(new)
+                await mesh.drop_middle()
         assert got == ref
         assert mesh.coord.resumes == 1
 

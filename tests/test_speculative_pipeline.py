@@ -147,8 +147,6 @@ async def test_real_model_answers_are_identical_with_speculation(real_source):
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_k=50, seed=11)])
 async def test_a_speculative_answer_survives_a_device_leaving_mid_round(tiny, sampling):
     """The middle device of three leaves after some rounds; the answer replays on two and is unchanged."""
-    from decoding.pipeline_local import even_split
-    from meshd.pipeline.route import Route, StageEndpoint
 
     prompt = PROMPTS[2]
     ref = generate(LocalPipeline.from_source(tiny, 1), prompt, 40, sampling).token_ids
@@ -158,14 +156,6 @@ async def test_a_speculative_answer_survives_a_device_leaving_mid_round(tiny, sa
         async for step in mesh.coord.steps("r", prompt, 40, sampling, speculation=session):
             got.append(step.token)
             if len(got) == 6:
-                await mesh.services[1].server.close()
-                ranges = even_split(tiny.config.num_layers, 2)
-                survivors = (mesh.route.stages[0], mesh.route.stages[2])
-                new = Route(2, tuple(StageEndpoint(s.node_id, s.address, "", a, b)
-                                     for s, (a, b) in zip(survivors, ranges)))
-                mesh.coord.set_route(None)
-                for svc in (mesh.services[0], mesh.services[2]):
-                    await svc.deploy(new)
-                mesh.coord.set_route(new)
+                await mesh.drop_middle()  # dev1 leaves; the mesh re-plans over dev0 and dev2
         assert got == ref
         assert mesh.coord.resumes == 1

@@ -41,6 +41,7 @@ from decoding.sampling import SamplingParams
 
 SUPPORT_MAX = 64  # largest sampler support sent as a sparse distribution (else drafts go as candidates)
 AHEAD = 2 * GAMMA  # tokens drafted past an in-flight chunk, at most
+ALIGN_WORTH = 0.15  # aligned-verdict rate above which drafting ahead pays (saves ~γ steps, costs ~½ a step)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,14 @@ class OffloadDecoder:
 
     def __post_init__(self):
         self._rng = random.Random(self.seed)
+        self._aligned_rate = 0.5  # EWMA: verdicts whose token the drafts ahead had already taken
+        self._rounds = 0
+
+    def _worth_drafting_ahead(self) -> bool:
+        """Drafting ahead pays when verdicts often align with it (each aligned verdict saves the next
+        chunk's drafting); when they seldom do it only delays the verdict by the step in progress.
+        Every eighth round drafts ahead regardless, to notice when the text turns predictable."""
+        return self._aligned_rate >= ALIGN_WORTH or self._rounds % 8 == 0
 
     async def run(self, prompt: Sequence[int], max_tokens: int) -> AsyncIterator[int]:
         """Yield the answer's tokens as they are committed (EOS last, if the model ends)."""
@@ -264,7 +273,9 @@ class OffloadDecoder:
         task = asyncio.ensure_future(self.verifier.verify(req, self._timeout()))
         try:
             # Proactive drafting: the SLM works on while the LLM verifies.
-            while not task.done() and len(self._buf) < len(chunk) + self.ahead and not self._ends(self._buf):
+            self._rounds += 1
+            ahead = self.ahead if self._worth_drafting_ahead() else 0
+            while not task.done() and len(self._buf) < len(chunk) + ahead and not self._ends(self._buf):
                 await self._extend()
                 self.stats.ahead_drafted += 1
             t_idle = time.monotonic()
@@ -315,6 +326,8 @@ class OffloadDecoder:
             return self._commit(a, ())
         self._cloud_has = len(self._ctx) + a  # the verifier holds the old context and the accepted drafts
         aligned = len(self._buf) > a and self._buf[a].token == y
+        if len(self._buf) > len(chunk):  # drafts ahead existed: did they pay?
+            self._aligned_rate += 0.25 * ((1.0 if aligned else 0.0) - self._aligned_rate)
         if aligned:  # the SLM drafted the LLM's token: its drafts after it stand
             self.stats.aligned += 1
             return self._commit(a + 1, ())

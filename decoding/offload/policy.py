@@ -62,6 +62,11 @@ def p_imp(i: float, i_th: float, theta: float = IMP_THETA) -> float:
     return 1.0 / (1.0 + math.exp(theta * norm))
 
 
+def _p_conf_vec(c: np.ndarray, c_th: float, k: float = CONF_K) -> np.ndarray:
+    norm = (c - c_th) / max(1.0 - c_th, 1e-9) - 0.5
+    return np.where(c <= c_th, 1.0, 1.0 / (1.0 + np.exp(np.clip(k * norm, -700, 700))))
+
+
 def _p_imp_vec(i: np.ndarray, i_th: float, theta: float = IMP_THETA) -> np.ndarray:
     half = i_th / 2
     norm = (i - half) / max(half, 1e-300) - 0.5
@@ -99,12 +104,15 @@ class OffloadPolicy:
     budget: float = 0.2
     c_th: float = PRIOR_C_TH
     importances: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    confidences: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     confident_share: float = 0.2  # running share of chunks the confidence filter keeps local
     offered: int = 0
     offloaded: int = 0
     _accepted_conf: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     _i_th: float | None = None
     _since: int = 0
+    _c_fit: float | None = None
+    _since_c: int = 0
 
     def __post_init__(self):
         if not 0.0 <= self.budget <= 1.0 or math.isnan(self.budget):
@@ -135,6 +143,27 @@ class OffloadPolicy:
         self._i_th, self._since = (lo + hi) / 2, 0
         return self._i_th
 
+    def conf_threshold(self) -> float:
+        """c_th, raised when the drafter is so confident that the confidence filter alone would keep
+        more than 1 − 1.5·budget of the chunks local: the budget is what the user set, so the filter
+        may not starve it (the importance filter then trims the share to the budget)."""
+        if len(self.confidences) < 4:
+            return self.c_th
+        if self._c_fit is not None and self._since_c < REFIT_EVERY:
+            self._since_c += 1
+            return self._c_fit
+        need = min(1.0, 1.5 * self.budget)
+        seen = np.asarray(self.confidences, dtype=np.float64)
+        lo, hi = self.c_th, 1.0
+        if float(_p_conf_vec(seen, lo).mean()) < need:
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if float(_p_conf_vec(seen, mid).mean()) >= need else (mid, hi)
+            lo = hi
+        self._c_fit, self._since_c = lo, 0
+        self.confident_share = 1.0 - float(_p_conf_vec(seen, lo).mean())  # what the filter keeps local
+        return lo
+
     def decide(self, confidence: float, importance: float, generated: int, max_tokens: int,
                rng: random.Random) -> bool:
         """Offload this chunk? (Also records the chunk for the running percentiles.)"""
@@ -144,8 +173,8 @@ class OffloadPolicy:
             return True
         if self.budget <= 0.0 or generated >= LATE_FRACTION * max_tokens:
             return False
-        confident = rng.random() >= p_conf(confidence, self.c_th)
-        self.confident_share += 0.02 * ((1.0 if confident else 0.0) - self.confident_share)
+        self.confidences.append(confidence)
+        confident = rng.random() >= p_conf(confidence, self.conf_threshold())
         if confident:
             return False
         self.importances.append(importance)
@@ -167,5 +196,5 @@ class OffloadPolicy:
         return self.offloaded / self.offered if self.offered else 0.0
 
     def to_dict(self) -> dict:
-        return {"budget": self.budget, "c_th": round(self.c_th, 3), "i_th": round(self.i_th(), 4),
+        return {"budget": self.budget, "c_th": round(self.conf_threshold(), 3), "i_th": round(self.i_th(), 4),
                 "chunks": self.offered, "offloaded": self.offloaded, "share": round(self.share, 3)}

@@ -43,7 +43,7 @@ class CloudHome:
         return cls(CloudLink(peer, info["address"]), budget, str(info.get("model", "")))
 
     def policy(self, budget: float | None) -> OffloadPolicy:
-        b = self.budget if budget is None else float(budget)
+        b = round(self.budget if budget is None else float(budget), 2)  # one policy per percent, at most 101
         if b not in self._policies:
             self._policies[b] = OffloadPolicy(b)
         return self._policies[b]

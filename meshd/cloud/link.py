@@ -113,8 +113,9 @@ class CloudLink:
         down = sum(len(f) for f in encode(reply, request_id=1, seq=1))
         s.bytes_up += up
         s.bytes_down += down
-        s.up_sizes = (s.up_sizes + [up])[-256:]
-        s.down_sizes = (s.down_sizes + [down])[-256:]
+        if req.open is None:  # a session's first request carries its prompt: not a usual round
+            s.up_sizes = (s.up_sizes + [up])[-256:]
+            s.down_sizes = (s.down_sizes + [down])[-256:]
         if req.open is None:  # a session's first request carries the prompt: not a usual round
             if s.rounds == 0 or s.rtt_s == 0.0:
                 s.rtt_s, s.rtt_dev_s = dt, dt / 2

@@ -67,7 +67,8 @@ class _Session:
     sampler: Sampler
     capacity: int
     last_used: float = field(default_factory=time.monotonic)
-    busy: bool = False
+    busy: bool = False  # in the pass running now: its cache may not be freed until the pass ends
+    closed: bool = False  # dropped while busy: freed when the pass ends
 
 
 @dataclass
@@ -191,6 +192,13 @@ class Verifier:
         s = self._sessions.pop((home, int(session)), None)
         if s is not None:
             self._queue = [j for j in self._queue if j.session is not s or self._supersede(j)]
+            self._drop(s)
+
+    def _drop(self, s: _Session) -> None:
+        """Free a session's cache now, or when the pass that is using it ends."""
+        if s.busy:
+            s.closed = True
+        else:
             self.kv.free(s.seq)
 
     def _admit(self, home: str, msg: CloudVerify) -> _Job:
@@ -258,8 +266,11 @@ class Verifier:
         tokens = len(msg.tokens) // 4
         cap = max(min(cap, self.stage.config.max_position), tokens + MAX_DRAFTS + 1)
         old = self._sessions.pop(key, None)
-        if old is not None:
-            self.kv.free(old.seq)
+        if old is not None:  # reopened (the home resends after a timeout or an eviction)
+            for j in [j for j in self._queue if j.session is old]:
+                self._supersede(j)
+                self._queue.remove(j)
+            self._drop(old)
         self._make_room(cap)
         self._seq += 1
         seq = f"v{self._seq}"
@@ -281,7 +292,7 @@ class Verifier:
             if s.busy or id(s) in waiting:
                 continue
             del self._sessions[key]
-            self.kv.free(s.seq)
+            self._drop(s)
             log.info("session_evicted", home=key[0][:8], session=key[1], positions=s.capacity)
 
     # -- the scheduler ---------------------------------------------------------------
@@ -298,9 +309,18 @@ class Verifier:
             t = time.perf_counter()
             try:
                 outcomes = await loop.run_in_executor(self._compute, self._pass, batch)
+            except Exception as exc:  # noqa: BLE001 - a bug in a pass must not stop the verifier
+                log.error("verify_pass_failed", error=f"{type(exc).__name__}: {exc}", jobs=len(batch), exc_info=True)
+                outcomes = [(None, VerifierRefusal("internal", f"the verification failed: {type(exc).__name__}"))
+                            ] * len(batch)
+                for job in batch:
+                    job.done = len(job.tokens)  # do not retry it
             finally:
                 for job in batch:
                     job.session.busy = False
+                    if job.session.closed:
+                        job.session.closed = False
+                        self.kv.free(job.session.seq)
             self.stats.busy_s += time.perf_counter() - t
             self.stats.passes += 1
             size = min(len(batch), BATCH_HIST_MAX)
