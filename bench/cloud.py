@@ -404,6 +404,46 @@ async def run(args) -> dict:
     return result
 
 
+def plot(result: dict, path: Path) -> None:
+    """Quality and time between tokens per budget, and verifier throughput per home count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    budgets = [float(b) for b in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    ax = axes[0]
+    ax.plot(budgets, [runs[b]["rouge_l"] for b in runs], "o-", label="ROUGE-L vs LLM answer")
+    ax.plot(budgets, [runs[b]["exact"] for b in runs], "s--", label="exact-match rate")
+    ax.set_xlabel("cloud budget")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("agreement with the LLM's greedy answer")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    edge = runs[next(iter(runs))]["tbt_ms"]
+    ax.plot(budgets, [runs[b]["tbt_ms"] / edge for b in runs], "o-")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("cloud budget")
+    ax.set_title(f"time between tokens / edge-only ({result['setup']['rtt_ms']:.0f} ms RTT)")
+    ax = axes[2]
+    tp = result.get("throughput_per_s") or {}
+    homes = sorted({int(k.split("_")[0]) for k in tp})
+    if homes:
+        x = range(len(homes))
+        ax.bar([i - 0.2 for i in x], [tp.get(f"{h}_batched", 0) for h in homes], 0.4, label="batched")
+        ax.bar([i + 0.2 for i in x], [tp.get(f"{h}_serial", 0) for h in homes], 0.4, label="one at a time")
+        ax.set_xticks(list(x), [str(h) for h in homes])
+        ax.set_xlabel("homes")
+        ax.legend(fontsize=8)
+    ax.set_title("verifier: verifications / s")
+    s = result["setup"]
+    fig.suptitle(f"cloud verification: SLM {s['slm']}, LLM {s['llm']} (2-core CPU: ratios only)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -417,8 +457,12 @@ def main() -> None:
     ap.add_argument("--down-mbit", type=float, default=None)
     ap.add_argument("--homes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--out", default=None, help="also write the JSON here (and a plot next to it, .png)")
+    ap.add_argument("--plot-only", default=None, metavar="JSON", help="only draw the plot of a saved run")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        return
     rtt, up, down = WAN[args.wan]
     args.rtt_ms = rtt if args.rtt_ms is None else args.rtt_ms
     args.up_mbit = up if args.up_mbit is None else args.up_mbit
@@ -438,6 +482,7 @@ def main() -> None:
     print(f"throughput (verifications/s): {result['throughput_per_s']}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
+        plot(result, Path(args.out).with_suffix(".png"))
     if args.json:
         emit_json(result)
 

@@ -92,6 +92,7 @@ class DrainingEngine(Engine):
     supports_constraints = property(lambda self: getattr(self.inner, "supports_constraints", False))
     supports_penalties = property(lambda self: getattr(self.inner, "supports_penalties", False))
     supports_outline = property(lambda self: getattr(self.inner, "supports_outline", False))
+    supports_cloud = property(lambda self: getattr(self.inner, "supports_cloud", False))
 
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         if self.draining:

@@ -275,3 +275,22 @@ def test_the_ollama_api_names_nested_fields_the_same_way(server):  # noqa: F811 
         assert r.status_code == 400 and r.json()["error"] == "'options.top_p' must be at most 1 (got 2)"
         ok = h.post(CHAT, json={"messages": [{"role": "user", "content": "hi", "x": 1}], "x_field": 2})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == REPLY
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, True, "on", "0.5", 10 ** 99, [0.5]])
+def test_the_cloud_field_takes_auto_off_or_a_budget_from_0_to_1(value):
+    err = chat_error({"messages": HI, "cloud": value})
+    assert (err.param, err.code, err.status) == ("cloud", "invalid_value", 400)
+    assert "cloud budget from 0 to 1" in err.message
+    assert oa.parse_chat_request({"messages": HI, "cloud": 1}).params.cloud == 1.0
+    assert oa.parse_chat_request({"messages": HI, "cloud": "off"}).params.cloud == "off"
+    assert oa.parse_chat_request({"messages": HI}).params.cloud == "auto"
+
+
+def test_a_cloud_budget_on_an_engine_without_a_verifier_is_refused_not_ignored(server):  # noqa: F811
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(server.socket_path)), base_url="http://localhost") as h:
+        r = h.post(CHAT, json={"messages": HI, "cloud": 0.5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cloud"
+        assert h.post(CHAT, json={"messages": HI, "cloud": "off"}).status_code == 200
+        r = h.post("/api/chat", json={"model": "m", "stream": False, "messages": HI, "cloud": 1.0})
+        assert r.status_code == 400 and "cloud" in r.json()["error"]

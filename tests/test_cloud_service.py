@@ -37,8 +37,8 @@ def drafter_stage(real_stage):
                       s.inv_freq, s.dtype)
 
 
-async def _serve(real_source, real_stage, tmp_path, **kw) -> VerifierService:
-    svc = VerifierService(real_source, tmp_path / "cloud", listen="127.0.0.1", port=0, pairing_port=0,
+async def _serve(real_source, real_stage, tmp_path, port=0, **kw) -> VerifierService:
+    svc = VerifierService(real_source, tmp_path / "cloud", listen="127.0.0.1", port=port, pairing_port=0,
                           stage=real_stage, **kw)
     return await svc.start()
 
@@ -133,13 +133,14 @@ def test_malformed_and_oversized_requests_get_clear_errors_and_others_are_still_
     assert ok.session == 2
 
 
-def test_the_verifier_dying_mid_answer_leaves_a_complete_answer_and_a_link_that_says_so(
+def test_the_verifier_dying_mid_answer_leaves_a_complete_answer_and_the_link_comes_back_with_it(
         real_source, real_stage, drafter_stage, tmp_path):
     tok = real_source.tokenizer
     prompt = tok.apply_chat([{"role": "user", "content": "Describe a quiet morning in a small village."}])
 
     async def main():
         svc = await _serve(real_source, real_stage, tmp_path)
+        port = svc.port
         node, link, _ = await _paired_home(svc, real_source, tmp_path)
         drafter = LocalDrafter(LocalPipeline([drafter_stage]))
         dec = OffloadDecoder(drafter, link, OffloadPolicy(1.0), 9, eos_ids=frozenset(), seed=0)
@@ -149,11 +150,23 @@ def test_the_verifier_dying_mid_answer_leaves_a_complete_answer_and_a_link_that_
                 out.append(t)
                 if len(out) == 12:
                     await svc.close()  # the cloud goes away mid-answer
-            return out, dec.stats, link.status()
+            down = link.status()
+            # It restarts (same state, same port); once the backoff has passed the link finds it again.
+            svc = await _serve(real_source, real_stage, tmp_path, port=port)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while not link.available:
+                assert loop.time() < deadline, "the link never retried"
+                await asyncio.sleep(0.05)
+            dec2 = OffloadDecoder(drafter, link, OffloadPolicy(1.0), 10, eos_ids=frozenset(), seed=0)
+            again = [t async for t in dec2.run(prompt, 16)]
+            return out, dec.stats, down, again, dec2.stats, link.status()
         finally:
             drafter.close()
             await node.close()
-    out, stats, link = asyncio.run(main())
+            await svc.close()
+    out, stats, down, again, stats2, up = asyncio.run(main())
     assert len(out) == 60  # finished, locally, without an error
     assert stats.verified >= 1 and stats.local_fallbacks >= 1
-    assert link["state"] != "connected" and link["last_error"]
+    assert down["state"] != "connected" and down["last_error"]
+    assert len(again) == 16 and stats2.verified == stats2.chunks and up["state"] == "connected"

@@ -39,7 +39,7 @@ IMP_THETA = -10.0
 LATE_FRACTION = 0.8  # no offload once this share of max_tokens is generated (budget < 1)
 PRIOR_C_TH = 0.8
 WINDOW = 512  # chunk importances remembered for the budget percentile
-REFIT_EVERY = 8  # chunks between recomputations of i_th
+REFIT_EVERY = 8  # chunks between recomputations of the thresholds (every chunk while the window is short)
 
 
 def p_conf(c: float, c_th: float, k: float = CONF_K) -> float:
@@ -132,7 +132,7 @@ class OffloadPolicy:
         """
         if not self.importances:
             return 0.0  # no data yet: the importance filter passes everything
-        if self._i_th is not None and self._since < REFIT_EVERY:
+        if self._i_th is not None and self._since < (1 if len(self.importances) < 4 * REFIT_EVERY else REFIT_EVERY):
             return self._i_th
         target = min(self.budget / max(1.0 - self.confident_share, 1e-6), 1.0)
         seen = np.asarray(self.importances, dtype=np.float64)
@@ -149,7 +149,7 @@ class OffloadPolicy:
         may not starve it (the importance filter then trims the share to the budget)."""
         if len(self.confidences) < 4:
             return self.c_th
-        if self._c_fit is not None and self._since_c < REFIT_EVERY:
+        if self._c_fit is not None and self._since_c < (1 if len(self.confidences) < 4 * REFIT_EVERY else REFIT_EVERY):
             self._since_c += 1
             return self._c_fit
         need = min(1.0, 1.5 * self.budget)

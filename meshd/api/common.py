@@ -163,6 +163,9 @@ def generation_request(engine: Engine, rid: str, prompt_ids: list[int], params: 
     if params.outline == "on" and not messages:
         raise oa.RequestError("outline decoding needs a chat request (it asks the model for an outline of "
                               "its answer)", param="outline", code="unsupported_parameter")
+    if params.cloud not in ("auto", "off") and not getattr(engine, "supports_cloud", False):
+        raise oa.RequestError("cloud verification needs the mesh's pipeline engine paired with a verifier; "
+                              "send cloud \"auto\" or \"off\"", param="cloud", code="unsupported_parameter")
     engine.check_prompt(prompt_ids)
     ctx = engine.context_length if context_limit is None else min(engine.context_length, context_limit)
     room = ctx - len(prompt_ids)

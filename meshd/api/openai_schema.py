@@ -230,7 +230,8 @@ def _is_number(v: Any) -> bool:
 Temperature = Annotated[float, Field(ge=0.0, le=2.0), described("a number between 0 and 2")]
 TopP = Annotated[float, Field(gt=0.0, le=1.0), described("a number greater than 0 and at most 1")]
 # meshd's extension: whether a paired cloud verifier checks the answer ("auto", "off") or at which budget.
-Cloud = Literal["auto", "off"] | Annotated[float, Field(ge=0.0, le=1.0, strict=True)]
+Cloud = Annotated[Literal["auto", "off"] | Annotated[float, Field(ge=0.0, le=1.0, strict=True)],
+                  described('"auto", "off" or a cloud budget from 0 to 1')]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0), described("a number between -2 and 2")]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX),
                  described(f"an integer from {INT64_MIN} to {INT64_MAX} (a signed 64-bit integer)")]

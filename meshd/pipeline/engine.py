@@ -128,6 +128,8 @@ class PipelineEngine(Engine):
         except PipelineError as exc:
             raise GenerationFailed(str(exc)) from exc
 
+    supports_cloud = True  # the request's "cloud" field is honoured (or refused when not paired)
+
     def cloud_for(self, req: GenerationRequest) -> bool:
         """Whether a paired cloud verifier checks this answer's hard chunks (``cloud``: "auto" uses it
         when paired at the daemon's budget; a number sets the budget; "off" never)."""
@@ -155,7 +157,7 @@ class PipelineEngine(Engine):
             sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
         draft_sampling = sampling if sampling.greedy else SamplingParams(
             sampling.temperature, sampling.top_k, sampling.top_p, draft_seed(sampling.seed))
-        capacity = min(len(req.prompt_ids) + req.max_tokens + 2 * GAMMA + 2, self.context_length)
+        capacity = min(len(req.prompt_ids) + req.max_tokens + 3 * GAMMA + 2, self.context_length)
         drafter = self.coordinator.drafter(req.request_id, capacity, draft_sampling, cuts=self.cuts_for,
                                            wait_s=self.wait_s)
         budget = req.cloud if isinstance(req.cloud, float) else None
