@@ -324,10 +324,10 @@ async def run(args) -> dict:
     for i, p in enumerate(prompts):
         refs.append(generate(LocalPipeline([llm_local]), p, max_tokens, eos_ids=eos).token_ids)
         log(f"LLM reference {i + 1}/{len(prompts)}: {len(refs[-1])} tokens")
-    del llm_local
 
     from decoding.offload.policy import OffloadPolicy
     runs: dict = {}
+    divergences: list = []
     session = 100
     for b in BUDGETS:
         policy = OffloadPolicy(b)  # one per budget, shared by the prompts (as a home shares it)
@@ -338,6 +338,11 @@ async def run(args) -> dict:
             r = await answer(slm, wan, p, max_tokens, b, eos, session, policy=policy)
             r["exact"], r["rouge_l"] = exact(r["tokens"], refs[i]), rouge_l(r["tokens"], refs[i])
             r["identical"] = r["tokens"] == refs[i]
+            if b == 1.0 and not r["identical"]:
+                k = next((j for j, (x, y) in enumerate(zip(r["tokens"], refs[i])) if x != y),
+                         min(len(r["tokens"]), len(refs[i])))
+                divergences.append({"prompt": rows[i]["id"], "position": k, "verified": r["tokens"][k:k + 3],
+                                    "reference": refs[i][k:k + 3], "context": refs[i][:k]})
             per.append(r)
             log(f"budget {b}: prompt {i + 1}/{len(prompts)} exact {r['exact']:.2f} rouge-L {r['rouge_l']:.2f} "
                 f"tbt {r['tbt_s'] * 1000:.0f} ms offloaded {r['stats']['offloaded']}/{r['stats']['chunks']}")
@@ -356,9 +361,21 @@ async def run(args) -> dict:
             "downlink_bytes_per_round": statistics.mean(d for _, d in wan.rounds) if wan.rounds else 0.0,
         }
 
+    # Where budget 1.0 differed from the reference: how close were the two tokens in the LLM's own logits?
+    import torch
+    by_id = {r["id"]: p for r, p in zip(rows, prompts)}
+    for d in divergences:
+        pipe = LocalPipeline([llm_local])
+        pipe.create("gap", len(by_id[d["prompt"]]) + len(d["context"]) + 1)
+        lg = pipe.forward("gap", torch.tensor(by_id[d["prompt"]] + d["context"]))[-1]
+        d["logit_gap"] = float(lg[d["reference"][0]] - lg[d["verified"][0]]) if d["verified"] else None
+        d["top_logit"] = float(lg.max())
+        del d["context"]
+    del llm_local
+
     # Stop-and-wait against stall-free, side by side, at budget 1.0 and 0.2.
     timing = {}
-    for b in (1.0, 0.2):
+    for b in (() if args.skip_timing else (1.0, 0.2)):
         for mode, ahead in (("stall_free", None), ("stop_and_wait", 0)):
             tbts = []
             for i, p in enumerate(prompts):
@@ -395,8 +412,9 @@ async def run(args) -> dict:
         "curve_overhead_bytes_per_message": CURVE_OVERHEAD_B,
         "tbt_vs_edge_only_at_0_2": runs["0.2"]["tbt_ms"] / edge["tbt_ms"],
         "tbt_vs_edge_only_at_1": full["tbt_ms"] / edge["tbt_ms"],
-        "stall_free_speedup": timing["stop_and_wait@1.0"] / timing["stall_free@1.0"],
-        "stall_free_speedup_at_0_2": timing["stop_and_wait@0.2"] / timing["stall_free@0.2"],
+        "stall_free_speedup": (timing["stop_and_wait@1.0"] / timing["stall_free@1.0"]) if timing else None,
+        "stall_free_speedup_at_0_2": (timing["stop_and_wait@0.2"] / timing["stall_free@0.2"]) if timing else None,
+        "divergences_at_budget_1": divergences,
         "verifier_batching_speedup": (through.get("16_batched", 0) / through["16_serial"]
                                       if through.get("16_serial") else None),
         "timing_ms": timing, "throughput_per_s": through, "runs": runs,
@@ -457,6 +475,7 @@ def main() -> None:
     ap.add_argument("--down-mbit", type=float, default=None)
     ap.add_argument("--homes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-timing", action="store_true", help="no stall-free vs stop-and-wait runs")
     ap.add_argument("--out", default=None, help="also write the JSON here (and a plot next to it, .png)")
     ap.add_argument("--plot-only", default=None, metavar="JSON", help="only draw the plot of a saved run")
     args = ap.parse_args()

@@ -13,12 +13,13 @@ would matter:
   kept local, above i_th it is offloaded, in between a logistic (θ = −10).
 
 The budget b (0..1) is the share of chunks the home is willing to pay for.
-i_th is set at the percentile of recently seen importances that lets about b
-of the chunks through — Synera profiles this offline; we keep a running window
-(seeded by a prior) so a new model pair needs no profiling step, and the
-achieved share is reported next to the budget. c_th likewise starts at a prior
-and follows the mean confidence of chunks the verifier accepted whole
-(Synera's offline definition, measured online). Budget 1.0 verifies every
+The thresholds are calibrated so that about b of the recently seen chunks pass
+both filters — Synera profiles i_th offline at the budget's percentile; we keep
+a running window of (confidence, importance) so a new model pair needs no
+profiling step, and the achieved share is reported next to the budget. c_th
+starts at a prior and follows the mean confidence of chunks the verifier
+accepted whole (Synera's offline definition, measured online); it is raised
+only when a confident drafter would otherwise keep more than 1 − b local. Budget 1.0 verifies every
 chunk (the lossless setting); budget 0 none; no chunk is offloaded in the last
 20 % of the token budget (a correction there buys little), except at budget 1.0.
 """
@@ -99,20 +100,16 @@ def chunk_importance(rows: Sequence[Sequence[float]], width: int) -> float:
 
 @dataclass
 class OffloadPolicy:
-    """Per-home state of the two filters (shared by its requests, so the percentile has data)."""
+    """Per-home state of the two filters (shared by its requests, so the calibration has data)."""
 
     budget: float = 0.2
     c_th: float = PRIOR_C_TH
-    importances: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    confidences: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    confident_share: float = 0.2  # running share of chunks the confidence filter keeps local
+    window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (confidence, importance)
     offered: int = 0
     offloaded: int = 0
     _accepted_conf: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
-    _i_th: float | None = None
+    _fit: tuple[float, float] | None = None
     _since: int = 0
-    _c_fit: float | None = None
-    _since_c: int = 0
 
     def __post_init__(self):
         if not 0.0 <= self.budget <= 1.0 or math.isnan(self.budget):
@@ -122,79 +119,78 @@ class OffloadPolicy:
     def verify_all(self) -> bool:
         return self.budget >= 1.0
 
-    def i_th(self) -> float:
-        """The importance threshold at which P_imp lets about the budget's share of chunks through.
+    def thresholds(self) -> tuple[float, float]:
+        """(c_th, i_th) that let about ``budget`` of the recently seen chunks through both filters.
 
-        The share among chunks that reach this filter is budget / (1 − share kept by
-        confidence); i_th is found by bisection so that P_imp averaged over the
-        recently seen importances equals it (P_imp falls as i_th rises). Recomputed
-        every few chunks, vectorised: a decision costs well under a millisecond.
+        Expected share = mean over the window of P_conf(c, c_th) · P_imp(i, i_th). c_th starts
+        at the profile (the mean confidence of chunks the verifier accepted whole) and is
+        raised only when the confidence filter alone would keep more than 1 − budget of the
+        chunks local (a confident drafter must not starve the budget the user set); i_th is
+        then found by bisection (the share falls as i_th rises). Refit every chunk while the
+        window is short, every few chunks after; vectorised, well under a millisecond.
         """
-        if not self.importances:
-            return 0.0  # no data yet: the importance filter passes everything
-        if self._i_th is not None and self._since < (1 if len(self.importances) < 4 * REFIT_EVERY else REFIT_EVERY):
-            return self._i_th
-        target = min(self.budget / max(1.0 - self.confident_share, 1e-6), 1.0)
-        seen = np.asarray(self.importances, dtype=np.float64)
-        lo, hi = 0.0, 2.0 * float(seen.max()) + 1e-9
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if float(_p_imp_vec(seen, mid).mean()) > target else (lo, mid)
-        self._i_th, self._since = (lo + hi) / 2, 0
-        return self._i_th
-
-    def conf_threshold(self) -> float:
-        """c_th, raised when the drafter is so confident that the confidence filter alone would keep
-        more than 1 − 1.5·budget of the chunks local: the budget is what the user set, so the filter
-        may not starve it (the importance filter then trims the share to the budget)."""
-        if len(self.confidences) < 4:
-            return self.c_th
-        if self._c_fit is not None and self._since_c < (1 if len(self.confidences) < 4 * REFIT_EVERY else REFIT_EVERY):
-            self._since_c += 1
-            return self._c_fit
-        need = min(1.0, 1.5 * self.budget)
-        seen = np.asarray(self.confidences, dtype=np.float64)
-        lo, hi = self.c_th, 1.0
-        if float(_p_conf_vec(seen, lo).mean()) < need:
+        if not self.window:
+            return self.c_th, 0.0  # no data yet: the importance filter passes everything
+        short = len(self.window) < 4 * REFIT_EVERY
+        if self._fit is not None and self._since < (1 if short else REFIT_EVERY):
+            return self._fit
+        conf = np.asarray([c for c, _ in self.window], dtype=np.float64)
+        imp = np.asarray([i for _, i in self.window], dtype=np.float64)
+        target = self.budget
+        c_th = self.c_th
+        if float(_p_conf_vec(conf, c_th).mean()) < target:
+            lo, hi = c_th, 1.0
             for _ in range(40):
                 mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if float(_p_conf_vec(seen, mid).mean()) >= need else (mid, hi)
-            lo = hi
-        self._c_fit, self._since_c = lo, 0
-        self.confident_share = 1.0 - float(_p_conf_vec(seen, lo).mean())  # what the filter keeps local
-        return lo
+                lo, hi = (lo, mid) if float(_p_conf_vec(conf, mid).mean()) >= target else (mid, hi)
+            c_th = hi
+        pc = _p_conf_vec(conf, c_th)
+        lo, hi = 0.0, 2.0 * float(imp.max()) + 1e-9
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if float((pc * _p_imp_vec(imp, mid)).mean()) > target else (lo, mid)
+        self._fit, self._since = (c_th, (lo + hi) / 2), 0
+        return self._fit
+
+    def conf_threshold(self) -> float:
+        return self.thresholds()[0]
+
+    def i_th(self) -> float:
+        return self.thresholds()[1]
 
     def decide(self, confidence: float, importance: float, generated: int, max_tokens: int,
                rng: random.Random) -> bool:
-        """Offload this chunk? (Also records the chunk for the running percentiles.)"""
+        """Offload this chunk? (Also records it for the calibration.) The budget is the share of
+        the chunks that may be offloaded (those before the last 20 % of the token budget)."""
         self.offered += 1
         if self.verify_all:
             self.offloaded += 1
             return True
         if self.budget <= 0.0 or generated >= LATE_FRACTION * max_tokens:
             return False
-        self.confidences.append(confidence)
-        confident = rng.random() >= p_conf(confidence, self.conf_threshold())
-        if confident:
-            return False
-        self.importances.append(importance)
+        self.window.append((confidence, importance))
         self._since += 1
-        i_th = self.i_th()
+        c_th, i_th = self.thresholds()
+        if rng.random() >= p_conf(confidence, c_th):
+            return False  # confident: the drafter is probably right
         if rng.random() >= p_imp(importance, i_th):
-            return False
+            return False  # unimportant: a mistake here matters little
         self.offloaded += 1
         return True
 
     def observe(self, confidence: float, accepted: int, drafted: int) -> None:
-        """A verified chunk: c_th follows the mean confidence of fully accepted chunks."""
+        """A verified chunk: c_th follows the mean confidence of fully accepted chunks (Synera's
+        offline profile, measured online), kept in the range Synera reports (0.7–0.99)."""
         if drafted and accepted >= drafted:
             self._accepted_conf.append(confidence)
-            self.c_th = min(0.99, max(0.5, sum(self._accepted_conf) / len(self._accepted_conf)))
+            self.c_th = min(0.99, max(0.7, sum(self._accepted_conf) / len(self._accepted_conf)))
+            self._fit = None
 
     @property
     def share(self) -> float:
         return self.offloaded / self.offered if self.offered else 0.0
 
     def to_dict(self) -> dict:
-        return {"budget": self.budget, "c_th": round(self.conf_threshold(), 3), "i_th": round(self.i_th(), 4),
+        c_th, i_th = self.thresholds()
+        return {"budget": self.budget, "c_th": round(c_th, 3), "i_th": round(i_th, 4),
                 "chunks": self.offered, "offloaded": self.offloaded, "share": round(self.share, 3)}
