@@ -213,7 +213,7 @@ async def answer(slm_stage, link, prompt, max_tokens, budget, eos, session, ahea
     from decoding.pipeline_local import LocalPipeline
 
     drafter = LocalDrafter(LocalPipeline([slm_stage]), capacity=len(prompt) + max_tokens + 32)
-    dec = OffloadDecoder(drafter, link, policy or OffloadPolicy(budget), session, eos_ids=frozenset(eos), seed=0,
+    dec = OffloadDecoder(drafter, link, policy or OffloadPolicy(budget), session, eos_ids=frozenset(eos), seed=session,
                          ahead=AHEAD if ahead is None else ahead)
     out, times = [], []
     t0 = time.perf_counter()
@@ -322,7 +322,10 @@ async def run(args) -> dict:
     _, llm_local = load("llm", args.quick)
     refs = []
     for i, p in enumerate(prompts):
-        refs.append(generate(LocalPipeline([llm_local]), p, max_tokens, eos_ids=eos).token_ids)
+        # The home's answers end with the EOS they committed; the reference too, where it stops.
+        g = generate(LocalPipeline([llm_local]), p, max_tokens).token_ids
+        end = next((j + 1 for j, t in enumerate(g) if t in eos), len(g))
+        refs.append(g[:end])
         log(f"LLM reference {i + 1}/{len(prompts)}: {len(refs[-1])} tokens")
 
     from decoding.offload.policy import OffloadPolicy
@@ -354,6 +357,10 @@ async def run(args) -> dict:
             "accepted_per_chunk": (sum(r["stats"]["accepted"] for r in per)
                                    / max(1, sum(r["stats"]["verified"] for r in per))),
             "llm_tokens_per_generated_token": sum(r["stats"]["llm_tokens"] for r in per) / max(1, gen),
+            # Cloud-only serving computes every prompt and answer token on the LLM:
+            "llm_tokens_vs_cloud_only": (sum(r["stats"]["llm_tokens"] for r in per)
+                                         / max(1, gen + sum(len(p) for p in prompts))),
+            "generated": gen,
             "local_fallbacks": sum(r["stats"]["local_fallbacks"] for r in per),
             "stall_s": sum(r["stats"]["stall_s"] for r in per),
             "share_offloaded": policy.share, "policy": policy.to_dict(),
@@ -368,7 +375,8 @@ async def run(args) -> dict:
         pipe = LocalPipeline([llm_local])
         pipe.create("gap", len(by_id[d["prompt"]]) + len(d["context"]) + 1)
         lg = pipe.forward("gap", torch.tensor(by_id[d["prompt"]] + d["context"]))[-1]
-        d["logit_gap"] = float(lg[d["reference"][0]] - lg[d["verified"][0]]) if d["verified"] else None
+        both = d["reference"] and d["verified"]
+        d["logit_gap"] = float(lg[d["reference"][0]] - lg[d["verified"][0]]) if both else None
         d["top_logit"] = float(lg.max())
         del d["context"]
     del llm_local

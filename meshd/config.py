@@ -69,6 +69,7 @@ class Config:
     medusa_heads: str | None = None  # Medusa heads file; None: the shipped heads of the embedded model; "none": off
     draft_model: str | None = None  # a smaller model of the same family, for speculative drafter "draft_model"
     cloud_budget: float = 0.2  # share of drafted chunks a paired cloud verifier checks (0..1; 1 = every one)
+    cloud_min_timeout_s: float = 1.0  # the shortest wait for a verdict before the chunk is committed locally
     invite_ttl_s: float = 15 * 60
     drain_timeout_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
     api_listen: str | None = None  # also serve the API on loopback TCP, "127.0.0.1:8080"
@@ -104,6 +105,8 @@ class Config:
                 raise ConfigError(f"{key} must be a TCP port, got {getattr(self, key)}")
         if self.log_format not in ("auto", "json", "console", "journald"):
             raise ConfigError(f"log_format must be auto, json, console or journald, got {self.log_format!r}")
+        if not 0.0 < self.cloud_min_timeout_s <= 3600.0:
+            raise ConfigError(f"cloud_min_timeout_s must be in (0, 3600], got {self.cloud_min_timeout_s}")
         if not 0.0 <= self.cloud_budget <= 1.0:
             raise ConfigError(f"cloud_budget must be between 0 and 1, got {self.cloud_budget}")
         return self

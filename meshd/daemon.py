@@ -347,7 +347,8 @@ class Daemon:
             if info.get("tokenizer") and info["tokenizer"] != tokenizer_fingerprint(serving.source.tokenizer):
                 raise DaemonError(f"the paired verifier's model ({info.get('model')}) does not share this "
                                   "home's tokenizer; run 'meshd cloud unpair' or pair a matching verifier")
-            self.cloud = await CloudHome.connect(serving.coordinator.node, info, self.config.cloud_budget)
+            self.cloud = await CloudHome.connect(serving.coordinator.node, info, self.config.cloud_budget,
+                                                 self.config.cloud_min_timeout_s)
             return self.cloud
         except Exception as exc:  # noqa: BLE001 - the home runs without its verifier rather than not at all
             self.last_error = f"cloud verifier not used: {exc}"[:300]

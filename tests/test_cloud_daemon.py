@@ -40,8 +40,9 @@ def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_
         rc, out = run_cli("cloud", "invite", "--state-dir", str(cloud_dir), "--json")
         assert rc == 0, out
         token = json.loads(out.strip().splitlines()[-1])["token"]
-        a = mesh.spawn("alpha", "--model", str(real_source.path), "--cloud-budget", "1.0", new_home="cloud-home",
-                       start=False)
+        # A long verdict timeout: the suite runs with both cores busy, and this test checks exactness.
+        a = mesh.spawn("alpha", "--model", str(real_source.path), "--cloud-budget", "1.0", "--cloud-min-timeout",
+                       "15", new_home="cloud-home", start=False)
         StateDir(a.state_dir).ensure().create_home("cloud-home")
         rc, out = run_cli("cloud", "pair", f"127.0.0.1:{info['pairing_port']}", token, "--state-dir",
                           str(a.state_dir))

@@ -37,10 +37,11 @@ class CloudHome:
                        "local_fallbacks": 0, "tokens": 0}
 
     @classmethod
-    async def connect(cls, node, info: dict, budget: float) -> "CloudHome":
+    async def connect(cls, node, info: dict, budget: float, min_timeout_s: float | None = None) -> "CloudHome":
         peer = await node.connect(info["address"], server_key=info["server_key"])
         log.info("cloud_verifier_paired", address=info["address"], model=info.get("model"), budget=budget)
-        return cls(CloudLink(peer, info["address"]), budget, str(info.get("model", "")))
+        kw = {} if min_timeout_s is None else {"min_timeout_s": min_timeout_s}
+        return cls(CloudLink(peer, info["address"], **kw), budget, str(info.get("model", "")))
 
     def policy(self, budget: float | None) -> OffloadPolicy:
         b = round(self.budget if budget is None else float(budget), 2)  # one policy per percent, at most 101

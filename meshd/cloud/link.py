@@ -26,7 +26,7 @@ from transport.messages import CloudClose, CloudVerdict, CloudVerify, encode
 log = get_logger("meshd.cloud.link")
 
 FIRST_TIMEOUT_S = 30.0  # before anything was measured, and for a session's first (prompt-carrying) request
-MIN_TIMEOUT_S = 0.25
+MIN_TIMEOUT_S = 1.0  # never give up on a verdict sooner: load spikes on either side are normal
 PER_TOKEN_S = 0.002  # allowance per uncached token beyond a round's usual size
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -76,7 +76,7 @@ class CloudLink:
         s = self.stats
         if s.rounds == 0 or req.open is not None:
             return self.first_timeout_s
-        return max(self.min_timeout_s, 2.0 * s.rtt_s + 4.0 * s.rtt_dev_s + PER_TOKEN_S * len(req.tokens))
+        return max(self.min_timeout_s, 4.0 * s.rtt_s + 8.0 * s.rtt_dev_s + PER_TOKEN_S * len(req.tokens))
 
     async def verify(self, req: VerifyRequest, timeout_s: float | None = None) -> VerifyResult:
         msg = to_message(req)

@@ -45,6 +45,8 @@ _FLAGS = [
     ("--share-rate", "share_rate", str, "cap on lending/fetching model pieces (50mbit, 12.5MB/s; default none)"),
     ("--cloud-budget", "cloud_budget", float, "share of drafted chunks a paired cloud verifier checks, "
                                               "0..1 (default 0.2; 1 = every chunk: the big model's output)"),
+    ("--cloud-min-timeout", "cloud_min_timeout_s", float, "shortest wait in seconds for a cloud verdict "
+                                                         "before a chunk is committed locally (default 1)"),
     ("--engine", "engine", str, "engine factory 'module:callable' (advanced)"),
 ]
 
