@@ -276,10 +276,7 @@ def throughput(quick: bool, batched: bool, homes: int, rounds: int, prompt: list
                                                 prompt[h % 7:] + prompt[:h % 7], rounds, start, q), daemon=True)
         p.start()
         procs.append(p)
-    time.sleep(2.0)
-    t_wait = time.monotonic()
-    while q.qsize() < 0 and time.monotonic() - t_wait < 1:  # homes open their sessions first
-        time.sleep(0.1)
+    time.sleep(2.0)  # the homes open their sessions (each waits for ``start`` before its timed rounds)
     start.set()
     results = [q.get(timeout=1800) for _ in procs]
     for p in procs:

@@ -157,13 +157,18 @@ async def _recv(reader: asyncio.StreamReader) -> dict:
 # --------------------------------------------------------------------------- member side
 
 
-class PairingServer:
-    """The member's pairing endpoint. ``on_admitted(member)`` runs after each success."""
+class PairingEndpoint:
+    """A TCP endpoint running one token handshake per connection (a home's, a cloud verifier's).
 
-    def __init__(self, state: StateDir, on_admitted: Callable[[Member], None],
-                 clock: Callable[[], float] = time.time):
+    Subclasses implement ``_pair`` (the handshake; raises PairingError to refuse) and
+    ``_admitted`` (what follows a success); a refusal is logged and sent to the peer.
+    """
+
+    refused_event = "pairing_refused"
+    failed_event = "pairing_failed"
+
+    def __init__(self, state: StateDir, clock: Callable[[], float] = time.time):
         self.state = state
-        self.on_admitted = on_admitted
         self.clock = clock
         self.server: asyncio.AbstractServer | None = None
 
@@ -177,22 +182,39 @@ class PairingServer:
             await self.server.wait_closed()
             self.server = None
 
+    async def _pair(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        raise NotImplementedError
+
+    def _admitted(self, result, remote: str) -> None:
+        raise NotImplementedError
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         try:
-            member = await self._pair(reader, writer)
-            log.info("pairing_admitted", new_node=member.node_id, new_name=member.name, remote=str(peer))
-            self.on_admitted(member)
+            self._admitted(await self._pair(reader, writer), str(peer))
         except (PairingError, asyncio.TimeoutError, ConnectionError, ValueError) as exc:
-            log.warning("pairing_refused", remote=str(peer), error=str(exc) or type(exc).__name__)
+            log.warning(self.refused_event, remote=str(peer), error=str(exc) or type(exc).__name__)
             try:
                 await _send(writer, {"op": "error", "error": str(exc) or "refused"})
             except (ConnectionError, RuntimeError):
                 pass
         except Exception:
-            log.exception("pairing_failed", remote=str(peer))
+            log.exception(self.failed_event, remote=str(peer))
         finally:
             writer.close()
+
+
+class PairingServer(PairingEndpoint):
+    """The member's pairing endpoint. ``on_admitted(member)`` runs after each success."""
+
+    def __init__(self, state: StateDir, on_admitted: Callable[[Member], None],
+                 clock: Callable[[], float] = time.time):
+        super().__init__(state, clock)
+        self.on_admitted = on_admitted
+
+    def _admitted(self, member: Member, remote: str) -> None:
+        log.info("pairing_admitted", new_node=member.node_id, new_name=member.name, remote=remote)
+        self.on_admitted(member)
 
     async def _pair(self, reader, writer) -> Member:
         hello = await _recv(reader)

@@ -263,14 +263,11 @@ class OffloadDecoder:
         return VerifyRequest(self.session, self._cloud_has, tuple(self._ctx[self._cloud_has:]) + drafts,
                              len(drafts), q, opened)
 
-    def _timeout(self) -> float | None:
-        return None  # the verifier link derives it from its measured round times
-
     async def _verify(self, chunk: list[_Draft]) -> AsyncIterator[int]:
         assert self.verifier is not None
         req = self._request(chunk)
         t0 = time.monotonic()
-        task = asyncio.ensure_future(self.verifier.verify(req, self._timeout()))
+        task = asyncio.ensure_future(self.verifier.verify(req))
         try:
             # Proactive drafting: the SLM works on while the LLM verifies.
             self._rounds += 1
@@ -305,7 +302,7 @@ class OffloadDecoder:
 
     async def _resend(self, req: VerifyRequest) -> VerifyResult | None:
         try:
-            return await self.verifier.verify(req, self._timeout())
+            return await self.verifier.verify(req)
         except (VerifierEvicted, VerifierUnavailable) as exc:
             self.stats.local_fallbacks += 1
             self.stats.local_only_reason = str(exc) or "verifier unavailable"

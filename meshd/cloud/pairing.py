@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable
 
 from meshd.log import get_logger
-from meshd.pairing import (MAX_LINE, PAIRING_VERSION, PairingError, Token, _canonical, _mac, _recv, _send)
+from meshd.pairing import (MAX_LINE, PAIRING_VERSION, PairingEndpoint, PairingError, Token, _canonical, _mac,
+                           _recv, _send)
 from meshd.state import StateDir
 from transport.errors import KeyStoreError
 from transport.keys import validate_public_key
@@ -50,40 +51,19 @@ def _hello_fields(hello: dict) -> list[str]:
     return [str(hello.get(k, "")) for k in ("token_id", "home_id", "name", "tokenizer", "nonce")] + [keys]
 
 
-class CloudPairingServer:
+class CloudPairingServer(PairingEndpoint):
     """The verifier's pairing endpoint. ``info()`` gives {port, model, tokenizer} for the welcome."""
 
+    refused_event = "cloud_pairing_refused"
+    failed_event = "cloud_pairing_failed"
+
     def __init__(self, state: StateDir, info: Callable[[], dict], clock: Callable[[], float] = time.time):
-        self.state = state
+        super().__init__(state, clock)
         self.info = info
-        self.clock = clock
-        self.server: asyncio.AbstractServer | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        self.server = await asyncio.start_server(self._handle, host, port, limit=MAX_LINE)
-        return self.server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
-            self.server = None
-
-    async def _handle(self, reader, writer) -> None:
-        peer = writer.get_extra_info("peername")
-        try:
-            home, name, keys = await self._pair(reader, writer)
-            log.info("cloud_home_paired", home_id=home[:8], name=name, keys=len(keys), remote=str(peer))
-        except (PairingError, asyncio.TimeoutError, ConnectionError, ValueError) as exc:
-            log.warning("cloud_pairing_refused", remote=str(peer), error=str(exc) or type(exc).__name__)
-            try:
-                await _send(writer, {"op": "error", "error": str(exc) or "refused"})
-            except (ConnectionError, RuntimeError):
-                pass
-        except Exception:
-            log.exception("cloud_pairing_failed", remote=str(peer))
-        finally:
-            writer.close()
+    def _admitted(self, result: tuple[str, str, list[str]], remote: str) -> None:
+        home, name, keys = result
+        log.info("cloud_home_paired", home_id=home[:8], name=name, keys=len(keys), remote=remote)
 
     async def _pair(self, reader, writer) -> tuple[str, str, list[str]]:
         hello = await _recv(reader)

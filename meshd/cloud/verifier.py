@@ -191,7 +191,7 @@ class Verifier:
     def close_session(self, home: str, session: int) -> None:
         s = self._sessions.pop((home, int(session)), None)
         if s is not None:
-            self._queue = [j for j in self._queue if j.session is not s or self._supersede(j)]
+            self._supersede_queued(s)
             self._drop(s)
 
     def _drop(self, s: _Session) -> None:
@@ -233,18 +233,18 @@ class Verifier:
                                              "(evicted or never opened); resend it from the start")
         self._sessions.move_to_end(key)
         session.last_used = time.monotonic()
-        for old in [j for j in self._queue if j.session is session]:
-            self._supersede(old)
-            self._queue.remove(old)
+        self._supersede_queued(session)
         job = _Job(session, msg, tokens, asyncio.get_running_loop().create_future(), support=support)
         self._queue.append(job)
         return job
 
-    def _supersede(self, job: _Job) -> bool:
-        if not job.future.done():
-            self.stats.superseded += 1
-            job.future.set_exception(VerifierRefusal("superseded", "a newer request for this session arrived"))
-        return False
+    def _supersede_queued(self, session: _Session) -> None:
+        """Fail the session's waiting requests: a newer one (or the session's end) replaces them."""
+        for job in [j for j in self._queue if j.session is session]:
+            self._queue.remove(job)
+            if not job.future.done():
+                self.stats.superseded += 1
+                job.future.set_exception(VerifierRefusal("superseded", "a newer request for this session arrived"))
 
     def _open(self, key: tuple[str, int], msg: CloudVerify) -> _Session:
         spec = msg.open or {}
@@ -267,9 +267,7 @@ class Verifier:
         cap = max(min(cap, self.stage.config.max_position), tokens + MAX_DRAFTS + 1)
         old = self._sessions.pop(key, None)
         if old is not None:  # reopened (the home resends after a timeout or an eviction)
-            for j in [j for j in self._queue if j.session is old]:
-                self._supersede(j)
-                self._queue.remove(j)
+            self._supersede_queued(old)
             self._drop(old)
         self._make_room(cap)
         self._seq += 1
