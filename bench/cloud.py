@@ -92,14 +92,15 @@ def load(which: str, quick: bool):
 
 # ------------------------------------------------------------------ the verifier process
 
-def verifier_main(quick: bool, state_dir: str, ready: str, batched: bool, core: int | None) -> None:
+def verifier_main(quick: bool, state_dir: str, ready: str, batched: bool, core: int | None,
+                  listen: str = "127.0.0.1") -> None:
     pin([core] if core is not None else None, 1)
     from meshd.cloud.service import VerifierService
 
     src, stage = load("llm", quick)
 
     async def main():
-        svc = await VerifierService(src, state_dir, listen="127.0.0.1", port=0, pairing_port=0,
+        svc = await VerifierService(src, state_dir, listen=listen, port=0, pairing_port=0,
                                     stage=stage, batched=batched, kv_budget_tokens=65536, max_queue=256).start()
         Path(ready).write_text(json.dumps({"address": svc.address, "key": svc.state.keypair().public.decode()}))
         while True:

@@ -36,6 +36,8 @@ class MeshHeartbeat:
     uptime_s: float = 0.0  # seconds since its daemon started
     kv_tokens: int = 0  # KV cache tokens its stage holds now
     last_error: str = ""  # its most recent serving error (model load, stage), "" if none
+    cloud_changed_at: float = 0.0  # the cloud pairing record it holds (meshd.cloud.record): when made,
+    cloud_digest: str = ""  # and its digest; a member holding a newer one sends it (CloudShare)
 
 
 @message
@@ -67,3 +69,12 @@ class Bye:
 
     node_id: str
     reason: str = "shutdown"
+
+
+@message
+@dataclass
+class CloudShare:
+    """The home's newest cloud pairing or unpairing (``meshd.cloud.record``), sent to a member whose
+    heartbeat shows it holds an older one."""
+
+    record: dict[str, Any] = field(default_factory=dict)

@@ -37,6 +37,7 @@ import structlog
 import zmq
 
 from meshd import control
+from meshd.cloud.sync import CloudSync
 from meshd.config import Config
 from meshd.discovery import (
     PROTOCOL_VERSION, REASON_UNREACHABLE, Advert, Discovery, Sighting, classify, select_interfaces,
@@ -157,7 +158,8 @@ class Daemon:
         self.api_runner = None
         self.api_app = None
         self.engine: DrainingEngine | None = None
-        self.cloud = None  # meshd.cloud.home.CloudHome once a paired verifier is connected
+        self.cloud_sync = CloudSync(self.state, config.cloud_budget, config.cloud_min_timeout_s,
+                                    home_keys=self._home_keys, on_error=self._note_error)
         self.serving = None  # meshd.pipeline.serving.ServingRole: this device's stage, coordinator, plans
         self.sharing = None  # meshd.share.service.ShareService: lends model pieces, fetches missing ones
         self.port = 0
@@ -315,9 +317,11 @@ class Daemon:
             self.serving = await start_serving(self)
             s = self.serving
             drafts = DraftModels(self.config.draft_model, s.source) if self.config.draft_model else None
-            cloud = await self._cloud_home(s)
             engine = PipelineEngine(s.source, s.coordinator, cuts_for=s.cuts, wait_s=self.config.request_wait_s,
-                                    draft_model=drafts, cloud=cloud)
+                                    draft_model=drafts)
+            from decoding.speculative.draft_model import tokenizer_fingerprint
+
+            await self.cloud_sync.attach(s.coordinator.node, tokenizer_fingerprint(s.source.tokenizer), engine)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a missing model must not take the control plane down
@@ -335,25 +339,16 @@ class Daemon:
         self._send_heartbeat()  # peers may plan with us now
         self.debounce.poke(self.clock())
 
-    async def _cloud_home(self, serving):
-        """The paired cloud verifier (``meshd cloud pair``), connected over this device's transport."""
-        info = self.state.cloud()
-        if not info:
-            return None
-        try:
-            from decoding.speculative.draft_model import tokenizer_fingerprint
-            from meshd.cloud.home import CloudHome
+    @property
+    def cloud(self):
+        """The paired cloud verifier in use (``meshd.cloud.home.CloudHome``), if any."""
+        return self.cloud_sync.home
 
-            if info.get("tokenizer") and info["tokenizer"] != tokenizer_fingerprint(serving.source.tokenizer):
-                raise DaemonError(f"the paired verifier's model ({info.get('model')}) does not share this "
-                                  "home's tokenizer; run 'meshd cloud unpair' or pair a matching verifier")
-            self.cloud = await CloudHome.connect(serving.coordinator.node, info, self.config.cloud_budget,
-                                                 self.config.cloud_min_timeout_s)
-            return self.cloud
-        except Exception as exc:  # noqa: BLE001 - the home runs without its verifier rather than not at all
-            self.last_error = f"cloud verifier not used: {exc}"[:300]
-            log.error("cloud_verifier_unusable", error=f"{type(exc).__name__}: {exc}")
-            return None
+    def _home_keys(self) -> list[str]:
+        return sorted({m.public_key for m in self.members.values()})
+
+    def _note_error(self, error: str) -> None:
+        self.last_error = error
 
     async def stop(self) -> None:
         """Graceful shutdown; safe to call after a failed or partial start.
@@ -376,6 +371,7 @@ class Daemon:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.engine.idle.wait(), 5.0)
         await self._drain_stage()
+        await self.cloud_sync.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -551,8 +547,13 @@ class Daemon:
                 self.link.send(sender, control.ProfileRequest(self.node_id))
             if self.plan is not None and msg.plan_version < self.plan.version:
                 self.link.send(sender, PlanUpdate(self.plan.version, self.plan.to_assignment()))
+            share = self.cloud_sync.share_for(msg.cloud_changed_at, msg.cloud_digest)
+            if share is not None:
+                self.link.send(sender, share)
         elif isinstance(msg, control.MemberList):
             self._merge_members(msg.members, sender)
+        elif isinstance(msg, control.CloudShare):
+            self.cloud_sync.receive(msg.record, sender)
         elif isinstance(msg, control.ProfileRequest):
             prof = self.own_profile
             self.link.send(sender, control.ProfileShare(self.node_id, _digest(prof) if prof else "", prof))
@@ -590,7 +591,7 @@ class Daemon:
             model=self._model_identity()[0], model_layers=self._model_identity()[1],
             version=_meshd_version(), uptime_s=round(self.clock() - self._started_at, 1),
             kv_tokens=int((self._stage_status() or {}).get("kv_tokens_in_use") or 0),
-            last_error=self.last_error,
+            last_error=self.last_error, **self.cloud_sync.heartbeat_fields(),
         )
 
     def _send_heartbeat(self, node_id: str | None = None) -> None:
@@ -610,6 +611,7 @@ class Daemon:
             now = self.clock()
             try:
                 if now >= next_beat:
+                    self.cloud_sync.tick()
                     self._send_heartbeat()
                     next_beat = now + cfg.heartbeat_interval_s
                 self.link.probe_due()  # round trips, in background tasks: never waits here
@@ -760,8 +762,9 @@ class Daemon:
         spec["round_cost_slope"] = round(coord.round_cost.slope, 4)
         out = {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec,
                "outline": dict(coord.outline_totals)}
-        if self.cloud is not None:
-            out["cloud"] = self.cloud.status()
+        cloud = self.cloud_sync.status()
+        if cloud is not None:
+            out["cloud"] = cloud
         return out
 
     def _links_status(self) -> dict[str, dict[str, Any]]:

@@ -24,14 +24,18 @@ import json
 import os
 import secrets
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshd.errors import MeshdError
 from transport import keys as transport_keys
 from transport.errors import KeyStoreError
+
+if TYPE_CHECKING:
+    from meshd.cloud.record import CloudRecord
 
 
 class StateError(MeshdError):
@@ -280,8 +284,6 @@ class StateDir:
         return list(self._read_json("invites.json", []))
 
     def add_invite(self, token_id: str, key_hash: str, expires_at: float) -> None:
-        import time
-
         with self.locked():
             now = time.time()
             keep = [i for i in self.invites() if i["expires_at"] > now]
@@ -307,16 +309,32 @@ class StateDir:
         return found
 
     # -- cloud verifier -------------------------------------------------------
+    def cloud_record(self) -> "CloudRecord | None":
+        """The newest pairing or unpairing this member knows (``meshd.cloud.record``); None if none.
+
+        Raises ``ValueError`` when ``cloud.json`` is not a valid record."""
+        from meshd.cloud.record import CloudRecord
+
+        value = self._read_json("cloud.json", None)
+        return None if value is None else CloudRecord.from_json(value)
+
     def cloud(self) -> dict[str, Any] | None:
-        """The cloud verifier this device paired with (``meshd cloud pair``), if any."""
-        return self._read_json("cloud.json", None) or None
+        """The cloud verifier the home is paired with (``meshd cloud pair``), if any."""
+        try:
+            rec = self.cloud_record()
+        except ValueError:
+            return None
+        return rec.to_json() if rec is not None and rec.paired else None
 
     def set_cloud(self, value: dict[str, Any] | None) -> None:
+        """Pair (a record from ``pair_with_cloud``) or unpair (None: a tombstone, so the home forgets it too)."""
+        from meshd.cloud.record import CloudRecord
+
+        self.set_cloud_record(CloudRecord(time.time()) if value is None else CloudRecord.from_json(value))
+
+    def set_cloud_record(self, record: "CloudRecord") -> None:
         with self.locked():
-            if value is None:
-                (self.root / "cloud.json").unlink(missing_ok=True)
-            else:
-                self._write_json("cloud.json", value)
+            self._write_json("cloud.json", record.to_json())
 
     # -- profiles ---------------------------------------------------------
     def own_profile(self) -> dict[str, Any] | None:

@@ -76,3 +76,71 @@ def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_
             verifier.kill()
         log.close()
         mesh.cleanup()
+
+
+def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later_is_admitted(real_source,
+                                                                                            real_stage):
+    """`meshd cloud pair` on alpha while it runs; beta joins afterwards, learns the pairing from
+    alpha's heartbeats, is vouched for at the verifier, and answers with the verifier's tokens;
+    `meshd cloud unpair` on beta unpairs alpha too. No daemon is restarted."""
+    import openai
+
+    from tests.test_daemon_serving import both_ready
+    from tests.test_daemon_helpers import summary
+    from transport.keys import AllowList
+
+    tok = real_source.tokenizer
+    question = "Name two colours of the rainbow."
+    want = generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]), 16,
+                    eos_ids=tok.eos_ids, tokenizer=tok).text
+    mesh = Mesh()
+    cloud_dir = mesh.root / "cloud"
+    log = open(mesh.root / "verifier.log", "ab")
+    verifier = subprocess.Popen([sys.executable, "-m", "meshd", "cloud", "serve", "--model", str(real_source.path),
+                                 "--state-dir", str(cloud_dir), "--listen", "127.0.0.1", "--port", "0",
+                                 "--pairing-port", "0"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env=mesh.env())
+    try:
+        model = str(real_source.path)
+        a = mesh.spawn("alpha", "--model", model, "--cloud-min-timeout", "15", new_home="shared-cloud")
+        a.wait_serving(60)
+        wait_for(lambda: a.status().get("ready"), 120, what="alpha to serve", explain=a.log_tail)
+        info = wait_for(lambda: json.loads((cloud_dir / "verifier.json").read_text()), 120,
+                        what="the verifier to listen", explain=lambda: (mesh.root / "verifier.log").read_text()[-2000:])
+        rc, out = run_cli("cloud", "invite", "--state-dir", str(cloud_dir), "--json")
+        assert rc == 0, out
+        rc, out = run_cli("cloud", "pair", f"127.0.0.1:{info['pairing_port']}",
+                          json.loads(out.strip().splitlines()[-1])["token"], "--state-dir", str(a.state_dir))
+        assert rc == 0 and "paired" in out, out
+        cloud_of = lambda p: ((p.status().get("stage") or {}).get("cloud") or {})  # noqa: E731
+        wait_for(lambda: cloud_of(a).get("link", {}).get("address") == f"tcp://127.0.0.1:{info['port']}", 60,
+                 what="alpha to pick the pairing up without a restart", explain=a.log_tail)
+
+        b = mesh.spawn("beta", "--model", model, "--cloud-min-timeout", "15", token=mesh.invite(a))
+        b.wait_serving(60)
+        wait_for(lambda: both_ready(a, b), 120, what="a two-member plan", explain=lambda: summary(a, b))
+        beta_key = StateDir(b.state_dir).keypair().public
+        wait_for(lambda: beta_key in AllowList.for_state_dir(cloud_dir), 60,
+                 what="alpha to vouch for beta at the verifier", explain=a.log_tail)
+        wait_for(lambda: cloud_of(b).get("link", {}).get("address"), 60, what="beta to learn the pairing",
+                 explain=b.log_tail)
+
+        client = _openai_over(b.socket)
+        resp = client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],
+                                              max_tokens=16, temperature=0, extra_body={"cloud": 1.0})
+        assert resp.choices[0].message.content == want
+        usage = resp.usage.model_dump()["cloud"]
+        assert usage["verified"] >= 1 and usage["verified"] == usage["chunks"], usage
+
+        rc, out = run_cli("cloud", "unpair", "--state-dir", str(b.state_dir))
+        assert rc == 0 and "unpaired" in out, out
+        wait_for(lambda: not cloud_of(a), 60, what="alpha to learn of the unpairing", explain=a.log_tail)
+        with pytest.raises(openai.BadRequestError, match="not paired"):
+            _openai_over(a.socket).chat.completions.create(
+                model="any", messages=[{"role": "user", "content": question}], max_tokens=4,
+                extra_body={"cloud": 1.0})
+    finally:
+        if verifier.poll() is None:
+            verifier.kill()
+        log.close()
+        mesh.cleanup()

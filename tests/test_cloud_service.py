@@ -107,6 +107,66 @@ def test_an_unpaired_home_is_refused_at_the_handshake_and_a_token_pairs_once(rea
     asyncio.run(main())
 
 
+def test_a_paired_member_vouches_for_a_device_that_joined_the_home_later_and_no_one_else_can(
+        real_source, real_stage, tmp_path):
+    from meshd.cloud.home import CloudHome
+    from meshd.cloud.pairing import MAX_KEYS
+    from transport.keys import Keypair
+
+    async def main():
+        svc = await _serve(real_source, real_stage, tmp_path)
+        node, link, info = await _paired_home(svc, real_source, tmp_path)
+        newcomer = StateDir(tmp_path / "newcomer").ensure()
+        new_key = newcomer.keypair().public.decode()
+        nodes = [node]
+        try:
+            late = TransportNode("late", keypair=newcomer.keypair(), allowlist=newcomer.allow_list())
+            await late.start()
+            nodes.append(late)
+            late_peer = await late.connect(info["address"], server_key=info["server_key"], timeout=3.0)
+            with pytest.raises((AuthenticationRefused, TransportTimeout)):  # not admitted yet
+                await late_peer.request(CloudVerify(5, 0, struct.pack("<2I", 1, 2), 1, open={}), timeout=3.0)
+
+            home = CloudHome(link)
+            own = StateDir(tmp_path / "home").keypair().public.decode()
+            assert await home.admit([own, new_key], 10) == 1
+            assert await home.admit([own, new_key], 10) == 0  # idempotent
+            with pytest.raises(RemoteError) as err:
+                await home.admit(["not a key"], 10)
+            refusals = [err.value.code]
+            too_many = [Keypair.generate().public.decode() for _ in range(MAX_KEYS)]
+            with pytest.raises(RemoteError) as err:
+                await home.admit(too_many, 10)
+            refusals.append(err.value.code)
+
+            # The newcomer now passes the handshake (ZeroMQ retries it) and gets verdicts ...
+            late_link = CloudLink(await late.connect(info["address"], server_key=info["server_key"], timeout=5.0),
+                                  info["address"])
+            verdict = await late_link.peer.request(CloudVerify(6, 0, struct.pack("<2I", 1, 2), 1, open={}),
+                                                   timeout=60)
+            # ... but vouching is for members of a paired home: a key admitted otherwise cannot.
+            svc.state.allow_list().add(Keypair.generate().public, "operator")
+            outsider = StateDir(tmp_path / "outsider").ensure()
+            svc.state.allow_list().add(outsider.keypair().public, "operator")
+            out_node = TransportNode("out", keypair=outsider.keypair(), allowlist=outsider.allow_list())
+            await out_node.start()
+            nodes.append(out_node)
+            with pytest.raises(RemoteError) as err:
+                await CloudHome(CloudLink(await out_node.connect(info["address"], server_key=info["server_key"],
+                                                                 timeout=5.0))).admit([Keypair.generate().public.decode()], 10)
+            refusals.append(err.value.code)
+            labels = {svc.state.allow_list().name_of(k) for k in (own, new_key)}
+            return verdict, refusals, labels
+        finally:
+            for n in nodes:
+                await n.close()
+            await svc.close()
+    verdict, refusals, labels = asyncio.run(main())
+    assert verdict.session == 6
+    assert refusals == ["bad_request", "bad_request", "forbidden"]
+    assert len(labels) == 1 and labels.pop().startswith("home ")  # admitted under the same home
+
+
 def test_malformed_and_oversized_requests_get_clear_errors_and_others_are_still_served(real_source, real_stage,
                                                                                       tmp_path):
     async def main():

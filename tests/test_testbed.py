@@ -60,7 +60,17 @@ def test_linkspec_string_form_round_trips(text):
     assert LinkSpec.parse(str(LinkSpec.parse(text))) == LinkSpec.parse(text)
 
 
-@pytest.mark.parametrize("text", ["fast", "100mb", "100mbit,4", "4ms,5ms", "1gbit,2gbit", "0mbit", "-1ms"])
+def test_an_asymmetric_wan_link_shapes_each_direction_at_its_own_rate():
+    wan = LinkSpec.parse("20mbit/100mbit,40ms")
+    assert (wan.rate_bps, wan.downlink_bps, wan.rtt_s) == (20_000_000, 100_000_000, pytest.approx(0.04))
+    assert wan.tbf_args()[2] == "20000000bit" and wan.tbf_args(down=True)[2] == "100000000bit"
+    assert str(wan) == "20mbit/100mbit,40ms" and LinkSpec.parse(str(wan)) == wan
+    assert "20 Mbit/s up, 100 Mbit/s down" in wan.describe()
+    assert LinkSpec.parse("2mbit/2mbit") == LinkSpec.parse("2mbit")  # symmetric stays symmetric
+
+
+@pytest.mark.parametrize("text", ["fast", "100mb", "100mbit,4", "4ms,5ms", "1gbit,2gbit", "0mbit", "-1ms",
+                                  "1mbit/2mbit/3mbit", "1mbit/", "0mbit/1mbit"])
 def test_linkspec_rejects_malformed_strings_with_a_user_facing_error(text):
     with pytest.raises(LinkSpecError) as e:
         LinkSpec.parse(text)
@@ -333,6 +343,20 @@ def test_two_namespace_hosts_talk_directly_and_through_the_delay_proxy_then_vani
         assert _talk(tb, 0, tb.delayed_address(1, addr[1])) == "hello from host"
     assert server.poll() is not None
     assert tbnetns.testbed_namespaces(prefix) == []
+
+
+@pytest.mark.root
+@needs_netns
+def test_a_home_on_a_wan_uplink_next_to_an_unshaped_cloud_host():
+    prefix = _prefix("w")
+    with Testbed(2, name_prefix=prefix, host_links={0: "2mbit/20mbit"}) as tb:
+        show = lambda ns, dev: subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev],  # noqa: E731
+                                              capture_output=True, text=True).stdout
+        assert "2Mbit" in show(f"{prefix}-h0", "eth0") and "20Mbit" in show(f"{prefix}-sw", "h0")
+        assert "tbf" not in show(f"{prefix}-h1", "eth0") and "tbf" not in show(f"{prefix}-sw", "h1")
+        assert tb.describe()["hosts"][0]["link"] == "2mbit/20mbit"
+        server, addr = _start_echo(tb, 1)
+        assert _talk(tb, 0, tb.delayed_address(1, addr[1], rtt_s=0.02)) == "hello from host"
 
 
 @pytest.mark.root

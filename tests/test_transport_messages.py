@@ -53,6 +53,7 @@ EXAMPLES = [
                   open={"temperature": 0.7, "top_k": 40, "seed": 5, "draws": 0, "capacity": 300}),
     M.CloudVerdict(3, 2, 151000, 17),
     M.CloudClose(3),
+    M.CloudMembers(["rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7", "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"]),
 ]
 
 

@@ -583,3 +583,16 @@ class CloudClose:
     """The answer is done (or abandoned): free the session's cache now."""
 
     session: int
+
+
+@message(compact=True)
+@dataclass
+class CloudMembers:
+    """An admitted home member vouches for its home's other members' public keys (z85).
+
+    A device that joins the home after it paired with the verifier was not in the
+    pairing's key list; any member the verifier already admits sends the home's
+    current keys, and the verifier admits them under the same home (bounded per
+    home). The reply is an ``Ack`` whose detail counts the keys admitted."""
+
+    keys: list[str] = field(default_factory=list)

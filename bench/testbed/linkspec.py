@@ -3,7 +3,9 @@
 One string describes a link everywhere (CLI flags, benchmark JSON, RESULTS.md):
 ``"100mbit,4ms"`` is 100 Mbit/s with 4 ms RTT, ``"1gbit,1ms"`` gigabit Ethernet,
 ``"none"``/``"unshaped"`` the raw veth path. Rate and RTT are independent: either
-part may be given alone (``"100mbit"``, ``"4ms"``).
+part may be given alone (``"100mbit"``, ``"4ms"``). An asymmetric link, as a home's
+WAN uplink is, gives both rates: ``"20mbit/100mbit,40ms"`` is 20 Mbit/s up (the
+host's egress), 100 Mbit/s down.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ class LinkSpecError(MeshdError, ValueError):
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """``rate_bps`` is None for no rate limit; ``rtt_s`` 0.0 for no added delay."""
+    """``rate_bps`` is None for no rate limit; ``rtt_s`` 0.0 for no added delay; ``down_bps`` is the
+    downlink's rate when it differs from the uplink's (``rate_bps``)."""
 
     rate_bps: int | None = None
     rtt_s: float = 0.0
+    down_bps: int | None = None
 
     @classmethod
     def parse(cls, text: str | None) -> "LinkSpec":
@@ -48,13 +52,16 @@ class LinkSpec:
         if raw in _UNSHAPED:
             return cls()
         rate: int | None = None
+        down: int | None = None
         rtt: float | None = None
         for part in (p.strip() for p in raw.split(",")):
-            if m := _RATE_RE.match(part):
+            rates = [r.strip() for r in part.split("/")]
+            if all(_RATE_RE.match(r) for r in rates) and len(rates) <= 2:
                 if rate is not None:
                     raise LinkSpecError(f"link {text!r}: two rates")
-                rate = int(round(float(m.group(1)) * _RATE_UNITS[m.group(2)]))
-                if rate <= 0:
+                rate, *rest = [_rate(r) for r in rates]
+                down = rest[0] if rest and rest[0] != rate else None
+                if rate <= 0 or (down is not None and down <= 0):
                     raise LinkSpecError(f"link {text!r}: rate must be positive")
             elif m := _TIME_RE.match(part):
                 if rtt is not None:
@@ -65,7 +72,7 @@ class LinkSpec:
                     f"link {text!r}: expected RATE[,RTT] like '100mbit,4ms' or 'none' "
                     f"(rates: bit/kbit/mbit/gbit, times: us/ms/s), got {part!r}"
                 )
-        return cls(rate_bps=rate, rtt_s=rtt or 0.0)
+        return cls(rate_bps=rate, rtt_s=rtt or 0.0, down_bps=down)
 
     @property
     def shaped(self) -> bool:
@@ -79,24 +86,29 @@ class LinkSpec:
     def one_way_delay_s(self) -> float:
         return self.rtt_s / 2.0
 
-    def burst_bytes(self) -> int:
-        assert self.rate_bps is not None
-        return max(int(self.rate_bps / 8 * BURST_SECONDS), 2 * MTU)
+    @property
+    def downlink_bps(self) -> int | None:
+        return self.down_bps if self.down_bps is not None else self.rate_bps
 
-    def tbf_args(self) -> list[str]:
-        """Arguments after ``tc qdisc add dev DEV root`` for this link's rate."""
+    def burst_bytes(self, down: bool = False) -> int:
+        rate = self.downlink_bps if down else self.rate_bps
+        assert rate is not None
+        return max(int(rate / 8 * BURST_SECONDS), 2 * MTU)
+
+    def tbf_args(self, down: bool = False) -> list[str]:
+        """Arguments after ``tc qdisc add dev DEV root`` for this link's uplink (or downlink) rate."""
         assert self.rate_bps is not None, "unshaped link has no tbf"
         return [
             "tbf",
-            "rate", f"{self.rate_bps}bit",
-            "burst", str(self.burst_bytes()),
+            "rate", f"{self.downlink_bps if down else self.rate_bps}bit",
+            "burst", str(self.burst_bytes(down)),
             "latency", f"{int(QUEUE_LATENCY_S * 1000)}ms",
         ]
 
     def __str__(self) -> str:
         parts = []
         if self.rate_bps is not None:
-            parts.append(_fmt_rate(self.rate_bps))
+            parts.append(_fmt_rate(self.rate_bps) + (f"/{_fmt_rate(self.down_bps)}" if self.down_bps else ""))
         if self.rtt_s > 0:
             parts.append(_fmt_time(self.rtt_s))
         return ",".join(parts) or "unshaped"
@@ -104,8 +116,16 @@ class LinkSpec:
     def describe(self) -> str:
         """Human wording for banners: '100 Mbit/s, 4 ms RTT'."""
         rate = f"{self.rate_bps / 1e6:g} Mbit/s" if self.rate_bps else "unshaped rate"
+        if self.down_bps:
+            rate = f"{self.rate_bps / 1e6:g} Mbit/s up, {self.down_bps / 1e6:g} Mbit/s down"
         rtt = f"{self.rtt_s * 1e3:g} ms RTT" if self.rtt_s else "no added delay"
         return f"{rate}, {rtt}"
+
+
+def _rate(text: str) -> int:
+    m = _RATE_RE.match(text)
+    assert m is not None
+    return int(round(float(m.group(1)) * _RATE_UNITS[m.group(2)]))
 
 
 def _fmt_rate(bps: int) -> str:

@@ -124,13 +124,19 @@ class Testbed:
     __test__ = False  # not a pytest test class despite the name
 
     def __init__(self, n_hosts: int, link: LinkSpec | str | None = None,
-                 name_prefix: str = "meshd-tb", mode: str = "auto"):
+                 name_prefix: str = "meshd-tb", mode: str = "auto",
+                 host_links: dict[int, LinkSpec | str] | None = None):
         if not 1 <= n_hosts <= 200:
             raise TestbedError("testbed: n_hosts must be 1..200")
         if mode not in ("auto", "netns", "loopback"):
             raise TestbedError(f"testbed: unknown mode {mode!r}")
         self.n_hosts = n_hosts
         self.link = link if isinstance(link, LinkSpec) else LinkSpec.parse(link)
+        # A host whose link differs from the others': a home's WAN uplink next to an unshaped cloud host.
+        self.host_links = {int(i): (v if isinstance(v, LinkSpec) else LinkSpec.parse(v))
+                           for i, v in (host_links or {}).items()}
+        if any(not 0 <= i < n_hosts for i in self.host_links):
+            raise TestbedError("testbed: host_links names a host that does not exist")
         self.prefix = name_prefix
         self.requested_mode = mode
         self.mode: str | None = None
@@ -210,7 +216,9 @@ class Testbed:
         """Setup summary for benchmark banners/JSON."""
         return {
             "mode": self.mode,
-            "hosts": [{"ip": h.ip, "ns": h.ns, "cores": h.default_cores} for h in self.hosts],
+            "hosts": [{"ip": h.ip, "ns": h.ns, "cores": h.default_cores,
+                       **({"link": str(self.host_links[h.index])} if h.index in self.host_links else {})}
+                      for h in self.hosts],
             "link": str(self.link),
             "link_human": self.link.describe(),
             "rate_shaped": self.shaped,
@@ -218,6 +226,9 @@ class Testbed:
             "delay": "user-space proxy in switch ns" if self.mode == "netns" else "user-space proxy on loopback",
             "fallback_reason": self.fallback_reason,
         }
+
+    def link_of(self, host_index: int) -> LinkSpec:
+        return self.host_links.get(host_index, self.link)
 
     def delayed_address(self, host_index: int, port: int, rtt_s: float | None = None,
                         proxy: bool | None = None) -> tuple[str, int]:
@@ -325,10 +336,10 @@ class Testbed:
             sh("ip", "-n", ns, "addr", "add", f"{ip}/{SUBNET_LEN}", "dev", "eth0")
             sh("ip", "-n", ns, "link", "set", "eth0", "multicast", "on", "up")
             sh("ip", "-n", ns, "route", "add", "224.0.0.0/4", "dev", "eth0")
-            if self.link.shaped:
-                tbf = self.link.tbf_args()
-                sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf)  # uplink
-                sh("tc", "-n", sw, "qdisc", "add", "dev", port, "root", *tbf)  # downlink
+            link = self.link_of(i)
+            if link.shaped:
+                sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *link.tbf_args())  # uplink
+                sh("tc", "-n", sw, "qdisc", "add", "dev", port, "root", *link.tbf_args(down=True))  # downlink
             self.hosts.append(Host(i, ip, ns, [i % ncpu], self))
 
     def _build_loopback(self) -> None:

@@ -16,6 +16,7 @@ from decoding.offload.loop import OffloadDecoder, OffloadStats
 from decoding.offload.policy import OffloadPolicy
 from meshd.cloud.link import CloudLink
 from meshd.log import get_logger
+from transport.messages import Ack, CloudMembers
 
 log = get_logger("meshd.cloud.home")
 
@@ -42,6 +43,13 @@ class CloudHome:
         log.info("cloud_verifier_paired", address=info["address"], model=info.get("model"), budget=budget)
         kw = {} if min_timeout_s is None else {"min_timeout_s": min_timeout_s}
         return cls(CloudLink(peer, info["address"], **kw), budget, str(info.get("model", "")))
+
+    async def admit(self, keys: list[str], timeout_s: float) -> int:
+        """Vouch for the home's member keys at the verifier; returns how many it had not admitted yet."""
+        reply = await self.link.peer.request(CloudMembers(list(keys)), timeout=timeout_s)
+        if not isinstance(reply, Ack):
+            raise ValueError(f"the verifier answered {type(reply).__name__} to the home's keys")
+        return int(reply.detail or 0)
 
     def policy(self, budget: float | None) -> OffloadPolicy:
         b = round(self.budget if budget is None else float(budget), 2)  # one policy per percent, at most 101

@@ -105,6 +105,33 @@ class CloudPairingServer(PairingEndpoint):
         return home_id, name, [str(k) for k in keys]
 
 
+def admit_home_keys(state: StateDir, sender_key: str, keys: list) -> int:
+    """A paired member vouches for its home's keys: admit the new ones under the sender's home.
+
+    Raises ``PairingError`` if the sender was not admitted by a pairing, ``ValueError`` if a key
+    is unusable or the home would exceed ``MAX_KEYS``. Returns how many keys were new."""
+    allow = state.allow_list()
+    label = allow.name_of(sender_key) if sender_key in allow else ""
+    if not label.startswith("home "):
+        raise PairingError("only a member of a paired home can vouch for its home's keys")
+    if not isinstance(keys, list) or len(keys) > MAX_KEYS:
+        raise ValueError(f"a home has at most {MAX_KEYS} member keys")
+    try:
+        wanted = {validate_public_key(str(k)) for k in keys}
+    except KeyStoreError as exc:
+        raise ValueError(f"unusable public key ({exc})") from None
+    held = {k for k in allow.keys() if allow.name_of(k) == label}
+    fresh = wanted - held
+    if not fresh:
+        return 0
+    if len(held | fresh) > MAX_KEYS:
+        raise ValueError(f"a home has at most {MAX_KEYS} member keys at the verifier")
+    for k in sorted(fresh):
+        allow.add(k, label)
+    log.info("cloud_home_keys_admitted", home=label, added=len(fresh), total=len(held | fresh))
+    return len(fresh)
+
+
 async def pair_with_cloud(host: str, token: Token, home_id: str, name: str, keys: list[str], tokenizer: str,
                           port: int | None = None, connect_timeout_s: float = 10.0) -> dict:
     """Pair this home with the verifier at ``host`` (its pairing port from the token unless given)."""

@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 from decoding.speculative.draft_model import tokenizer_fingerprint
-from meshd.cloud.pairing import CloudPairingServer
+from meshd.cloud.pairing import CloudPairingServer, admit_home_keys
 from meshd.cloud.verifier import MAX_QUEUE, Verifier, VerifierRefusal
 from meshd.engine import model_id_of
 from meshd.log import get_logger
 from meshd.state import StateDir
-from transport.messages import CloudClose, CloudVerify, ErrorReply
+from meshd.pairing import PairingError
+from transport.messages import Ack, CloudClose, CloudMembers, CloudVerify, ErrorReply
 from transport.node import TransportNode
 from transport.wire import Limits
 
@@ -84,6 +85,15 @@ class VerifierService:
             case CloudClose():
                 self.verifier.close_session(req.peer_key or "", msg.session)
                 return None
+            case CloudMembers():
+                try:
+                    return Ack(detail=str(admit_home_keys(self.state, req.peer_key or "", msg.keys)))
+                except PairingError as exc:
+                    log.warning("cloud_home_keys_refused", error=str(exc))
+                    return ErrorReply("forbidden", str(exc))
+                except ValueError as exc:
+                    log.warning("cloud_home_keys_refused", error=str(exc))
+                    return ErrorReply("bad_request", str(exc))
         return ErrorReply("unknown_type", f"a verifier does not handle {type(msg).__name__}")
 
     def status(self) -> dict:

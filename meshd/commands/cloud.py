@@ -2,8 +2,12 @@
 
     meshd cloud serve --model qwen2.5-coder-1.5b-instruct     # on the verifier's host
     meshd cloud invite                                        # there: prints a one-time token
-    meshd cloud pair verifier.example.net TOKEN               # on any home member
+    meshd cloud pair verifier.example.net TOKEN               # on any one home member
     meshd cloud unpair                                        # the home stops using it
+
+Pairing on one member pairs the home: the record travels with the members'
+heartbeats, every running daemon connects to the verifier (no restart), and a
+member that joins later is vouched for by the others.
 
 The home then lets the verifier check the share of its drafted chunks set by
 ``--cloud-budget`` (``meshd join``; default 0.2, 1.0 = every chunk).
@@ -151,7 +155,7 @@ def pair(args) -> int:
                                        int(port) if port else None))
     state.set_cloud(info)
     print(f"paired with the verifier at {info['address']} (model {info['model']}); "
-          f"restart the daemon ('meshd join') or it picks the verifier up on its next start", flush=True)
+          "the home's running daemons use it within a few heartbeats", flush=True)
     return 0
 
 
@@ -159,7 +163,8 @@ def unpair(args) -> int:
     _, state = _home_state(args)
     had = state.cloud()
     state.set_cloud(None)
-    print("unpaired" if had else "no verifier was paired", flush=True)
+    print("unpaired: the home's running daemons stop using it within a few heartbeats" if had
+          else "no verifier was paired", flush=True)
     return 0
 
 
