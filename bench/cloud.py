@@ -229,6 +229,78 @@ async def answer(slm_stage, link, prompt, max_tokens, budget, eos, session, ahea
             "first_s": times[0] - t0 if times else 0.0}
 
 
+# ------------------------------------------------------------------ how well the filters pick chunks
+
+def recording_policy(budget: float):
+    """An OffloadPolicy that remembers, per chunk, what the filters saw and what the verifier said."""
+    from decoding.offload.policy import OffloadPolicy
+
+    class Recording(OffloadPolicy):
+        def decide(self, confidence, importance, generated, max_tokens, rng):
+            self.chunks.append({"conf": confidence, "imp": importance, "pos": generated, "max": max_tokens})
+            return super().decide(confidence, importance, generated, max_tokens, rng)
+
+        def observe(self, confidence, accepted, drafted):
+            if self.chunks and "accepted" not in self.chunks[-1]:
+                self.chunks[-1].update(accepted=accepted, drafted=drafted)
+            super().observe(confidence, accepted, drafted)
+
+    pol = Recording(budget)
+    pol.chunks = []
+    return pol
+
+
+def _auc(score, positive) -> float | None:
+    """P(score of a positive > score of a negative), ties half (Mann-Whitney)."""
+    import numpy as np
+
+    s, y = np.asarray(score, dtype=float), np.asarray(positive, dtype=bool)
+    pos, neg = s[y], s[~y]
+    if not len(pos) or not len(neg):
+        return None
+    gt = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(gt / (len(pos) * len(neg)))
+
+
+def selection_quality(chunks: list[dict], budget: float = 0.2) -> dict:
+    """Every chunk verified (budget 1.0): would the filters have sent the ones the LLM corrects?
+
+    A chunk is *corrected* when the verifier rejected one of its drafts. Reported: how well each
+    signal ranks corrected chunks above the others (AUC; 0.5 = no better than chance), and the
+    share of corrected chunks among the ``budget`` share that each ranking would offload, against
+    the share among all chunks (what a random choice gets) and the best possible."""
+    import numpy as np
+
+    from decoding.offload.policy import LATE_FRACTION, OffloadPolicy, _p_conf_vec, _p_imp_vec
+
+    rows = [c for c in chunks if "accepted" in c and c["pos"] < LATE_FRACTION * c["max"]]
+    if len(rows) < 8:
+        return {"chunks": len(rows)}
+    conf = np.array([c["conf"] for c in rows])
+    imp = np.array([c["imp"] for c in rows])
+    pos = np.array([c["pos"] / c["max"] for c in rows])
+    corrected = np.array([c["accepted"] < c["drafted"] for c in rows])
+    fit = OffloadPolicy(budget)
+    fit.window.extend(zip(conf.tolist(), imp.tolist()))
+    c_th, i_th = fit.thresholds()
+    policy_score = _p_conf_vec(conf, c_th) * _p_imp_vec(imp, i_th)
+    k = max(1, round(budget * len(rows)))
+
+    def top_share(score) -> float:
+        order = np.argsort(-np.asarray(score, dtype=float), kind="stable")[:k]
+        return float(corrected[order].mean())
+
+    return {
+        "chunks": len(rows), "corrected_share": float(corrected.mean()),
+        "auc": {"low_confidence": _auc(-conf, corrected), "importance": _auc(imp, corrected),
+                "policy_score_at_budget": _auc(policy_score, corrected), "early_position": _auc(-pos, corrected)},
+        f"corrected_among_top_{budget}": {"policy": top_share(policy_score), "low_confidence": top_share(-conf),
+                                          "importance": top_share(imp), "random": float(corrected.mean()),
+                                          "best": min(1.0, float(corrected.sum()) / k)},
+        "thresholds_at_budget": {"c_th": c_th, "i_th": i_th},
+    }
+
+
 # ------------------------------------------------------------------ verifier throughput
 
 def home_main(info: dict, key_secret: tuple[str, str], prompt: list[int], rounds: int, start_evt, out_q) -> None:
@@ -319,7 +391,7 @@ async def run(args) -> dict:
     from decoding.pipeline_local import LocalPipeline
     _, llm_local = load("llm", args.quick)
     refs = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts if not args.selection_only else ()):
         # The home's answers end with the EOS they committed; the reference too, where it stops.
         g = generate(LocalPipeline([llm_local]), p, max_tokens).token_ids
         end = next((j + 1 for j, t in enumerate(g) if t in eos), len(g))
@@ -330,15 +402,18 @@ async def run(args) -> dict:
     runs: dict = {}
     divergences: list = []
     session = 100
-    for b in BUDGETS:
-        policy = OffloadPolicy(b)  # one per budget, shared by the prompts (as a home shares it)
+    selection = None
+    for b in BUDGETS if not args.selection_only else [1.0]:
+        # one policy per budget, shared by the prompts (as a home shares it)
+        policy = recording_policy(b) if b == 1.0 else OffloadPolicy(b)
         per = []
         wan.rounds = []
         for i, p in enumerate(prompts):
             session += 1
             r = await answer(slm, wan, p, max_tokens, b, eos, session, policy=policy)
-            r["exact"], r["rouge_l"] = exact(r["tokens"], refs[i]), rouge_l(r["tokens"], refs[i])
-            r["identical"] = r["tokens"] == refs[i]
+            ref = refs[i] if refs else r["tokens"]  # --selection-only: no reference answers computed
+            r["exact"], r["rouge_l"] = exact(r["tokens"], ref), rouge_l(r["tokens"], ref)
+            r["identical"] = r["tokens"] == ref
             if b == 1.0 and not r["identical"]:
                 k = next((j for j, (x, y) in enumerate(zip(r["tokens"], refs[i])) if x != y),
                          min(len(r["tokens"]), len(refs[i])))
@@ -365,6 +440,13 @@ async def run(args) -> dict:
             "uplink_bytes_per_round": statistics.mean(u for u, _ in wan.rounds) if wan.rounds else 0.0,
             "downlink_bytes_per_round": statistics.mean(d for _, d in wan.rounds) if wan.rounds else 0.0,
         }
+        if b == 1.0:
+            selection = selection_quality(policy.chunks)
+            log(f"selection: {json.dumps(selection)}")
+    if args.selection_only:
+        await node.close()
+        vproc.stop()
+        return {"setup": setup, "selection": selection, "runs": runs}
 
     # Where budget 1.0 differed from the reference: how close were the two tokens in the LLM's own logits?
     import torch
@@ -421,6 +503,7 @@ async def run(args) -> dict:
         "stall_free_speedup": (timing["stop_and_wait@1.0"] / timing["stall_free@1.0"]) if timing else None,
         "stall_free_speedup_at_0_2": (timing["stop_and_wait@0.2"] / timing["stall_free@0.2"]) if timing else None,
         "divergences_at_budget_1": divergences,
+        "selection_at_budget_1": selection,
         "verifier_batching_speedup": (through.get("16_batched", 0) / through["16_serial"]
                                       if through.get("16_serial") else None),
         "timing_ms": timing, "throughput_per_s": through, "runs": runs,
@@ -482,6 +565,9 @@ def main() -> None:
     ap.add_argument("--homes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-timing", action="store_true", help="no stall-free vs stop-and-wait runs")
+    ap.add_argument("--selection-only", action="store_true",
+                    help="only budget 1.0, recording per chunk whether the filters would have picked the chunks "
+                         "the LLM corrected (no reference answers, timing or throughput)")
     ap.add_argument("--out", default=None, help="also write the JSON here (and a plot next to it, .png)")
     ap.add_argument("--plot-only", default=None, metavar="JSON", help="only draw the plot of a saved run")
     args = ap.parse_args()
@@ -495,6 +581,13 @@ def main() -> None:
     t = time.perf_counter()
     result = asyncio.run(run(args))
     result["wall_s"] = round(time.perf_counter() - t, 1)
+    if args.selection_only:
+        print(json.dumps(result["selection"], indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        if args.json:
+            emit_json(result)
+        return
     print("\nbudget  exact  rouge-L  identical  tbt(ms)  offloaded  acc/chunk  LLM tok/gen tok  up B/round")
     for b, r in result["runs"].items():
         print(f"{b:>6}  {r['exact']:.3f}  {r['rouge_l']:.3f}    {r['identical']:>2}     {r['tbt_ms']:7.0f}  "
