@@ -207,14 +207,17 @@ def exact(a: list[int], ref: list[int]) -> float:
 
 # ------------------------------------------------------------------ one answer
 
-async def answer(slm_stage, link, prompt, max_tokens, budget, eos, session, ahead=None, policy=None):
+async def answer(slm_stage, link, prompt, max_tokens, budget, eos, session, ahead=None, policy=None, seed=None):
+    """One answer. ``seed`` (default: the session) draws the offload decisions: give two modes the same
+    seed and the same policy state and they offload the same chunks."""
     from decoding.offload.local import LocalDrafter
     from decoding.offload.loop import AHEAD, OffloadDecoder
     from decoding.offload.policy import OffloadPolicy
     from decoding.pipeline_local import LocalPipeline
 
     drafter = LocalDrafter(LocalPipeline([slm_stage]), capacity=len(prompt) + max_tokens + 32)
-    dec = OffloadDecoder(drafter, link, policy or OffloadPolicy(budget), session, eos_ids=frozenset(eos), seed=session,
+    dec = OffloadDecoder(drafter, link, policy or OffloadPolicy(budget), session, eos_ids=frozenset(eos),
+                         seed=session if seed is None else seed,
                          ahead=AHEAD if ahead is None else ahead)
     out, times = [], []
     t0 = time.perf_counter()
@@ -466,9 +469,11 @@ async def run(args) -> dict:
     for b in (() if args.skip_timing else (1.0, 0.2)):
         for mode, ahead in (("stall_free", None), ("stop_and_wait", 0)):
             tbts = []
+            policy = OffloadPolicy(b)  # shared by the prompts, as a home shares it; same seeds in both modes
             for i, p in enumerate(prompts):
                 session += 1
-                r = await answer(slm, wan, p, max_tokens, b, eos, session, ahead=ahead)
+                r = await answer(slm, wan, p, max_tokens, b, eos, session, ahead=ahead, policy=policy,
+                                 seed=7000 + i)
                 tbts.append(r["tbt_s"])
             timing[f"{mode}@{b}"] = 1000 * statistics.mean(tbts)
             log(f"{mode} at budget {b}: {timing[f'{mode}@{b}']:.0f} ms between tokens")
