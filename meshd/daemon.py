@@ -611,8 +611,8 @@ class Daemon:
             now = self.clock()
             try:
                 if now >= next_beat:
-                    self.cloud_sync.tick()
                     self._send_heartbeat()
+                    self.cloud_sync.tick()
                     next_beat = now + cfg.heartbeat_interval_s
                 self.link.probe_due()  # round trips, in background tasks: never waits here
                 self._apply(self.membership.tick(now))

@@ -328,9 +328,18 @@ class StateDir:
 
     def set_cloud(self, value: dict[str, Any] | None) -> None:
         """Pair (a record from ``pair_with_cloud``) or unpair (None: a tombstone, so the home forgets it too)."""
+        from dataclasses import replace
+
         from meshd.cloud.record import CloudRecord
 
-        self.set_cloud_record(CloudRecord(time.time()) if value is None else CloudRecord.from_json(value))
+        try:
+            prev = self.cloud_record()
+        except (ValueError, StateError):
+            prev = None
+        # Newer than anything this member holds even if its clock is behind the member that made that.
+        stamp = max(time.time(), prev.changed_at + 0.001 if prev is not None else 0.0)
+        record = CloudRecord(stamp) if value is None else CloudRecord.from_json(value)
+        self.set_cloud_record(replace(record, changed_at=stamp))
 
     def set_cloud_record(self, record: "CloudRecord") -> None:
         with self.locked():

@@ -113,7 +113,9 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
                           json.loads(out.strip().splitlines()[-1])["token"], "--state-dir", str(a.state_dir))
         assert rc == 0 and "paired" in out, out
         cloud_of = lambda p: ((p.status().get("stage") or {}).get("cloud") or {})  # noqa: E731
-        wait_for(lambda: cloud_of(a).get("link", {}).get("address") == f"tcp://127.0.0.1:{info['port']}", 60,
+        # "idle": a CloudHome is connected and its link has not been used yet ("not connected" otherwise).
+        using = lambda p: cloud_of(p).get("link", {}).get("state") in ("idle", "connected")  # noqa: E731
+        wait_for(lambda: using(a) and cloud_of(a)["link"]["address"] == f"tcp://127.0.0.1:{info['port']}", 60,
                  what="alpha to pick the pairing up without a restart", explain=a.log_tail)
 
         b = mesh.spawn("beta", "--model", model, "--cloud-min-timeout", "15", token=mesh.invite(a))
@@ -122,8 +124,7 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
         beta_key = StateDir(b.state_dir).keypair().public
         wait_for(lambda: beta_key in AllowList.for_state_dir(cloud_dir), 60,
                  what="alpha to vouch for beta at the verifier", explain=a.log_tail)
-        wait_for(lambda: cloud_of(b).get("link", {}).get("address"), 60, what="beta to learn the pairing",
-                 explain=b.log_tail)
+        wait_for(lambda: using(b), 60, what="beta to learn the pairing and connect", explain=b.log_tail)
 
         client = _openai_over(b.socket)
         resp = client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],

@@ -7,6 +7,7 @@
 import itertools
 import json
 import math
+import time
 
 import pytest
 
@@ -100,3 +101,19 @@ def test_a_hostile_record_from_a_member_is_logged_and_changes_nothing(tmp_path):
 def _hb(sync: CloudSync) -> dict:
     f = sync.heartbeat_fields()
     return {"changed_at": f["cloud_changed_at"], "digest": f["cloud_digest"]}
+
+
+def test_a_member_whose_clock_is_behind_still_makes_the_newest_change(tmp_path):
+    sync, state = _sync(tmp_path, "late-clock")
+    ahead = CloudRecord(time.time() + 3600, "tcp://v:5730", KEY, "big", "t")  # from a member an hour ahead
+    sync.receive(ahead.to_json(), "alpha")
+    assert sync.held == ahead
+    state.set_cloud(None)  # `meshd cloud unpair` here, with a clock behind alpha's
+    sync.tick()
+    assert sync.held.paired is False and newer(sync.held, ahead)
+    assert sync.share_for(*ahead.order) is not None  # and it tells alpha
+
+
+def test_a_time_stamp_beyond_any_float_is_refused_not_raised():
+    with pytest.raises(ValueError):
+        CloudRecord.from_json({"unpaired_at": 10 ** 400})

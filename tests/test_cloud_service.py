@@ -155,6 +155,13 @@ def test_a_paired_member_vouches_for_a_device_that_joined_the_home_later_and_no_
                 await CloudHome(CloudLink(await out_node.connect(info["address"], server_key=info["server_key"],
                                                                  timeout=5.0))).admit([Keypair.generate().public.decode()], 10)
             refusals.append(err.value.code)
+            # Nor can another paired home take this home's keys over (or claim the operator's).
+            other_node, other_link, _ = await _paired_home(svc, real_source, tmp_path, name="other")
+            nodes.append(other_node)
+            for victim in (own, outsider.keypair().public.decode()):
+                with pytest.raises(RemoteError) as err:
+                    await CloudHome(other_link).admit([victim], 10)
+                refusals.append(err.value.code)
             labels = {svc.state.allow_list().name_of(k) for k in (own, new_key)}
             return verdict, refusals, labels
         finally:
@@ -163,7 +170,7 @@ def test_a_paired_member_vouches_for_a_device_that_joined_the_home_later_and_no_
             await svc.close()
     verdict, refusals, labels = asyncio.run(main())
     assert verdict.session == 6
-    assert refusals == ["bad_request", "bad_request", "forbidden"]
+    assert refusals == ["bad_request", "bad_request", "forbidden", "forbidden", "forbidden"]
     assert len(labels) == 1 and labels.pop().startswith("home ")  # admitted under the same home
 
 

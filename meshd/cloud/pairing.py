@@ -96,8 +96,8 @@ class CloudPairingServer(PairingEndpoint):
         if self.state.take_invite(tid, self.clock()) is None:
             raise PairingError("invite token is unknown, used or expired")
         allow = self.state.allow_list()
-        for k in keys:
-            allow.add(str(k), f"home {name} ({home_id[:8]})")
+        for k in keys:  # the invite's id (the verifier's) tells homes apart; a home's own name and id could collide
+            allow.add(str(k), f"home {name} ({home_id[:8]}, invite {tid[:8]})")
         body = {"server_key": self.state.keypair().public.decode(), "port": int(info["port"]),
                 "model": str(info["model"]), "tokenizer": str(info["tokenizer"])}
         await _send(writer, {"op": "welcome", **body, "mac": _mac(key, "cloud-welcome", _canonical(body),
@@ -124,6 +124,9 @@ def admit_home_keys(state: StateDir, sender_key: str, keys: list) -> int:
     fresh = wanted - held
     if not fresh:
         return 0
+    taken = [k for k in fresh if k in allow]
+    if taken:  # admitted under another home or by the operator: not this home's to vouch for
+        raise PairingError(f"{len(taken)} of these keys were admitted for someone else; they cannot be vouched for")
     if len(held | fresh) > MAX_KEYS:
         raise ValueError(f"a home has at most {MAX_KEYS} member keys at the verifier")
     for k in sorted(fresh):

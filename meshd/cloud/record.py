@@ -77,9 +77,13 @@ class CloudRecord:
 
 
 def _stamp(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    try:
+        stamp = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer beyond any float
+        stamp = math.nan
+    if not math.isfinite(stamp) or stamp < 0:
         raise ValueError("a cloud record needs a finite, non-negative time stamp")
-    return float(value)
+    return stamp
 
 
 def newer(candidate: CloudRecord | None, held: CloudRecord | None) -> bool:

@@ -46,6 +46,8 @@ class CloudSync:
         self._vouched: frozenset[str] = frozenset()
         self._vouching = False
         self._read_error = ""
+        self._rejected = ""  # the last refused record's digest: warn once per record, not per heartbeat
+        self._closed = False
         self._error = ""
         self._vouch_after = 0.0  # monotonic: after a failed vouch, wait before the next try
 
@@ -67,7 +69,9 @@ class CloudSync:
             if record.changed_at > time.time() + MAX_CLOCK_AHEAD_S:
                 raise ValueError("the record is stamped more than a day ahead of this member's clock")
         except ValueError as exc:
-            log.warning("cloud_record_rejected", sender=sender, error=str(exc))
+            if str(value)[:200] != self._rejected:
+                log.warning("cloud_record_rejected", sender=sender, error=str(exc))
+            self._rejected = str(value)[:200]
             return
         self._pick_up_file()
         if not newer(record, self.held):
@@ -93,11 +97,14 @@ class CloudSync:
 
     async def attach(self, node, tokenizer: str, engine) -> None:
         """The engine is up: from now on records are applied to it (its ``cloud`` attribute)."""
+        if self._closed:
+            return
         self._node, self._tokenizer, self._engine = node, tokenizer, engine
         self._pick_up_file()
         await self._apply()
 
     async def close(self) -> None:
+        self._closed = True
         for task in list(self._tasks):
             task.cancel()
         async with self._lock:
@@ -139,12 +146,17 @@ class CloudSync:
             self._spawn(self._apply())
 
     def _spawn(self, coro) -> None:
+        if self._closed:
+            coro.close()
+            return
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _apply(self) -> None:
         async with self._lock:
+            if self._closed:
+                return
             want = self.held if self.held is not None and self.held.paired else None
             if want == self._using and (want is None or self.home is not None):
                 return
@@ -167,7 +179,7 @@ class CloudSync:
                 log.error("cloud_verifier_unusable", error=f"{type(exc).__name__}: {exc}")
                 return
             self._engine.cloud = self.home
-        await self._vouch()
+        self._spawn(self._vouch())  # in the background: an unreachable verifier must not hold up start-up
 
     async def _drop(self) -> None:
         home, self.home, self._using = self.home, None, None

@@ -162,7 +162,8 @@ def pair(args) -> int:
 def unpair(args) -> int:
     _, state = _home_state(args)
     had = state.cloud()
-    state.set_cloud(None)
+    if had:  # a tombstone unpairs the whole home: write one only when there is something to undo
+        state.set_cloud(None)
     print("unpaired: the home's running daemons stop using it within a few heartbeats" if had
           else "no verifier was paired", flush=True)
     return 0

@@ -161,14 +161,15 @@ class PipelineEngine(Engine):
         drafter = self.coordinator.drafter(req.request_id, capacity, draft_sampling, cuts=self.cuts_for,
                                            wait_s=self.wait_s)
         budget = req.cloud if isinstance(req.cloud, float) else None
-        decoder = self.cloud.decoder(drafter, sampling, self.eos_ids, budget)
+        cloud = self.cloud  # the home may unpair or re-pair meanwhile: this answer keeps its verifier's link
+        decoder = cloud.decoder(drafter, sampling, self.eos_ids, budget)
         n = 0
         try:
             async for t in decoder.run(list(req.prompt_ids), req.max_tokens):
                 n += 1
                 yield t
         finally:
-            self.cloud.record(decoder.stats, n)
+            cloud.record(decoder.stats, n)
             req.cloud_stats = decoder.stats.to_dict()
             await drafter.close()
 
