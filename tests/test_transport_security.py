@@ -265,6 +265,21 @@ async def test_nodes_link_up_end_to_end_with_curve_and_without(tmp_path):
         assert (await peer.request(FreeSequence(1, f"s{1}"))).detail == ""
 
 
+async def test_a_node_forgets_the_peers_their_owners_closed(tmp_path):
+    """A home that pairs and unpairs a cloud verifier many times must not accumulate dead links."""
+    async with TransportNode("a", state_dir=tmp_path / "a") as a, TransportNode("b", state_dir=tmp_path / "b") as b:
+        a.admit(b.public_key, "b")
+        server = await a.serve(Stage())
+        for _ in range(3):
+            peer = await b.connect(server.address, a.public_key, timeout=5)
+            assert not peer.closed
+            assert (await peer.request(FreeSequence(1, "s1"))).detail == b.public_key.decode()
+            await peer.close()
+            assert peer.closed
+        live = await b.connect(server.address, a.public_key, timeout=5)
+        assert b._peers == [live]
+
+
 async def test_a_node_closed_before_does_not_break_curve_for_the_next_one(tmp_path):
     """Regression: terminating a context right after stopping its ZAP handler left a stale
     event-loop reader, and every later CURVE node in the same loop timed out on handshakes."""

@@ -401,10 +401,16 @@ class Peer:
         self._refused: AuthenticationRefused | None = None
         self._retry_s = self.RETRY_MIN_S
         self._retry_handle: asyncio.TimerHandle | None = None
+        self._closed = False
 
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    @property
+    def closed(self) -> bool:
+        """Closed by :meth:`close` (a peer never connected is not closed)."""
+        return self._closed
 
     async def connect(self, address: str) -> "Peer":
         if self._sock is not None:
@@ -589,6 +595,7 @@ class Peer:
 
         ``linger`` seconds are granted to deliver already queued one-way sends.
         """
+        self._closed = True
         self._fail_all(TransportClosed(f"link to {self.address} closed"))
         if self._retry_handle is not None:
             self._retry_handle.cancel()

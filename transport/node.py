@@ -112,7 +112,8 @@ class TransportNode:
             limits=kwargs.pop("limits", self.limits), **kwargs,
         )
         await peer.connect(address)
-        self._peers.append(peer)
+        # Peers closed by their owner (a cloud verifier unpaired, a member gone) are forgotten here.
+        self._peers = [p for p in self._peers if not p.closed] + [peer]
         return peer
 
     async def close(self) -> None:
