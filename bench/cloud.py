@@ -127,9 +127,7 @@ class VerifierProc:
         return json.loads(self.ready.read_text())
 
     def admit(self, key: str) -> None:
-        from transport.keys import AllowList
-
-        AllowList.for_state_dir(self.dir / "state").add(key, "bench home")
+        admit(self.dir / "state", key)
 
     def stop(self) -> None:
         self.proc.kill()
@@ -168,18 +166,31 @@ class WanLink:
         await self.link.close_session(session)
 
 
-async def connect_home(info: dict, vproc: VerifierProc):
-    from meshd.cloud.link import CloudLink
-    from transport.keys import Keypair
+def admit(verifier_state: Path | str, key: str) -> None:
+    """What `meshd cloud pair` would do: the verifier admits the home's key (its allow-list is read live)."""
     from transport.keys import AllowList
+
+    AllowList.for_state_dir(verifier_state).add(key, "bench home")
+
+
+async def connect_home(address: str, server_key: str, verifier_state: Path | str):
+    """A fresh home key, admitted at the verifier, and a real CloudLink to it (patient timeouts: a CPU verifier)."""
+    from meshd.cloud.link import CloudLink
+    from transport.keys import AllowList, Keypair
     from transport.node import TransportNode
 
     kp = Keypair.generate()
-    vproc.admit(kp.public.decode())
+    admit(verifier_state, kp.public.decode())
     node = TransportNode("bench-home", keypair=kp, allowlist=AllowList(Path(tempfile.mkdtemp()) / "allow"))
     await node.start()
-    peer = await node.connect(info["address"], server_key=info["key"], timeout=600.0)
-    return node, CloudLink(peer, info["address"], first_timeout_s=600.0, min_timeout_s=30.0)
+    peer = await node.connect(address, server_key=server_key, timeout=600.0)
+    return node, CloudLink(peer, address, first_timeout_s=600.0, min_timeout_s=30.0)
+
+
+def load_prompts(tok, n: int) -> tuple[list[dict], list[list[int]]]:
+    """The first ``n`` rows of bench/prompts/cloud.jsonl and their chat-templated token ids."""
+    rows = [json.loads(x) for x in (ROOT / "bench" / "prompts" / "cloud.jsonl").read_text().splitlines() if x][:n]
+    return rows, [tok.apply_chat([{"role": "user", "content": r["prompt"]}]) for r in rows]
 
 
 # ------------------------------------------------------------------ quality measures
@@ -370,9 +381,7 @@ async def run(args) -> dict:
     src, slm = load("slm", args.quick)
     tok = src.tokenizer
     eos = tuple(tok.eos_ids)
-    rows = [json.loads(x) for x in (ROOT / "bench" / "prompts" / "cloud.jsonl").read_text().splitlines() if x]
-    rows = rows[: args.prompts or (3 if args.quick else 8)]
-    prompts = [tok.apply_chat([{"role": "user", "content": r["prompt"]}]) for r in rows]
+    rows, prompts = load_prompts(tok, args.prompts or (3 if args.quick else 8))
     max_tokens = args.max_tokens or (32 if args.quick else 48)
     setup = {**machine_banner(), "mode": "quick" if args.quick else "full",
              "slm": f"SmolLM2-135M + {QUICK_NOISE:.0%} weight noise (stand-in)" if args.quick else SLM,
@@ -384,7 +393,7 @@ async def run(args) -> dict:
 
     vproc = VerifierProc(args.quick, core=1)
     info = vproc.wait()
-    node, link = await connect_home(info, vproc)
+    node, link = await connect_home(info["address"], info["key"], vproc.dir / "state")
     wan = WanLink(link, args.rtt_ms / 1000, args.up_mbit * 1e6, args.down_mbit * 1e6)
 
     # The LLM's own greedy answers: budget 1.0 with verification is the reference only if it

@@ -61,26 +61,16 @@ def verifier_role(args) -> None:
 
 def home_role(args) -> None:
     pin([0], 1)
-    from bench.cloud import WanLink, answer, load
+    from bench.cloud import WanLink, answer, connect_home, load, load_prompts
     from decoding.offload.policy import OffloadPolicy
-    from meshd.cloud.link import CloudLink
-    from transport.keys import AllowList, Keypair
-    from transport.node import TransportNode
 
     src, slm = load("slm", args.quick)
     tok = src.tokenizer
     eos = tuple(tok.eos_ids)
-    rows = [json.loads(x) for x in (ROOT / "bench" / "prompts" / "cloud.jsonl").read_text().splitlines() if x]
-    prompts = [tok.apply_chat([{"role": "user", "content": r["prompt"]}]) for r in rows[: args.prompts]]
+    _, prompts = load_prompts(tok, args.prompts)
 
     async def main() -> dict:
-        kp = Keypair.generate()
-        # What `meshd cloud pair` would do: the verifier admits this home's key (its allow-list is live).
-        AllowList.for_state_dir(args.verifier_state).add(kp.public.decode(), "bench home")
-        node = TransportNode("wan-home", keypair=kp, allowlist=AllowList(Path(tempfile.mkdtemp()) / "allow"))
-        await node.start()
-        peer = await node.connect(args.address, server_key=args.key, timeout=600.0)
-        link = CloudLink(peer, args.address, first_timeout_s=600.0, min_timeout_s=30.0)
+        node, link = await connect_home(args.address, args.key, args.verifier_state)
         meter = WanLink(link, 0.0, float("inf"), float("inf"))  # counts payload bytes; the testbed is the WAN
         out, session = {}, 1000
         # Warm-up: one answer with every chunk verified (model pages, the link's round-time estimate).

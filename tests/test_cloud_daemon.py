@@ -6,6 +6,7 @@ model too, so at budget 1.0 the answer must be exactly the model's own greedy an
 the verifier is killed and the next answer completes locally.
 """
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -22,11 +23,16 @@ from tests.test_daemon_serving import _openai_over
 pytestmark = pytest.mark.slow
 
 
-def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_it(real_source, real_stage):
+def _greedy(real_source, real_stage, question: str, max_tokens: int) -> str:
+    """The model's own greedy answer: what budget 1.0 must give, whoever verifies."""
     tok = real_source.tokenizer
-    question = "Name two planets of the solar system."
-    want = generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]), 24,
-                    eos_ids=tok.eos_ids, tokenizer=tok).text
+    return generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]),
+                    max_tokens, eos_ids=tok.eos_ids, tokenizer=tok).text
+
+
+@contextlib.contextmanager
+def _mesh_with_verifier(real_source):
+    """A Mesh for home daemons and `meshd cloud serve` (the embedded model) beside it; killed after."""
     mesh = Mesh()
     cloud_dir = mesh.root / "cloud"
     log = open(mesh.root / "verifier.log", "ab")
@@ -35,18 +41,36 @@ def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_
                                  "--pairing-port", "0"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env=mesh.env())
     try:
-        info = wait_for(lambda: json.loads((cloud_dir / "verifier.json").read_text()), 120,
-                        what="the verifier to listen", explain=lambda: (mesh.root / "verifier.log").read_text()[-2000:])
-        rc, out = run_cli("cloud", "invite", "--state-dir", str(cloud_dir), "--json")
-        assert rc == 0, out
-        token = json.loads(out.strip().splitlines()[-1])["token"]
+        yield mesh, cloud_dir, verifier
+    finally:
+        if verifier.poll() is None:
+            verifier.kill()
+        log.close()
+        mesh.cleanup()
+
+
+def _pair(mesh, cloud_dir, member_state_dir) -> dict:
+    """`meshd cloud invite` at the verifier, then `meshd cloud pair` on a member; the verifier's ports."""
+    info = wait_for(lambda: json.loads((cloud_dir / "verifier.json").read_text()), 120,
+                    what="the verifier to listen", explain=lambda: (mesh.root / "verifier.log").read_text()[-2000:])
+    rc, out = run_cli("cloud", "invite", "--state-dir", str(cloud_dir), "--json")
+    assert rc == 0, out
+    token = json.loads(out.strip().splitlines()[-1])["token"]
+    rc, out = run_cli("cloud", "pair", f"127.0.0.1:{info['pairing_port']}", token, "--state-dir",
+                      str(member_state_dir))
+    assert rc == 0 and "paired" in out, out
+    return info
+
+
+def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_it(real_source, real_stage):
+    question = "Name two planets of the solar system."
+    want = _greedy(real_source, real_stage, question, 24)
+    with _mesh_with_verifier(real_source) as (mesh, cloud_dir, verifier):
         # A long verdict timeout: the suite runs with both cores busy, and this test checks exactness.
         a = mesh.spawn("alpha", "--model", str(real_source.path), "--cloud-budget", "1.0", "--cloud-min-timeout",
                        "15", new_home="cloud-home", start=False)
         StateDir(a.state_dir).ensure().create_home("cloud-home")
-        rc, out = run_cli("cloud", "pair", f"127.0.0.1:{info['pairing_port']}", token, "--state-dir",
-                          str(a.state_dir))
-        assert rc == 0 and "paired" in out, out
+        _pair(mesh, cloud_dir, a.state_dir)
         a.start()
         wait_for(lambda: a.status().get("ready"), 120, what="alpha to serve", explain=a.log_tail)
 
@@ -71,11 +95,6 @@ def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_
         link = a.status()["stage"]["cloud"]["link"]
         assert link["state"] != "connected" and link["last_error"]
         wait_for(lambda: (a.status().get("stage") or {}).get("kv_tokens_in_use") == 0, 30, what="every sequence freed")
-    finally:
-        if verifier.poll() is None:
-            verifier.kill()
-        log.close()
-        mesh.cleanup()
 
 
 def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later_is_admitted(real_source,
@@ -89,29 +108,14 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
     from tests.test_daemon_helpers import summary
     from transport.keys import AllowList
 
-    tok = real_source.tokenizer
     question = "Name two colours of the rainbow."
-    want = generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]), 16,
-                    eos_ids=tok.eos_ids, tokenizer=tok).text
-    mesh = Mesh()
-    cloud_dir = mesh.root / "cloud"
-    log = open(mesh.root / "verifier.log", "ab")
-    verifier = subprocess.Popen([sys.executable, "-m", "meshd", "cloud", "serve", "--model", str(real_source.path),
-                                 "--state-dir", str(cloud_dir), "--listen", "127.0.0.1", "--port", "0",
-                                 "--pairing-port", "0"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=mesh.env())
-    try:
+    want = _greedy(real_source, real_stage, question, 16)
+    with _mesh_with_verifier(real_source) as (mesh, cloud_dir, _):
         model = str(real_source.path)
         a = mesh.spawn("alpha", "--model", model, "--cloud-min-timeout", "15", new_home="shared-cloud")
         a.wait_serving(60)
         wait_for(lambda: a.status().get("ready"), 120, what="alpha to serve", explain=a.log_tail)
-        info = wait_for(lambda: json.loads((cloud_dir / "verifier.json").read_text()), 120,
-                        what="the verifier to listen", explain=lambda: (mesh.root / "verifier.log").read_text()[-2000:])
-        rc, out = run_cli("cloud", "invite", "--state-dir", str(cloud_dir), "--json")
-        assert rc == 0, out
-        rc, out = run_cli("cloud", "pair", f"127.0.0.1:{info['pairing_port']}",
-                          json.loads(out.strip().splitlines()[-1])["token"], "--state-dir", str(a.state_dir))
-        assert rc == 0 and "paired" in out, out
+        info = _pair(mesh, cloud_dir, a.state_dir)  # while alpha runs
         cloud_of = lambda p: ((p.status().get("stage") or {}).get("cloud") or {})  # noqa: E731
         # "idle": a CloudHome is connected and its link has not been used yet ("not connected" otherwise).
         using = lambda p: cloud_of(p).get("link", {}).get("state") in ("idle", "connected")  # noqa: E731
@@ -140,8 +144,3 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
             _openai_over(a.socket).chat.completions.create(
                 model="any", messages=[{"role": "user", "content": question}], max_tokens=4,
                 extra_body={"cloud": 1.0})
-    finally:
-        if verifier.poll() is None:
-            verifier.kill()
-        log.close()
-        mesh.cleanup()
