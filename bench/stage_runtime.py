@@ -7,7 +7,12 @@ are not polluted by the other. The cases alternate over several rounds in one
 invocation and each metric keeps its best round (the least disturbed by other
 load on the machine); the table prints ratios (> 1 means meshd is better).
 
-    python bench/stage_runtime.py [--quick] [--json]
+``--device cuda`` runs both implementations on the GPU (float32, like the CPU
+runs; timings wait for the GPU with ``torch.cuda.synchronize`` at the end of
+each prefill and of the decode loop, never per step). The default is cpu, not
+auto: the recorded results are CPU comparisons and must stay comparable.
+
+    python bench/stage_runtime.py [--quick] [--json] [--device cpu|cuda|cuda:N]
 """
 
 from __future__ import annotations
@@ -26,26 +31,30 @@ from bench._common import emit_json, machine_banner  # noqa: E402
 PROMPTS = (64, 256, 1024)
 
 
-def worker(impl: str, threads: int, decode_tokens: int, reps: int) -> dict:
+def worker(impl: str, threads: int, decode_tokens: int, reps: int, device: str = "cpu") -> dict:
     from bench._common import median_time, peak_rss_mb, pin
 
     pin(list(range(threads)), threads)
     import torch
 
+    from decoding.device import resolve_device
     from meshd.model_store import open_model
 
+    dev = resolve_device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     src = open_model(None)
     g = torch.Generator().manual_seed(0)
-    prompts = {n: torch.randint(0, src.config.vocab_size, (n,), generator=g) for n in PROMPTS}
+    prompts = {n: torch.randint(0, src.config.vocab_size, (n,), generator=g).to(dev) for n in PROMPTS}
     t0 = time.perf_counter()
     if impl == "meshd":
-        stage = src.load_stage(0, src.config.num_layers)
+        stage = src.load_stage(0, src.config.num_layers, torch.float32, dev)
         load_s = time.perf_counter() - t0
 
         def prefill(ids):
             kv = stage.new_cache()
             kv.create("s", len(ids) + 1)
             stage.forward(kv, "s", ids, all_logits=False)
+            sync()
 
         def decode(ids, n):
             kv = stage.new_cache()
@@ -54,6 +63,7 @@ def worker(impl: str, threads: int, decode_tokens: int, reps: int) -> dict:
             t = time.perf_counter()
             for _ in range(n):
                 tok = stage.forward(kv, "s", tok)[-1].argmax().view(1)
+            sync()
             return time.perf_counter() - t
     else:
         import transformers
@@ -61,12 +71,13 @@ def worker(impl: str, threads: int, decode_tokens: int, reps: int) -> dict:
 
         transformers.logging.set_verbosity_error()
         model = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                     dtype=torch.float32).eval()
+                                                     dtype=torch.float32).eval().to(dev)
         load_s = time.perf_counter() - t0
 
         @torch.inference_mode()
         def prefill(ids):
             model(ids.unsqueeze(0), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+            sync()
 
         @torch.inference_mode()
         def decode(ids, n):
@@ -77,9 +88,10 @@ def worker(impl: str, threads: int, decode_tokens: int, reps: int) -> dict:
             for _ in range(n):
                 out = model(tok, past_key_values=cache, use_cache=True)
                 tok = out.logits[0, -1].argmax().view(1, 1)
+            sync()
             return time.perf_counter() - t
 
-    res = {"impl": impl, "threads": threads, "load_s": load_s}
+    res = {"impl": impl, "threads": threads, "device": str(dev), "load_s": load_s}
     for n, ids in prompts.items():
         res[f"prefill_{n}_s"] = median_time(lambda: prefill(ids), reps if n < 1024 else max(1, reps - 1))
     dt = decode(prompts[64], decode_tokens)
@@ -94,14 +106,24 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and decode tokens")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; best round kept")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where both implementations run")
     ap.add_argument("--worker", nargs=2, metavar=("IMPL", "THREADS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     decode_tokens, reps = (32, 2) if args.quick else (96, 3)
     if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), decode_tokens, reps)))
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), decode_tokens, reps, args.device)))
         return 0
+    from decoding.device import describe_device, resolve_device
+    from decoding.errors import DeviceError
+
+    try:
+        device = describe_device(resolve_device(args.device))  # a machine without that device: one line, now
+    except DeviceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     threads = [int(t) for t in args.threads.split(",")]
     setup = machine_banner() | {"model": "SmolLM2-135M-Instruct Q4_1 GGUF (dequantised, float32)",
+                                "device": device,
                                 "threads": threads, "prompt_lengths": list(PROMPTS),
                                 "decode_tokens": decode_tokens, "reps": reps,
                                 "pinning": "threads=N runs pinned to cores 0..N-1",
@@ -112,7 +134,7 @@ def main() -> int:
         for t in threads:
             for impl in ("meshd", "transformers"):
                 print(f"round {rnd + 1}/{args.rounds}: {impl} with {t} thread(s)...", file=sys.stderr, flush=True)
-                out = subprocess.run([sys.executable, __file__, "--worker", impl, str(t)]
+                out = subprocess.run([sys.executable, __file__, "--worker", impl, str(t), "--device", args.device]
                                      + (["--quick"] if args.quick else []),
                                      capture_output=True, text=True, check=True)
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -196,6 +196,6 @@ class TokenConstraint:
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's packed int32 words (bit i of word w = token 32*w + i) -> bool ``[vocab_size]``."""
-    shifts = torch.arange(32, dtype=torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     unpacked = (bits.to(torch.int32).unsqueeze(-1) >> shifts) & 1
     return unpacked.reshape(-1)[:vocab_size].to(torch.bool)

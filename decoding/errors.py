@@ -41,3 +41,7 @@ class DrafterError(DecodingError):
 
 class BadSpeculativeParams(DecodingError):
     """A request's ``speculative`` field is malformed (a 400 for the caller)."""
+
+
+class DeviceError(DecodingError):
+    """A ``--device`` / ``--dtype`` this machine cannot run (no CUDA, an index out of range, a typo)."""

@@ -69,7 +69,7 @@ def generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new_tokens: int
                 if delta:
                     on_text(delta)
             if i + 1 < max_new_tokens:
-                logits = pipeline.forward(seq_id, torch.tensor([tok], dtype=torch.long))
+                logits = pipeline.forward(seq_id, torch.tensor([tok], dtype=torch.long, device="cpu"))
         t_end = time.perf_counter()
         if detok is not None and on_text is not None:
             tail = detok.flush()  # an incomplete character held back at the very end

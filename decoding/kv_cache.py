@@ -15,6 +15,8 @@ Design choices, and why:
   stage by moving the length back; stale entries are overwritten by later writes.
 - A token budget bounds the whole cache, so admission fails loudly ("cache full")
   instead of the process running out of memory mid-request.
+- Buffers live on the stage's device (``device``): a GPU stage's keys and values
+  never cross to the host; the forward writes and reads them in place.
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ class _Seq:
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_layers: int, dtype: torch.dtype = torch.float32,
-                 max_tokens: int = 1 << 20):
+                 max_tokens: int = 1 << 20, device: torch.device | str = "cpu"):
         self.config = config
         self.num_layers = num_layers
         self.dtype = dtype
+        self.device = torch.device(device)
         self.max_tokens = max_tokens
         self._seqs: dict[object, _Seq] = {}
         self._reserved = 0
@@ -84,7 +87,8 @@ class KVCache:
                 f"KV cache full: {capacity} more positions requested, "
                 f"{self.max_tokens - self._reserved} of {self.max_tokens} free")
         shape = (self.num_layers, self.config.num_kv_heads, capacity, self.config.head_dim)
-        s = _Seq(seq_id, torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype))
+        s = _Seq(seq_id, torch.empty(shape, dtype=self.dtype, device=self.device),
+                 torch.empty(shape, dtype=self.dtype, device=self.device))
         self._seqs[seq_id] = s
         self._reserved += capacity
         return s
@@ -156,7 +160,8 @@ class KVCache:
             if self._reserved + extra > self.max_tokens:
                 raise CacheFull(f"KV cache full while growing {seq_id!r} to {new_cap} positions")
             shape = (self.num_layers, self.config.num_kv_heads, new_cap, self.config.head_dim)
-            k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
             k[:, :, : s.length] = s.k[:, :, : s.length]
             v[:, :, : s.length] = s.v[:, :, : s.length]
             s.k, s.v = k, v
@@ -197,14 +202,19 @@ class KVCache:
     def commit(self, seq_id, n: int) -> None:
         self._seqs[seq_id].length += n
 
+    @torch.inference_mode()
     def keep(self, seq_id, start: int, keep: list[int]) -> None:
         """After tree verification: keep the accepted nodes (indices relative to ``start``), in order,
-        compacted to positions ``start, start+1, ...``, and drop the rest."""
+        compacted to positions ``start, start+1, ...``, and drop the rest.
+
+        In inference mode: a buffer that grew inside a forward is an inference tensor,
+        which torch lets only inference mode update in place (callers — the stage
+        service's event loop, ``LocalPipeline.keep`` — run outside it)."""
         s = self._get(seq_id)
         own_start = start - s.prefix_len
         if own_start < 0:
             raise CacheError("cannot compact inside a shared prefix")
-        idx = torch.tensor([own_start + i for i in keep], dtype=torch.long)
+        idx = torch.tensor([own_start + i for i in keep], dtype=torch.long, device=self.device)
         if len(keep):
             s.k[:, :, own_start: own_start + len(keep)] = s.k[:, :, idx]
             s.v[:, :, own_start: own_start + len(keep)] = s.v[:, :, idx]

@@ -40,14 +40,14 @@ class Penalties:
         out = logits.float().clone()
         vocab = out.shape[-1]
         if generated_ids and (self.presence or self.frequency):
-            ids = torch.tensor([t for t in generated_ids if 0 <= t < vocab], dtype=torch.long)
+            ids = torch.tensor([t for t in generated_ids if 0 <= t < vocab], dtype=torch.long, device=out.device)
             counts = torch.bincount(ids, minlength=vocab).to(out.dtype)
             out -= self.frequency * counts + self.presence * (counts > 0).to(out.dtype)
         if self.repeat != 1.0 and self.repeat_last_n != 0:
             window = [*prompt_ids, *generated_ids]
             if self.repeat_last_n > 0:
                 window = window[-self.repeat_last_n:]
-            seen = torch.tensor(sorted({t for t in window if 0 <= t < vocab}), dtype=torch.long)
+            seen = torch.tensor(sorted({t for t in window if 0 <= t < vocab}), dtype=torch.long, device=out.device)
             if len(seen):
                 vals = out[seen]
                 out[seen] = torch.where(vals > 0, vals / self.repeat, vals * self.repeat)

@@ -3,12 +3,19 @@
 This is the correctness twin of the distributed pipeline: same stage code,
 same chunked prefill (chunk i attends to chunks < i through each stage's KV
 cache), no network. ``--stages 1 --chunks 1`` is the single-device reference.
+
+Stages may sit on different devices (one on a GPU, one on the CPU): each moves
+its input to itself, and what the pipeline returns is always on the host, moved
+there once per forward, the way a mesh's last stage hands results back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from decoding.device import CPU, default_dtype, to_host
 from decoding.errors import ContextOverflow
 from decoding.stage import StageModel
 
@@ -39,11 +46,27 @@ class LocalPipeline:
         self.stages = stages
         self.caches = [s.new_cache(max_tokens) for s in stages]
         self.config = stages[0].config
+        self._host_out = stages[-1].device.type == "cpu"  # decided once: no per-token device test
 
     @classmethod
-    def from_source(cls, source, num_stages: int = 1, dtype=torch.float32) -> "LocalPipeline":
+    def from_source(cls, source, num_stages: int = 1, dtype: torch.dtype | None = None,
+                    device: "torch.device | str | Sequence[torch.device | str] | None" = None) -> "LocalPipeline":
+        """``num_stages`` even stages; ``device``: one for all, or one per stage (default: the CPU).
+
+        ``dtype`` None: each stage's device default (float32 on the CPU, see ``decoding.device``).
+        """
         ranges = even_split(source.config.num_layers, num_stages)
-        return cls([source.load_stage(a, b, dtype) for a, b in ranges])
+        if device is None or isinstance(device, (str, torch.device)):
+            devices = [CPU if device is None else torch.device(device)] * num_stages
+        else:
+            devices = [torch.device(d) for d in device]
+            if len(devices) != num_stages:
+                raise ValueError(f"{len(devices)} devices for {num_stages} stages")
+        return cls([source.load_stage(a, b, dtype or default_dtype(d), d) for (a, b), d in zip(ranges, devices)])
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [s.device for s in self.stages]
 
     @property
     def layer_ranges(self) -> list[tuple[int, int]]:
@@ -75,17 +98,17 @@ class LocalPipeline:
 
     def forward(self, seq_id, x: torch.Tensor, tree_mask=None, all_logits: bool = False,
                 return_normed: bool = False):
-        """Logits (and, with ``return_normed``, the final-normed hidden states) of the new positions."""
+        """Logits (and, with ``return_normed``, the final-normed hidden states) of the new positions, on the host."""
         for stage, cache in zip(self.stages, self.caches):
             x = stage.forward(cache, seq_id, x, tree_mask=tree_mask, all_logits=all_logits,
                               return_normed=return_normed and stage.is_last)
-        return x
+        return x if self._host_out else to_host(x)
 
     def prefill(self, seq_id, ids: list[int], chunks: int = 1, cuts: list[int] | None = None,
                 all_logits: bool = False, return_normed: bool = False):
         """Feed the prompt chunk by chunk; returns the logits of the last chunk (and its normed hidden)."""
         out = None
         for a, b in chunk_bounds(len(ids), chunks, cuts):
-            out = self.forward(seq_id, torch.tensor(ids[a:b], dtype=torch.long), all_logits=all_logits,
+            out = self.forward(seq_id, torch.tensor(ids[a:b], dtype=torch.long, device="cpu"), all_logits=all_logits,
                                return_normed=return_normed)
         return out

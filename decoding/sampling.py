@@ -3,6 +3,12 @@
 A request's sampler owns its own torch.Generator, seeded once, and draws exactly
 one uniform number per sampled token. Wherever the last stage lives, the same
 seed therefore yields the same tokens as the single-device reference.
+
+Sampling happens on the host, in float32 / float64, whatever device computed the
+logits (a GPU stage's are moved over once per message; ``filtered_probs`` moves
+any that were not): the draw, the generator and the cumulative sum are then the
+same on every device, so a CPU device and a GPU device pick the same token from
+the same probabilities, and ``searchsorted`` never sees tensors on two devices.
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ class SamplingParams:
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution actually sampled from (after temperature, top-k, top-p), float32 [vocab]."""
+    """The distribution actually sampled from (after temperature, top-k, top-p), float32 [vocab] on the host."""
+    if logits.device.type != "cpu":
+        logits = logits.cpu()
     logits = logits.float() / max(p.temperature, 1e-6)
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -60,8 +68,10 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def inverse_cdf(probs: torch.Tensor, u: float) -> int:
     """The token a uniform draw ``u`` in [0, 1) picks from ``probs`` (one draw per token: reproducible)."""
+    if probs.device.type != "cpu":
+        probs = probs.cpu()
     cdf = torch.cumsum(probs.double(), dim=-1)
-    idx = torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64)).item()
+    idx = torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64, device="cpu")).item()
     return int(min(idx, probs.shape[-1] - 1))
 
 
@@ -91,7 +101,7 @@ class Sampler:
 
     def uniform(self) -> float:
         self.draws += 1
-        return torch.rand((), generator=self._gen, dtype=torch.float64).item()
+        return torch.rand((), generator=self._gen, dtype=torch.float64, device="cpu").item()
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [vocab] of the position to predict."""

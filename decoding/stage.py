@@ -5,16 +5,23 @@ scaled_dot_product_attention, SwiGLU MLP) so that the same code runs the whole
 model on one device or any slice of it on many. The first stage embeds token
 ids; the last applies the final norm and the LM head; every stage appends the
 new positions to its own KV cache.
+
+A stage lives on one device (``decoding.device``): its weights, KV cache,
+positions, RoPE tables and masks are all there. Inputs are moved to it once per
+forward; outputs stay on it (the caller moves them to the host once per message),
+so consecutive stages on one GPU pass activations without a host round trip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from decoding.config import ModelConfig
+from decoding.device import CPU
 from decoding.errors import ContextOverflow, ModelLoadError
 from decoding.kv_cache import KVCache
 from decoding.loader.rope import inv_frequencies
@@ -91,18 +98,30 @@ class StageModel:
         self.first, self.end = first, end  # decoder layers [first, end)
         self.layers = layers
         self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
-        self.inv_freq = inv_freq
+        # The device is where the weights are (a view built from another stage's tensors follows them).
+        weights = (embed, lm_head, final_norm, *(lw.qkv for lw in layers[:1]))
+        self.device = next((t.device for t in weights if t is not None), inv_freq.device)
+        self._on_host = self.device.type == "cpu"  # decided once: the CPU path never tests or moves per call
+        self.inv_freq = inv_freq if inv_freq.device == self.device else inv_freq.to(self.device)
         self.dtype = dtype
         self.scale = config.head_dim ** -0.5
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_source(cls, source, first: int, end: int, dtype: torch.dtype = torch.float32) -> "StageModel":
+    def from_source(cls, source, first: int, end: int, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str | None = None) -> "StageModel":
+        """Load ``[first, end)`` from ``source`` in ``dtype`` onto ``device`` (default: the CPU).
+
+        Tensors are read (dequantised) on the host a few at a time and each is cast
+        and moved in one step, so loading onto a GPU never holds a host copy of
+        the whole stage.
+        """
         cfg = source.config
         if not 0 <= first < end <= cfg.num_layers:
             raise ModelLoadError(
                 f"{source.path}: invalid layer range [{first}, {end}) for a {cfg.num_layers}-layer model")
-        cast = lambda t: t.to(dtype).contiguous()  # noqa: E731
+        device = CPU if device is None else torch.device(device)
+        cast = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         layers = []
         for i in range(first, end):
             r = lambda n: source.read_tensor(f"layers.{i}.{n}")  # noqa: E731
@@ -127,7 +146,7 @@ class StageModel:
                 lm_head = cast(source.read_tensor("lm_head"))
         inv_freq, _ = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       source.rope_freq_factors())
-        return cls(cfg, first, end, layers, embed, final_norm, lm_head, inv_freq, dtype)
+        return cls(cfg, first, end, layers, embed, final_norm, lm_head, inv_freq.to(device), dtype)
 
     @property
     def is_first(self) -> bool:
@@ -151,7 +170,7 @@ class StageModel:
         return total
 
     def new_cache(self, max_tokens: int = 1 << 16) -> KVCache:
-        return KVCache(self.config, self.num_layers, self.dtype, max_tokens)
+        return KVCache(self.config, self.num_layers, self.dtype, max_tokens, self.device)
 
     # -- forward --------------------------------------------------------------------
     def forward(self, kv: KVCache, seq_id, x: torch.Tensor, tree_mask: torch.Tensor | None = None,
@@ -179,6 +198,10 @@ class StageModel:
         sequence may appear once per batch (its rows must see each other's keys
         in order); the caller runs a second message for it in the next batch.
 
+        Inputs (token ids, hidden states, tree masks) may come from the host: a
+        stage off the CPU moves them here once per item. Outputs stay on the
+        stage's device; the caller moves what it keeps to the host.
+
         ``probes`` (last stage): for each item with ``attention_tail`` = W > 0,
         ``probes[index]`` receives [rows, W]: the final layer's attention, averaged
         over heads, that each new row pays to the sequence's last W positions. An
@@ -187,7 +210,9 @@ class StageModel:
         """
         if len({it.seq_id for it in items}) != len(items):
             raise ValueError("a sequence may appear only once in a batch")
-        cfg = self.config
+        cfg, device = self.config, self.device
+        if not self._on_host:
+            items = [it.on(device) for it in items]
         plans = []
         for it in items:
             past, n = kv.length(it.seq_id), it.x.shape[0]
@@ -197,7 +222,7 @@ class StageModel:
             if cfg.sliding_window and past + n > cfg.sliding_window:
                 raise ContextOverflow(
                     f"sequence would reach {past + n} positions, beyond the sliding window {cfg.sliding_window}")
-            plans.append(_RowPlan.of(it, past))
+            plans.append(_RowPlan.of(it, past, device))
         if self.is_first:
             h = F.embedding(torch.cat([it.x for it in items]) if len(items) > 1 else items[0].x, self.embed)
         else:
@@ -281,7 +306,7 @@ class StageModel:
         qg = q.reshape(nkv, (nh // nkv) * n, hd)
         scores = torch.cat([torch.matmul(qg, k.transpose(-1, -2)) for k, _ in segments], dim=-1)
         scores = scores.view(nkv, nh // nkv, n, -1).float() * self.scale
-        mask = p.mask if p.mask is not None else chunk_mask(0, n) if p.causal else None
+        mask = p.mask if p.mask is not None else chunk_mask(0, n, q.device) if p.causal else None
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).mean(dim=(0, 1))  # [n, positions]
@@ -308,6 +333,12 @@ class BatchItem:
     def tokens(self) -> int:
         return int(self.x.shape[0])
 
+    def on(self, device: torch.device) -> "BatchItem":
+        """This item with its tensors on ``device`` (the one host-to-device copy of a message)."""
+        mask = self.tree_mask
+        return dataclasses.replace(self, x=self.x.to(device),
+                                   tree_mask=None if mask is None else mask.to(device))
+
 
 @dataclass
 class _RowPlan:
@@ -320,12 +351,14 @@ class _RowPlan:
     probe_index: int = 0
 
     @classmethod
-    def of(cls, it: BatchItem, past: int) -> "_RowPlan":
+    def of(cls, it: BatchItem, past: int, device: torch.device) -> "_RowPlan":
+        """Positions and mask of ``it``'s rows, built on the stage's ``device`` (a tree mask is already there)."""
         n = it.x.shape[0]
         if it.tree_mask is not None:
             return cls(n, past + tree_depths(it.tree_mask), with_prefix(it.tree_mask, past), False)
         causal = n > 1 and past == 0  # let SDPA use its fused causal path
-        return cls(n, torch.arange(past, past + n), None if causal else chunk_mask(past, n), causal)
+        return cls(n, torch.arange(past, past + n, device=device), None if causal else chunk_mask(past, n, device),
+                   causal)
 
 
 def segmented_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket as _socket
 import tomllib
 from collections.abc import Mapping
@@ -22,6 +23,9 @@ from meshd.errors import MeshdError
 from meshd.paths import default_socket_path
 
 DEFAULT_CONFIG_PATH = Path("/etc/meshd/meshd.toml")
+# The spellings decoding.device accepts, repeated so reading a config never imports torch.
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(?::\d+)?")
+_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_PORT = 7410
 DEFAULT_PAIRING_PORT = 7411
 
@@ -62,6 +66,8 @@ class Config:
     replan_debounce_s: float = 1.0
     memory_budget_mb: int = field(default_factory=_default_memory_budget_mb)
     model: str | None = None  # None: embedded default; "none": no model (control plane only)
+    device: str = "auto"  # where this device's stage computes: auto (CUDA if available), cpu, cuda, cuda:N
+    dtype: str | None = None  # weights/KV dtype; None or "auto": float32 on CPU, bfloat16/float16 on a GPU
     plan_layers: int = 30  # layer count planned for engines without a model file (test fakes)
     request_wait_s: float = 45.0  # a request waits this long for a plan (start-up, re-plan) before a 503
     share_rate: str | None = None  # cap on model sharing per direction ("50mbit", "12.5MB/s"; None: none)
@@ -109,6 +115,11 @@ class Config:
             raise ConfigError(f"cloud_min_timeout_s must be in (0, 3600], got {self.cloud_min_timeout_s}")
         if not 0.0 <= self.cloud_budget <= 1.0:
             raise ConfigError(f"cloud_budget must be between 0 and 1, got {self.cloud_budget}")
+        # Spelling only: whether CUDA is there is asked when the stage starts (torch is not imported here).
+        if not _DEVICE_RE.fullmatch(str(self.device).strip().lower()):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype is not None and str(self.dtype).strip().lower() not in _DTYPE_NAMES:
+            raise ConfigError(f"dtype must be {', '.join(_DTYPE_NAMES)}, got {self.dtype!r}")
         return self
 
 

@@ -388,10 +388,9 @@ class LocalEngine(Engine):
 
     supports_penalties = True
 
-    def __init__(self, source, *, dtype=None, max_context: int | None = None, stages: int = 1):
+    def __init__(self, source, *, dtype=None, max_context: int | None = None, stages: int = 1, device=None):
+        """``device``: where the model runs (default the CPU); ``dtype`` None: that device's default."""
         import concurrent.futures
-
-        import torch
 
         from decoding.pipeline_local import LocalPipeline
 
@@ -401,7 +400,7 @@ class LocalEngine(Engine):
         self.vocab_size = source.config.vocab_size
         ctx = source.config.max_position
         self.context_length = min(ctx, max_context) if max_context else ctx
-        self._pipeline = LocalPipeline.from_source(source, stages, dtype or torch.float32)
+        self._pipeline = LocalPipeline.from_source(source, stages, dtype, device)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshd-generate")
         self._lock = asyncio.Lock()
 
@@ -481,5 +480,8 @@ async def local_engine(daemon) -> LocalEngine:
     Serves the configured model (``model``; unset = the embedded default) wholly
     on this device — the single-device fallback until the pipeline engine runs.
     """
-    model = getattr(getattr(daemon, "config", None), "model", None)
-    return await LocalEngine.open(model)
+    from decoding.device import Placement
+
+    cfg = getattr(daemon, "config", None)
+    placement = Placement.resolve(getattr(cfg, "device", "auto"), getattr(cfg, "dtype", None))
+    return await LocalEngine.open(getattr(cfg, "model", None), device=placement.device, dtype=placement.dtype)

@@ -15,8 +15,8 @@ from decoding.errors import UnsupportedArchitecture
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
                     freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-    """Return (inv_freq [head_dim/2], attention_scaling) in float32."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    """Return (inv_freq [head_dim/2], attention_scaling) in float32, on the host (stages move it to their device)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     attn_scale = 1.0
     if freq_factors is not None:
         inv = inv / freq_factors.to(torch.float64)

@@ -61,11 +61,13 @@ class ModelSource(abc.ABC):
     def tokenizer(self):
         return self._load_tokenizer()
 
-    def load_stage(self, first: int, end: int, dtype: torch.dtype = torch.float32):
-        """Decoder layers ``[first, end)`` (+ embedding when ``first == 0``, head when ``end`` is the last)."""
+    def load_stage(self, first: int, end: int, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str | None = None):
+        """Decoder layers ``[first, end)`` (+ embedding when ``first == 0``, head when ``end`` is the last),
+        in ``dtype`` on ``device`` (default: the CPU)."""
         from decoding.stage import StageModel
 
-        return StageModel.from_source(self, first, end, dtype)
+        return StageModel.from_source(self, first, end, dtype, device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path})"

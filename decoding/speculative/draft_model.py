@@ -122,7 +122,7 @@ class ModelDrafter:
         out: list[int] = []
         tok = int(context[-1])
         for _ in range(length):
-            logits = self.pipe.forward(self.seq, torch.tensor([tok], dtype=torch.long))
+            logits = self.pipe.forward(self.seq, torch.tensor([tok], dtype=torch.long, device="cpu"))
             self._tokens.append(tok)
             tok = int(torch.argmax(logits[-1]))
             out.append(tok)

@@ -8,6 +8,7 @@ show what each drafter does for a prompt without a daemon.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,17 +32,28 @@ class SpeculativeResult(GenerationResult):
 
 
 class MedusaSource:
-    """Medusa heads bound to a model's LM head and a tree: proposals from a normed hidden state."""
+    """Medusa heads bound to a model's LM head and a tree: proposals from a normed hidden state.
+
+    The heads run where the LM head is (a GPU last stage keeps its LM head there), so
+    they are copied to that device once here — not moved in place: one loaded heads
+    object may serve stages on different devices in one process.
+    """
 
     def __init__(self, heads, lm_head: torch.Tensor, paths=None):
+        device = lm_head.device
+        if isinstance(heads, torch.nn.Module) and any(p.device != device for p in heads.parameters()):
+            heads = copy.deepcopy(heads).to(device)
         self.heads = heads
         self.lm_head = lm_head
+        self._device = None if device.type == "cpu" else device
         self.paths = [tuple(p) for p in (paths if paths is not None else heads.tree)]
         acc = (heads.meta or {}).get("topk_accuracy") if hasattr(heads, "meta") else None
         self.values = path_values(self.paths, acc)
 
     def propose(self, hidden: torch.Tensor, limit: int | None = None) -> MedusaProposal:
         paths = self.paths if limit is None else self.paths[:limit]
+        if self._device is not None:  # a host hidden state (a stage's output) for heads on a GPU
+            hidden = hidden.to(self._device)
         return MedusaProposal(propose_sequences(self.heads, hidden, self.lm_head, paths),
                               self.values[:len(paths)])
 
@@ -95,7 +107,7 @@ def speculative_generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new
             tree = session.next_tree(proposal)
             room = min(max_new_tokens - len(out) - 1, capacity - n - 1)
             tree = tree.truncated(max(0, room))
-            logits, hidden = pipeline.forward(seq_id, torch.tensor(tree.tokens, dtype=torch.long),
+            logits, hidden = pipeline.forward(seq_id, torch.tensor(tree.tokens, dtype=torch.long, device="cpu"),
                                               tree_mask=tree.mask(), all_logits=True, return_normed=True)
             verdict = verify(tree, logits, sampler, typical)
             pipeline.keep(seq_id, n, list(verdict.path))

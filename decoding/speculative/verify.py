@@ -136,16 +136,16 @@ def dense_draft_probs(support: Sequence[tuple[Sequence[int], Sequence[float]]], 
     Refuses what a hostile sender could use to bend the verdict: ids out of range,
     repeated ids, negative or non-finite probabilities, rows not summing to ~1.
     """
-    out = torch.zeros(len(support), vocab, dtype=torch.float64)
+    out = torch.zeros(len(support), vocab, dtype=torch.float64, device="cpu")  # sampling is on the host
     for r, (ids, probs) in enumerate(support):
         if len(ids) != len(probs) or not ids:
             raise ValueError(f"draft {r}: {len(ids)} ids but {len(probs)} probabilities")
         if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"draft {r}: token ids must be distinct and in [0, {vocab})")
-        p = torch.tensor(list(probs), dtype=torch.float64)
+        p = torch.tensor(list(probs), dtype=torch.float64, device="cpu")
         if not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or abs(float(p.sum()) - 1.0) > 1e-3:
             raise ValueError(f"draft {r}: probabilities must be finite, non-negative and sum to 1")
-        out[r, torch.tensor(list(ids))] = p
+        out[r, torch.tensor(list(ids), device="cpu")] = p
     return out
 
 

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from decoding.device import DEVICE_CHOICES, DTYPES  # noqa: F401  (DTYPES: re-exported for callers)
 
 
 def add_model_args(p) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    add_device_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def add_device_args(p, default_device: str = "auto", stages: bool = True) -> None:
+    """``--device`` and ``--dtype``. The device is checked (and CUDA asked for) when the command runs,
+    so ``--help`` and argument errors never initialise CUDA."""
+    per_stage = "; with --stages K, a comma list gives each stage its own (e.g. cuda,cpu)" if stages else ""
+    p.add_argument("--device", default=default_device,
+                   help=f"where the model runs: {DEVICE_CHOICES} (default {default_device}: "
+                        f"{'CUDA when available, else the CPU' if default_device == 'auto' else default_device})"
+                        f"{per_stage}")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights and KV cache dtype (default auto: float32 on the CPU, bfloat16 on GPUs "
+                        "that have it natively, else float16)")
 
 
 def add_sampling_args(p) -> None:

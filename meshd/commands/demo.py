@@ -24,6 +24,9 @@ from meshd.errors import MeshdError
 DEMO_PROMPT = ("The living room is at 17°C, the window is open and the heating is off. "
                "In two short sentences: what should I do to warm the room up quickly?")
 FAST = ["--heartbeat-interval", "0.5", "--suspect-after", "2", "--gone-after", "4"]
+# Each daemon stands for a CPU device pinned to its own core: on a GPU machine, join's default
+# (auto) would put both on the one GPU and the demo would no longer show what it says.
+CPU_DEVICE = ["--device", "cpu"]
 
 
 def register(sub) -> None:
@@ -43,7 +46,7 @@ class _Daemon:
         self.state, self.socket, self.log = self.dir / "state", self.dir / "api.sock", self.dir / "daemon.log"
         cmd = [sys.executable, "-m", "meshd", "join", "--state-dir", str(self.state), "--socket",
                str(self.socket), "--name", name, "--port", "0", "--pairing-port", "0",
-               "--interface", "127.0.0.1", "--listen", "127.0.0.1", *FAST, *extra]
+               "--interface", "127.0.0.1", "--listen", "127.0.0.1", *FAST, *CPU_DEVICE, *extra]
         if model:
             cmd += ["--model", model]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_") or k == "MESHD_HOME"}

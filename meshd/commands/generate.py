@@ -2,7 +2,9 @@
 
 The reference every distributed path is checked against; ``--stages K --chunks C``
 runs the same model as K stages with the prompt in C sub-sequences and must
-print the same tokens as ``--stages 1``.
+print the same tokens as ``--stages 1``. ``--device cuda,cpu --stages 2`` puts
+the stages on different devices in this one process (a heterogeneous mesh
+without the network).
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from meshd.commands._common import (DTYPES, add_model_args, add_sampling_args, apply_threads,
-                                    sampling_from_args)
+from meshd.commands._common import add_model_args, add_sampling_args, apply_threads, sampling_from_args
 
 
 def register(sub) -> None:
@@ -34,16 +35,19 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from decoding.device import dtype_name, resolve_devices, resolve_dtype
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
     from meshd.model_store import open_model
 
     apply_threads(args)
     sampling = sampling_from_args(args)
+    devices = resolve_devices(args.device, args.stages)  # before loading anything: a bad --device fails fast
+    dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype, devices[0])  # None: each device's own
     source = open_model(args.model)
     tok = source.tokenizer
     ids = tok.encode(args.prompt) if args.raw else tok.apply_chat([{"role": "user", "content": args.prompt}])
-    pipe = LocalPipeline.from_source(source, args.stages, DTYPES[args.dtype])
+    pipe = LocalPipeline.from_source(source, args.stages, dtype, devices)
     stream = not args.json
 
     def show(delta: str) -> None:
@@ -71,6 +75,7 @@ def run(args) -> int:
             "text": res.text, "token_ids": res.token_ids, "prompt_tokens": res.prompt_tokens,
             "ttft_s": res.ttft_s, "tokens_per_s": res.tokens_per_s, "finish_reason": res.finish_reason,
             "stages": [list(r) for r in res.layer_ranges], "chunks": args.chunks,
+            "devices": [str(d) for d in pipe.devices], "dtypes": [dtype_name(st.dtype) for st in pipe.stages],
             "model": source.identity, "speculative": spec,
         }))
     return 0
@@ -101,7 +106,7 @@ def _speculative(args, source, pipe, ids, sampling, on_text):
             raise DrafterError("--speculative draft_model needs --draft-model PATH")
         dsrc = open_model(args.draft_model)
         check_same_tokenizer(source.tokenizer, dsrc.tokenizer, draft_name=args.draft_model)
-        model_drafter = ModelDrafter(LocalPipeline.from_source(dsrc, 1))
+        model_drafter = ModelDrafter(LocalPipeline.from_source(dsrc, 1, device=pipe.devices[0]))
     res = speculative_generate(pipe, ids, args.max_tokens, sampling, eos_ids=source.tokenizer.eos_ids,
                                drafter=drafter, medusa=medusa, model_drafter=model_drafter, typical=args.typical,
                                fixed=args.max_candidates, tokenizer=source.tokenizer, on_text=on_text)

@@ -34,6 +34,10 @@ _FLAGS = [
     ("--interface", "interface", str, "advertise over mDNS only on this interface (name or IPv4)"),
     ("--memory-budget-mb", "memory_budget_mb", int, "memory this device lends to the model"),
     ("--model", "model", str, "model path; 'none' runs the control plane only"),
+    ("--device", "device", str, "where this device's stage computes: auto (default: CUDA when available), "
+                                "cpu, cuda or cuda:N"),
+    ("--dtype", "dtype", str, "weights and KV cache dtype: auto (default: float32 on CPU, bfloat16 or "
+                              "float16 on a GPU), float32, bfloat16, float16"),
     ("--heartbeat-interval", "heartbeat_interval_s", float, "seconds between heartbeats"),
     ("--suspect-after", "suspect_after_s", float, "silence before a member is suspect"),
     ("--gone-after", "gone_after_s", float, "silence before a member is gone"),
@@ -80,6 +84,10 @@ def overrides_from_args(args) -> dict:
 def run(args) -> int:
     cfg = load_config(args.config, os.environ, overrides_from_args(args))
     log.configure(cfg.log_format, cfg.log_level, stream=sys.stdout)
+    if cfg.model_enabled:  # say now, in one line, if this machine cannot run --device (before a token is spent)
+        from decoding.device import Placement
+
+        Placement.resolve(cfg.device, cfg.dtype)
     state = StateDir(cfg.resolved_state_dir()).ensure()
     structlog.contextvars.bind_contextvars(node=state.node_id())
     if args.token:

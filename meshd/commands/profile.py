@@ -6,6 +6,12 @@ same settings and torch version (``--force`` re-measures). ``--scale-from``
 writes a profile for a device that has not been measured yet from a measured
 one and the new device's relative speed and memory; ``--quick-from`` finds that
 speed by timing a single layer here (seconds instead of a minute).
+
+A profile records what it measured in ``host["device"]`` (``kind``: cpu). Only
+the CPU can be measured so far: the profiler times with the CPU clock and budgets
+host memory, which on a GPU would describe the kernel launches, not the device.
+On a machine whose daemon computes on its GPU (``meshd join --device auto``),
+the CPU profile makes the planner see it as its CPU — conservative, not wrong.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("--device-id", default=None,
                    help="profile name (default: <machine>-<cores>core-<threads>thread)")
     p.add_argument("--threads", type=int, default=1, help="torch threads to measure with (default 1)")
+    p.add_argument("--device", default="cpu",
+                   help="device to measure: cpu (default); measuring a GPU (cuda, cuda:N, auto on a CUDA "
+                        "machine) is not built yet and is refused")
     p.add_argument("--max-seq", type=int, default=2048, help="longest sequence profiled (default 2048)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per grid point (median)")
     p.add_argument("--headroom", type=float, default=None,
@@ -86,7 +95,26 @@ def _summary(prof, path: Path, reused: bool) -> dict:
         "q_max_abs_rel_error": prof.q_error.get("max_abs_rel_error"),
         "profile_seconds": prof.host.get("profile_seconds"),
         "scaled_from": prof.scaled_from,
+        "device": measured_kind(prof),
     }
+
+
+def measured_kind(prof) -> str:
+    """The device kind a profile measured (profiles from before the field existed measured the CPU)."""
+    return str((prof.host.get("device") or {}).get("kind", "cpu"))
+
+
+def _measurable_device(spec: str):
+    """The device to measure, or one clear line on why it cannot be measured yet."""
+    from decoding.device import resolve_device
+    from meshd.errors import MeshdError
+
+    device = resolve_device(spec)
+    if device.type != "cpu":
+        raise MeshdError(f"--device {spec}: measuring a GPU ({device}) is not built yet: the profiler times with "
+                         f"the CPU clock and budgets host memory; profile with --device cpu (the planner then "
+                         f"treats this device as its CPU)")
+    return device
 
 
 def run(args) -> int:
@@ -111,6 +139,10 @@ def run(args) -> int:
         return 0
     if args.speed is not None:
         raise MeshdError("--speed only applies with --scale-from")
+    from decoding.device import describe_device
+
+    device = _measurable_device(args.device)
+    measured_on = {"device": describe_device(device)}
     if args.threads < 1:
         raise MeshdError("--threads must be >= 1")
     if args.threads < 1 or args.max_seq < 16 or args.repeats < 1:
@@ -133,7 +165,7 @@ def run(args) -> int:
         device_id = args.device_id or default_device_id(args.threads)
         prof = pf.scale(ref, speed, memory if memory is not None else total_memory_bytes(),
                         device_id=device_id, headroom=args.headroom)
-        prof = dataclasses.replace(prof, threads=args.threads)
+        prof = dataclasses.replace(prof, threads=args.threads, host={**prof.host, **measured_on})
         path = pf.save(prof, _target(args, device_id))
         print(f"wrote {path}: one layer measured, {speed:.2f}x the speed of {ref.device_id}; "
               f"run without --quick-from for a full profile")
@@ -155,7 +187,8 @@ def run(args) -> int:
             existing = pf.load(path)
         except pf.ProfileError:
             existing = None
-        if existing is not None and reusable(existing, source.identity, settings):
+        if (existing is not None and reusable(existing, source.identity, settings)
+                and measured_kind(existing) == device.type):
             print(f"re-using {path} (same model, settings and torch; --force to measure again)")
             _install(args, path)
             if args.json:
@@ -163,6 +196,7 @@ def run(args) -> int:
             return 0
     prof = profile_device(source, settings, device_id=device_id,
                           progress=not args.no_progress)
+    prof = dataclasses.replace(prof, host={**prof.host, **measured_on})
     pf.save(prof, path)
     print(f"wrote {path} in {prof.host['profile_seconds']:.0f} s: b={prof.min_chunk}, "
           f"whole model at {prof.calib_seq_lens[-1]} tokens {prof.full_model_time(prof.calib_seq_lens[-1]):.2f} s, "

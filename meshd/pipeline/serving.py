@@ -215,6 +215,7 @@ async def start_serving(daemon) -> ServingRole:
     Loads the local model file's metadata and tokenizer (weights are loaded per
     plan, only for this device's layer range) on the daemon's CURVE transport.
     """
+    from decoding.device import Placement
     from meshd.drafting import medusa_factory
     from meshd.model_store import open_model
     from meshd.pipeline.stage_service import StageService
@@ -229,7 +230,8 @@ async def start_serving(daemon) -> ServingRole:
     await asyncio.to_thread(lambda: (source.tokenizer, getattr(source, "identity", None)))
     directory = DaemonDirectory(daemon)
     node = daemon.link.node
-    stage = StageService(node, daemon.node_id, source, directory,
+    placement = Placement.resolve(getattr(cfg, "device", "auto"), getattr(cfg, "dtype", None))
+    stage = StageService(node, daemon.node_id, source, directory, dtype=placement.dtype, device=placement.device,
                          medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)))
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
@@ -247,5 +249,9 @@ async def start_serving(daemon) -> ServingRole:
     daemon.plan_listeners.append(role.follow)
     if daemon.plan is not None:
         role.follow(daemon.plan)
-    log.info("serving_started", stage=address, coordinator=coordinator.address, model=source.identity)
+    log.info("serving_started", stage=address, coordinator=coordinator.address, model=source.identity,
+             **placement.describe())
+    if placement.device.type != "cpu":  # say it once: plans cannot know yet (issue #14)
+        log.warning("gpu_stage_planned_as_cpu", device=str(placement.device),
+                    reason="profiles measure the CPU only; the planner sees this device's CPU speed and memory")
     return role

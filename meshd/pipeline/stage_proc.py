@@ -4,11 +4,15 @@ Used by benchmarks and multi-process tests to emulate devices (each process
 pinned to its own core), and handy for debugging a pipeline by hand:
 
     python -m meshd.pipeline.stage_proc --node-id dev0 --state-dir /tmp/dev0 \\
-        --bind tcp://127.0.0.1:7501 --route route.json [--threads 1] [--model PATH]
+        --bind tcp://127.0.0.1:7501 --route route.json [--threads 1] [--model PATH] [--device cuda]
 
 ``route.json``: {"plan_version": 1, "stages": [{"node_id", "address", "public_key", "first", "end"}],
 "directory": {"node_id": ["address", "public_key"], ...}} — the directory also names coordinators.
 Prints ``READY <address>`` on stdout once its layers are loaded; stops on SIGTERM/SIGINT.
+
+``--device`` defaults to cpu, not auto: these processes emulate CPU devices pinned
+to their own cores, and on a GPU machine auto would quietly put every emulated
+device on the one GPU. Name ``--device cuda`` for a stage that is the GPU.
 """
 
 from __future__ import annotations
@@ -40,12 +44,13 @@ async def serve(args) -> int:
     from meshd.pipeline.stage_service import StageService
     from transport.node import TransportNode
 
+    placement = args.placement
     route, directory = load_route(args.route)
     node = TransportNode(args.node_id, state_dir=args.state_dir, curve=not args.no_curve)
     await node.start()
     source = open_model(args.model)
-    svc = StageService(node, args.node_id, source, lambda n: directory[n],
-                       activation_dtype=args.activation_dtype, medusa=medusa_factory(source, args.heads),
+    svc = StageService(node, args.node_id, source, lambda n: directory[n], dtype=placement.dtype,
+                       device=placement.device, activation_dtype=args.activation_dtype, medusa=medusa_factory(source, args.heads),
                        **({} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}))
     address = await svc.start(args.bind)
     await svc.deploy(route)
@@ -85,12 +90,22 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=None,
                     help="tokens in one batched forward (0: one message per forward)")
     ap.add_argument("--heads", default=None, help="Medusa heads file (default: shipped heads; 'none': off)")
+    ap.add_argument("--device", default="cpu", help="auto, cpu (default), cuda or cuda:N")
+    ap.add_argument("--dtype", default="auto", help="auto (the device's default), float32, bfloat16 or float16")
     args = ap.parse_args(argv)
     _die_with_parent()
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
     torch.set_num_threads(args.threads)
+    from decoding.device import Placement
+    from decoding.errors import DeviceError
     from meshd import log
+
+    try:  # before anything starts: a device this machine lacks is one line, not a traceback
+        args.placement = Placement.resolve(args.device, args.dtype)
+    except DeviceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     log.configure("json", os.environ.get("MESHD_LOG_LEVEL", "warning"))
     return asyncio.run(serve(args))

@@ -21,6 +21,12 @@ Three rules keep the cache honest under hang-ups, failures and restarts:
   request that failed on one stage is dead everywhere.
 - **Nothing lives forever.** A sequence untouched for ``idle_seq_timeout_s``
   is reaped (its coordinator vanished without freeing it).
+
+On a GPU (``device``) the stage's weights and KV cache live there; messages
+arrive and leave as host tensors. The forward moves a message's input to the
+device and ``_compute_group`` moves its results back — both in the compute
+thread, once per message — so the event loop never waits on the device, and
+sampling, verification and the transport see only host tensors.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 
 import torch
 
+from decoding.device import CPU, default_dtype, dtype_name, to_host
 from decoding.errors import CacheFull, DecodingError
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, filtered_probs
@@ -124,14 +131,17 @@ def _error_code(exc: BaseException) -> str:
 
 class StageService:
     def __init__(self, node: TransportNode, node_id: str, model_source, directory: Directory,
-                 dtype: torch.dtype = torch.float32, max_kv_tokens: int = 1 << 16,
+                 dtype: torch.dtype | None = None, max_kv_tokens: int = 1 << 16,
                  activation_dtype: str | None = None, send_timeout_s: float = 5.0,
-                 idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS):
+                 idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS,
+                 device: torch.device | None = None):
+        """``device``: where the stage computes (default the CPU); ``dtype`` None: that device's default."""
         self.node = node
         self.node_id = node_id
         self.source = model_source
         self.directory = directory
-        self.dtype = dtype
+        self.device = CPU if device is None else torch.device(device)
+        self.dtype = dtype if dtype is not None else default_dtype(self.device)
         self.max_kv_tokens = max_kv_tokens
         self.activation_dtype = activation_dtype
         self.send_timeout_s = send_timeout_s
@@ -214,7 +224,7 @@ class StageService:
                 t = time.perf_counter()
                 loop = asyncio.get_running_loop()
                 stage = await loop.run_in_executor(
-                    self._compute, lambda: self.source.load_stage(rng[0], rng[1], self.dtype))
+                    self._compute, lambda: self.source.load_stage(rng[0], rng[1], self.dtype, self.device))
                 log.info("stage_loaded", first=rng[0], end=rng[1], seconds=round(time.perf_counter() - t, 2),
                          weight_mb=round(stage.weight_bytes() / 1e6, 1))
                 self.stage = stage
@@ -241,7 +251,8 @@ class StageService:
         return {"plan_version": self.serving_version,
                 "layers": [self.stage.first, self.stage.end] if self.stage is not None else None,
                 "sequences": len(self.sequences()), "kv_tokens_in_use": self.kv_tokens_in_use(),
-                "kv_tokens_max": self.max_kv_tokens, **self.stats.to_dict()}
+                "kv_tokens_max": self.max_kv_tokens, "device": str(self.device), "dtype": dtype_name(self.dtype),
+                **self.stats.to_dict()}
 
     # -- message handling ------------------------------------------------------------
     async def handle(self, msg: Any, req: Request) -> Any:
@@ -506,6 +517,8 @@ class StageService:
         probes: dict[int, torch.Tensor] = {}
         try:
             outs = stage.forward_batch(kv, [w.item for w in works], probes)
+            if stage.device.type != "cpu":  # results to the host here, once per message, off the event loop
+                outs = [to_host(o) for o in outs]
         except Exception as exc:  # noqa: BLE001
             if len(works) == 1:
                 return [(None, exc)]

@@ -75,14 +75,15 @@ class PartialGGUFSource(GGUFSource):
             self._verified.add(gname)
         return super().read_tensor(name)
 
-    def load_stage(self, first: int, end: int, dtype: torch.dtype = torch.float32):
+    def load_stage(self, first: int, end: int, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str | None = None):
         """Fetch what ``[first, end)`` lacks (if a fetcher is attached), then load it; one retry
         after a tensor failed its digest on disk (it was dropped and is fetched again)."""
         for attempt in (1, 2):
             if self.ensure is not None and self.missing(first, end):
                 self.ensure(first, end)
             try:
-                return super().load_stage(first, end, dtype)
+                return super().load_stage(first, end, dtype, device)
             except ModelLoadError as exc:
                 if attempt == 2 or self.ensure is None or "does not match its digest" not in str(exc):
                     raise
