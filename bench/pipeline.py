@@ -6,6 +6,11 @@ CURVE transport, TTFT = first chunk sent → first token back):
   naive    2+ stages, the whole prompt as one chunk (EdgeShard-style)
   equal    same stages, the prompt in k equal chunks (k = the planner's k)
   planned  same stages, the planner's cut points (Jupiter's sequence DP)
+  sweep    (``--chunk-sweep K1,K2,..``) equal splits into each K chunks, on the
+           single device and on the mesh: measured vs predicted per chunk count,
+           which is where per-chunk fixed costs the model misses show up
+Every pipelined row prints the ideal speedup of k chunks over N equal stages,
+k·N/(k+N−1), beside the measured speedup over the single device.
 Each stage process is pinned to its own core with one torch thread, so every
 method gets the same per-device hardware. Layer ranges come from the layer
 planner (the same for naive/equal/planned).
@@ -57,19 +62,50 @@ def synthetic_prompt(tok, n: int) -> list[int]:
     return ids[:n]
 
 
-def planner(n_devices: int, link_spec: str, max_seq: int):
+def planner(n_devices: int, link_spec: str, max_seq: int, profile_path: Path = PROFILE):
     from partition import profile as prof
     from partition.link import parse_link
     from partition.planner import make_plan
 
-    base = prof.load(PROFILE)
+    base = prof.load(profile_path)
     profiles = [prof.scale(base, 1.0, device_id=f"dev{i}") for i in range(n_devices)]
     link = parse_link(link_spec) if link_spec not in ("none", "unshaped") else parse_link("10gbit,0.1ms")
     return make_plan(profiles, link, max_seq), profiles, link
 
 
+def fresh_profile() -> Path:
+    """Profile this machine now (one core, one thread, like every stage here) into bench/results/."""
+    out = ROOT / "bench" / "results" / "pipeline_profile_fresh.json"
+    print("measuring a fresh device profile (core 0, 1 thread) ...", file=sys.stderr, flush=True)
+    subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "meshd", "profile", "-o", str(out),
+                    "--force", "--no-progress", "--threads", "1"], check=True, stdout=sys.stderr)
+    return out
+
+
 def equal_cuts(n: int, k: int) -> tuple[int, ...]:
     return tuple(round(n * i / k) for i in range(1, k))
+
+
+def pipeline_bound(chunks: int, stages: int) -> float:
+    """Best speedup of ``chunks`` equal chunks over ``stages`` equal stages (fill + drain)."""
+    return chunks * stages / (chunks + stages - 1)
+
+
+def overhead_fit(rows: list[dict]) -> dict | None:
+    """Per-chunk cost the model misses: slope of (measured − predicted) over the chunk count.
+
+    Least squares over the sweep rows of one method and prompt length; the
+    intercept is the per-request cost (first chunk out → token back).
+    """
+    pts = [(r["chunks"], r["ttft_s"] - r["predicted_ttft_s"]) for r in rows]
+    if len(pts) < 2 or len({k for k, _ in pts}) < 2:
+        return None
+    import numpy as np
+
+    k = np.array([p[0] for p in pts], dtype=float)
+    e = np.array([p[1] for p in pts], dtype=float)
+    slope, icpt = np.polyfit(k, e, 1)
+    return {"per_chunk_s": float(slope), "per_request_s": float(icpt), "points": len(pts)}
 
 
 async def measure(mesh, ids, cuts, decode_tokens: int, reps: int) -> dict:
@@ -185,9 +221,10 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
     from meshd.pipeline.proc_mesh import ProcessMesh
     from partition.planner import predict_prefill_s
 
-    plan, profiles, _ = planner(args.devices, link_spec, max(lens))
+    plan, profiles, _ = planner(args.devices, link_spec, max(lens), args.profile_path)
     ranges = plan.layer_ranges  # half-open [first, end)
-    single_plan, single_prof, _ = planner(1, link_spec, max(lens))
+    sweep = [int(x) for x in args.chunk_sweep.split(",") if x.strip()] if args.chunk_sweep else []
+    single_plan, single_prof, _ = planner(1, link_spec, max(lens), args.profile_path)
     ncpu = os.cpu_count() or 1
     cores = [[i % ncpu] for i in range(len(ranges))]
     mesh_kw: dict = {}
@@ -199,14 +236,26 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
             # the coordinator shares host 0 with stage 0; every other hop crosses the link
             reach=lambda i, host, port: (host, port) if i == 0 else tb.delayed_address(max(i, 0), port))
 
+    single_ttft: dict[int, float] = {}
+
     def row(method, n, cuts, res, pred):
+        stages = 1 if method.startswith("single") else len(ranges)
         r = {"method": method, "prompt_len": n, "chunks": len(cuts) + 1, "cuts": list(cuts),
              "ttft_s": res["ttft_s"], "prefill_tokens_per_s": n / res["ttft_s"],
              "decode_tokens_per_s": res["decode_tokens_per_s"], "predicted_ttft_s": pred,
-             "link": link_spec, "layer_ranges": ranges if method != "single" else [(0, plan.num_layers)]}
+             "stages": stages, "link": link_spec,
+             "layer_ranges": ranges if stages > 1 else [(0, plan.num_layers)]}
+        if method == "single":
+            single_ttft[n] = res["ttft_s"]
+        extra = ""
+        if stages > 1 and n in single_ttft:
+            r["speedup_vs_single"] = single_ttft[n] / res["ttft_s"]
+            r["bound"] = pipeline_bound(r["chunks"], stages)
+            extra = f" speedup {r['speedup_vs_single']:.2f}x (bound {r['bound']:.2f}x)"
         runs.append(r)
         print(f"[{link_spec}] {method:>8} n={n:>5} chunks={r['chunks']:>2} TTFT {r['ttft_s']:.3f}s "
-              f"(pred {pred:.3f}s) prefill {r['prefill_tokens_per_s']:.0f} tok/s "
+              f"(pred {pred:.3f}s, {(pred - res['ttft_s']) / res['ttft_s'] * 100:+.0f}%){extra} "
+              f"prefill {r['prefill_tokens_per_s']:.0f} tok/s "
               f"decode {r['decode_tokens_per_s'] or 0:.1f} tok/s", flush=True)
 
     print(f"[{link_spec}] single device ...", file=sys.stderr, flush=True)
@@ -218,19 +267,28 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
         for n in lens:
             res = await measure(mesh, prompts[n], (), args.decode_tokens, args.reps)
             row("single", n, (), res, predict_prefill_s(single_plan, single_prof, n, ()))
+            for k in sweep:
+                cuts = equal_cuts(n, k)
+                res = await measure(mesh, prompts[n], cuts, 0, args.reps)
+                row("single-sweep", n, cuts, res, predict_prefill_s(single_plan, single_prof, n, cuts))
         for c in levels:
             conc["single"][c] = await concurrent_decode(mesh, prompts[lens[0]], c, 32)
     par = None
     bytes_out = 0
     if len(ranges) > 1:
         print(f"[{link_spec}] {len(ranges)}-stage mesh {ranges} ...", file=sys.stderr, flush=True)
-        async with ProcessMesh(ranges, cores=cores, threads=1, **mesh_kw) as mesh:
+        async with ProcessMesh(ranges, cores=cores, threads=1, activation_dtype=args.activation_dtype,
+                               **mesh_kw) as mesh:
             for n in lens:
                 planned = plan.cut_table.lookup(n)
                 k = len(planned) + 1
                 for method, cuts in (("naive", ()), ("equal", equal_cuts(n, k)), ("planned", planned)):
                     res = await measure(mesh, prompts[n], cuts, args.decode_tokens, args.reps)
                     row(method, n, cuts, res, predict_prefill_s(plan, profiles, n, cuts))
+                for kk in sweep:
+                    cuts = equal_cuts(n, kk)
+                    res = await measure(mesh, prompts[n], cuts, 0, args.reps)
+                    row("sweep", n, cuts, res, predict_prefill_s(plan, profiles, n, cuts))
             for c in levels:
                 conc["pipeline"][c] = await concurrent_decode(mesh, prompts[lens[0]], c, 32)
             if levels:
@@ -242,7 +300,17 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
                                    args.parity_tokens, lambda n: plan.cut_table.lookup(min(n, plan.max_seq)))
         bytes_out = sum(s.get("activation_bytes_out", 0) for s in mesh.stats)
     mesh_tokens = sum(r["prompt_len"] for r in runs if r["method"] != "single" and r["link"] == link_spec)
+    fits = {}
+    for method in ("single-sweep", "sweep"):
+        for n in lens:
+            fit = overhead_fit([r for r in runs if r["method"] == method and r["prompt_len"] == n
+                                and r["link"] == link_spec])
+            if fit:
+                fits[f"{method}/{n}"] = fit
+                print(f"[{link_spec}] {method} n={n}: the model misses {fit['per_chunk_s'] * 1e3:+.2f} ms per "
+                      f"chunk and {fit['per_request_s'] * 1e3:+.1f} ms per request", flush=True)
     return {"link": link_spec, "layer_ranges": ranges, "parity": par, "concurrent_decode_tokens_per_s": conc,
+            "unmodelled_cost": fits,
             "activation_bytes_per_prompt_token": bytes_out / max(mesh_tokens * args.reps, 1),
             "planner_bottleneck": plan.bottleneck_reason}
 
@@ -261,7 +329,7 @@ async def run(args) -> dict:
         "threads_per_stage": 1, "stage_cores": "stage i pinned to core i % ncpu",
         "single_device": "1 stage process, core 0, 1 thread (same transport path)",
         "prompt_lengths": lens, "links": links, "reps": args.reps, "decode_tokens": args.decode_tokens,
-        "profile": PROFILE.name, "transport": "CURVE on, float32 activations",
+        "profile": str(args.profile_path.name), "transport": f"CURVE on, {args.activation_dtype or 'float32'} activations",
         "ttft": "median over reps; first chunk sent -> first token back at the coordinator",
     }
     print("setup:", json.dumps(setup), flush=True)
@@ -276,7 +344,9 @@ async def run(args) -> dict:
                     "--reps", str(args.reps), "--decode-tokens", str(args.decode_tokens),
                     "--devices", str(args.devices), "--parity-tokens", str(args.parity_tokens),
                     "--parity-prompts", str(args.parity_prompts), "--plot", "", "--parity-stages", "",
-                    "--concurrency", args.concurrency]
+                    "--concurrency", args.concurrency, "--chunk-sweep", args.chunk_sweep,
+                    "--profile", str(args.profile_path)]
+            argv += ["--activation-dtype", args.activation_dtype] if args.activation_dtype else []
             argv += (["--no-shared"] if args.no_shared else []) + ([] if args.parity else ["--no-parity"])
             out = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[")]
@@ -376,8 +446,18 @@ def main() -> int:
                     help="aggregate decode throughput with this many requests at once (unshaped link)")
     ap.add_argument("--parity-stages", default="3,4",
                     help="also check parity on our prompt set with these stage counts ('' = skip)")
+    ap.add_argument("--chunk-sweep", default="",
+                    help="also time equal splits into each of these chunk counts, e.g. 1,2,4,8,16,32")
+    ap.add_argument("--profile", default=str(PROFILE),
+                    help="device profile the predictions use: a file, or 'fresh' to measure this machine "
+                         "first (~1 min, core 0, one thread): a profile from another day predicts another "
+                         "machine state")
+    ap.add_argument("--activation-dtype", default=None, choices=("float16", "bfloat16"),
+                    help="send activations between stages in this dtype instead of float32 (halves the bytes; "
+                         "the parity check says whether the tokens stay the same)")
     ap.add_argument("--plot", default=str(ROOT / "bench" / "results" / "pipeline_ttft.png"))
     args = ap.parse_args()
+    args.profile_path = fresh_profile() if args.profile == "fresh" else Path(args.profile)
     if args.quick:
         args.lens, args.reps, args.plot, args.links, args.parity_stages = "1024", 2, None, "unshaped", ""
         args.concurrency = ""

@@ -7,7 +7,8 @@ plan's version, leader, members and why it was chosen. Its ``version`` only
 grows; every pipeline message carries it so a stage refuses work computed for
 another partition.
 
-Planning uses the partition package's DP (``partition.layers.partition_layers``)
+Planning uses the partition package's DP (``partition.stagecount.plan_layers``: the
+layer DP at the device count that makes a prompt fastest)
 over the members' device profiles: the profile a member shared, else a profile
 shipped in ``profiles/`` (scaled to nothing — used as is with the member's
 memory budget), else nothing. When any member lacks a usable profile, or the
@@ -147,7 +148,6 @@ def compute_stages(
             return equal_split(ids, num_layers), None, "equal split: no device profiles"
         profiles.append((m, data))
     try:
-        from partition.layers import partition_layers
         from partition.link import parse_link
         from partition.profile import DeviceProfile
 
@@ -158,12 +158,15 @@ def compute_stages(
                 p, device_id=m.node_id, memory_budget_bytes=int(m.memory_budget_mb) * 2**20))
         if devs[0].num_layers != num_layers:
             raise ValueError(f"profiles are for {devs[0].num_layers} layers, model has {num_layers}")
-        result = partition_layers(devs, parse_link(DEFAULT_LINK), PLAN_SEQ_LEN, PLAN_MAX_SEQ)
+        from partition.stagecount import plan_layers
+
+        result = plan_layers(devs, parse_link(DEFAULT_LINK), PLAN_SEQ_LEN, PLAN_MAX_SEQ)
     except Exception as exc:  # planner refused or profiles unusable: still have a plan
         log.warning("planner_fallback", error=str(exc))
         return equal_split(ids, num_layers), None, f"equal split: planner failed ({exc})"
     stages = [StageAssignment(NodeId(devs[d].device_id), first, end) for d, first, end in result.split.stages]
-    return stages, result.split.bottleneck_s, result.reason
+    reason = f"{result.reason}; {result.left_out}" if result.left_out else result.reason
+    return stages, result.split.bottleneck_s, reason
 
 
 def make_plan(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int) -> Plan:

@@ -212,13 +212,24 @@ class LayerSplit:
     total_s: float
 
 
-def _solve(cost: np.ndarray, exact: bool, order: list[int] | None) -> LayerSplit | None:
-    """Optimal bottleneck, then least total among bottleneck-optimal splits."""
+def _solve(cost: np.ndarray, exact: bool, order: list[int] | None,
+           max_stages: int | None = None) -> LayerSplit | None:
+    """Optimal bottleneck, then least total among bottleneck-optimal splits.
+
+    ``max_stages`` limits how many devices the split may use: any subset of that
+    size in the exact search, the fastest ones of ``order`` in the heuristic.
+    """
     n, Lp1, _ = cost.shape
     L = Lp1 - 1
+    limit = n if max_stages is None else max(1, min(n, max_stages))
+    if not exact and limit < n:
+        allowed = np.zeros(n, dtype=bool)
+        allowed[order[:limit]] = True
+        cost = np.where(allowed[:, None, None], cost, INF)
+    sizes = np.array([_popcount(m) for m in range(1 << n)]) if exact else None
     if exact:
         A, _, _ = _bitmask_dp(cost, "max")
-        finals = A[:, L]
+        finals = np.where(sizes <= limit, A[:, L], INF)
     else:
         A, _, _ = _ordered_dp(cost, order, "max")
         finals = A[:, L]
@@ -228,7 +239,8 @@ def _solve(cost: np.ndarray, exact: bool, order: list[int] | None) -> LayerSplit
     capped = np.where(cost <= bstar * (1 + _REL_TOL) + 1e-300, cost, INF)
     if exact:
         S, bd, bi = _bitmask_dp(capped, "sum")
-        cands = [(S[m, L], _popcount(m), m) for m in range(1, 1 << n) if math.isfinite(S[m, L])]
+        cands = [(S[m, L], _popcount(m), m) for m in range(1, 1 << n)
+                 if math.isfinite(S[m, L]) and sizes[m] <= limit]
         best_sum, _, mask = min(cands, key=lambda c: (round(c[0], 12), c[1], c[2]))
         stages = []
         j = L
@@ -288,6 +300,8 @@ class LayerPlanResult:
     transfer_s: tuple[float, ...]
     memory_bytes: tuple[int, ...]
     exact: bool
+    #: which devices the stage count left out and why ("" when none: see partition.stagecount)
+    left_out: str = ""
 
 
 def partition_layers(
@@ -297,19 +311,21 @@ def partition_layers(
     max_seq: int,
     *,
     exact_limit: int = EXACT_DEVICE_LIMIT,
+    max_stages: int | None = None,
 ) -> LayerPlanResult:
     """Choose devices, their order and their layer ranges minimising the bottleneck.
 
     ``seq_len`` is the sequence length the stage times are evaluated at (the
     prompt length being planned for); ``max_seq`` sizes the KV cache that must
-    fit in memory.
+    fit in memory; ``max_stages`` caps the number of devices used (see
+    :mod:`partition.stagecount`, which picks it).
     """
     check_same_model(profiles)
     n = len(profiles)
     exact = n <= exact_limit
     order = None if exact else speed_order(profiles, seq_len)
     cost, mats = _cost_tensor(profiles, seq_len, link, max_seq)
-    split = _solve(cost, exact, order)
+    split = _solve(cost, exact, order, max_stages)
     if split is None:
         raise _memory_error(profiles, mats, exact, order, max_seq)
 
@@ -319,9 +335,9 @@ def partition_layers(
 
     # Why is the bottleneck where it is? Re-plan without each constraint.
     free_mem, _ = _cost_tensor(profiles, seq_len, link, max_seq, memory=False)
-    no_mem = _solve(free_mem, exact, order)
+    no_mem = _solve(free_mem, exact, order, max_stages)
     free_link, _ = _cost_tensor(profiles, seq_len, LOCAL, max_seq)
-    no_link = _solve(free_link, exact, order)
+    no_link = _solve(free_link, exact, order, max_stages)
     b = split.bottleneck_s
     gap_mem = b - no_mem.bottleneck_s
     gap_link = b - (no_link.bottleneck_s if no_link else b)

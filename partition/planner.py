@@ -10,12 +10,13 @@ import time
 
 import numpy as np
 
-from partition.layers import check_same_model, partition_layers
+from partition.layers import check_same_model
 from partition.link import LinkModel
 from partition.ids import NodeId, PlanVersion
 from partition.plan import Plan, StageAssignment
 from partition.profile import DeviceProfile
 from partition.sequence import StageTiming, build_cut_table, flow_shop_latency
+from partition.stagecount import plan_layers
 
 
 def stage_timings(stages: tuple[StageAssignment, ...], profiles: dict[str, DeviceProfile],
@@ -50,7 +51,7 @@ def make_plan(
     check_same_model(profiles)
     seq = plan_seq_len or max_seq
     kw = {} if exact_limit is None else {"exact_limit": exact_limit}
-    res = partition_layers(profiles, link, seq, max_seq, **kw)
+    res = plan_layers(profiles, link, seq, max_seq, **kw)
     L = profiles[0].num_layers
     stages = tuple(
         StageAssignment(

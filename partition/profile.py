@@ -53,6 +53,12 @@ DEFAULT_HEADROOM = 0.25
 #: A chunk is "efficient" when its per-token latency is within this factor of the best.
 EFFICIENT_CHUNK_SLACK = 1.10
 
+#: What one chunk costs a pipeline stage beyond its layers' compute, when the profile has no
+#: measurement of its own: taking the message off the socket, decrypting and decoding it,
+#: dispatching the forward, encoding and sending the result. Measured on the reference
+#: machine by ``bench/pipeline.py --chunk-sweep`` (bench/RESULTS.md, "Where prefill time goes").
+DEFAULT_MESSAGE_OVERHEAD_S = 0.005
+
 
 class ProfileError(PartitionError):
     """A profile file that is missing, unreadable or does not follow the schema."""
@@ -111,12 +117,20 @@ class DeviceProfile:
     settings: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)
     scaled_from: dict | None = None
+    #: per-chunk cost at a stage that ``q`` misses (see DEFAULT_MESSAGE_OVERHEAD_S); None = not
+    #: measured. Optional in schema v1: profiles written before it existed still load.
+    message_overhead_s: float | None = None
 
     # -- derived values -------------------------------------------------
 
     @property
     def num_layers(self) -> int:
         return self.model.num_layers
+
+    @property
+    def chunk_overhead_s(self) -> float:
+        """The fixed per-chunk stage cost the planners add to every chunk's compute."""
+        return DEFAULT_MESSAGE_OVERHEAD_S if self.message_overhead_s is None else self.message_overhead_s
 
     @property
     def dtype_bytes(self) -> int:
@@ -191,6 +205,8 @@ class DeviceProfile:
             settings=dict(data.get("settings") or {}),
             host=dict(data.get("host") or {}),
             scaled_from=data.get("scaled_from"),
+            message_overhead_s=(None if data.get("message_overhead_s") is None
+                                else float(data["message_overhead_s"])),
         )
 
 
@@ -313,6 +329,9 @@ def validate(data: Any) -> None:
     _non_negative_numbers(data["weight_bytes"], "weight_bytes")
     if data["min_chunk"] < 1:
         _fail("min_chunk", "must be at least 1")
+    overhead = data.get("message_overhead_s")
+    if overhead is not None:
+        _non_negative_numbers([overhead], "message_overhead_s")
     if data["threads"] < 1:
         _fail("threads", "must be at least 1")
     if not 0 <= data["memory_headroom"] < 1:
@@ -401,6 +420,8 @@ def scale(
         q=QGrid(profile.q.x, profile.q.y,
                 tuple(tuple(v * f for v in row) for row in profile.q.seconds)),
         decode_step_s=tuple(v * f for v in profile.decode_step_s),
+        message_overhead_s=(None if profile.message_overhead_s is None
+                            else profile.message_overhead_s * f),
         memory_total_bytes=total,
         memory_headroom=headroom,
         memory_budget_bytes=memory_budget(total, headroom),

@@ -11,7 +11,10 @@ position ``l``: the **slowest stage's** time for it, where a stage's time is its
 decoder-layer count × the per-layer ``q(x, l)`` of its device (+ embedding /
 head for the end stages) + sending the chunk's activations over the link.
 (Simplification: all decoder layers of a device share one measured ``q``; they
-are architecturally identical.)
+are architecturally identical.) Every chunk also pays each stage a fixed cost
+the layer timings miss (the message in and out: ``DeviceProfile.chunk_overhead_s``),
+which is what keeps the DP from cutting prompts into slivers; ``b`` is only a
+floor (``MIN_CHUNK_FLOOR``), since the model prices short chunks itself.
 
 For each ``k`` we take the DP's min-max split, and — so the planner is never
 worse than the naive choice — the equal-length split, then predict each
@@ -41,6 +44,12 @@ from partition.profile import DeviceProfile
 
 INF = np.inf
 
+#: Shortest chunk the DP may cut. The chunk-cost model prices short chunks itself (their
+#: per-token cost from q(x, y) and the fixed per-chunk cost), so this is a floor against
+#: degenerate cuts, not Jupiter's efficiency threshold b: with 8 stages the best cut of a
+#: 2048-token prompt has ~85-token chunks, below any device's "efficient" 128.
+MIN_CHUNK_FLOOR = 16
+
 
 @dataclass(frozen=True)
 class StageTiming:
@@ -52,18 +61,22 @@ class StageTiming:
     has_head: bool
     link: LinkModel | None  # None for the last stage (nothing to send)
 
-    def chunk_time(self, x, cached):
-        """Seconds for a chunk of ``x`` tokens after ``cached`` tokens (numpy-vectorised)."""
+    def chunk_time(self, x, cached, q_layer=None):
+        """Seconds for a chunk of ``x`` tokens after ``cached`` tokens (numpy-vectorised).
+
+        ``q_layer``: the per-layer q(x, cached) when the caller already has it (stages on
+        devices of one profile share it; interpolating it is most of the planner's time).
+        """
         p = self.profile
         x = np.asarray(x, dtype=float)
-        t = self.num_layers * p.q_layer(x, cached)
+        t = self.num_layers * (p.q_layer(x, cached) if q_layer is None else q_layer)
         if self.has_embedding:
             t = t + p.embed_time(x)
         if self.has_head:
             t = t + p.head_time(x)
         if self.link is not None:
             t = t + self.link.activation_transfer_s(x, p.model.hidden_size, p.dtype_bytes)
-        return t
+        return t + p.chunk_overhead_s
 
 
 def chunk_cost_matrix(stages: list[StageTiming], max_seq: int, block: int = 256) -> np.ndarray:
@@ -80,11 +93,25 @@ def chunk_cost_matrix(stages: list[StageTiming], max_seq: int, block: int = 256)
         valid = x >= 1
         xs = np.where(valid, x, 1)
         ls = np.broadcast_to(l_all[None, :], xs.shape)
-        h = stages[0].chunk_time(xs, ls)
+        qs = _SharedQ(xs, ls)
+        h = stages[0].chunk_time(xs, ls, qs(stages[0]))
         for st in stages[1:]:
-            h = np.maximum(h, st.chunk_time(xs, ls))
+            h = np.maximum(h, st.chunk_time(xs, ls, qs(st)))
         T[y0:y0 + len(y)] = np.where(valid, h, INF)
     return T
+
+
+class _SharedQ:
+    """q(x, y) of one set of chunks, interpolated once per distinct profile grid."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self._by_grid = x, y, {}
+
+    def __call__(self, stage: StageTiming):
+        grid = stage.profile.q
+        if grid not in self._by_grid:
+            self._by_grid[grid] = grid(self.x, self.y)
+        return self._by_grid[grid]
 
 
 def minmax_table(T: np.ndarray, k_max: int, b: int):
@@ -136,8 +163,9 @@ def flow_shop_latency(stages: list[StageTiming], starts: np.ndarray, y: np.ndarr
     done = np.zeros((len(stages), rows))
     for i in range(k):
         x = np.maximum(ends[:, i] - starts[:, i], 1)
+        qs = _SharedQ(x, starts[:, i])
         for s, st in enumerate(stages):
-            h = st.chunk_time(x, starts[:, i])
+            h = st.chunk_time(x, starts[:, i], qs(st))
             prev = done[s - 1] if s else 0.0
             done[s] = np.maximum(done[s], prev) + h
     return done[-1]
@@ -159,7 +187,7 @@ def build_cut_table(
     """The cut table for every prompt length 1..max_seq (row 0 is the empty prompt)."""
     n_stages = len(stages)
     k_max = k_max or 4 * n_stages
-    b = min_chunk or max(st.profile.min_chunk for st in stages)
+    b = min_chunk or min(MIN_CHUNK_FLOOR, max(st.profile.min_chunk for st in stages))
     n = max_seq + 1
     T = chunk_cost_matrix(stages, max_seq)
     W, arg, _ = minmax_table(T, k_max, b)

@@ -32,6 +32,20 @@ def test_with_profiles_the_partition_planner_decides_and_predicts_the_bottleneck
     p.check()
 
 
+def test_a_member_that_would_slow_prompts_down_is_left_out_and_the_plan_says_why():
+    if plan_mod.default_profile() is None:
+        pytest.skip("no shipped profile in profiles/")
+    from partition import profile as pf
+
+    base = pf.DeviceProfile.from_dict(plan_mod.default_profile())
+    slow = pf.scale(base, 0.3).to_dict()  # a device 3.3x slower than the others
+    members = [MemberInput("a", 8000), MemberInput("b", 8000, slow)]
+    p = make_plan(1, "a", members, base.num_layers)
+    assert [s.node_id for s in p.stages] == ["a"]
+    assert "b left out" in p.reason and "predicted" in p.reason
+    p.check()
+
+
 def test_a_planner_failure_falls_back_to_an_equal_split():
     bad = {"schema": "nope"}
     p = make_plan(1, "a", [MemberInput("a", 1000, bad), MemberInput("b", 1000, bad)], 30)

@@ -26,12 +26,25 @@ def test_profile_round_trips_through_json(tmp_path):
     (lambda d: d["decode_step_s"].__setitem__(0, -1.0), "decode_step_s"),
     (lambda d: d.update(dtype="float8"), "dtype"),
     (lambda d: d["q"].update(x=[4, 2, 1]), "q.x"),
+    (lambda d: d.update(message_overhead_s=-0.001), "message_overhead_s"),
+    (lambda d: d.update(message_overhead_s="fast"), "message_overhead_s"),
 ])
 def test_invalid_profiles_are_rejected_naming_the_field(mutate, field):
     d = synthetic_profile().to_dict()
     mutate(d)
     with pytest.raises(pf.ProfileError, match=field.replace(".", r"\.")):
         pf.DeviceProfile.from_dict(d)
+
+
+def test_the_per_chunk_message_cost_is_optional_and_scales_with_the_device():
+    d = synthetic_profile().to_dict()
+    d.pop("message_overhead_s", None)  # a profile written before the field existed
+    old = pf.DeviceProfile.from_dict(d)
+    assert old.message_overhead_s is None and old.chunk_overhead_s == pf.DEFAULT_MESSAGE_OVERHEAD_S
+    measured = pf.DeviceProfile.from_dict(d | {"message_overhead_s": 0.004})
+    assert measured.chunk_overhead_s == 0.004
+    assert pf.scale(measured, 2.0).chunk_overhead_s == pytest.approx(0.002)
+    assert pf.DeviceProfile.from_dict(measured.to_dict()) == measured
 
 
 def test_missing_profile_file_is_a_user_error(tmp_path):
