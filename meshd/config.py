@@ -68,6 +68,7 @@ class Config:
     model: str | None = None  # None: embedded default; "none": no model (control plane only)
     device: str = "auto"  # where this device's stage computes: auto (CUDA if available), cpu, cuda, cuda:N
     dtype: str | None = None  # weights/KV dtype; None or "auto": float32 on CPU, bfloat16/float16 on a GPU
+    wire_dtype: str = "float32"  # activations this stage sends on: float16/bfloat16 halve the bytes per hop
     plan_layers: int = 30  # layer count planned for engines without a model file (test fakes)
     request_wait_s: float = 45.0  # a request waits this long for a plan (start-up, re-plan) before a 503
     share_rate: str | None = None  # cap on model sharing per direction ("50mbit", "12.5MB/s"; None: none)
@@ -120,6 +121,8 @@ class Config:
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype is not None and str(self.dtype).strip().lower() not in _DTYPE_NAMES:
             raise ConfigError(f"dtype must be {', '.join(_DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.wire_dtype not in _DTYPE_NAMES[1:]:
+            raise ConfigError(f"wire_dtype must be {', '.join(_DTYPE_NAMES[1:])}, got {self.wire_dtype!r}")
         return self
 
 

@@ -38,6 +38,8 @@ _FLAGS = [
                                 "cpu, cuda or cuda:N"),
     ("--dtype", "dtype", str, "weights and KV cache dtype: auto (default: float32 on CPU, bfloat16 or "
                               "float16 on a GPU), float32, bfloat16, float16"),
+    ("--wire-dtype", "wire_dtype", str, "dtype of the activations this device sends to the next stage: "
+                                        "float32 (default), float16 or bfloat16 (half the bytes per hop)"),
     ("--heartbeat-interval", "heartbeat_interval_s", float, "seconds between heartbeats"),
     ("--suspect-after", "suspect_after_s", float, "silence before a member is suspect"),
     ("--gone-after", "gone_after_s", float, "silence before a member is gone"),

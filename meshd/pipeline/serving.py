@@ -231,7 +231,9 @@ async def start_serving(daemon) -> ServingRole:
     directory = DaemonDirectory(daemon)
     node = daemon.link.node
     placement = Placement.resolve(getattr(cfg, "device", "auto"), getattr(cfg, "dtype", None))
+    wire = getattr(cfg, "wire_dtype", "float32")
     stage = StageService(node, daemon.node_id, source, directory, dtype=placement.dtype, device=placement.device,
+                         activation_dtype=None if wire == "float32" else wire,
                          medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)))
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
