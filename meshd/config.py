@@ -121,6 +121,7 @@ class Config:
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype is not None and str(self.dtype).strip().lower() not in _DTYPE_NAMES:
             raise ConfigError(f"dtype must be {', '.join(_DTYPE_NAMES)}, got {self.dtype!r}")
+        self.wire_dtype = str(self.wire_dtype).strip().lower()
         if self.wire_dtype not in _DTYPE_NAMES[1:]:
             raise ConfigError(f"wire_dtype must be {', '.join(_DTYPE_NAMES[1:])}, got {self.wire_dtype!r}")
         return self

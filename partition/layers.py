@@ -217,7 +217,9 @@ def _solve(cost: np.ndarray, exact: bool, order: list[int] | None,
     """Optimal bottleneck, then least total among bottleneck-optimal splits.
 
     ``max_stages`` limits how many devices the split may use: any subset of that
-    size in the exact search, the fastest ones of ``order`` in the heuristic.
+    size in the exact search; in the heuristic (over ``EXACT_DEVICE_LIMIT`` devices)
+    the fastest ``max_stages`` of ``order`` — not the best subset of that size: a
+    fast device short of memory can make it find nothing where a slower one fits.
     """
     n, Lp1, _ = cost.shape
     L = Lp1 - 1
@@ -327,6 +329,9 @@ def partition_layers(
     cost, mats = _cost_tensor(profiles, seq_len, link, max_seq)
     split = _solve(cost, exact, order, max_stages)
     if split is None:
+        if max_stages is not None and max_stages < n and _solve(cost, exact, order) is not None:
+            raise InsufficientMemoryError(
+                f"no split over at most {max_stages} device(s) fits in memory; more devices do", [])
         raise _memory_error(profiles, mats, exact, order, max_seq)
 
     compute = tuple(float(mats[d][0][i, j]) for d, i, j in split.stages)

@@ -89,10 +89,12 @@ def plan_layers(
         try:
             res = partition_layers(profiles, link, seq_len, max_seq, max_stages=n, **kw)
         except PlanError:
-            break  # fewer devices cannot hold the model; fewer still cannot either
+            continue  # these many devices cannot hold the model (the heuristic may still find fewer)
         options[len(res.split.stages)] = (
             res, predicted_prefill_s(split_timings(res.split, profiles, link), seq_len)[0])
-    # the fewest devices whose prediction no larger set beats by min_gain
+    # Walk up from the fewest devices; move to a larger count only when it beats the count
+    # held so far by min_gain. So fewer devices are never predicted faster than the choice,
+    # and no larger count saves min_gain over it.
     counts = sorted(options)
     chosen = counts[0]
     for n in counts[1:]:

@@ -41,6 +41,7 @@ def test_the_per_chunk_message_cost_is_optional_and_scales_with_the_device():
     d.pop("message_overhead_s", None)  # a profile written before the field existed
     old = pf.DeviceProfile.from_dict(d)
     assert old.message_overhead_s is None and old.chunk_overhead_s == pf.DEFAULT_MESSAGE_OVERHEAD_S
+    assert pf.scale(old, 2.0).message_overhead_s is None  # unmeasured stays unmeasured: the default applies
     measured = pf.DeviceProfile.from_dict(d | {"message_overhead_s": 0.004})
     assert measured.chunk_overhead_s == 0.004
     assert pf.scale(measured, 2.0).chunk_overhead_s == pytest.approx(0.002)

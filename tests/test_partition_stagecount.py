@@ -102,4 +102,11 @@ def test_a_large_per_chunk_cost_makes_pipelining_a_prompt_pay_less():
     k_costly = predicted_prefill_s(split_timings(partition_layers(costly, LOCAL, 1024, 2048).split, costly,
                                                  LOCAL), 1024)[1]
     assert k_costly < k_cheap
-    assert np.isfinite(k_costly)
+
+
+def test_a_device_count_too_small_to_hold_the_model_says_so():
+    model = small_model(8)
+    half = [synthetic_profile(f"d{i}", model=model, memory_bytes=400 * MiB) for i in range(2)]
+    partition_layers(half, LOCAL, 512, 2048)  # both together hold it
+    with pytest.raises(InsufficientMemoryError, match="at most 1 device"):
+        partition_layers(half, LOCAL, 512, 2048, max_stages=1)

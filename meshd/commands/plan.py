@@ -91,8 +91,8 @@ def run(args) -> int:
         print(f"{k:<6}{s.node_id:<24}{layers:<18}{s.compute_s:>9.3f}s{s.transfer_s:>9.3f}s"
               f"   {_fmt_bytes(s.memory_bytes)} / {_fmt_bytes(s.memory_budget_bytes)}", file=out)
     if plan.unused_devices:
-        print(f"unused devices: {', '.join(plan.unused_devices)} (with them prompts would not be faster: "
-              f"see below)", file=out)
+        print(f"unused devices: {', '.join(plan.unused_devices)} (with them prompts would not be faster)",
+              file=out)
     bn = plan.stages[plan.bottleneck_stage]
     print(f"bottleneck: stage {plan.bottleneck_stage + 1} ({bn.node_id}) {plan.bottleneck_s:.3f} s "
           f"per {plan.plan_seq_len}-token prompt, {plan.bottleneck_reason}-bound: {plan.explanation}",
