@@ -127,6 +127,14 @@ class Config:
         return self
 
 
+def placement_of(cfg: Config | None):
+    """The stage's device and dtype this configuration asks for (``decoding.device.Placement``);
+    raises its one-line error when this machine cannot give it. Imports torch, so only on use."""
+    from decoding.device import Placement
+
+    return Placement.resolve(getattr(cfg, "device", "auto"), getattr(cfg, "dtype", None))
+
+
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 

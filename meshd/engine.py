@@ -480,8 +480,8 @@ async def local_engine(daemon) -> LocalEngine:
     Serves the configured model (``model``; unset = the embedded default) wholly
     on this device — the single-device fallback until the pipeline engine runs.
     """
-    from decoding.device import Placement
+    from meshd.config import placement_of
 
     cfg = getattr(daemon, "config", None)
-    placement = Placement.resolve(getattr(cfg, "device", "auto"), getattr(cfg, "dtype", None))
+    placement = placement_of(cfg)
     return await LocalEngine.open(getattr(cfg, "model", None), device=placement.device, dtype=placement.dtype)

@@ -15,19 +15,14 @@ from partition.link import LinkModel
 from partition.ids import NodeId, PlanVersion
 from partition.plan import Plan, StageAssignment
 from partition.profile import DeviceProfile
-from partition.sequence import StageTiming, build_cut_table, flow_shop_latency
+from partition.sequence import StageTiming, build_cut_table, flow_shop_latency, pipeline_timings
 from partition.stagecount import plan_layers
 
 
 def stage_timings(stages: tuple[StageAssignment, ...], profiles: dict[str, DeviceProfile],
                   link: LinkModel) -> list[StageTiming]:
-    last = len(stages) - 1
-    out = []
-    for i, s in enumerate(stages):
-        p = profiles[s.node_id]
-        out.append(StageTiming(p, s.num_layers, s.has_embedding, s.has_head_of(p.num_layers),
-                               None if i == last else link))
-    return out
+    """The timing model of a plan's stages (profiles by node id)."""
+    return pipeline_timings(((profiles[s.node_id], s.first, s.end) for s in stages), link)
 
 
 def make_plan(

@@ -79,6 +79,15 @@ class StageTiming:
         return t + p.chunk_overhead_s
 
 
+def pipeline_timings(stages, link: LinkModel) -> list[StageTiming]:
+    """The timing model of a pipeline from ``(profile, first, end)`` per stage, in order: the
+    first stage embeds, the one ending at the last layer runs the head, all but the last send."""
+    stages = list(stages)
+    last = len(stages) - 1
+    return [StageTiming(p, end - first, first == 0, end == p.num_layers, None if k == last else link)
+            for k, (p, first, end) in enumerate(stages)]
+
+
 def chunk_cost_matrix(stages: list[StageTiming], max_seq: int, block: int = 256) -> np.ndarray:
     """``T[y, l]`` = slowest stage's time for the chunk [l, y); +inf where y ≤ l.
 

@@ -26,7 +26,7 @@ from partition.layers import (
 )
 from partition.link import LinkModel
 from partition.profile import DeviceProfile
-from partition.sequence import StageTiming, equal_starts, flow_shop_latency
+from partition.sequence import StageTiming, equal_starts, flow_shop_latency, pipeline_timings
 
 #: share of the predicted prefill one more device must save to be used
 MIN_GAIN = 0.02
@@ -37,13 +37,7 @@ MIN_COMPARE_CHUNK = 16
 
 def split_timings(split: LayerSplit, profiles: list[DeviceProfile], link: LinkModel) -> list[StageTiming]:
     """The sequence planner's per-stage timing model for a layer split."""
-    last = len(split.stages) - 1
-    out = []
-    for k, (d, first, end) in enumerate(split.stages):
-        p = profiles[d]
-        out.append(StageTiming(p, end - first, first == 0, end == p.num_layers,
-                               None if k == last else link))
-    return out
+    return pipeline_timings(((profiles[d], first, end) for d, first, end in split.stages), link)
 
 
 def predicted_prefill_s(stages: list[StageTiming], seq_len: int, k_max: int | None = None) -> tuple[float, int]:

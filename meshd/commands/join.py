@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 
 from meshd import log
-from meshd.config import load_config
+from meshd.config import load_config, placement_of
 from meshd.errors import MeshdError
 from meshd.state import StateDir
 
@@ -87,9 +87,7 @@ def run(args) -> int:
     cfg = load_config(args.config, os.environ, overrides_from_args(args))
     log.configure(cfg.log_format, cfg.log_level, stream=sys.stdout)
     if cfg.model_enabled:  # say now, in one line, if this machine cannot run --device (before a token is spent)
-        from decoding.device import Placement
-
-        Placement.resolve(cfg.device, cfg.dtype)
+        placement_of(cfg)
     state = StateDir(cfg.resolved_state_dir()).ensure()
     structlog.contextvars.bind_contextvars(node=state.node_id())
     if args.token:

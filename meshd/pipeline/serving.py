@@ -215,7 +215,7 @@ async def start_serving(daemon) -> ServingRole:
     Loads the local model file's metadata and tokenizer (weights are loaded per
     plan, only for this device's layer range) on the daemon's CURVE transport.
     """
-    from decoding.device import Placement
+    from meshd.config import placement_of
     from meshd.drafting import medusa_factory
     from meshd.model_store import open_model
     from meshd.pipeline.stage_service import StageService
@@ -230,7 +230,7 @@ async def start_serving(daemon) -> ServingRole:
     await asyncio.to_thread(lambda: (source.tokenizer, getattr(source, "identity", None)))
     directory = DaemonDirectory(daemon)
     node = daemon.link.node
-    placement = Placement.resolve(getattr(cfg, "device", "auto"), getattr(cfg, "dtype", None))
+    placement = placement_of(cfg)
     wire = getattr(cfg, "wire_dtype", "float32")
     stage = StageService(node, daemon.node_id, source, directory, dtype=placement.dtype, device=placement.device,
                          activation_dtype=None if wire == "float32" else wire,
