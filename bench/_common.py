@@ -47,3 +47,13 @@ def machine_banner() -> dict:
 def emit_json(obj: dict) -> None:
     """The last stdout line of every benchmark run with --json."""
     print(json.dumps(obj), flush=True)
+
+
+def finish(result: dict, out: str | None, as_json: bool) -> None:
+    """A run's end: the JSON into ``out`` when asked (indented, for bench/results/), then the
+    one-line JSON object last on stdout with --json."""
+    if out:
+        with open(out, "w") as f:
+            f.write(json.dumps(result, indent=1))
+    if as_json:
+        emit_json(result)

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import emit_json, machine_banner, pin  # noqa: E402
+from bench._common import finish, machine_banner, pin  # noqa: E402
 
 # name -> testbed link of the home: uplink/downlink rate, RTT to the verifier (the examples)
 PROFILES = {"20mbit-40ms": "20mbit/100mbit,40ms", "2mbit-100ms": "2mbit/20mbit,100ms"}
@@ -200,10 +200,7 @@ def main() -> None:
             print(f"  {mode:<18} {r['tbt_ms']:7.1f} ms between tokens, offloaded {r['offloaded']}/{r['chunks']}, "
                   f"committed locally {r['local_fallbacks']}", flush=True)
     result["wall_s"] = round(time.perf_counter() - t, 1)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.json:
-        emit_json(result)
+    finish(result, args.out, args.json)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ class Config:
     device: str = "auto"  # where this device's stage computes: auto (CUDA if available), cpu, cuda, cuda:N
     dtype: str | None = None  # weights/KV dtype; None or "auto": float32 on CPU, bfloat16/float16 on a GPU
     wire_dtype: str = "float32"  # activations this stage sends on: float16/bfloat16 halve the bytes per hop
+    self_profile: str = "quick"  # no profile of this model yet: "quick" times one layer at start-up; "off"
     plan_layers: int = 30  # layer count planned for engines without a model file (test fakes)
     request_wait_s: float = 45.0  # a request waits this long for a plan (start-up, re-plan) before a 503
     share_rate: str | None = None  # cap on model sharing per direction ("50mbit", "12.5MB/s"; None: none)
@@ -124,6 +125,9 @@ class Config:
         self.wire_dtype = str(self.wire_dtype).strip().lower()
         if self.wire_dtype not in _DTYPE_NAMES[1:]:
             raise ConfigError(f"wire_dtype must be {', '.join(_DTYPE_NAMES[1:])}, got {self.wire_dtype!r}")
+        self.self_profile = str(self.self_profile).strip().lower()
+        if self.self_profile not in ("quick", "off"):
+            raise ConfigError(f"self_profile must be quick or off, got {self.self_profile!r}")
         return self
 
 

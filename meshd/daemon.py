@@ -50,6 +50,7 @@ from meshd.pairing import PairingServer
 from meshd.peerlink import PeerLink, probe_interval_for
 from meshd.plan import MemberInput, Plan, make_plan, plannable_members
 from meshd.sdnotify import Notifier
+from meshd.self_profile import describe as describe_profile
 from meshd.state import Home, Member, StateDir, key_fingerprint, members_digest
 from transport.errors import TransportError
 from transport.messages import Envelope, PlanUpdate
@@ -151,6 +152,7 @@ class Daemon:
         self.profiles: dict[str, dict] = {}  # node id -> shared profile
         self.profile_digests: dict[str, str] = {}
         self.own_profile: dict | None = None
+        self.profile_how = "shipped default: the model is not open yet"
         self.interfaces = []
         self.link: PeerLink | None = None
         self.pairing: PairingServer | None = None
@@ -316,6 +318,7 @@ class Daemon:
 
             self.serving = await start_serving(self)
             s = self.serving
+            await self._settle_profile(s.source)
             drafts = DraftModels(self.config.draft_model, s.source) if self.config.draft_model else None
             engine = PipelineEngine(s.source, s.coordinator, cuts_for=s.cuts, wait_s=self.config.request_wait_s,
                                     draft_model=drafts)
@@ -338,6 +341,29 @@ class Daemon:
         log.info("model_ready", model=engine.model_id, identity=self._model_identity()[0])
         self._send_heartbeat()  # peers may plan with us now
         self.debounce.poke(self.clock())
+
+    async def _settle_profile(self, source) -> None:
+        """Plan this device by its own speed: its installed profile of this model, or a quick
+        measurement now, before it counts as loaded (``meshd.self_profile``)."""
+        import torch
+
+        from meshd.config import placement_of
+        from meshd.plan import shipped_profiles_dir
+        from meshd.self_profile import settle
+
+        try:
+            on_cpu = placement_of(self.config).device.type == "cpu"
+            result = await asyncio.to_thread(
+                settle, self.state, source, mode=self.config.self_profile, threads=torch.get_num_threads(),
+                on_cpu=on_cpu, reference_dirs=[shipped_profiles_dir()])
+        except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop serving
+            self.profile_how = f"shipped default: measuring failed ({type(exc).__name__}: {exc})"[:300]
+            log.warning("self_profile_failed", error=f"{type(exc).__name__}: {exc}")
+            self.own_profile = None
+            return
+        self.profile_how = result.how
+        self.own_profile = result.profile
+        log.info("profile_settled", how=result.how)
 
     @property
     def cloud(self):
@@ -817,6 +843,7 @@ class Daemon:
                 "version": info.get("version") or None, "uptime_s": info.get("uptime_s"),
                 "model_digest": (info.get("model") or "").rpartition("@")[2] or None,
                 "kv_tokens": info.get("kv_tokens"), "last_error": info.get("last_error") or None,
+                "profile": describe_profile(self.own_profile if nid == self.node_id else self.profiles.get(nid)),
             })
         not_admitted = []
         for s in self.sightings.values():
@@ -848,6 +875,7 @@ class Daemon:
             "model": self.engine.model_id if self.engine else None,
             "model_identity": self._model_identity()[0] or None,
             "load_state": self.load_state,
+            "profile": self.profile_how,
             "ready": self._serving_ready(),
             "not_planned": [{"node_id": n, "reason": r} for n, r in sorted(self.excluded.items())],
             "stage": self._stage_status(),

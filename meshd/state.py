@@ -346,12 +346,18 @@ class StateDir:
             self._write_json("cloud.json", record.to_json())
 
     # -- profiles ---------------------------------------------------------
-    def own_profile(self) -> dict[str, Any] | None:
-        """The newest profile the profiler wrote for this device, if any."""
+    def own_profile(self, model: str | None = None) -> dict[str, Any] | None:
+        """The newest profile written for this device (``meshd profile --install`` or the daemon's
+        own quick measurement), if any; with ``model``, the newest one measured on that model
+        (its identity) — a profile of another model's layers would only make the planner fail."""
         files = sorted(self.profiles_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
         for path in reversed(files):
             try:
-                return json.loads(path.read_text())
+                data = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
+            if not isinstance(data, dict):
+                continue
+            if model is None or (data.get("model") or {}).get("identity") == model:
+                return data
         return None

@@ -393,12 +393,14 @@ def reusable(existing: DeviceProfile, identity: str, settings: ProfileSettings) 
 QUICK_POINTS = ((128 / 2048, 0.0), (512 / 2048, 0.0), (512 / 2048, 0.5))
 
 
-def estimate_speed(source, reference: DeviceProfile, threads: int = 1, repeats: int = 3) -> float:
+def estimate_speed(source, reference: DeviceProfile, threads: int = 1, repeats: int = 3, clock=None) -> float:
     """This device's speed relative to ``reference`` from one decoder layer (seconds, not minutes).
 
     Loads a single middle layer, times it at a few (x, y) points with the same
-    clock as the full profiler and returns the geometric mean of
+    clock as the full profiler (or ``clock``) and returns the geometric mean of
     ``reference.q(x, y) / measured``. Use with :func:`partition.profile.scale`.
+    A daemon timing itself passes the wall clock: a CPU quota (a container, a
+    NAS's limits) slows what it serves but not the CPU time one thread reads.
     """
     import torch
 
@@ -409,7 +411,7 @@ def estimate_speed(source, reference: DeviceProfile, threads: int = 1, repeats: 
                     model=source.identity)
     mid = cfg.num_layers // 2
     stage = source.load_stage(mid, mid + 1)
-    clock = measurement_clock(threads)
+    clock = clock or measurement_clock(threads)
     S = int(reference.settings.get("max_seq", reference.q.y[-1]))
     rng = torch.Generator().manual_seed(0)
     ratios = []

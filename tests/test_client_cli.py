@@ -140,3 +140,12 @@ def test_status_shows_each_members_link_round_trip_or_that_it_stopped_answering(
     assert rows["nas"].endswith("unreachable")
     assert rows["laptop"].endswith("-")  # its first probe is still out
     assert rows["desk"].endswith("-") and rows["tv"].endswith("-")
+
+
+def test_status_says_what_each_device_is_planned_with():
+    text = render_status({"profile": "shipped default: self-profiling is off (self_profile = off)", "members": [
+        {"name": "laptop", "self": True, "profile": "1.90x x86_64-2core-1thread (one-layer estimate)"},
+        {"name": "nas", "profile": "shipped default"}]})
+    assert ("planned with profiles: laptop: 1.90x x86_64-2core-1thread (one-layer estimate); "
+            "nas: shipped default") in text
+    assert "this device's profile: shipped default: self-profiling is off" in text

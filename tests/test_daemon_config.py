@@ -39,7 +39,8 @@ def test_a_missing_default_file_is_fine_but_a_missing_explicit_file_is_an_error(
 @pytest.mark.parametrize(
     "text, match",
     [("port = 'x'\n", "port"), ("bogus = 1\n", "unknown setting"), ("port = [\n", "meshd.toml"),
-     ("heartbeat_interval_s = 10\n", "heartbeat"), ("wire_dtype = 'int8'\n", "wire_dtype must be")],
+     ("heartbeat_interval_s = 10\n", "heartbeat"), ("wire_dtype = 'int8'\n", "wire_dtype must be"),
+     ("self_profile = 'full'\n", "self_profile must be")],
 )
 def test_invalid_settings_are_reported_with_their_source(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):

@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Fast timings so membership changes show within a few seconds.
 FAST = ["--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--gone-after", "2.0"]
-FAST_ENV = {"MESHD_REPLAN_DEBOUNCE_S": "0.5", "MESHD_DRAIN_TIMEOUT_S": "0.5"}
+# Self-profiling is off unless a test turns it on: two daemons timing themselves on one loaded
+# test machine would get different plans from run to run (tests/test_self_profile.py covers it).
+FAST_ENV = {"MESHD_REPLAN_DEBOUNCE_S": "0.5", "MESHD_DRAIN_TIMEOUT_S": "0.5", "MESHD_SELF_PROFILE": "off"}
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition", explain=None):

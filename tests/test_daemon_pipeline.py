@@ -60,3 +60,33 @@ def test_an_answer_survives_a_daemon_killed_mid_request(mesh, real_source, real_
     wait_for(lambda: [s["node_id"] for s in plan_stages(a)] == [a.node_id()], 60,
              what="a re-plan onto the surviving daemon", explain=lambda: summary(a))
     assert (a.status().get("stage") or {}).get("requests_replayed", 0) >= 1
+
+
+def test_daemons_time_themselves_once_and_are_planned_with_what_they_measured(mesh, real_source):
+    """``self_profile = quick``: each daemon times one layer before it is planned, every member
+    sees the other's measurement, and a restart reuses it instead of measuring again."""
+    import signal
+
+    quick = {"MESHD_SELF_PROFILE": "quick"}
+    model = str(real_source.path)
+    a = mesh.spawn("alpha", "--model", model, new_home="self-profile", env=quick)
+    a.wait_serving(60)
+    b = mesh.spawn("beta", "--model", model, token=mesh.invite(a), env=quick)
+    b.wait_serving(60)
+
+    def both_measured(proc):
+        s = proc.status()
+        return (s.get("profile") == "measured" and len(plan_stages(proc)) == 2
+                and all("one-layer estimate" in (m.get("profile") or "") for m in s["members"]))
+
+    for proc in (a, b):
+        wait_for(lambda proc=proc: both_measured(proc), 120, what="both members planned by their own timing",
+                 explain=lambda: summary(a, b))
+    assert len(list((a.state_dir / "profiles").glob("self-*.json"))) == 1
+
+    a.signal(signal.SIGTERM)
+    assert a.wait(60) == 0
+    a.start()
+    wait_for(lambda: a.status().get("load_state") == "loaded", 90, what="alpha to load again")
+    assert a.status()["profile"] == "reused"
+    assert sum(e.get("event") == "self_profile_measured" for e in a.events()) == 1

@@ -40,6 +40,8 @@ _FLAGS = [
                               "float16 on a GPU), float32, bfloat16, float16"),
     ("--wire-dtype", "wire_dtype", str, "dtype of the activations this device sends to the next stage: "
                                         "float32 (default), float16 or bfloat16 (half the bytes per hop)"),
+    ("--self-profile", "self_profile", str, "quick (default): with no profile of this model yet, time one "
+                                            "layer at start-up so plans weigh this device by its speed; off"),
     ("--heartbeat-interval", "heartbeat_interval_s", float, "seconds between heartbeats"),
     ("--suspect-after", "suspect_after_s", float, "silence before a member is suspect"),
     ("--gone-after", "gone_after_s", float, "silence before a member is gone"),

@@ -104,6 +104,12 @@ def render_status(s: dict[str, Any]) -> str:
         errors = [(_member_name(m, names), m["last_error"]) for m in members if m.get("last_error")]
         for name, err in errors:
             lines.append(f"last error on {name}: {err}")
+        speeds = [f"{_member_name(m, names)}: {m['profile']}" for m in members if m.get("profile")]
+        if speeds:
+            lines.append("planned with profiles: " + "; ".join(speeds))
+        how = s.get("profile")
+        if isinstance(how, str) and how.startswith("shipped default:"):
+            lines.append(f"this device's profile: {how}")
     else:
         lines.append("no devices in the mesh yet")
     lines.append("")

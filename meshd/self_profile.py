@@ -1,0 +1,103 @@
+"""A daemon that has no profile of its own measures itself, in seconds, before it is planned.
+
+Why: a member without a profile is planned from the shipped one, so a home of a
+fast laptop and a slow mini PC looks like two equal devices. The slow one gets
+half the layers and sets the pace for both: adding it makes answers slower,
+the complaint users have of similar tools. A full profile (``meshd profile``)
+takes minutes; timing one decoder layer against the shipped profile of the same
+model (``partition.profiler.estimate_speed``) gives the device's speed in a
+second or two. That is enough for the planner to weigh the devices and to leave
+out one that would slow the home down.
+
+The daemon runs this once the model is open and before it counts as loaded, so
+the first plan that includes the device already uses its measurement. The result
+is kept in the state directory and reused at every start. A profile the user
+installs (``meshd profile --install``) for the same model takes precedence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshd.log import get_logger
+from meshd.state import StateDir
+
+log = get_logger("meshd.self_profile")
+
+MODES = ("quick", "off")
+
+
+@dataclass(frozen=True)
+class SelfProfile:
+    """What the daemon plans itself with, and how it came by it (shown by ``meshd status``)."""
+
+    profile: dict[str, Any] | None
+    how: str  # "installed", "measured", "reused", or "shipped default: <why>"
+    path: Path | None = None
+
+
+def describe(profile: dict[str, Any] | None) -> str:
+    """One line on where a member's profile came from, for ``meshd status``."""
+    if not profile:
+        return "shipped default"
+    scaled = profile.get("scaled_from") or {}
+    if scaled:
+        speed = float(scaled.get("speed_factor") or 0.0)
+        return f"{speed:.2f}x {scaled.get('device_id', '?')} (one-layer estimate)"
+    return f"measured {str(profile.get('measured_at', ''))[:10]}".rstrip()
+
+
+def reference_for(model: str, dirs: list[Path]) -> Path | None:
+    """A shipped full profile of ``model`` (its identity) to scale from, if any."""
+    for d in dirs:
+        for path in sorted(d.glob("*.json")) if d.is_dir() else []:
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if (isinstance(data, dict) and (data.get("model") or {}).get("identity") == model
+                    and not data.get("scaled_from")):
+                return path
+    return None
+
+
+def settle(state: StateDir, source, *, mode: str, threads: int, on_cpu: bool, reference_dirs: list[Path],
+           estimate: Callable[..., float] | None = None) -> SelfProfile:
+    """The profile this device should be planned with (blocking: run it in a worker thread).
+
+    ``estimate(source, reference, threads=...)`` returns the device's speed relative to
+    the reference profile (default: ``partition.profiler.estimate_speed``).
+    """
+    model = getattr(source, "identity", None) or ""
+    own = state.own_profile(model) if model else None
+    if own is not None:
+        return SelfProfile(own, "installed" if not own.get("scaled_from") else "reused")
+    if mode == "off":
+        return SelfProfile(None, "shipped default: self-profiling is off (self_profile = off)")
+    if not on_cpu:
+        return SelfProfile(None, "shipped default: profiles measure the CPU only and this stage runs on a GPU")
+    ref_path = reference_for(model, reference_dirs)
+    if ref_path is None:
+        return SelfProfile(None, "shipped default: no shipped profile of this model to scale; "
+                                 "run 'meshd profile --install' for a full one")
+    from partition import profile as pf
+    from partition.profiler import default_device_id, estimate_speed, total_memory_bytes
+
+    reference = pf.load(ref_path)
+    if estimate is None:  # the wall clock: what this device serves at, quotas and all (see estimate_speed)
+        speed = estimate_speed(source, reference, threads=threads, clock=time.perf_counter)
+    else:
+        speed = estimate(source, reference, threads=threads)
+    device_id = default_device_id(threads)
+    prof = pf.scale(reference, speed, total_memory_bytes(), device_id=device_id)
+    prof = dataclasses.replace(prof, threads=threads)
+    path = pf.save(prof, state.profiles_dir / f"self-{device_id}-{model.rpartition('@')[2] or 'model'}.json")
+    log.info("self_profile_measured", speed=round(speed, 3), reference=reference.device_id, threads=threads,
+             path=str(path))
+    return SelfProfile(json.loads(path.read_text()), "measured", path)
