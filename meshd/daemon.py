@@ -152,7 +152,7 @@ class Daemon:
         self.profiles: dict[str, dict] = {}  # node id -> shared profile
         self.profile_digests: dict[str, str] = {}
         self.own_profile: dict | None = None
-        self.profile_how = "shipped default: the model is not open yet"
+        self.profile_how = ""  # how this device came by the profile it is planned with (set once the model is open)
         self.interfaces = []
         self.link: PeerLink | None = None
         self.pairing: PairingServer | None = None
