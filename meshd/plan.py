@@ -19,12 +19,12 @@ always has *some* plan and says why in ``reason``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
+from meshd.state import read_profiles
 from partition.ids import NodeId, PlanVersion
 from partition.plan import LayerAssignment, StageAssignment
 
@@ -126,13 +126,7 @@ def shipped_profiles_dir() -> Path:
 
 def default_profile() -> dict[str, Any] | None:
     """The first profile shipped in ``profiles/`` (sorted by name), if any."""
-    d = shipped_profiles_dir()
-    for path in sorted(d.glob("*.json")) if d.is_dir() else []:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-    return None
+    return next((data for _, data in read_profiles(shipped_profiles_dir())), None)
 
 
 def compute_stages(

@@ -18,7 +18,7 @@ installs (``meshd profile --install``) for the same model takes precedence.
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,12 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.state import StateDir
+from meshd.state import StateDir, profile_model, read_profiles
 
 log = get_logger("meshd.self_profile")
-
-MODES = ("quick", "off")
-
 
 @dataclass(frozen=True)
 class SelfProfile:
@@ -56,13 +53,8 @@ def describe(profile: dict[str, Any] | None) -> str:
 def reference_for(model: str, dirs: list[Path]) -> Path | None:
     """A shipped full profile of ``model`` (its identity) to scale from, if any."""
     for d in dirs:
-        for path in sorted(d.glob("*.json")) if d.is_dir() else []:
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if (isinstance(data, dict) and (data.get("model") or {}).get("identity") == model
-                    and not data.get("scaled_from")):
+        for path, data in read_profiles(d):
+            if profile_model(data) == model and not data.get("scaled_from"):
                 return path
     return None
 
@@ -90,14 +82,13 @@ def settle(state: StateDir, source, *, mode: str, threads: int, on_cpu: bool, re
     from partition.profiler import default_device_id, estimate_speed, total_memory_bytes
 
     reference = pf.load(ref_path)
-    if estimate is None:  # the wall clock: what this device serves at, quotas and all (see estimate_speed)
-        speed = estimate_speed(source, reference, threads=threads, clock=time.perf_counter)
-    else:
-        speed = estimate(source, reference, threads=threads)
+    # the wall clock by default: what this device serves at, quotas and all (see estimate_speed)
+    estimate = estimate or functools.partial(estimate_speed, clock=time.perf_counter)
+    speed = estimate(source, reference, threads=threads)
     device_id = default_device_id(threads)
     prof = pf.scale(reference, speed, total_memory_bytes(), device_id=device_id)
     prof = dataclasses.replace(prof, threads=threads)
     path = pf.save(prof, state.profiles_dir / f"self-{device_id}-{model.rpartition('@')[2] or 'model'}.json")
     log.info("self_profile_measured", speed=round(speed, 3), reference=reference.device_id, threads=threads,
              path=str(path))
-    return SelfProfile(json.loads(path.read_text()), "measured", path)
+    return SelfProfile(prof.to_dict(), "measured", path)

@@ -25,6 +25,7 @@ import os
 import secrets
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -350,14 +351,29 @@ class StateDir:
         """The newest profile written for this device (``meshd profile --install`` or the daemon's
         own quick measurement), if any; with ``model``, the newest one measured on that model
         (its identity) — a profile of another model's layers would only make the planner fail."""
-        files = sorted(self.profiles_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
-        for path in reversed(files):
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if not isinstance(data, dict):
-                continue
-            if model is None or (data.get("model") or {}).get("identity") == model:
+        for _, data in read_profiles(self.profiles_dir, newest_first=True):
+            if model is None or profile_model(data) == model:
                 return data
         return None
+
+
+def read_profiles(directory: Path, newest_first: bool = False) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The readable profile files in ``directory`` (by name, or newest first), parsed; the
+    unreadable ones (half-copied, not JSON) are passed over, since a profile only guides plans."""
+    if not directory.is_dir():
+        return
+    files = sorted(directory.glob("*.json"))
+    if newest_first:
+        files.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            yield path, data
+
+
+def profile_model(data: dict[str, Any]) -> str | None:
+    """The identity of the model a profile (as a plain dict) was measured on."""
+    return (data.get("model") or {}).get("identity")
