@@ -38,6 +38,7 @@ class MeshHeartbeat:
     last_error: str = ""  # its most recent serving error (model load, stage), "" if none
     cloud_changed_at: float = 0.0  # the cloud pairing record it holds (meshd.cloud.record): when made,
     cloud_digest: str = ""  # and its digest; a member holding a newer one sends it (CloudShare)
+    plan_digest: str = ""  # Plan.digest() of the plan it serves: same version, other digest = a conflict
 
 
 @message

@@ -146,6 +146,7 @@ class Daemon:
         self.debounce = Debouncer(config.replan_debounce_s)
         self.plan: Plan | None = None
         self.replans = 0
+        self.plan_conflict = False  # a member serves another plan under our version: re-plan above it
         self.plan_listeners: list[Callable[[Plan], Any]] = []
         self.sightings: dict[str, Sighting] = {}
         self.addresses: dict[str, tuple[str, int]] = {}  # node id -> (ip, transport port)
@@ -573,6 +574,9 @@ class Daemon:
                 self.link.send(sender, control.ProfileRequest(self.node_id))
             if self.plan is not None and msg.plan_version < self.plan.version:
                 self.link.send(sender, PlanUpdate(self.plan.version, self.plan.to_assignment()))
+            elif self.plan is not None and msg.plan_version == self.plan.version and msg.plan_digest \
+                    and msg.plan_digest != self.plan.digest():
+                self._on_plan_conflict(sender, msg.plan_version)
             share = self.cloud_sync.share_for(msg.cloud_changed_at, msg.cloud_digest)
             if share is not None:
                 self.link.send(sender, share)
@@ -618,6 +622,7 @@ class Daemon:
             version=_meshd_version(), uptime_s=round(self.clock() - self._started_at, 1),
             kv_tokens=int((self._stage_status() or {}).get("kv_tokens_in_use") or 0),
             last_error=self.last_error, **self.cloud_sync.heartbeat_fields(),
+            plan_digest=self.plan.digest() if self.plan else "",
         )
 
     def _send_heartbeat(self, node_id: str | None = None) -> None:
@@ -716,7 +721,7 @@ class Daemon:
                 return
         cur = self.plan
         if cur is not None and cur.stages == plan.stages and cur.num_layers == plan.num_layers \
-                and cur.leader == self.node_id and version <= cur.version + 1:
+                and cur.leader == self.node_id and version <= cur.version + 1 and not self.plan_conflict:
             # Same assignment: keep the version, so requests running on it are not
             # failed as stale and no stage reloads anything.
             log.debug("replan_unchanged", version=cur.version)
@@ -751,12 +756,26 @@ class Daemon:
         # version; the lowest node id re-plans above both once the home is whole.)
         if cur is None or plan.version > cur.version:
             self._adopt(plan)
-        elif plan.version == cur.version and plan.stages != cur.stages:
-            log.warning("plan_version_conflict", version=plan.version, peer=sender, leader=plan.leader)
-            self.debounce.poke(self.clock())
+        elif plan.version == cur.version and plan.digest() != cur.digest():
+            self._on_plan_conflict(sender, plan.version, plan.leader)
+
+    def _on_plan_conflict(self, peer: str, version: int, their_leader: str = "") -> None:
+        """Two plans share one version (two members each led a view of the home for a moment).
+
+        Only the leader can settle it, and its own plan may look unchanged to it, so it
+        re-plans under a new version even then; members that are not the leader wait for
+        that (the leader sees the conflict in their heartbeats). Logged once per version.
+        """
+        if not self.plan_conflict:
+            log.warning("plan_version_conflict", version=version, peer=peer, leader=their_leader or None,
+                        ours=self.plan.digest() if self.plan else None,
+                        settles=self.membership.leader() if self.membership else None)
+        self.plan_conflict = True
+        self.debounce.poke(self.clock())
 
     def _adopt(self, plan: Plan) -> None:
         self.plan = plan
+        self.plan_conflict = False  # a newer version settles any conflict under the old one
         layers = plan.layers_of(self.node_id)
         log.info("plan_adopted", version=plan.version, leader=plan.leader,
                  layers=list(layers) if layers else None)

@@ -19,6 +19,8 @@ always has *some* plan and says why in ``reason``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,16 @@ class Plan(LayerAssignment):
             raise ValueError(f"malformed plan assignment: {exc}") from None
         plan.check()
         return plan
+
+    def digest(self) -> str:
+        """What a stage's version check stands for: the stages and the layer count.
+
+        Heartbeats carry it beside the version, so two members holding different plans
+        under one version (two leaders of a briefly split view) are found and re-planned
+        above, instead of each serving its own plan forever.
+        """
+        rows = [[s.node_id, s.first, s.end] for s in self.stages]
+        return hashlib.sha256(json.dumps([self.num_layers, rows]).encode()).hexdigest()[:16]
 
     def to_status(self) -> dict[str, Any]:
         return {

@@ -67,12 +67,11 @@ def test_three_paired_daemons_become_ready_and_a_killed_one_is_gone_and_replanne
             plan = s["plan"]
             if plan["version"] <= version_before or c_id in {st["node_id"] for st in plan["stages"]}:
                 return False
-        return True
+        return a.status()["plan"] == b.status()["plan"]  # one plan, from one coordinator
 
-    # gone_after (2 s) + debounce (0.5 s) + a heartbeat period of slack
-    wait_for(c_gone_and_replanned, 2.0 + 0.5 + 3.0, what="c gone and re-planned without it",
+    # gone_after (2 s) + debounce (0.5 s) + heartbeat periods of slack (both cores may be busy)
+    wait_for(c_gone_and_replanned, 2.0 + 0.5 + 6.0, what="c gone and re-planned without it",
              explain=lambda: summary(a, b))
-    assert a.status()["plan"] == b.status()["plan"]  # one plan, from one coordinator
     events = [e["event"] for e in a.events()]
     assert "replan" in events or "replan" in [e["event"] for e in b.events()]
     # every daemon log line is JSON and names the node

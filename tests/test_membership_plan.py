@@ -107,3 +107,98 @@ def test_the_home_model_is_the_most_common_then_the_lowest_node_ids_and_never_no
     assert plannable_members(with_none)[0] == ["c"]  # a real model beats control-plane-only members
     assert plannable_members({"a": ("none", "", 0)})[0] == ["a"]  # a control-plane-only home still plans
     assert plannable_members({"a": ("loading", "", 0)})[0] == []  # nobody can serve yet: no plan
+
+
+# -- two plans under one version ---------------------------------------------------------------
+
+
+class _RecordingLink:
+    def __init__(self):
+        self.sent: list[tuple[str, object]] = []
+
+    def send(self, node_id, msg):
+        self.sent.append((node_id, msg))
+        return True
+
+    def broadcast(self, msg, node_ids=None):
+        return sum(self.send(n, msg) for n in node_ids or ())
+
+
+def _daemon(tmp_path, node_id, peers):
+    """A daemon object wired in memory: ready peers, a recording link, no sockets."""
+    from meshd.config import Config
+    from meshd.daemon import Daemon
+    from meshd.membership import Membership
+
+    d = Daemon(Config(state_dir=tmp_path / node_id, model="none", replan_debounce_s=0.01), env={})
+    d.node_id = node_id
+    d.load_state = "none"
+    d.membership = Membership(node_id, 3.0, 6.0)
+    d.link = _RecordingLink()
+    for n, key in peers.items():
+        d.by_key[key] = n
+        d.membership.heartbeat(n, 0.0, {"load_state": "none", "plan_version": 0, "memory_budget_mb": 1000})
+    return d
+
+
+def _heartbeat_from(node_id, plan):
+    from meshd import control
+    from transport.messages import Envelope
+
+    return Envelope(control.MeshHeartbeat(
+        node_id=node_id, name=node_id, memory_budget_mb=1000, plan_version=plan.version,
+        members_digest="", profile_digest="", timestamp=0.0, load_state="none",
+        plan_digest=plan.digest()))
+
+
+def test_the_leader_replans_above_a_member_serving_another_plan_under_its_version(tmp_path):
+    # c joined and, lowest id, led at once (v2 over a, b, c) while b, the old leader,
+    # had issued its own v2 over a and b: each side would serve its plan forever.
+    theirs = Plan(2, (Stage("a", 0, 15), Stage("b", 15, 30)), 30, leader="b", members=("a", "b"))
+    c = _daemon(tmp_path, "c", {"a": "key-a", "b": "key-b"})
+    c.node_id = "0c"  # the lowest id: the leader
+    c.membership = type(c.membership)("0c", 3.0, 6.0)
+    for n in ("a", "b"):
+        c.membership.heartbeat(n, 0.0, {"load_state": "none", "plan_version": 1, "memory_budget_mb": 1000})
+    c._maybe_replan()  # its own v2
+    assert c.plan.version == 2 and c.membership.leader() == "0c"
+    c.link.sent.clear()
+    c._maybe_replan()  # nothing changed: the version stays (requests on it are not failed as stale)
+    assert c.plan.version == 2 and not c.link.sent
+
+    c._on_message("key-a", _heartbeat_from("a", theirs))
+    assert c.plan_conflict
+    c._maybe_replan()
+
+    assert c.plan.version == 3 and c.plan.leader == "0c"
+    updates = [(n, m) for n, m in c.link.sent if type(m).__name__ == "PlanUpdate"]
+    assert {n for n, _ in updates} == {"a", "b"} and all(m.plan_version == 3 for _, m in updates)
+    assert not c.plan_conflict
+
+
+def test_a_member_that_is_not_the_leader_notes_the_conflict_and_leaves_it_to_the_leader(tmp_path):
+    ours = Plan(2, (Stage("a", 0, 15), Stage("b", 15, 30)), 30, leader="a")
+    leaders = Plan(2, (Stage("a", 0, 10), Stage("b", 10, 20), Stage("0c", 20, 30)), 30, leader="0c")
+    b = _daemon(tmp_path, "b", {"a": "key-a", "0c": "key-c"})
+    b._adopt(ours)
+
+    from transport.messages import PlanUpdate, Envelope
+
+    b._on_message("key-c", Envelope(PlanUpdate(2, leaders.to_assignment())))
+    assert b.plan_conflict and b.plan == ours  # an equal version is never adopted
+    b._maybe_replan()
+    assert b.plan == ours and not [m for _, m in b.link.sent if type(m).__name__ == "PlanUpdate"]
+
+    b._on_message("key-c", Envelope(PlanUpdate(3, leaders.to_assignment())))
+    assert b.plan.version == 3 and b.plan.stages == leaders.stages and not b.plan_conflict
+
+
+def test_members_holding_the_same_plan_see_no_conflict(tmp_path):
+    plan = Plan(2, (Stage("a", 0, 15), Stage("b", 15, 30)), 30, leader="a", members=("a", "b"))
+    a = _daemon(tmp_path, "a", {"b": "key-b"})
+    a._adopt(plan)
+    # the digest covers what a stage checks: the stages and the layer count
+    same_stages = Plan(2, plan.stages, 30, reason="other words", leader="a", members=("a", "b", "z"))
+    a._on_message("key-b", _heartbeat_from("b", same_stages))
+    assert not a.plan_conflict
+    assert Plan(2, plan.stages, 31).digest() != plan.digest()
