@@ -13,10 +13,14 @@ from typing import Any
 from transport.messages import message
 
 
-@message
+@message(extensible=True)
 @dataclass
 class MeshHeartbeat:
-    """Sent to every known member each heartbeat interval; liveness + cheap gossip."""
+    """Sent to every known member each heartbeat interval; liveness + cheap gossip.
+
+    Extensible: a member upgraded first may send fields this version does not know;
+    they are left out (and logged) so it stays alive to the rest of the home.
+    """
 
     node_id: str
     name: str

@@ -147,6 +147,7 @@ class Daemon:
         self.plan: Plan | None = None
         self.replans = 0
         self.plan_conflict = False  # a member serves another plan under our version: re-plan above it
+        self._unknown_fields_seen: set[tuple[str, str, tuple[str, ...]]] = set()
         self.plan_listeners: list[Callable[[Plan], Any]] = []
         self.sightings: dict[str, Sighting] = {}
         self.addresses: dict[str, tuple[str, int]] = {}  # node id -> (ip, transport port)
@@ -557,6 +558,8 @@ class Daemon:
                         fingerprint=_safe_fp(public_key))
             return
         now = self.clock()
+        if env.unknown_fields:
+            self._note_unknown_fields(sender, msg, env.unknown_fields)
         if isinstance(msg, control.MeshHeartbeat):
             info = {"name": msg.name, "memory_budget_mb": msg.memory_budget_mb,
                     "plan_version": msg.plan_version, "state": msg.state,
@@ -601,6 +604,17 @@ class Daemon:
             pass  # model sharing: adverts and fetch targets
         else:
             log.info("message_ignored", type=type(msg).__name__, peer=sender)
+
+    def _note_unknown_fields(self, sender: str, msg: Any, fields: tuple[str, ...]) -> None:
+        """A newer member's fields this daemon does without: said once per member and field set."""
+        key = (sender, type(msg).__name__, fields)
+        if key in self._unknown_fields_seen:
+            return
+        if len(self._unknown_fields_seen) < 256:
+            self._unknown_fields_seen.add(key)
+        log.warning("peer_fields_unknown", peer=sender, type=type(msg).__name__, fields=list(fields[:16]),
+                    peer_version=getattr(msg, "version", None) or None, version=_meshd_version(),
+                    hint="the member runs another meshd version; upgrade every member to the same one")
 
     def _apply(self, changes: list[Change]) -> None:
         for c in changes:

@@ -202,3 +202,25 @@ def test_members_holding_the_same_plan_see_no_conflict(tmp_path):
     a._on_message("key-b", _heartbeat_from("b", same_stages))
     assert not a.plan_conflict
     assert Plan(2, plan.stages, 31).digest() != plan.digest()
+
+
+def test_a_heartbeat_from_a_newer_member_with_fields_this_version_lacks_keeps_it_alive(tmp_path):
+    import msgpack
+    import structlog
+
+    from meshd import control
+    from transport.messages import decode, encode
+
+    a = _daemon(tmp_path, "a", {"b": "key-b"})
+    frames = encode(control.MeshHeartbeat(
+        node_id="b", name="b", memory_budget_mb=1000, plan_version=0, members_digest="",
+        profile_digest="", timestamp=0.0, load_state="none", uptime_s=42.0, version="9.9"))
+    header = msgpack.unpackb(frames[0])
+    header["fields"]["from_the_future"] = [1, 2, 3]
+    env = decode([msgpack.packb(header), *frames[1:]])
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            a._on_message("key-b", env)
+    assert a.membership.peers["b"].info["uptime_s"] == 42.0  # the rest of it was taken
+    said = [e for e in logs if e["event"] == "peer_fields_unknown"]
+    assert len(said) == 1 and said[0]["fields"] == ["from_the_future"] and said[0]["peer_version"] == "9.9"

@@ -131,6 +131,43 @@ def test_unknown_field_is_a_protocol_error():
         decode([msgpack.packb(h)])
 
 
+@message(name="TestExtensibleGossip", extensible=True)
+@dataclasses.dataclass
+class Gossip:
+    name: str
+    load: float = 0.0
+
+
+def test_an_extensible_message_leaves_out_fields_it_does_not_know_and_names_them():
+    # what a newer peer's liveness gossip looks like to this version
+    h = msgpack.unpackb(encode(Gossip("kitchen", 0.5))[0])
+    h["fields"]["plan_digest"] = "ab12"
+    h["fields"]["zone"] = {"nested": [1, 2]}
+    env = decode([msgpack.packb(h)])
+    assert env.message == Gossip("kitchen", 0.5)
+    assert env.unknown_fields == ("plan_digest", "zone")
+    assert decode(encode(Gossip("kitchen"))).unknown_fields == ()
+
+
+def test_an_extensible_message_still_checks_the_fields_it_knows():
+    h = msgpack.unpackb(encode(Gossip("kitchen"))[0])
+    h["fields"]["load"] = "high"
+    with pytest.raises(ProtocolError, match="load should be"):
+        decode([msgpack.packb(h)])
+    del h["fields"]["name"]
+    h["fields"]["load"] = 1.0
+    with pytest.raises(ProtocolError, match="missing field.*name"):
+        decode([msgpack.packb(h)])
+
+
+def test_a_compact_message_cannot_be_extensible():
+    with pytest.raises(TypeError, match="positional"):
+        @message(name="TestCompactExtensible", compact=True, extensible=True)
+        @dataclasses.dataclass
+        class _Bad:
+            a: int = 0
+
+
 # ---------------------------------------------------------------- properties
 
 

@@ -80,6 +80,7 @@ class _ClassSpec:
     fields: tuple[_FieldSpec, ...]
     by_name: dict[str, _FieldSpec]
     compact: bool = False
+    extensible: bool = False
 
 
 def activation(**kwargs: Any) -> Any:
@@ -116,15 +117,24 @@ def _check_hint(hint: Any) -> None:
     raise TypeError(f"unsupported field type {hint!r} in a message (use plain types, list, dict, tuple)")
 
 
-def message(cls: type | None = None, *, name: str | None = None, compact: bool = False):
+def message(cls: type | None = None, *, name: str | None = None, compact: bool = False,
+            extensible: bool = False):
     """Register a dataclass as a wire message (its ``type`` is the class name).
 
     ``compact=True``: the message travels as one positional array frame
     (``transport.wire.encode_compact``) — for small messages on slow links. It
     may not have tensor fields.
+
+    ``extensible=True``: header fields this code does not know are left out and
+    named in ``Envelope.unknown_fields`` instead of failing the message. Only for
+    messages a newer peer may extend with fields an older one can do without
+    (liveness gossip): refusing them would make a device upgraded first look dead
+    to the rest of its home. Known fields are type-checked as always.
     """
 
     def wrap(c: type) -> type:
+        if compact and extensible:
+            raise TypeError("a compact message is positional: it cannot be extensible")
         if not dataclasses.is_dataclass(c):
             c = dataclass(c)
         type_name = name or c.__name__
@@ -145,7 +155,7 @@ def message(cls: type | None = None, *, name: str | None = None, compact: bool =
                 raise TypeError(f"{type_name}.{f.name}: a compact message cannot carry tensors")
             specs.append(_FieldSpec(f.name, hint, kind, act, required))
         _REGISTRY[type_name] = c
-        _SPECS[c] = _ClassSpec(type_name, c, tuple(specs), {s.name: s for s in specs}, compact)
+        _SPECS[c] = _ClassSpec(type_name, c, tuple(specs), {s.name: s for s in specs}, compact, extensible)
         return c
 
     return wrap(cls) if cls is not None else wrap
@@ -240,6 +250,7 @@ class Envelope:
     request_id: int = 0  # link-level; 0 means one-way (no reply expected)
     seq: int = 0  # sender's running message counter
     sender: str = ""  # sender's node id
+    unknown_fields: tuple[str, ...] = ()  # an extensible message's fields this code does not know
 
 
 def encode(
@@ -302,8 +313,12 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelop
         header.fields = {f.name: v for f, v in zip(spec.fields, header.fields)}
     elif spec.compact:
         raise ProtocolError(f"{header.type} travels in compact form only", request_id=rid)
+    unknown: list[str] = []
     for name, value in header.fields.items():
         f = spec.by_name.get(name)
+        if f is None and spec.extensible:
+            unknown.append(str(name))
+            continue
         if f is None:
             raise ProtocolError(f"{header.type} has no field {name!r}", request_id=rid)
         if f.tensor_kind is not None:
@@ -320,6 +335,9 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelop
         kwargs[name] = out
     for ts in header.tensors:
         f = spec.by_name.get(ts.name)
+        if f is None and spec.extensible:
+            unknown.append(str(ts.name))
+            continue
         if f is None or f.tensor_kind is None:
             raise ProtocolError(f"{header.type} has no tensor field {ts.name!r}", request_id=rid)
         kind = None if f.tensor_kind == "any" else f.tensor_kind
@@ -334,7 +352,7 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelop
         msg = cls(**kwargs)
     except Exception as e:  # a __post_init__ refusing the values
         raise ProtocolError(f"invalid {header.type}: {e}", request_id=rid) from None
-    return Envelope(msg, rid, header.seq, header.sender)
+    return Envelope(msg, rid, header.seq, header.sender, tuple(sorted(unknown)))
 
 
 # ------------------------------------------------------------------ messages
