@@ -1,3 +1,3 @@
 """meshd: one LLM served together by the idle devices of a home."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import ipaddress
@@ -52,6 +53,7 @@ from meshd.plan import MemberInput, Plan, make_plan, plannable_members
 from meshd.sdnotify import Notifier
 from meshd.self_profile import describe as describe_profile
 from meshd.state import Home, Member, StateDir, key_fingerprint, members_digest
+from partition.ids import NodeId, PlanVersion
 from transport.errors import TransportError
 from transport.messages import Envelope, PlanUpdate
 
@@ -610,8 +612,12 @@ class Daemon:
         key = (sender, type(msg).__name__, fields)
         if key in self._unknown_fields_seen:
             return
-        if len(self._unknown_fields_seen) < 256:
-            self._unknown_fields_seen.add(key)
+        if len(self._unknown_fields_seen) >= 256:  # bounded: say so once and stop
+            if len(self._unknown_fields_seen) == 256:
+                self._unknown_fields_seen.add(("", "", ()))
+                log.warning("peer_fields_unknown_suppressed", reason="too many distinct sets of unknown fields")
+            return
+        self._unknown_fields_seen.add(key)
         log.warning("peer_fields_unknown", peer=sender, type=type(msg).__name__, fields=list(fields[:16]),
                     peer_version=getattr(msg, "version", None) or None, version=_meshd_version(),
                     hint="the member runs another meshd version; upgrade every member to the same one")
@@ -643,10 +649,14 @@ class Daemon:
         if self.link is None:
             return
         hb = self._heartbeat()
-        if node_id is None:
-            self.link.broadcast(hb)
-        else:
-            self.link.send(node_id, hb)
+        legacy = dataclasses.replace(hb, plan_digest="")  # left out on the wire: strict 0.1 daemons refuse it
+        for peer in ([node_id] if node_id is not None else list(self.link.peers)):
+            self.link.send(peer, hb if self._takes_extended_heartbeats(peer) else legacy)
+
+    def _takes_extended_heartbeats(self, peer: str) -> bool:
+        """Whether ``peer`` decodes heartbeat fields added since 0.1 (its heartbeats say its version)."""
+        info = self.membership.peers[peer].info if self.membership and peer in self.membership.peers else {}
+        return _version_tuple(str(info.get("version") or "")) >= EXTENSIBLE_HEARTBEATS_SINCE
 
     async def _maintenance_loop(self) -> None:
         cfg = self.config
@@ -731,11 +741,15 @@ class Daemon:
         plan = plan_over(ready)
         if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
             plan = self.sharing.gate(plan, self.plan, ready, model, plan_over)
+            if plan is None and self.plan_conflict and self.plan is not None:
+                # Our plan goes on serving while members fetch, but not under a version
+                # another plan holds too: re-issue it above both.
+                plan = dataclasses.replace(self.plan, version=PlanVersion(version), leader=NodeId(self.node_id))
             if plan is None:
                 return
         cur = self.plan
-        if cur is not None and cur.stages == plan.stages and cur.num_layers == plan.num_layers \
-                and cur.leader == self.node_id and version <= cur.version + 1 and not self.plan_conflict:
+        if cur is not None and cur.digest() == plan.digest() and cur.leader == self.node_id \
+                and version <= cur.version + 1 and not self.plan_conflict:
             # Same assignment: keep the version, so requests running on it are not
             # failed as stale and no stage reloads anything.
             log.debug("replan_unchanged", version=cur.version)
@@ -925,6 +939,18 @@ def _digest(obj: Any) -> str:
     import hashlib
 
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+#: the first meshd whose heartbeats are extensible (older ones refuse any field they lack)
+EXTENSIBLE_HEARTBEATS_SINCE = (0, 2, 0)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """"0.2.0" -> (0, 2, 0); anything unparsable (an unknown peer) -> () (oldest)."""
+    try:
+        return tuple(int(x) for x in version.split("+")[0].split("."))
+    except ValueError:
+        return ()
 
 
 def _meshd_version() -> str:

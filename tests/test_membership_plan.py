@@ -115,6 +115,7 @@ def test_the_home_model_is_the_most_common_then_the_lowest_node_ids_and_never_no
 class _RecordingLink:
     def __init__(self):
         self.sent: list[tuple[str, object]] = []
+        self.peers: dict[str, object] = {}
 
     def send(self, node_id, msg):
         self.sent.append((node_id, msg))
@@ -137,6 +138,7 @@ def _daemon(tmp_path, node_id, peers):
     d.link = _RecordingLink()
     for n, key in peers.items():
         d.by_key[key] = n
+        d.link.peers[n] = key
         d.membership.heartbeat(n, 0.0, {"load_state": "none", "plan_version": 0, "memory_budget_mb": 1000})
     return d
 
@@ -224,3 +226,57 @@ def test_a_heartbeat_from_a_newer_member_with_fields_this_version_lacks_keeps_it
     assert a.membership.peers["b"].info["uptime_s"] == 42.0  # the rest of it was taken
     said = [e for e in logs if e["event"] == "peer_fields_unknown"]
     assert len(said) == 1 and said[0]["fields"] == ["from_the_future"] and said[0]["peer_version"] == "9.9"
+
+
+def test_a_plan_echoed_back_with_its_predicted_timings_is_no_conflict(tmp_path):
+    import dataclasses
+
+    from transport.messages import Envelope, PlanUpdate
+
+    a = _daemon(tmp_path, "a", {"b": "key-b"})
+    planned = Plan(2, (Stage("a", 0, 15, compute_s=0.4), Stage("b", 15, 30, compute_s=0.5)), 30, leader="a")
+    a._adopt(planned)
+    echoed = Plan.from_assignment(2, planned.to_assignment())  # timings do not travel
+    assert echoed.stages != planned.stages and echoed.digest() == planned.digest()
+    a._on_message("key-b", Envelope(PlanUpdate(2, echoed.to_assignment())))
+    a._on_message("key-b", _heartbeat_from("b", echoed))
+    older = dataclasses.replace(_heartbeat_from("b", echoed).message, plan_digest="")  # a 0.1 member
+    a._on_message("key-b", Envelope(older))
+    assert not a.plan_conflict
+
+
+def test_heartbeats_carry_the_plan_digest_only_to_members_that_decode_it(tmp_path):
+    import msgpack
+
+    from transport.messages import encode
+
+    a = _daemon(tmp_path, "a", {"old": "key-old", "new": "key-new", "quiet": "key-quiet"})
+    a.membership.peers["old"].info["version"] = "0.1.0"
+    a.membership.peers["new"].info["version"] = "0.2.0"
+    a._adopt(Plan(1, (Stage("a", 0, 30),), 30, leader="a"))
+    a._send_heartbeat()
+    sent = {n: m for n, m in a.link.sent}
+    assert sent["new"].plan_digest == a.plan.digest()
+    for n in ("old", "quiet"):  # a 0.1 daemon, and one not heard from yet
+        assert "plan_digest" not in msgpack.unpackb(encode(sent[n])[0])["fields"]
+
+
+def test_a_conflict_is_settled_even_while_a_new_plan_waits_for_members_to_fetch_layers(tmp_path):
+    class FetchingStill:  # meshd.share: the better plan waits; the current one can serve
+        def gate(self, plan, current, ready, model, plan_over):
+            return None
+
+    c = _daemon(tmp_path, "c", {"a": "key-a"})
+    c.node_id = "0c"
+    c.membership = type(c.membership)("0c", 3.0, 6.0)
+    c.membership.heartbeat("a", 0.0, {"load_state": "none", "plan_version": 1, "memory_budget_mb": 1000})
+    ours = Plan(2, (Stage("0c", 0, 30),), 30, leader="0c")
+    c._adopt(ours)
+    c.sharing = FetchingStill()
+    c._maybe_replan()
+    assert c.plan == ours  # no conflict: waiting is fine
+
+    c._on_message("key-a", _heartbeat_from("a", Plan(2, (Stage("a", 0, 30),), 30, leader="a")))
+    c._maybe_replan()
+    assert c.plan.version == 3 and c.plan.stages == ours.stages and not c.plan_conflict
+    assert [m.plan_version for n, m in c.link.sent if type(m).__name__ == "PlanUpdate"] == [3]

@@ -138,6 +138,13 @@ class Gossip:
     load: float = 0.0
 
 
+@message(name="TestExtensibleTensorGossip", extensible=True)
+@dataclasses.dataclass
+class TensorGossip:
+    name: str
+    sketch: torch.Tensor | None = None
+
+
 def test_an_extensible_message_leaves_out_fields_it_does_not_know_and_names_them():
     # what a newer peer's liveness gossip looks like to this version
     h = msgpack.unpackb(encode(Gossip("kitchen", 0.5))[0])
@@ -147,6 +154,30 @@ def test_an_extensible_message_leaves_out_fields_it_does_not_know_and_names_them
     assert env.message == Gossip("kitchen", 0.5)
     assert env.unknown_fields == ("plan_digest", "zone")
     assert decode(encode(Gossip("kitchen"))).unknown_fields == ()
+
+
+def test_an_extensible_message_sends_only_fields_off_their_default():
+    # so a field added in a newer version reaches an older peer only when it is set
+    assert msgpack.unpackb(encode(Gossip("kitchen"))[0])["fields"] == {"name": "kitchen"}
+    assert msgpack.unpackb(encode(Gossip("kitchen", 0.5))[0])["fields"] == {"name": "kitchen", "load": 0.5}
+    assert decode(encode(Gossip("kitchen"))).message == Gossip("kitchen")
+    # a strict message still sends everything
+    assert "new_length" in msgpack.unpackb(encode(M.Truncate(1, "s2", 0))[0])["fields"]
+
+
+def test_unknown_tensor_frames_of_an_extensible_message_are_left_out_too():
+    frames = encode(TensorGossip("kitchen", torch.ones(3)))
+    h = msgpack.unpackb(frames[0])
+    h["tensors"][0]["name"] = "sketch_v2"
+    env = decode([msgpack.packb(h), *frames[1:]])
+    assert env.message == TensorGossip("kitchen") and env.unknown_fields == ("sketch_v2",)
+
+
+def test_a_header_naming_thousands_of_unknown_fields_keeps_a_bounded_list():
+    h = msgpack.unpackb(encode(Gossip("kitchen"))[0])
+    h["fields"].update({f"f{i:05d}": i for i in range(5000)})
+    env = decode([msgpack.packb(h)])
+    assert len(env.unknown_fields) == M.MAX_UNKNOWN_NAMED + 1 and env.unknown_fields[-1] == "... 4984 more"
 
 
 def test_an_extensible_message_still_checks_the_fields_it_knows():
@@ -246,6 +277,9 @@ def _assert_valid_or_protocol_error(frames):
             assert M._coerce(value, f.hint) is not M._BAD, (f.name, value)
         else:
             assert value is None or isinstance(value, (torch.Tensor, np.ndarray))
+    assert all(isinstance(n, str) for n in env.unknown_fields)
+    assert not set(env.unknown_fields) & set(M._SPECS[cls].by_name)
+    assert len(env.unknown_fields) <= M.MAX_UNKNOWN_NAMED + 1
 
 
 @FAST
@@ -262,7 +296,9 @@ msgpack_values = st.recursive(
 )
 
 _VALID = [encode(m, request_id=3) for m in EXAMPLES if not type(m).__name__.startswith("Cloud")] + [
-    encode(Probe(torch.zeros(2, 3), np.ones(4, dtype=bool), "x", 1, [0.5], {"k": 1}))
+    encode(Probe(torch.zeros(2, 3), np.ones(4, dtype=bool), "x", 1, [0.5], {"k": 1})),
+    encode(Gossip("kitchen", 0.5)),
+    encode(TensorGossip("kitchen", torch.ones(3))),
 ]
 
 

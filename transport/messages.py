@@ -129,7 +129,9 @@ def message(cls: type | None = None, *, name: str | None = None, compact: bool =
     named in ``Envelope.unknown_fields`` instead of failing the message. Only for
     messages a newer peer may extend with fields an older one can do without
     (liveness gossip): refusing them would make a device upgraded first look dead
-    to the rest of its home. Known fields are type-checked as always.
+    to the rest of its home. Known fields are type-checked as always. Fields at
+    their default are not sent, so a field a peer predates reaches it only when
+    the sender sets it.
     """
 
     def wrap(c: type) -> type:
@@ -279,9 +281,12 @@ def encode(
         return wire.encode_compact(spec.type_name, values, request_id=request_id)
     fields: dict[str, Any] = {}
     tensors: list[tuple[str, Any, str | None]] = []
+    defaults = {f.name: f.default for f in dataclasses.fields(spec.cls)} if spec.extensible else {}
     for f in spec.fields:
         value = getattr(msg, f.name)
         if f.tensor_kind is None:
+            if spec.extensible and not f.required and _same(value, defaults[f.name]):
+                continue
             fields[f.name] = value
         elif value is not None:
             tensors.append((f.name, value, activation_dtype if f.activation else None))
@@ -352,7 +357,22 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelop
         msg = cls(**kwargs)
     except Exception as e:  # a __post_init__ refusing the values
         raise ProtocolError(f"invalid {header.type}: {e}", request_id=rid) from None
-    return Envelope(msg, rid, header.seq, header.sender, tuple(sorted(unknown)))
+    return Envelope(msg, rid, header.seq, header.sender, _named(unknown))
+
+
+def _same(value: Any, default: Any) -> bool:
+    return type(value) is type(default) and value == default
+
+
+#: unknown field names an envelope keeps (a hostile header may name thousands)
+MAX_UNKNOWN_NAMED = 16
+
+
+def _named(unknown: list[str]) -> tuple[str, ...]:
+    names = sorted(unknown)
+    if len(names) <= MAX_UNKNOWN_NAMED:
+        return tuple(names)
+    return (*names[:MAX_UNKNOWN_NAMED], f"... {len(names) - MAX_UNKNOWN_NAMED} more")
 
 
 # ------------------------------------------------------------------ messages
