@@ -52,7 +52,7 @@ from meshd.peerlink import PeerLink, probe_interval_for
 from meshd.plan import MemberInput, Plan, make_plan, plannable_members
 from meshd.sdnotify import Notifier
 from meshd.self_profile import describe as describe_profile
-from meshd.state import Home, Member, StateDir, key_fingerprint, members_digest
+from meshd.state import Home, Member, StateDir, json_digest, key_fingerprint, members_digest
 from partition.ids import NodeId, PlanVersion
 from transport.errors import TransportError
 from transport.messages import Envelope, PlanUpdate
@@ -452,7 +452,7 @@ class Daemon:
     # -- adverts & sightings ----------------------------------------------------
     def _advert(self) -> Advert:
         prof = self.own_profile
-        digest = _digest(prof) if prof else ""
+        digest = json_digest(prof) if prof else ""
         return Advert(
             node_id=self.node_id, name=self.config.name, protocol_version=PROTOCOL_VERSION,
             home_digest=self.home.digest if self.home else "",
@@ -591,7 +591,7 @@ class Daemon:
             self.cloud_sync.receive(msg.record, sender)
         elif isinstance(msg, control.ProfileRequest):
             prof = self.own_profile
-            self.link.send(sender, control.ProfileShare(self.node_id, _digest(prof) if prof else "", prof))
+            self.link.send(sender, control.ProfileShare(self.node_id, json_digest(prof) if prof else "", prof))
         elif isinstance(msg, control.ProfileShare):
             if msg.profile is not None:
                 self.profiles[sender] = msg.profile
@@ -610,15 +610,13 @@ class Daemon:
     def _note_unknown_fields(self, sender: str, msg: Any, fields: tuple[str, ...]) -> None:
         """A newer member's fields this daemon does without: said once per member and field set."""
         key = (sender, type(msg).__name__, fields)
-        if key in self._unknown_fields_seen:
-            return
-        if len(self._unknown_fields_seen) >= 256:  # bounded: say so once and stop
-            if len(self._unknown_fields_seen) == 256:
-                self._unknown_fields_seen.add(("", "", ()))
-                log.warning("peer_fields_unknown_suppressed", reason="too many distinct sets of unknown fields")
+        if key in self._unknown_fields_seen or len(self._unknown_fields_seen) > 256:
             return
         self._unknown_fields_seen.add(key)
-        log.warning("peer_fields_unknown", peer=sender, type=type(msg).__name__, fields=list(fields[:16]),
+        if len(self._unknown_fields_seen) > 256:  # bounded: say so once, then stop
+            log.warning("peer_fields_unknown_suppressed", reason="too many distinct sets of unknown fields")
+            return
+        log.warning("peer_fields_unknown", peer=sender, type=type(msg).__name__, fields=list(fields),
                     peer_version=getattr(msg, "version", None) or None, version=_meshd_version(),
                     hint="the member runs another meshd version; upgrade every member to the same one")
 
@@ -634,7 +632,7 @@ class Daemon:
         return control.MeshHeartbeat(
             node_id=self.node_id, name=self.config.name, memory_budget_mb=self.config.memory_budget_mb,
             plan_version=self.plan.version if self.plan else 0,
-            members_digest=members_digest(self.members), profile_digest=_digest(prof) if prof else "",
+            members_digest=members_digest(self.members), profile_digest=json_digest(prof) if prof else "",
             timestamp=time.time(), state="draining" if self.stopping.is_set() else "ready",
             requests_in_flight=self.engine.in_flight if self.engine else 0,
             stage_port=self.stage_port, incarnation=self.incarnation, load_state=self.load_state,
@@ -933,12 +931,6 @@ class Daemon:
             "version": _meshd_version(),
             "uptime_s": round(now - self._started_at, 1) if self._started_at else 0.0,
         }
-
-
-def _digest(obj: Any) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 #: the first meshd whose heartbeats are extensible (older ones refuse any field they lack)

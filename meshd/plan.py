@@ -19,14 +19,12 @@ always has *some* plan and says why in ``reason``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.state import read_profiles
+from meshd.state import json_digest, read_profiles
 from partition.ids import NodeId, PlanVersion
 from partition.plan import LayerAssignment, StageAssignment
 
@@ -92,8 +90,7 @@ class Plan(LayerAssignment):
         under one version (two leaders of a briefly split view) are found and re-planned
         above, instead of each serving its own plan forever.
         """
-        rows = [[s.node_id, s.first, s.end] for s in self.stages]
-        return hashlib.sha256(json.dumps([self.num_layers, rows]).encode()).hexdigest()[:16]
+        return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
 
     def to_status(self) -> dict[str, Any]:
         return {

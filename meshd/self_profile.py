@@ -30,6 +30,7 @@ from meshd.state import StateDir, profile_model, read_profiles
 
 log = get_logger("meshd.self_profile")
 
+
 @dataclass(frozen=True)
 class SelfProfile:
     """What the daemon plans itself with, and how it came by it (shown by ``meshd status``)."""

@@ -124,6 +124,11 @@ def member_conflict(current: dict[str, Member], m: Member) -> MemberConflict | N
     return None
 
 
+def json_digest(obj: Any) -> str:
+    """A short digest of a JSON-able value (keys sorted), compared in heartbeats."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def members_digest(members: dict[str, Member]) -> str:
     """Order-independent digest of the allow-list, compared in heartbeats."""
     h = hashlib.sha256()

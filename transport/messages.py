@@ -71,6 +71,7 @@ class _FieldSpec:
     tensor_kind: str | None  # "torch", "numpy", "any" or None (header field)
     activation: bool
     required: bool
+    default: Any  # dataclasses.MISSING for required fields and factories
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ def message(cls: type | None = None, *, name: str | None = None, compact: bool =
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if compact and kind is not None:
                 raise TypeError(f"{type_name}.{f.name}: a compact message cannot carry tensors")
-            specs.append(_FieldSpec(f.name, hint, kind, act, required))
+            specs.append(_FieldSpec(f.name, hint, kind, act, required, f.default))
         _REGISTRY[type_name] = c
         _SPECS[c] = _ClassSpec(type_name, c, tuple(specs), {s.name: s for s in specs}, compact, extensible)
         return c
@@ -275,17 +276,16 @@ def encode(
         raise ProtocolError(f"{type(msg).__name__} is not a registered message type")
     if spec.compact:
         values = [getattr(msg, f.name) for f in spec.fields]
-        defaults = [f.default for f in dataclasses.fields(spec.cls)]
-        while values and values[-1] == defaults[len(values) - 1] and not spec.fields[len(values) - 1].required:
+        while values and not spec.fields[len(values) - 1].required \
+                and values[-1] == spec.fields[len(values) - 1].default:
             values.pop()
         return wire.encode_compact(spec.type_name, values, request_id=request_id)
     fields: dict[str, Any] = {}
     tensors: list[tuple[str, Any, str | None]] = []
-    defaults = {f.name: f.default for f in dataclasses.fields(spec.cls)} if spec.extensible else {}
     for f in spec.fields:
         value = getattr(msg, f.name)
         if f.tensor_kind is None:
-            if spec.extensible and not f.required and _same(value, defaults[f.name]):
+            if spec.extensible and not f.required and _same(value, f.default):
                 continue
             fields[f.name] = value
         elif value is not None:
