@@ -20,6 +20,11 @@ Specs (plain JSON-able dicts, so they cross process and wire boundaries):
 * ``{"type": "json_schema", "schema": {...}}``: JSON valid against the schema.
 * ``{"type": "lark", "grammar": "..."}``: a Lark grammar (llguidance's dialect).
 * ``{"type": "regex", "pattern": "..."}``: text matching the regex.
+* ``{"type": "tool_calls", ...}``: free text or calls of the offered tools, with
+  the grammar switched on lazily (:mod:`decoding.tool_grammar`).
+
+:func:`make_constraint` builds the right object for a spec; both kinds answer
+the same five questions (mask, advance, finished, accepting, rollback).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 
 from decoding.errors import DecodingError
 
-SPEC_TYPES = ("json_object", "json_schema", "lark", "regex")
+SPEC_TYPES = ("json_object", "json_schema", "lark", "regex", "tool_calls")
 MAX_SPEC_BYTES = 256 * 1024  # a schema larger than this is not a request, it is an attack
 # Models are trained on json.dumps-style JSON; fixed separators also mean the
 # model cannot wander off into endless whitespace inside a JSON answer.
@@ -65,7 +70,8 @@ def validate_spec(spec: Any) -> dict[str, Any]:
 
 def _what(spec: dict) -> str:
     return {"json_schema": "the JSON schema", "json_object": "the JSON object format",
-            "lark": "the grammar", "regex": "the regular expression"}.get(spec.get("type"), "the spec")
+            "lark": "the grammar", "regex": "the regular expression",
+            "tool_calls": "the tools' parameter schemas"}.get(spec.get("type"), "the spec")
 
 
 def _short(msg: str) -> str:
@@ -90,6 +96,15 @@ def _grammar(spec: Any) -> str:
             if len(json.dumps(schema)) > MAX_SPEC_BYTES:
                 raise BadConstraint(f"the JSON schema is over {MAX_SPEC_BYTES} bytes")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        if kind == "tool_calls":
+            from decoding.tool_grammar import BadToolSpec, build
+
+            if len(json.dumps(spec)) > MAX_SPEC_BYTES:
+                raise BadConstraint(f"the tools are over {MAX_SPEC_BYTES} bytes")
+            try:
+                return llguidance.LLMatcher.grammar_from_lark(build(spec).calls)
+            except BadToolSpec as exc:
+                raise BadConstraint(str(exc)) from None
         if kind == "lark":
             text = spec.get("grammar")
             if not isinstance(text, str) or not text or len(text) > MAX_SPEC_BYTES:
@@ -199,3 +214,140 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     unpacked = (bits.to(torch.int32).unsqueeze(-1) >> shifts) & 1
     return unpacked.reshape(-1)[:vocab_size].to(torch.bool)
+
+
+def make_constraint(spec: dict[str, Any], tokenizer_json: str | Path, vocab_size: int,
+                    eos_ids: tuple[int, ...]):
+    """The constraint object for ``spec``: :class:`ToolCallConstraint` or :class:`TokenConstraint`."""
+    cls = ToolCallConstraint if isinstance(spec, dict) and spec.get("type") == "tool_calls" else TokenConstraint
+    return cls(spec, tokenizer_json, vocab_size, eos_ids)
+
+
+class ToolCallConstraint:
+    """Free text or calls of the offered tools; the grammar is on only where a call is written.
+
+    Phases: ``start`` (the answer so far could still become text or a call:
+    two matchers, one for each, and a token passes if either allows it),
+    ``text`` (the call matcher refused a token: nothing is masked any more,
+    the text is watched for the template's call tag or a JSON call after the
+    words) and ``call`` (the text
+    matcher refused: the call grammar masks until the answer ends). The phase
+    is a function of the tokens consumed, so a rollback replays them.
+    """
+
+    _TAIL = 16  # tokens of text kept to spot a call start written across several tokens
+
+    def __init__(self, spec: dict[str, Any], tokenizer_json: str | Path, vocab_size: int,
+                 eos_ids: tuple[int, ...]):
+        from decoding.tool_grammar import BadToolSpec, build
+
+        self.spec = spec
+        self.vocab_size = int(vocab_size)
+        self._args = (tokenizer_json, vocab_size, eos_ids)
+        self._tok = grammar_tokenizer(tokenizer_json, vocab_size, eos_ids)
+        try:
+            self._grammar = build(spec, self._tag_tokens())
+        except BadToolSpec as exc:
+            raise BadConstraint(str(exc)) from None
+        self._consumed: list[int] = []
+        self._reset()
+
+    def _tag_tokens(self) -> dict[str, int]:
+        """Tags the vocabulary holds as one special token (Qwen's ``<tool_call>``): named by id."""
+        from decoding.tool_grammar import HERMES_CLOSE, HERMES_OPEN, MISTRAL_OPEN
+
+        out = {}
+        for tag in (HERMES_OPEN, HERMES_CLOSE, MISTRAL_OPEN):
+            ids = self._tok.tokenize_str(tag)
+            if len(ids) == 1 and self._tok.is_special_token(ids[0]):
+                out[tag] = int(ids[0])
+        return out
+
+    def _reset(self) -> None:
+        self._call: TokenConstraint | None = self._matcher(self._grammar.calls)
+        self._plain = None if self._grammar.plain is None else self._matcher(self._grammar.plain)
+        self.phase = "start" if self._plain is not None else "call"
+        self._tail: list[int] = []
+
+    def _matcher(self, lark: str) -> TokenConstraint:
+        return TokenConstraint({"type": "lark", "grammar": lark}, *self._args)
+
+    def allowed_mask(self, vocab_size: int | None = None) -> torch.Tensor:
+        """Bool ``[vocab_size]``: True where the token may come next (all of them in text)."""
+        if self.phase == "text":
+            return torch.ones(int(vocab_size or self.vocab_size), dtype=torch.bool)
+        mask = self._call.allowed_mask(vocab_size)
+        if self._plain is not None:
+            mask = mask | self._plain.allowed_mask(vocab_size)
+        return mask
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.phase == "text":
+            return logits  # nothing is masked while the model talks
+        return logits.masked_fill(~self.allowed_mask(logits.shape[-1]), float("-inf"))
+
+    def advance(self, token_id: int) -> None:
+        tok = int(token_id)
+        self._consumed.append(tok)
+        if self.phase == "start":
+            call_ok, plain_ok = _takes(self._call, tok), _takes(self._plain, tok)
+            if not (call_ok or plain_ok):
+                raise ConstraintViolated(f"token {tok} is neither text nor the start of a call here")
+            if not call_ok:
+                self.phase, self._call, self._plain = "text", None, None
+            elif not plain_ok:
+                self.phase, self._plain = "call", None
+        elif self.phase == "call":
+            self._call.advance(tok)
+        else:
+            self._watch(tok)
+
+    def _watch(self, tok: int) -> None:
+        """Text so far: does its tail start a call (the call tag, or a JSON call after words)?"""
+        from decoding.tool_grammar import INLINE_CALL
+
+        self._tail = self._tail[-self._TAIL:] + [tok]
+        text = self._tok.decode_str(self._tail)
+        trigger = self._grammar.trigger
+        at = text.find(trigger) if trigger else -1
+        if at >= 0:
+            self._resume(self._grammar.resume, text[at + len(trigger):])
+            return
+        inline = INLINE_CALL.search(text)
+        if inline is not None:
+            self._resume(self._grammar.inline, text[inline.start():])
+
+    def _resume(self, grammar: str, written: str) -> None:
+        """The rest of the answer is calls under ``grammar``; ``written``: its start, already sampled."""
+        matcher = self._matcher(grammar)
+        for t in (self._tok.tokenize_str(written) if written else ()):
+            if not _takes(matcher, t):
+                return  # not a call after all (it cannot be finished as one): the text goes on
+        self.phase, self._tail, self._call = "call", [], matcher
+
+    def is_finished(self) -> bool:
+        return self.phase == "call" and self._call.is_finished()
+
+    def is_accepting(self) -> bool:
+        return self.phase == "text" or any(m is not None and m.is_accepting() for m in (self._call, self._plain))
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= len(self._consumed):
+            raise ValueError(f"cannot roll back {num_tokens} tokens; {len(self._consumed)} were consumed")
+        if num_tokens:
+            keep = self._consumed[: len(self._consumed) - num_tokens]
+            self._consumed = []
+            self._reset()
+            for t in keep:
+                self.advance(t)
+
+
+def _takes(matcher: TokenConstraint | None, token: int) -> bool:
+    """Advance ``matcher`` past ``token`` if it allows it; False (matcher spent) if not."""
+    if matcher is None:
+        return False
+    try:
+        matcher.advance(token)
+    except ConstraintViolated:
+        return False
+    return True

@@ -465,9 +465,9 @@ class LocalEngine(Engine):
     def _constraint(self, req: GenerationRequest):
         if req.constraint is None:
             return None
-        from decoding.constrained import TokenConstraint
+        from decoding.constrained import make_constraint
 
-        return TokenConstraint(req.constraint, self.tokenizer.path, self.vocab_size,
+        return make_constraint(req.constraint, self.tokenizer.path, self.vocab_size,
                                tuple(self.tokenizer.eos_ids))
 
     def close(self) -> None:

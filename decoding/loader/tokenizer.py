@@ -9,7 +9,7 @@ restart, and every CLI call, then load with the `tokenizers` library directly.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -36,7 +36,7 @@ class Tokenizer:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ModelLoadError(f"{tokenizer_json}: not a valid tokenizer.json ({exc})") from exc
         self.path = Path(tokenizer_json)  # grammar libraries load the vocabulary from it
-        self.meta = meta
+        self.meta = replace(meta, chat_template=repair_template(meta.chat_template))
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -93,6 +93,24 @@ class Tokenizer:
         text = self.render_chat(messages, add_generation_prompt, tools)
         has_bos_in_text = self.meta.bos_token and text.startswith(self.meta.bos_token)
         return self.encode(text, add_bos=self.meta.add_bos and not has_bos_in_text)
+
+
+# Known defects of chat templates as some GGUF files carry them, and the authors' text. The
+# Qwen2.5-Coder-1.5B-Instruct GGUF shows its call format with doubled braces (a str.format
+# escape that was never undone), and the model copies them: every call it writes is then
+# `{{"name": ...}}`. The model's own template (transformers' tokenizer_config.json) has one.
+_TEMPLATE_REPAIRS = (
+    ('{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}',
+     '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}'),
+)
+
+
+def repair_template(template: str | None) -> str | None:
+    """``template`` with the known defects above replaced by what the model's authors wrote."""
+    for bad, good in _TEMPLATE_REPAIRS:
+        if template and bad in template:
+            template = template.replace(bad, good)
+    return template
 
 
 def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):

@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from decoding.tool_grammar import style_of, tool_spec
 from meshd.api import openai_schema as oa
 from meshd.api.metrics import ApiMetrics
 from meshd.engine import Engine, EngineUnavailable, GenerationRequest, TokenEvent
@@ -140,6 +141,29 @@ def chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: list[dict
             f"(send the request without '{param}', or serve a tool-capable model such as "
             f"qwen2.5-coder-0.5b-instruct)", param=param, code="tools_not_supported")
     return list(engine.tokenizer.apply_chat(messages, tools=tools))
+
+
+def tool_grammar(engine: Engine, params: oa.RequestParams, tools: list[dict[str, Any]],
+                 choice: str | None = None, parallel: bool = True) -> None:
+    """Offered tools put the answer under their grammar (``decoding.tool_grammar``).
+
+    The model still answers in words when it wants to; a call it starts is
+    written under the tools' grammar, so it always parses, names an offered
+    tool and has arguments valid against that tool's schema. ``choice``
+    "required" or a tool name constrains from the first token. A
+    ``response_format`` already constrains the whole answer (and a forced
+    choice with one was refused when parsing), so it is left as it is.
+    """
+    if not tools or choice == "none" or params.constraint is not None:
+        return
+    forced = choice is not None
+    if not forced and not getattr(engine, "supports_constraints", False):
+        return  # calls are parsed from free text (generation_request refuses the forced case)
+    meta = getattr(getattr(engine, "tokenizer", None), "meta", None)
+    spec = tool_spec(tools, style_of(getattr(meta, "chat_template", None)), required=choice == "required",
+                     parallel=parallel, only=choice if forced and choice != "required" else None)
+    params.constraint = oa.checked_constraint(spec, "tools")
+    params.constraint_param = "tool_choice" if forced else "tools"
 
 
 def generation_request(engine: Engine, rid: str, prompt_ids: list[int], params: oa.RequestParams,

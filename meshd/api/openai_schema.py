@@ -454,14 +454,9 @@ class ChatBody(_Params):
         if self.response_format is not None:
             params.constraint = self.response_format.constraint()
             params.constraint_param = "response_format"
-        if choice == "required" or (choice not in (None, "none") and tools):
-            if params.constraint is not None:
-                raise RequestError("'tool_choice' that forces a call cannot be combined with "
-                                   "'response_format'", param="tool_choice", code="invalid_value")
-            # a forced call is constrained by the tools' parameter schemas: they must compile
-            schema = tl.forced_call_schema(tools, None if choice == "required" else choice)
-            params.constraint = checked_constraint({"type": "json_schema", "schema": schema}, "tools")
-            params.constraint_param = "tool_choice"
+        if choice not in (None, "none") and params.constraint is not None:
+            raise RequestError("'tool_choice' that forces a call cannot be combined with "
+                               "'response_format'", param="tool_choice", code="invalid_value")
         return ChatRequest(self.model, messages, params, tools if choice != "none" else [], choice,
                            self.parallel_tool_calls is not False)
 

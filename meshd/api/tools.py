@@ -10,10 +10,14 @@ text. Formats parsed, by model family:
 * Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``;
 * any family, when the whole answer is a JSON call object (or a list of
   them) naming an offered tool, with ``arguments`` or ``parameters`` (Llama
-  3.1's JSON form; small models often drop the Hermes tags).
+  3.1's JSON form; small models often drop the Hermes tags), bare or in a
+  ```json fence.
 
-A call that names a tool that was not offered is left as text: the client
-must never receive a call it cannot dispatch.
+When tools are offered the engine samples under :mod:`decoding.tool_grammar`,
+so every call it writes is in one of these forms, names an offered tool and
+has arguments valid against that tool's schema; parsing is still defensive. A
+call that names a tool that was not offered is left as text: the client must
+never receive a call it cannot dispatch.
 
 The OpenAI and Ollama wire shapes differ (arguments as a JSON string vs an
 object, ``tool_call_id`` vs ``tool_name``); both become one internal shape,
@@ -28,10 +32,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from decoding.tool_grammar import (
+    CALL_OPENERS, FENCE_CLOSE, FENCES, HERMES_CLOSE, HERMES_OPEN, INLINE_CALL, MISTRAL_OPEN,
+    could_begin_inline_call,
+)
+
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_MISTRAL = "[TOOL_CALLS]"
+_OPEN, _CLOSE = HERMES_OPEN, HERMES_CLOSE
+_MISTRAL = MISTRAL_OPEN
 
 
 class ToolError(ValueError):
@@ -58,6 +67,11 @@ class ToolCall:
 
     def ollama(self) -> dict[str, Any]:
         return {"function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _search(pattern: re.Pattern, text: str) -> int:
+    m = pattern.search(text)
+    return -1 if m is None else m.start()
 
 
 def new_call_id() -> str:
@@ -127,18 +141,6 @@ def parse_tool_choice(value: Any, tools: list[dict[str, Any]]) -> str | None:
                     "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
 
 
-def forced_call_schema(tools: list[dict[str, Any]], only: str | None) -> dict[str, Any]:
-    """A JSON schema every allowed call object satisfies (for tool_choice required / a name)."""
-    def one(t):
-        fn = t["function"]
-        return {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                 "arguments": fn["parameters"]},
-                "required": ["name", "arguments"], "additionalProperties": False}
-
-    chosen = [one(t) for t in tools if only is None or t["function"]["name"] == only]
-    return chosen[0] if len(chosen) == 1 else {"anyOf": chosen}
-
-
 def history_tool_calls(raw: Any, where: str, *, arguments_as_string: bool) -> list[dict[str, Any]]:
     """An assistant message's earlier calls, as the chat templates expect them.
 
@@ -192,11 +194,26 @@ def parse_tool_calls(text: str, offered: list[str]) -> tuple[str, list[ToolCall]
     if stripped.startswith(_MISTRAL):
         found = _calls_in(stripped[len(_MISTRAL):], offered)
         return ("", found) if found else (text, [])
-    if stripped[:1] in ("{", "["):
-        found = _calls_in(stripped, offered)
+    found = _bare_or_fenced(stripped, offered)
+    if found:
+        return "", found
+    inline = INLINE_CALL.search(text)  # words, then the call as JSON (the grammar allows that too)
+    if inline is not None and inline.start() > 0:
+        found = _bare_or_fenced(text[inline.start():].strip(), offered)
         if found:
-            return "", found
+            return text[:inline.start()].rstrip(), found
     return text, []
+
+
+def _bare_or_fenced(s: str, offered: list[str]) -> list[ToolCall]:
+    fence = next((f for f in FENCES if s.startswith(f)), None)
+    if fence is not None:
+        if not s.endswith(FENCE_CLOSE) or len(s) < len(fence) + len(FENCE_CLOSE):
+            return []
+        s = s[len(fence):len(s) - len(FENCE_CLOSE)]
+    elif s[:1] not in ("{", "["):
+        return []
+    return _calls_in(s, offered)
 
 
 def _calls_in(body: str, offered: list[str]) -> list[ToolCall]:
@@ -233,13 +250,13 @@ def _calls_in(body: str, offered: list[str]) -> list[ToolCall]:
 class ToolStreamFilter:
     """Streams plain text at once but holds back anything that may be a tool call.
 
-    Text that starts like a call (``{``, ``[``, ``[TOOL_CALLS]``) at the very
-    beginning of the answer, or a ``<tool_call>`` tag anywhere, is kept until
-    the end, when :meth:`finish` parses it: calls become tool calls, anything
-    else is released as text after all.
+    Text that starts like a call (``{``, ``[``, ``[TOOL_CALLS]``, a ```json
+    fence) at the very beginning of the answer, or a ``<tool_call>`` tag
+    anywhere, is kept until the end, when :meth:`finish` parses it: calls
+    become tool calls, anything else is released as text after all.
     """
 
-    _STARTS = (_OPEN, _MISTRAL, "{", "[")
+    _STARTS = CALL_OPENERS
 
     def __init__(self, offered: list[str]):
         self.offered = offered
@@ -260,17 +277,27 @@ class ToolStreamFilter:
             return ""
         if at_start and probe and any(p.startswith(probe) for p in self._STARTS):
             return ""  # could still become a call: wait for more text
-        cut = self._held.find(_OPEN)
-        if cut >= 0:
+        starts = [i for i in (self._held.find(_OPEN), _search(INLINE_CALL, self._held)) if i >= 0]
+        if starts:  # a call starts here: the rest is held for finish()
+            cut = min(starts)
             out, self._held, self._holding = self._held[:cut], self._held[cut:], True
             self._sent += out
             return out
-        keep = next((k for k in range(min(len(_OPEN) - 1, len(self._held)), 0, -1)
-                     if self._held.endswith(_OPEN[:k])), 0)
+        keep = len(self._held) - self._maybe_call_at()
         out = self._held[: len(self._held) - keep]
         self._held = self._held[len(self._held) - keep:]
         self._sent += out
         return out
+
+    def _maybe_call_at(self) -> int:
+        """Where the held text's tail may be growing into a call (its length if nowhere)."""
+        held = self._held
+        for i, c in enumerate(held):
+            if c == "<" and _OPEN.startswith(held[i:i + len(_OPEN)]) and len(held) - i < len(_OPEN):
+                return i
+            if c in "`{" and could_begin_inline_call(held[i:]):
+                return i
+        return len(held)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(text still to release, parsed calls) once the generation ended."""

@@ -591,10 +591,10 @@ class StageService:
             constraint = None
             tok = None
             if msg.constraint is not None:
-                from decoding.constrained import TokenConstraint
+                from decoding.constrained import make_constraint
 
                 tok = self.source.tokenizer
-                constraint = TokenConstraint(msg.constraint, tok.path, self.stage.config.vocab_size,
+                constraint = make_constraint(msg.constraint, tok.path, self.stage.config.vocab_size,
                                              tuple(tok.eos_ids))
             penalties = None
             if msg.penalties:

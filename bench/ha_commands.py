@@ -1,0 +1,262 @@
+"""Do Home Assistant commands work? Command success per model, through the OpenAI and the Ollama API.
+
+For each model: one real daemon (``meshd join --new-home``, unix socket + loopback TCP),
+Home Assistant's request shape (bench/ha_home.py: its system prompt with 71 exposed
+entities in 13 areas, the 16 Assist tools, one spoken command), greedy. Commands go through
+``/v1/chat/completions`` with the ``openai`` SDK (not streamed) and through ``/api/chat`` with
+the ``ollama`` client (streamed, as Home Assistant's integration does).
+Per model it reports exact success (the call Home Assistant needs, names as the home lists
+them), name-insensitive success, unparsed calls (an answer that is a call but came back as
+text), wrong tool, no call, and latency per request. ``--overhead N`` also times N commands
+in-process with and without the tool grammar (same engine, same prompts) to state what the
+grammar costs a request.
+
+    .venv/bin/python bench/ha_commands.py [--quick] [--json] [--models a,b] [--dtype bfloat16]
+
+Commands alternate between the two APIs (``--both``: every command through both); ``--quick``:
+the first 20 commands. Models not in the cache are skipped with the reason (``meshd model
+pull NAME`` fetches them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import finish, machine_banner  # noqa: E402
+from bench.ha_home import COMMANDS, HOME, TOOLS, Command, judge, system_prompt  # noqa: E402
+
+MODELS = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
+EMBEDDED = "smollm2-135m-instruct"  # the embedded default model, by a name (the daemon takes its path)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """One ``meshd join --new-home`` serving ``model`` alone (a one-device home)."""
+
+    def __init__(self, root: Path, model: str, dtype: str):
+        self.root, self.model = root, model
+        self.sock = root / "api.sock"
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "meshd", "join", "--new-home", "ha-bench", "--name", "ha-bench",
+               "--state-dir", str(root / "state"), "--socket", str(self.sock), "--listen", "127.0.0.1",
+               "--port", "0", "--pairing-port", "0", "--api-listen", f"127.0.0.1:{self.port}",
+               "--model", model, "--dtype", dtype, "--log-format", "json"]
+        self.log_path = root / "daemon.log"
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "MESHD_SELF_PROFILE": "off"})
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.tail()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"daemon not ready in {timeout_s:.0f} s: {self.tail()}")
+
+    def tail(self, n: int = 8) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def messages_for(cmd: Command) -> list[dict]:
+    return [{"role": "system", "content": system_prompt()}, {"role": "user", "content": cmd.text}]
+
+
+def via_openai(d: Daemon, model: str, cmd: Command) -> tuple[list, str]:
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url="http://meshd/v1", api_key="-", timeout=900, max_retries=0,
+                           http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(d.sock)), timeout=900))
+    r = client.chat.completions.create(model=model, messages=messages_for(cmd), tools=TOOLS, temperature=0,
+                                       max_tokens=96, seed=0)
+    msg = r.choices[0].message
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+    return calls, msg.content or ""
+
+
+def via_ollama(d: Daemon, model: str, cmd: Command) -> tuple[list, str]:
+    import ollama
+
+    client = ollama.Client(host=f"http://127.0.0.1:{d.port}", timeout=900)
+    content, calls = "", []
+    for part in client.chat(model=f"{model}:latest", messages=messages_for(cmd), tools=TOOLS, stream=True,
+                            keep_alive="300s", options={"num_ctx": 8192, "temperature": 0, "num_predict": 96,
+                                                        "seed": 0}):
+        content += part.message.content or ""
+        calls += [(tc.function.name, dict(tc.function.arguments)) for tc in part.message.tool_calls or []]
+    return calls, content
+
+
+def run_model(model: str, path: str, commands: list[Command], apis: list[list[str]], dtype: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ha-bench-") as tmp:
+        d = Daemon(Path(tmp), path, dtype)
+        try:
+            t = time.monotonic()
+            d.wait_ready(600)
+            log(f"[{model}] daemon ready in {time.monotonic() - t:.1f} s")
+            rows = []
+            for i, (cmd, which) in enumerate(zip(commands, apis)):
+                for api in which:
+                    t = time.perf_counter()
+                    try:
+                        calls, content = (via_openai if api == "openai" else via_ollama)(d, model, cmd)
+                        error = None
+                    except Exception as exc:  # noqa: BLE001 - recorded per request (e.g. a 400 for no tools)
+                        calls, content, error = [], "", f"{type(exc).__name__}: {exc}"[:300]
+                    dt = time.perf_counter() - t
+                    verdict = judge(cmd, calls, content) if error is None else \
+                        {"exact": False, "loose": False, "unparsed": False, "wrong_tool": False, "no_call": False}
+                    rows.append({"command": cmd.text, "api": api, "expected": cmd.tool, "calls": calls,
+                                 "content": content[:200], "latency_s": round(dt, 3), "error": error, **verdict})
+                    mark = "ok " if verdict["exact"] else ("~  " if verdict["loose"] else "ERR" if error else "x  ")
+                    log(f"[{model}] {i + 1:2d}/{len(commands)} {api:6s} {dt:6.1f}s {mark} {cmd.text!r} -> "
+                        f"{error or (calls if calls else repr(content[:80]))}")
+            return summarize(rows)
+        finally:
+            d.stop()
+
+
+def summarize(rows: list[dict]) -> dict:
+    answered = [r for r in rows if r["error"] is None]
+    n = len(rows)
+
+    def frac(key: str) -> float:
+        return round(sum(bool(r[key]) for r in rows) / n, 4) if n else 0.0
+
+    lat = [r["latency_s"] for r in answered]
+    per_api = {}
+    for api in sorted({r["api"] for r in rows}):
+        sub = [r for r in rows if r["api"] == api]
+        per_api[api] = {"requests": len(sub), "success": round(sum(r["exact"] for r in sub) / len(sub), 4),
+                        "median_latency_s": round(statistics.median([r["latency_s"] for r in sub]), 3)}
+    return {"requests": n, "errors": n - len(answered), "success": frac("exact"),
+            "name_insensitive_success": frac("loose"), "unparsed": frac("unparsed"),
+            "wrong_tool": frac("wrong_tool"), "no_call": frac("no_call"),
+            "median_latency_s": round(statistics.median(lat), 3) if lat else None,
+            "p90_latency_s": round(sorted(lat)[int(0.9 * (len(lat) - 1))], 3) if lat else None,
+            "per_api": per_api, "rows": rows}
+
+
+async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> dict:
+    """The same commands in-process, greedy, with and without the tool grammar: what it costs a request."""
+    from decoding.sampling import SamplingParams
+    from meshd.api import openai_schema as oa
+    from meshd.api.common import tool_grammar
+    from meshd.engine import GenerationRequest, LocalEngine
+
+    import torch
+
+    engine = await LocalEngine.open(model, dtype=getattr(torch, dtype))
+    out = {"with": [], "without": []}
+    try:
+        for k, cmd in enumerate(commands):
+            ids = engine.tokenizer.apply_chat(messages_for(cmd), tools=TOOLS)
+            for mode in ("without", "with"):
+                p = oa.RequestParams(sampling=SamplingParams(temperature=0))
+                if mode == "with":
+                    tool_grammar(engine, p, TOOLS)
+                req = GenerationRequest(request_id=f"o{k}{mode}", prompt_ids=ids, max_tokens=96, sampling=p.sampling,
+                                        constraint=p.constraint)
+                t, first, n = time.perf_counter(), None, 0
+                async for ev in engine.stream(req):
+                    if ev.token_id is not None:
+                        n += 1
+                        first = first or time.perf_counter()
+                end = time.perf_counter()
+                out[mode].append({"total_s": end - t, "ttft_s": first - t, "tokens": n,
+                                  "decode_s_per_token": (end - first) / max(1, n - 1)})
+    finally:
+        engine.close()
+
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in out[mode])
+
+    return {"commands": len(commands),
+            "request_s": {m: round(med(m, "total_s"), 3) for m in out},
+            "decode_s_per_token": {m: round(med(m, "decode_s_per_token"), 4) for m in out},
+            "ttft_s": {m: round(med(m, "ttft_s"), 3) for m in out},
+            "per_token_ratio": round(med("with", "decode_s_per_token") / med("without", "decode_s_per_token"), 3),
+            "per_request_ratio": round(med("with", "total_s") / med("without", "total_s"), 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated catalog names (or GGUF paths)")
+    ap.add_argument("--commands", type=int, default=None, help="use the first N commands")
+    ap.add_argument("--quick", action="store_true", help="the first 20 commands")
+    ap.add_argument("--both", action="store_true", help="every command through both APIs (default: alternate)")
+    ap.add_argument("--dtype", default="bfloat16", help="the daemons' --dtype (default bfloat16)")
+    ap.add_argument("--overhead", type=int, default=0, help="also time N commands in-process with/without grammar")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--out", default=None, help="also write the result (indented) to this file")
+    args = ap.parse_args()
+
+    from decoding.errors import ModelLoadError
+    from meshd.model_store import ModelNotAvailable, resolve_model
+
+    n = args.commands or (20 if args.quick else len(COMMANDS))
+    commands = list(COMMANDS[:n])
+    apis = [["openai", "ollama"]] * n if args.both else [[("openai", "ollama")[i % 2]] for i in range(n)]
+    setup = {**machine_banner(), "torch_threads": "daemon default (all cores)", "dtype": args.dtype,
+             "entities": len(HOME), "tools": len(TOOLS), "commands": n, "quick": args.quick,
+             "apis": "both per command" if args.both else "alternating openai / ollama",
+             "decoding": "greedy, max_tokens 96"}
+    log("setup: " + json.dumps(setup))
+    result: dict = {"setup": setup, "models": {}}
+    for model in [m for m in args.models.split(",") if m]:
+        try:
+            path = str(resolve_model(None if model == EMBEDDED else model))
+        except (ModelNotAvailable, ModelLoadError) as exc:
+            log(f"[{model}] skipped: {exc}")
+            result["models"][model] = {"skipped": str(exc)}
+            continue
+        res = run_model(model, path, commands, apis, args.dtype)
+        if args.overhead and not res["errors"]:
+            res["grammar_overhead"] = asyncio.run(grammar_overhead(path, commands[:args.overhead], args.dtype))
+        result["models"][model] = res
+        log(f"[{model}] success {res['success']:.0%} (name-insensitive {res['name_insensitive_success']:.0%}), "
+            f"unparsed {res['unparsed']:.0%}, wrong tool {res['wrong_tool']:.0%}, no call {res['no_call']:.0%}, "
+            f"errors {res['errors']}, median {res['median_latency_s']} s"
+            + (f"; grammar overhead per request x{res['grammar_overhead']['per_request_ratio']}, "
+               f"per token x{res['grammar_overhead']['per_token_ratio']}" if "grammar_overhead" in res else ""))
+    finish(result, args.out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
