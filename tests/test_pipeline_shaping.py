@@ -54,6 +54,31 @@ async def test_schema_constrained_answers_match_the_local_engine_and_parse(real_
                 assert set(obj) == {"room", "on"}
 
 
+async def test_tool_calls_through_the_mesh_match_the_local_engine_and_parse(real_source, local):
+    """The tool grammar runs where the last stage samples: same tokens as one device, calls that parse."""
+    from decoding.tool_grammar import tool_spec
+    from meshd.api.tools import parse_tool_calls
+
+    tools = [{"type": "function", "function": {"name": "HassTurnOn", "parameters": {
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}]
+    tok = real_source.tokenizer
+    ids = tok.encode('Call tools as {"name": "HassTurnOn", "arguments": {"name": "..."}}.\nUser: turn on the '
+                     'kitchen light\nAssistant: ')
+    eos = tuple(tok.eos_ids)
+    async with Mesh(real_source, 2) as mesh:
+        for seed, required in ((1, True), (2, False), (3, False)):
+            spec = tool_spec(tools, "hermes", required=required, parallel=False)
+            p = SamplingParams(temperature=1.0, seed=seed)
+            ref = await _local_tokens(local, ids, 48, p, spec)
+            got = await _mesh_tokens(mesh, ids, 48, p, eos, f"t{seed}", spec)
+            assert got == ref
+            if got[-1] in eos:
+                text = tok.decode([t for t in got if t not in eos])
+                calls = parse_tool_calls(text, ["HassTurnOn"])[1]
+                assert calls or not required, text
+                assert all(c.name == "HassTurnOn" and isinstance(c.arguments["name"], str) for c in calls)
+
+
 async def test_penalties_through_the_mesh_match_the_local_engine(real_source, local):
     tok = real_source.tokenizer
     ids = tok.apply_chat([{"role": "user", "content": "List fruits: apple, apple, apple, apple"}])

@@ -12,7 +12,8 @@ def register(sub) -> None:
     msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     pull = msub.add_parser("pull", help="fetch and verify a model (default: the embedded default model)")
     pull.add_argument("name", nargs="?", default=None,
-                      help=f"a model by name: {', '.join(sorted(model_store.CATALOG))}")
+                      help=f"a model by name: {', '.join(sorted(model_store.CATALOG))} "
+                           f"(for Home Assistant: {model_store.RECOMMENDED_FOR_HOME_ASSISTANT})")
     pull.add_argument("--quiet", action="store_true")
     pull.set_defaults(func=_pull)
     ls = msub.add_parser("list", help="show cached models")
@@ -46,7 +47,10 @@ def _list(args) -> int:
     fetched = share.shared_models(state)
     if args.json:
         print(json.dumps({"models_dir": str(model_store.models_dir()), "models": models,
-                          "fetched_dir": str(state / "models"), "fetched": fetched}))
+                          "fetched_dir": str(state / "models"), "fetched": fetched,
+                          "catalog": [{"name": m.name, "size_bytes": m.size, "advice": m.advice,
+                                       "pulled": model_store.is_named_pulled(m.name)}
+                                      for m in model_store.CATALOG.values()]}))
         return 0
     if not models:
         print(f"no models in {model_store.models_dir()} (run `meshd model pull`)")
@@ -57,6 +61,10 @@ def _list(args) -> int:
         print(f"fetched from the home ({state / 'models'}):")
         for m in fetched:
             print("  " + share.describe_line(m))
+    print("by name (`meshd model pull NAME`, then `--model NAME`):")
+    for m in model_store.CATALOG.values():
+        have = "cached" if model_store.is_named_pulled(m.name) else f"{m.size / 1e6:.0f} MB"
+        print(f"  {m.name:<30} {have:>8}  {m.advice}")
     return 0
 
 
