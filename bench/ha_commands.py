@@ -176,7 +176,7 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
     """The same commands in-process, greedy, with and without the tool grammar: what it costs a request."""
     from decoding.sampling import SamplingParams
     from meshd.api import openai_schema as oa
-    from meshd.api.common import tool_grammar
+    from meshd.api.common import constrain_tool_calls
     from meshd.engine import GenerationRequest, LocalEngine
 
     import torch
@@ -189,7 +189,7 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
             for mode in ("without", "with"):
                 p = oa.RequestParams(sampling=SamplingParams(temperature=0))
                 if mode == "with":
-                    tool_grammar(engine, p, TOOLS)
+                    constrain_tool_calls(engine, p, TOOLS)
                 req = GenerationRequest(request_id=f"o{k}{mode}", prompt_ids=ids, max_tokens=96, sampling=p.sampling,
                                         constraint=p.constraint)
                 t, first, n = time.perf_counter(), None, 0

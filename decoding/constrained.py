@@ -144,6 +144,12 @@ def grammar_tokenizer(tokenizer_json: str | Path, vocab_size: int, eos_ids: tupl
         return tok
 
 
+def warm(tokenizer_json: str | Path, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+    """Pay the grammar engine's one-off set-up for this vocabulary now (2-4 s for a 150k
+    vocabulary), not in the first structured or tool-calling request's time to first token."""
+    TokenConstraint({"type": "json_object"}, tokenizer_json, vocab_size, eos_ids).allowed_mask()
+
+
 # --------------------------------------------------------------------------- constraint
 
 

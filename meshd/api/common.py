@@ -143,7 +143,7 @@ def chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: list[dict
     return list(engine.tokenizer.apply_chat(messages, tools=tools))
 
 
-def tool_grammar(engine: Engine, params: oa.RequestParams, tools: list[dict[str, Any]],
+def constrain_tool_calls(engine: Engine, params: oa.RequestParams, tools: list[dict[str, Any]],
                  choice: str | None = None, parallel: bool = True) -> None:
     """Offered tools put the answer under their grammar (``decoding.tool_grammar``).
 

@@ -51,7 +51,7 @@ from meshd.api import openai_schema as oa
 from meshd.api import tools as tl
 from meshd.api.common import (
     ENGINE, MODEL_INFO, PULL, await_engine, chat_prompt, generation_request, log, read_json,
-    tool_grammar, tracked, vocab_size,
+    constrain_tool_calls, tracked, vocab_size,
 )
 from meshd.api.validation import validate
 from meshd.engine import Engine, EngineError, TokenEvent
@@ -487,7 +487,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         raise oa.RequestError(str(exc), param=exc.param, code="invalid_value") from None
     messages = _history(body.messages)
     prompt_ids = chat_prompt(engine, messages, tools)
-    tool_grammar(engine, params, tools)
+    constrain_tool_calls(engine, params, tools)
     return await _run(request, engine, body, params, num_ctx, prompt_ids, messages,
                       tl.tool_names(tools), "chat")
 

@@ -43,7 +43,7 @@ from meshd.api.auth import PUBLIC_PATHS, Authenticator
 from meshd.api.common import (  # noqa: F401 - LIMITS, LISTENING and ApiLimits are part of this module's API
     AUTH, ENGINE, ENGINE_SET, ENGINE_WAIT, LIMITS, LISTENING, METRICS, MODEL_INFO, PULL, STATUS,
     ApiLimits, await_engine, chat_prompt, generation_request, log, read_json, status_of,
-    too_large, tool_grammar, tracked, vocab_size,
+    constrain_tool_calls, too_large, tracked, vocab_size,
 )
 from meshd.api.metrics import ApiMetrics, MeshCollector
 from meshd.apikeys import ApiKeyStore
@@ -262,7 +262,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     engine = await await_engine(request)
     req = oa.parse_chat_request(body, vocab_size=vocab_size(engine))
     prompt_ids = chat_prompt(engine, req.messages, req.tools)
-    tool_grammar(engine, req.params, req.tools, req.tool_choice, req.parallel_tool_calls)
+    constrain_tool_calls(engine, req.params, req.tools, req.tool_choice, req.parallel_tool_calls)
     return await _serve(request, engine, "chat", prompt_ids, req.params, req.messages,
                         tl.tool_names(req.tools), req.parallel_tool_calls)
 

@@ -228,6 +228,8 @@ class StageService:
                 log.info("stage_loaded", first=rng[0], end=rng[1], seconds=round(time.perf_counter() - t, 2),
                          weight_mb=round(stage.weight_bytes() / 1e6, 1))
                 self.stage = stage
+                if stage.lm_head is not None:
+                    self._warm_grammar()
             if self.stage is not None:
                 self.kv = self.stage.new_cache(self.max_kv_tokens)
             self._medusa, self._medusa_error = None, ""
@@ -235,6 +237,24 @@ class StageService:
             self._touched.clear()
             self._stepping.clear()
             self.route, self.index = route, idx
+
+    def _warm_grammar(self) -> None:
+        """This stage samples: set the grammar engine up for the vocabulary in the background, so the
+        first tool-calling or structured request does not wait for it."""
+        tok = getattr(self.source, "tokenizer", None)
+        if getattr(tok, "path", None) is None:
+            return
+        from decoding.constrained import warm
+
+        vocab = self.stage.config.vocab_size
+
+        def run() -> None:
+            try:
+                warm(tok.path, vocab, tuple(tok.eos_ids))
+            except Exception as exc:  # noqa: BLE001 - only a head start; a real request reports errors
+                log.warning("grammar_warm_failed", error=f"{type(exc).__name__}: {exc}")
+
+        asyncio.get_running_loop().run_in_executor(None, run)
 
     # -- what the daemon and status need ---------------------------------------------
     def kv_tokens_in_use(self) -> int:
