@@ -91,6 +91,21 @@ def test_tool_choice_naming_a_function_forces_a_valid_call(qwen):
 
 
 @pytest.mark.slow
+def test_tool_choice_required_always_calls_and_a_schema_that_cannot_compile_is_a_400(qwen):
+    c = sdk(qwen)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell me a joke."}],
+                                  tools=WEATHER, tool_choice="required", temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["city"]
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(unclosed"}}}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="m", messages=ASK, tools=broken)
+    assert info.value.body["param"] == "tools" and info.value.body["code"] == "invalid_schema"
+    assert c.chat.completions.create(model="m", messages=ASK, tools=WEATHER, max_tokens=4).choices  # still serving
+
+
+@pytest.mark.slow
 def test_tool_choice_none_renders_no_tools(qwen):
     r = sdk(qwen).chat.completions.create(model="m", messages=ASK, tools=WEATHER, tool_choice="none",
                                           temperature=0, max_tokens=8)
@@ -154,6 +169,10 @@ def test_parallel_tool_calls_false_returns_one_call():
     ('{"answer": 42}', [], '{"answer": 42}'),  # JSON that is not a call stays text
     ("<tool_call>{broken</tool_call>", [], "<tool_call>{broken</tool_call>"),
     ("just text", [], "just text"),
+    ('```json\n{"name": "f", "arguments": {"a": 1}}\n```', [("f", {"a": 1})], ""),  # the 1.5B's fence
+    ('```\n[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]\n```', [("f", {}), ("g", {})], ""),
+    ('To do it, use:\n\n```json\n{\n  "name": "f",\n  "arguments": {}\n}\n```', [("f", {})], "To do it, use:"),
+    ("```python\nprint(1)\n```", [], "```python\nprint(1)\n```"),
 ])
 def test_tool_call_formats_are_parsed_and_anything_else_stays_text(text, calls, rest):
     content, found = parse_tool_calls(text, ["f", "g"])
@@ -173,3 +192,18 @@ def test_the_stream_filter_releases_text_at_once_and_holds_back_calls():
     assert g.feed("{") == "" and g.feed('"not": "a call"}') == ""
     assert g.finish() == ('{"not": "a call"}', [])  # released once it proved not to be a call
     assert ToolStreamFilter([]).feed("{") == "{"  # without tools nothing is held
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 64])
+def test_a_call_written_after_some_words_is_never_streamed_as_words(step):
+    text = 'To lock it, use:\n\n```json\n{\n  "name": "f",\n  "arguments": {"a": 1}\n}\n```'
+    f, out = ToolStreamFilter(["f"]), ""
+    for i in range(0, len(text), step):
+        out += f.feed(text[i:i + step])
+    tail, calls = f.finish()
+    assert out + tail == "To lock it, use:\n\n" and [(c.name, c.arguments) for c in calls] == [("f", {"a": 1})]
+    code = "Run `ls` and {x} or ```python\nprint(1)\n``` <b>"
+    g, out = ToolStreamFilter(["f"]), ""
+    for i in range(0, len(code), step):
+        out += g.feed(code[i:i + step])
+    assert out + g.finish()[0] == code  # braces and fences that are not calls flow as text
