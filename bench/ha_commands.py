@@ -14,7 +14,7 @@ grammar costs a request.
     .venv/bin/python bench/ha_commands.py [--quick] [--json] [--models a,b] [--dtype bfloat16]
 
 Commands alternate between the two APIs (``--both``: every command through both); ``--quick``:
-the first 20 commands. Models not in the cache are skipped with the reason (``meshd model
+the first 20 commands, on the 0.5B and the embedded model unless ``--models`` says. Models not in the cache are skipped with the reason (``meshd model
 pull NAME`` fetches them).
 """
 
@@ -38,6 +38,7 @@ from bench._common import finish, machine_banner  # noqa: E402
 from bench.ha_home import COMMANDS, HOME, TOOLS, Command, judge, system_prompt  # noqa: E402
 
 MODELS = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
+QUICK_MODELS = MODELS[1:]
 EMBEDDED = "smollm2-135m-instruct"  # the embedded default model, by a name (the daemon takes its path)
 
 
@@ -173,33 +174,49 @@ def summarize(rows: list[dict]) -> dict:
 
 
 async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> dict:
-    """The same commands in-process, greedy, with and without the tool grammar: what it costs a request."""
+    """What the tool grammar costs a request, two ways, in-process on the same engine (greedy).
+
+    A/B: each command without and with the grammar. The answers may differ (the
+    grammar turns a malformed call into a valid one, often of another length), so
+    the request times are not for the same tokens; the second way is exact: the
+    answer the grammar produced is replayed through a fresh constraint (built from
+    the spec, a mask and ``masked_fill`` over the vocabulary and an advance per
+    token: everything the sampler does for it), timed, against that request's time.
+    The grammar engine is set up for the vocabulary first, as the daemon's last stage does.
+    """
+    import torch
+
+    from decoding.constrained import make_constraint, warm
     from decoding.sampling import SamplingParams
     from meshd.api import openai_schema as oa
     from meshd.api.common import constrain_tool_calls
     from meshd.engine import GenerationRequest, LocalEngine
 
-    import torch
-
     engine = await LocalEngine.open(model, dtype=getattr(torch, dtype))
-    out = {"with": [], "without": []}
+    tok = engine.tokenizer
+    warm(tok.path, engine.vocab_size, tuple(tok.eos_ids))
+    out: dict[str, list] = {"with": [], "without": []}
     try:
         for k, cmd in enumerate(commands):
-            ids = engine.tokenizer.apply_chat(messages_for(cmd), tools=TOOLS)
+            ids = tok.apply_chat(messages_for(cmd), tools=TOOLS)
             for mode in ("without", "with"):
                 p = oa.RequestParams(sampling=SamplingParams(temperature=0))
                 if mode == "with":
                     constrain_tool_calls(engine, p, TOOLS)
                 req = GenerationRequest(request_id=f"o{k}{mode}", prompt_ids=ids, max_tokens=96, sampling=p.sampling,
                                         constraint=p.constraint)
-                t, first, n = time.perf_counter(), None, 0
+                t, first, got = time.perf_counter(), None, []
                 async for ev in engine.stream(req):
                     if ev.token_id is not None:
-                        n += 1
+                        got.append(ev.token_id)
                         first = first or time.perf_counter()
                 end = time.perf_counter()
-                out[mode].append({"total_s": end - t, "ttft_s": first - t, "tokens": n,
-                                  "decode_s_per_token": (end - first) / max(1, n - 1)})
+                row = {"total_s": end - t, "ttft_s": first - t, "tokens": len(got),
+                       "decode_s_per_token": (end - first) / max(1, len(got) - 1)}
+                if mode == "with":
+                    row["grammar_s"] = _replay(make_constraint, p.constraint, tok, engine.vocab_size, got)
+                    row["grammar_frac"] = row["grammar_s"] / row["total_s"]
+                out[mode].append(row)
     finally:
         engine.close()
 
@@ -207,21 +224,41 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
         return statistics.median(r[key] for r in out[mode])
 
     return {"commands": len(commands),
+            "tokens": {m: [r["tokens"] for r in out[m]] for m in out},
             "request_s": {m: round(med(m, "total_s"), 3) for m in out},
             "decode_s_per_token": {m: round(med(m, "decode_s_per_token"), 4) for m in out},
             "ttft_s": {m: round(med(m, "ttft_s"), 3) for m in out},
+            "grammar_s_per_request": round(med("with", "grammar_s"), 4),
+            "grammar_share_of_request": round(max(r["grammar_frac"] for r in out["with"]), 4),
             "per_token_ratio": round(med("with", "decode_s_per_token") / med("without", "decode_s_per_token"), 3),
             "per_request_ratio": round(med("with", "total_s") / med("without", "total_s"), 3)}
 
 
+def _replay(make_constraint, spec: dict, tok, vocab: int, tokens: list[int]) -> float:
+    """Seconds the sampler spends on the grammar for ``tokens``: build, then mask + advance each."""
+    import torch
+
+    logits = torch.zeros(vocab)
+    t = time.perf_counter()
+    c = make_constraint(spec, tok.path, vocab, tuple(tok.eos_ids))
+    for tid in tokens:
+        c.apply(logits)
+        if tid not in tok.eos_ids:
+            c.advance(tid)
+    return time.perf_counter() - t
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated catalog names (or GGUF paths)")
+    ap.add_argument("--models", default=None,
+                    help=f"comma-separated catalog names or GGUF paths (default: {','.join(MODELS)}; with "
+                         f"--quick: {','.join(QUICK_MODELS)}, which fit in 5 minutes on 2 cores)")
     ap.add_argument("--commands", type=int, default=None, help="use the first N commands")
     ap.add_argument("--quick", action="store_true", help="the first 20 commands")
     ap.add_argument("--both", action="store_true", help="every command through both APIs (default: alternate)")
     ap.add_argument("--dtype", default="bfloat16", help="the daemons' --dtype (default bfloat16)")
     ap.add_argument("--overhead", type=int, default=0, help="also time N commands in-process with/without grammar")
+    ap.add_argument("--overhead-only", action="store_true", help="only the in-process grammar timing (no daemons)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--out", default=None, help="also write the result (indented) to this file")
     args = ap.parse_args()
@@ -238,12 +275,18 @@ def main() -> int:
              "decoding": "greedy, max_tokens 96"}
     log("setup: " + json.dumps(setup))
     result: dict = {"setup": setup, "models": {}}
-    for model in [m for m in args.models.split(",") if m]:
+    models = args.models or ",".join(QUICK_MODELS if args.quick else MODELS)
+    for model in [m for m in models.split(",") if m]:
         try:
             path = str(resolve_model(None if model == EMBEDDED else model))
         except (ModelNotAvailable, ModelLoadError) as exc:
             log(f"[{model}] skipped: {exc}")
             result["models"][model] = {"skipped": str(exc)}
+            continue
+        if args.overhead_only:
+            result["models"][model] = {"grammar_overhead": asyncio.run(
+                grammar_overhead(path, commands[:args.overhead or 4], args.dtype))}
+            log(f"[{model}] {json.dumps(result['models'][model])}")
             continue
         res = run_model(model, path, commands, apis, args.dtype)
         if args.overhead and not res["errors"]:
@@ -252,8 +295,10 @@ def main() -> int:
         log(f"[{model}] success {res['success']:.0%} (name-insensitive {res['name_insensitive_success']:.0%}), "
             f"unparsed {res['unparsed']:.0%}, wrong tool {res['wrong_tool']:.0%}, no call {res['no_call']:.0%}, "
             f"errors {res['errors']}, median {res['median_latency_s']} s"
-            + (f"; grammar overhead per request x{res['grammar_overhead']['per_request_ratio']}, "
-               f"per token x{res['grammar_overhead']['per_token_ratio']}" if "grammar_overhead" in res else ""))
+            + (f"; grammar: {res['grammar_overhead']['grammar_s_per_request']} s a request (at most "
+               f"{res['grammar_overhead']['grammar_share_of_request']:.1%} of one), A/B per request "
+               f"x{res['grammar_overhead']['per_request_ratio']}, per token x{res['grammar_overhead']['per_token_ratio']}"
+               if "grammar_overhead" in res else ""))
     finish(result, args.out, args.json)
     return 0
 

@@ -351,3 +351,30 @@ def test_daemon_cut_points_come_from_the_sequence_partitioner_table():
     assert len(cuts) >= 3 and list(cuts) == sorted(cuts)
     assert cuts[0] > 2048 - cuts[-1]  # early chunks longer: later ones attend to more cached keys
     assert cut_table_for(route, {"a": prof}, 30, "1gbit,1ms") is None  # a member without a profile
+
+
+async def test_a_prompt_slower_than_the_token_timeout_is_waited_for_not_replayed(tiny):
+    """The wait for the first token grows with the prompt: a slow device is not a dead one.
+
+    Before, a fixed 30 s wait made a 3,600-token Home Assistant prompt on a 1.5B model in
+    float32 time out, replay from scratch, time out again, for ever.
+    """
+    import time as _time
+
+    prompt = list(range(5, 45))
+    async with Mesh(tiny, 2) as mesh:
+        ref = await mesh.run(prompt, 4, rid="ref")
+        mesh.coord.token_timeout_s = 0.3  # the prompt's 40 positions add 1.95 s to the first wait
+        stage = mesh.services[0].stage
+        real = stage.forward_batch
+
+        def slow(kv, items, probes):
+            if sum(w.tokens for w in items) > 1:
+                _time.sleep(0.8)  # a prompt chunk on a slow device; decode steps stay fast
+            return real(kv, items, probes)
+
+        stage.forward_batch = slow
+        before = mesh.coord.resumes
+        async with asyncio.timeout(30):  # the old fixed wait replayed the prompt for ever
+            assert await mesh.run(prompt, 4, rid="slow") == ref
+        assert mesh.coord.resumes == before

@@ -22,6 +22,7 @@ from meshd.api import openai_schema as oa
 from meshd.api.metrics import ApiMetrics
 from meshd.engine import Engine, EngineUnavailable, GenerationRequest, TokenEvent
 from meshd.log import get_logger
+from meshd.model_store import RECOMMENDED_FOR_HOME_ASSISTANT
 
 log = get_logger("meshd.api")
 
@@ -139,7 +140,7 @@ def chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: list[dict
         raise oa.RequestError(
             f"tools are not supported by model '{engine.model_id}': its chat template has no tool support "
             f"(send the request without '{param}', or serve a tool-capable model such as "
-            f"qwen2.5-coder-0.5b-instruct)", param=param, code="tools_not_supported")
+            f"{RECOMMENDED_FOR_HOME_ASSISTANT})", param=param, code="tools_not_supported")
     return list(engine.tokenizer.apply_chat(messages, tools=tools))
 
 

@@ -117,6 +117,9 @@ class _Flight:
 
 
 Cuts = list[int] | Callable[[int, Route], list[int]] | None
+# How long a token of prompt may take on the slowest device we wait for (20 tokens/s: a
+# 1.5B model in float32 on one small core) before a stage counts as stuck.
+PREFILL_BUDGET_S_PER_TOKEN = 0.05
 
 
 class PipelineCoordinator:
@@ -400,8 +403,10 @@ class PipelineCoordinator:
                                                   capacity, typical, fields, base):
                     yield step
                 return
+            work = len(ids)  # the first token waits for the whole prompt's prefill
             while True:
-                step, finished = await self._next_step(flight)
+                step, finished = await self._next_step(flight, work)
+                work = 1
                 token = step.token
                 if keep is not None:
                     # Should the caller stop here (or the request end), the stages hold ``pos``
@@ -454,7 +459,7 @@ class PipelineCoordinator:
         """
         first = flight.route.stages[0].node_id
         session.resync(ids)  # a replay re-prefilled exactly prompt + generated
-        res = await self._next_result(flight)
+        res = await self._next_result(flight, len(ids))
         commit: tuple[int, list[int]] | None = None
         toks = [int(t) for t in res.token_ids.tolist()]
         session.extend(toks)
@@ -506,18 +511,26 @@ class PipelineCoordinator:
             log.warning("speculation_fallback", reason=res.note, drafter=session.drafter)
         return None
 
-    async def _next_step(self, flight: _Flight) -> tuple[TokenStep, bool]:
-        item = await self._next_result(flight)
+    async def _next_step(self, flight: _Flight, work_tokens: int = 1) -> tuple[TokenStep, bool]:
+        item = await self._next_result(flight, work_tokens)
         return TokenStep(int(item.token_ids[0]),
                          item.topk_ids.tolist() if item.topk_ids is not None else None,
                          item.topk_probs.tolist() if item.topk_probs is not None else None), item.finished
 
-    async def _next_result(self, flight: _Flight) -> TokenResult:
+    async def _next_result(self, flight: _Flight, work_tokens: int = 1) -> TokenResult:
+        """The next result of ``flight``, which was just sent ``work_tokens`` positions to compute.
+
+        The wait is a backstop (a device that leaves is noticed by membership and
+        re-planning first), but it must outlast honest work: a 3,600-token prompt
+        takes over a minute on a slow device, and a replay after a timeout would
+        start it again, for ever. So it grows with the positions in flight.
+        """
+        wait_s = self.token_timeout_s + max(0, work_tokens - 1) * PREFILL_BUDGET_S_PER_TOKEN
         try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a client's cancel
-            async with asyncio.timeout(self.token_timeout_s):
+            async with asyncio.timeout(wait_s):
                 item = await flight.queue.get()
         except TimeoutError:
-            raise _Interrupted(f"no token from the last stage within {self.token_timeout_s:g}s") from None
+            raise _Interrupted(f"no token from the last stage within {wait_s:g}s") from None
         match item:
             case TokenResult():
                 if item.token_ids is None or item.token_ids.ndim != 1 or item.token_ids.numel() == 0:
@@ -628,7 +641,7 @@ class MeshDrafter:
                 position_offset=at + a, chunk_index=j, token_ids=torch.tensor(tokens[a:b], dtype=torch.long),
                 is_last_chunk=j == len(bounds) - 1, sample_step=self.steps, **commit, **fields))
         self.held = self.held[:at] + tokens
-        res = await self.coord._next_result(flight)
+        res = await self.coord._next_result(flight, len(tokens))
         self.steps += 1
         ids = res.topk_ids.tolist() if res.topk_ids is not None else [int(res.token_ids[0])]
         probs = res.topk_probs.tolist() if res.topk_probs is not None else [1.0]

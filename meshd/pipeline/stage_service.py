@@ -241,7 +241,10 @@ class StageService:
     def _warm_grammar(self) -> None:
         """This stage samples: set the grammar engine up for the vocabulary in the background, so the
         first tool-calling or structured request does not wait for it."""
-        tok = getattr(self.source, "tokenizer", None)
+        try:
+            tok = self.source.tokenizer
+        except Exception:  # noqa: BLE001 - a model without a tokenizer (token ids only) has no grammar
+            return
         if getattr(tok, "path", None) is None:
             return
         from decoding.constrained import warm
