@@ -182,10 +182,6 @@ BAD_SCHEMA_TOOL = [{"type": "function", "function": {
     ({"tools": [{"type": "function", "function": {"name": "f", "description": 5}}]},
      "tools[0].function.description", "invalid_value"),
     ({"tools": [{"type": "function"}]}, "tools[0].function", "invalid_value"),
-    # a forced call is decoded under the tools' schemas: one that cannot compile is the client's 400
-    ({"tools": BAD_SCHEMA_TOOL, "tool_choice": "required"}, "tools", "invalid_schema"),
-    ({"tools": BAD_SCHEMA_TOOL, "tool_choice": {"type": "function", "function": {"name": "f"}}},
-     "tools", "invalid_schema"),
     ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema", "invalid_schema"),
@@ -200,13 +196,51 @@ def test_bad_tools_and_schemas_are_a_400_naming_the_field(extra, param, code):
     assert (err.param, err.code) == (param, code), err.message
 
 
-def test_a_tool_schema_is_only_compiled_when_a_call_is_forced():
-    """Offered tools only go through the chat template; the model may still answer in text."""
-    req = oa.parse_chat_request({"messages": HI, "tools": BAD_SCHEMA_TOOL})
-    assert req.params.constraint is None and [t["function"]["name"] for t in req.tools] == ["f"]
-    forced = oa.parse_chat_request({"messages": HI, "tools": [{"type": "function", "function": {"name": "g"}}],
-                                    "tool_choice": "required"})
-    assert forced.params.constraint_param == "tool_choice" and forced.tool_choice == "required"
+class _GrammarEngine:
+    """What constrain_tool_calls asks of an engine: grammar support and the chat template."""
+
+    def __init__(self, supports: bool = True):
+        from types import SimpleNamespace
+
+        self.supports_constraints = supports
+        self.tokenizer = SimpleNamespace(meta=SimpleNamespace(chat_template="... <tool_call> ... {{ tools }}"))
+
+
+@pytest.mark.parametrize("choice", [None, "required", {"type": "function", "function": {"name": "f"}}])
+def test_offered_tools_whose_schema_cannot_compile_are_a_400_naming_tools(choice):
+    from meshd.api.common import constrain_tool_calls
+
+    req = oa.parse_chat_request({"messages": HI, "tools": BAD_SCHEMA_TOOL, "tool_choice": choice})
+    with pytest.raises(oa.RequestError) as info:
+        constrain_tool_calls(_GrammarEngine(), req.params, req.tools, req.tool_choice, req.parallel_tool_calls)
+    assert (info.value.param, info.value.code) == ("tools", "invalid_schema")
+
+
+def test_offered_tools_put_the_answer_under_their_grammar():
+    """auto: text or a call (grammar lazily on); required / named: a call from the first token."""
+    from meshd.api.common import constrain_tool_calls
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in "gh"]
+
+    def spec(choice, parallel=True, engine=None):
+        req = oa.parse_chat_request({"messages": HI, "tools": tools, "tool_choice": choice,
+                                     "parallel_tool_calls": parallel})
+        constrain_tool_calls(engine or _GrammarEngine(), req.params, req.tools, req.tool_choice,
+                             req.parallel_tool_calls)
+        return req.params
+
+    auto = spec(None)
+    assert auto.constraint["type"] == "tool_calls" and auto.constraint["style"] == "hermes"
+    assert not auto.constraint["required"] and auto.constraint_param == "tools"
+    assert [t["name"] for t in auto.constraint["tools"]] == ["g", "h"]
+    required = spec("required", parallel=False)
+    assert required.constraint["required"] and not required.constraint["parallel"]
+    assert required.constraint_param == "tool_choice"
+    named = spec({"type": "function", "function": {"name": "h"}})
+    assert named.constraint["required"] and [t["name"] for t in named.constraint["tools"]] == ["h"]
+    assert spec("none").constraint is None
+    assert spec(None, engine=_GrammarEngine(supports=False)).constraint is None  # parsed from text only
+    assert spec("required", engine=_GrammarEngine(supports=False)).constraint is not None  # then a 400
 
 
 def test_response_formats_become_constraints():
