@@ -69,11 +69,6 @@ class ToolCall:
         return {"function": {"name": self.name, "arguments": self.arguments}}
 
 
-def _search(pattern: re.Pattern, text: str) -> int:
-    m = pattern.search(text)
-    return -1 if m is None else m.start()
-
-
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -245,6 +240,11 @@ def _calls_in(body: str, offered: list[str]) -> list[ToolCall]:
             return []
         calls.append(ToolCall(obj["name"], args, new_call_id()))
     return calls
+
+
+def _search(pattern: re.Pattern, text: str) -> int:
+    m = pattern.search(text)
+    return -1 if m is None else m.start()
 
 
 class ToolStreamFilter:
