@@ -316,20 +316,20 @@ class ToolCallConstraint:
         text = self._tok.decode_str(self._tail)
         trigger = self._grammar.trigger
         at = text.find(trigger) if trigger else -1
+        inline = INLINE_CALL.search(text) if at < 0 else None
         if at >= 0:
             self._resume(self._grammar.resume, text[at + len(trigger):])
-            return
-        inline = INLINE_CALL.search(text)
-        if inline is not None:
+        elif inline is not None:
             self._resume(self._grammar.inline, text[inline.start():])
 
     def _resume(self, grammar: str, written: str) -> None:
         """The rest of the answer is calls under ``grammar``; ``written``: its start, already sampled."""
         matcher = self._matcher(grammar)
+        self._tail = []  # either way this start is settled: it is not looked at (and compiled) again
         for t in (self._tok.tokenize_str(written) if written else ()):
             if not _takes(matcher, t):
                 return  # not a call after all (it cannot be finished as one): the text goes on
-        self.phase, self._tail, self._call = "call", [], matcher
+        self.phase, self._call = "call", matcher
 
     def is_finished(self) -> bool:
         return self.phase == "call" and self._call.is_finished()

@@ -68,7 +68,7 @@ def assert_well_formed(text: str, calls_expected: bool | None = None) -> None:
         assert bool(calls) == calls_expected, text
 
 
-def _hostile_logits(tok, n: int, rng: random.Random, boost: list[int]) -> torch.Tensor:
+def _hostile_logits(n: int, rng: random.Random, boost: list[int]) -> torch.Tensor:
     """Noise with the tokens that break calls (braces, quotes, fences, tags, end) pushed up."""
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     logits = torch.randn(n, generator=g) * 3
@@ -97,7 +97,7 @@ def test_a_hostile_sampler_never_gets_an_unparsed_call_or_a_tool_that_was_not_of
         c = make_constraint(spec, tok.path, n, eos)
         out: list[int] = []
         for _ in range(160):
-            logits = c.apply(_hostile_logits(tok, n, rng, boost))
+            logits = c.apply(_hostile_logits(n, rng, boost))
             t = int(torch.multinomial(torch.softmax(logits, -1), 1))
             if t in eos or c.is_finished():
                 break
