@@ -33,6 +33,14 @@ CPU = torch.device("cpu")
 #: The runtime dtypes a stage may hold its weights and KV cache in, by CLI name.
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: Packed numeric modes (CPU, bfloat16 activations; ``decoding.quant``): ``packed`` keeps every
+#: code of the file (4-bit tensors as 4-bit groups, wider ones as 8-bit groups); ``packed4`` makes
+#: every matrix 4-bit, rounding the wider ones (smaller and faster, at a measured cost in quality).
+PACKINGS = ("packed", "packed4")
+#: Numeric modes, by CLI name: a dense dtype or a packing.
+WEIGHT_MODES = (*DTYPES, *PACKINGS)
+WEIGHTS_CHOICES = "auto, " + ", ".join(WEIGHT_MODES)
+
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 DTYPE_CHOICES = "auto, " + ", ".join(DTYPES)
 _DEVICE_RE = re.compile(r"auto|cpu|cuda(?::(\d+))?")
@@ -52,6 +60,37 @@ def check_dtype_spec(spec: str | None) -> str:
     if text != "auto" and text not in DTYPES:
         raise DeviceError(f"--dtype must be {DTYPE_CHOICES}, got {spec!r}")
     return text
+
+
+def check_weights_spec(spec: str | None) -> str:
+    """The normalised spelling of a ``--weights`` value ("auto": the fastest faithful mode of the device)."""
+    text = "auto" if spec is None else str(spec).strip().lower()
+    if text != "auto" and text not in WEIGHT_MODES:
+        raise DeviceError(f"--weights must be {WEIGHTS_CHOICES}, got {spec!r}")
+    return text
+
+
+def resolve_weights(spec: str | None, device: torch.device) -> tuple[torch.dtype, str]:
+    """``--weights``: (the dtype of activations and the KV cache, the packing of matrices or "").
+
+    ``auto`` is ``packed`` on a CPU whose torch has the int4 kernel (decode reads a
+    quarter of bfloat16's bytes; fidelity in bench/RESULTS.md), else the device's
+    default dtype. The packed mode is CPU-only for now.
+    """
+    text = check_weights_spec(spec)
+    if text in DTYPES:
+        return DTYPES[text], ""
+    from decoding.quant.packed import INT4_OK, INT4_UNAVAILABLE
+
+    if device.type != "cpu":
+        if text in PACKINGS:
+            raise DeviceError(f"--weights {text} runs on the CPU only; on {device} use bfloat16 or float16")
+        return default_dtype(device), ""
+    if text in PACKINGS and not INT4_OK:
+        raise DeviceError(f"--weights {text}: {INT4_UNAVAILABLE}")
+    if text in PACKINGS:
+        return torch.bfloat16, text
+    return (torch.bfloat16, "packed") if INT4_OK else (torch.float32, "")
 
 
 def _no_cuda_reason() -> str:
@@ -120,20 +159,36 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """A resolved device and the dtype a stage holds its weights and KV cache in there."""
+    """A resolved device, the dtype a stage computes and keeps its KV cache in there, and whether its
+    matrices are packed 4-bit groups (the numeric mode, :attr:`mode`)."""
 
     device: torch.device
     dtype: torch.dtype
+    packed: str = ""  # the packing of its matrices (PACKINGS), "" for dense
 
     @classmethod
-    def resolve(cls, device: str | torch.device | None = "auto", dtype: str | torch.dtype | None = None
-                ) -> "Placement":
+    def resolve(cls, device: str | torch.device | None = "auto", dtype: str | torch.dtype | None = None,
+                weights: str | None = None) -> "Placement":
+        """``weights`` is the numeric mode (``--weights``); ``dtype`` the older ``--dtype``, which names a
+        dense mode. Only an explicit ``--dtype`` with ``--weights`` left at auto still decides."""
         dev = resolve_device(device)
-        return cls(dev, resolve_dtype(dtype, dev))
+        mode = check_weights_spec(weights)
+        legacy = dtype if isinstance(dtype, torch.dtype) else check_dtype_spec(dtype)
+        if legacy != "auto":
+            if mode not in ("auto", dtype_name(resolve_dtype(legacy, dev))):
+                raise DeviceError(f"--dtype {dtype_name(resolve_dtype(legacy, dev))} contradicts --weights {mode}; "
+                                  f"give only --weights")
+            return cls(dev, resolve_dtype(legacy, dev))
+        return cls(dev, *resolve_weights(mode, dev))
+
+    @property
+    def mode(self) -> str:
+        """The numeric mode's name: ``packed`` or the dense dtype."""
+        return self.packed or dtype_name(self.dtype)
 
     def describe(self) -> dict:
         """What was measured or served on: for logs, status and profiles."""
-        return describe_device(self.device) | {"dtype": dtype_name(self.dtype)}
+        return describe_device(self.device) | {"dtype": dtype_name(self.dtype), "weights": self.mode}
 
 
 def describe_device(device: torch.device) -> dict:
@@ -162,6 +217,7 @@ def to_host(x):
     return x
 
 
-__all__ = ["CPU", "DTYPES", "DeviceError", "Placement", "check_device_spec", "check_dtype_spec", "default_dtype",
+__all__ = ["CPU", "DTYPES", "PACKINGS", "WEIGHT_MODES", "WEIGHTS_CHOICES", "check_weights_spec", "resolve_weights",
+           "DeviceError", "Placement", "check_device_spec", "check_dtype_spec", "default_dtype",
            "describe_device", "dtype_name", "is_host", "resolve_device", "resolve_devices", "resolve_dtype",
            "to_host"]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from decoding.errors import DrafterError
+from decoding.linear import linear
 from decoding.loader.files import sha256_of
 
 FORMAT = "meshd-medusa-heads"
@@ -158,7 +159,7 @@ class MedusaHeads(torch.nn.Module):
         if hidden.dim() not in (1, 2) or hidden.shape[-1] != self.hidden_size:
             raise DrafterError(
                 f"Medusa heads expect final hidden states of size {self.hidden_size}, got shape {tuple(hidden.shape)}")
-        if lm_head.dim() != 2 or lm_head.shape[1] != self.hidden_size:
+        if len(lm_head.shape) != 2 or lm_head.shape[1] != self.hidden_size:
             raise DrafterError(
                 f"Medusa heads need an LM head [vocab, {self.hidden_size}], got shape {tuple(lm_head.shape)}")
         if self.vocab_size is not None and lm_head.shape[0] != self.vocab_size:
@@ -167,7 +168,7 @@ class MedusaHeads(torch.nn.Module):
         single = hidden.dim() == 1
         h = hidden.unsqueeze(0) if single else hidden
         y = self.residual(h.float(), num_heads)
-        out = F.linear(y.to(lm_head.dtype), lm_head).float()
+        out = linear(y.to(lm_head.dtype), lm_head).float()  # dense or packed (decoding.linear)
         return out[0] if single else out
 
     # -- files --------------------------------------------------------------------

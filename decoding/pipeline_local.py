@@ -50,10 +50,12 @@ class LocalPipeline:
 
     @classmethod
     def from_source(cls, source, num_stages: int = 1, dtype: torch.dtype | None = None,
-                    device: "torch.device | str | Sequence[torch.device | str] | None" = None) -> "LocalPipeline":
+                    device: "torch.device | str | Sequence[torch.device | str] | None" = None,
+                    packed: str | bool = "") -> "LocalPipeline":
         """``num_stages`` even stages; ``device``: one for all, or one per stage (default: the CPU).
 
-        ``dtype`` None: each stage's device default (float32 on the CPU, see ``decoding.device``).
+        ``dtype`` None: each stage's device default (float32 on the CPU, see ``decoding.device``);
+        ``packed``: a packed numeric mode ("packed", "packed4"; give ``dtype`` bfloat16).
         """
         ranges = even_split(source.config.num_layers, num_stages)
         if device is None or isinstance(device, (str, torch.device)):
@@ -62,7 +64,8 @@ class LocalPipeline:
             devices = [torch.device(d) for d in device]
             if len(devices) != num_stages:
                 raise ValueError(f"{len(devices)} devices for {num_stages} stages")
-        return cls([source.load_stage(a, b, dtype or default_dtype(d), d) for (a, b), d in zip(ranges, devices)])
+        return cls([source.load_stage(a, b, dtype or default_dtype(d), d, packed)
+                    for (a, b), d in zip(ranges, devices)])
 
     @property
     def devices(self) -> list[torch.device]:

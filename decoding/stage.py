@@ -23,6 +23,11 @@ import torch.nn.functional as F
 from decoding.config import ModelConfig
 from decoding.device import CPU
 from decoding.errors import ContextOverflow, ModelLoadError
+from decoding.linear import PackedLinear, Weight, linear, nbytes
+from decoding.quant.packed import DENSE_FROM_ROWS
+
+#: Positions a packed stage computes as one block (see _RowPlan.of); the dense regime's row count.
+EXACT_BLOCK = DENSE_FROM_ROWS
 from decoding.kv_cache import KVCache
 from decoding.loader.rope import inv_frequencies
 from decoding.masks import chunk_mask, tree_depths, with_prefix
@@ -31,50 +36,16 @@ from decoding.masks import chunk_mask, tree_depths, with_prefix
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # fused [q; k; v] rows: one matmul instead of three
+    qkv: Weight  # fused [q; k; v] rows: one matmul instead of three
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor  # fused [gate; up]
-    down: torch.Tensor
+    gate_up: Weight  # fused [gate; up]
+    down: Weight
 
     def nbytes(self) -> int:
-        ts = [self.attn_norm, self.qkv, self.o, self.mlp_norm, self.gate_up, self.down]
-        if self.qkv_bias is not None:
-            ts.append(self.qkv_bias)
-        return sum(t.numel() * t.element_size() for t in ts)
-
-
-# On a CPU, torch's default GEMM is slow exactly where a stage lives: a handful of
-# rows against a large weight (decode steps, verify rounds, batched steps of a few
-# sequences). It re-reads or repacks the weights for small row counts (M = 2-3
-# cost 2-3x M = 1). oneDNN's inference linear streams them once. Measured on this
-# machine (torch 2.13 CPU, one thread, the embedded model's four projections over
-# 30 layers, ms): M=1 36.4 -> 31.9, M=2 63.7 -> 42.6, M=3 85.9 -> 49.0,
-# M=4 50.9 -> 46.5, M=8 58.0 -> 55.2; the 49152x576 LM head M=1..4:
-# 12.5/17.7/17.7/21.3 -> 9.8/10.6/11.6/14.4 (the first row already padded 2-3 rows to 4).
-def _onednn_linear():
-    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-    if op is None or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        x, w, b = torch.ones(3, 8), torch.ones(5, 8), torch.zeros(5)
-        if not torch.equal(op(x, w, b, "none", [], ""), F.linear(x, w, b)):
-            return None
-    except (RuntimeError, NotImplementedError):
-        return None
-    return op
-
-
-_ONEDNN = _onednn_linear()
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through oneDNN on CPU (2-D float32/bfloat16 inputs) where this torch has it."""
-    if (_ONEDNN is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype == w.dtype
-            and x.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()):
-        return _ONEDNN(x, w, b, "none", [], "")
-    return F.linear(x, w, b)
+        return sum(nbytes(w) for w in (self.attn_norm, self.qkv, self.qkv_bias, self.o, self.mlp_norm,
+                                        self.gate_up, self.down))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,28 +70,36 @@ class StageModel:
         self.layers = layers
         self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
         # The device is where the weights are (a view built from another stage's tensors follows them).
-        weights = (embed, lm_head, final_norm, *(lw.qkv for lw in layers[:1]))
+        weights = (embed, lm_head, final_norm, *(lw.attn_norm for lw in layers[:1]))
         self.device = next((t.device for t in weights if t is not None), inv_freq.device)
         self._on_host = self.device.type == "cpu"  # decided once: the CPU path never tests or moves per call
         self.inv_freq = inv_freq if inv_freq.device == self.device else inv_freq.to(self.device)
         self.dtype = dtype
         self.scale = config.head_dim ** -0.5
+        self.formats: dict[str, str] = {}  # tensor -> how it is held, when not simply ``dtype``
+        self.scratch = None  # packed stages: the buffer matrices are widened into for long prompts
+        self.packing = ""  # "", "packed" or "packed4" (decoding.device.PACKINGS)
 
     # -- construction -------------------------------------------------------------
     @classmethod
     def from_source(cls, source, first: int, end: int, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str | None = None) -> "StageModel":
+                    device: torch.device | str | None = None, packed: str | bool = "") -> "StageModel":
         """Load ``[first, end)`` from ``source`` in ``dtype`` onto ``device`` (default: the CPU).
 
         Tensors are read (dequantised) on the host a few at a time and each is cast
         and moved in one step, so loading onto a GPU never holds a host copy of
-        the whole stage.
+        the whole stage. ``packed`` (a packed numeric mode, "packed" or "packed4",
+        bfloat16 on the CPU): every matrix is held as 4- or 8-bit groups instead
+        (see :func:`_load_packed`) and the token embedding as the file stores it.
         """
         cfg = source.config
         if not 0 <= first < end <= cfg.num_layers:
             raise ModelLoadError(
                 f"{source.path}: invalid layer range [{first}, {end}) for a {cfg.num_layers}-layer model")
         device = CPU if device is None else torch.device(device)
+        packing = "packed" if packed is True else (packed or "")
+        if packing:
+            return _load_packed(cls, source, first, end, dtype, device, packing)
         cast = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         layers = []
         for i in range(first, end):
@@ -149,6 +128,11 @@ class StageModel:
         return cls(cfg, first, end, layers, embed, final_norm, lm_head, inv_freq.to(device), dtype)
 
     @property
+    def packed(self) -> bool:
+        """Whether this stage's matrices are packed (a packed numeric mode; :attr:`packing` says which)."""
+        return bool(self.packing)
+
+    @property
     def is_first(self) -> bool:
         return self.first == 0
 
@@ -164,9 +148,9 @@ class StageModel:
         total = sum(lw.nbytes() for lw in self.layers)
         seen = set()
         for t in (self.embed, self.final_norm, self.lm_head):
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+            if t is not None and id(t) not in seen:  # a tied head is the embedding itself
+                seen.add(id(t))
+                total += nbytes(t)
         return total
 
     def new_cache(self, max_tokens: int = 1 << 16) -> KVCache:
@@ -222,9 +206,10 @@ class StageModel:
             if cfg.sliding_window and past + n > cfg.sliding_window:
                 raise ContextOverflow(
                     f"sequence would reach {past + n} positions, beyond the sliding window {cfg.sliding_window}")
-            plans.append(_RowPlan.of(it, past, device))
+            plans.append(_RowPlan.of(it, past, device, exact=bool(self.packing)))
         if self.is_first:
-            h = F.embedding(torch.cat([it.x for it in items]) if len(items) > 1 else items[0].x, self.embed)
+            ids = torch.cat([it.x for it in items]) if len(items) > 1 else items[0].x
+            h = F.embedding(ids, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed.lookup(ids)
         else:
             h = torch.cat([it.x for it in items]).to(self.dtype) if len(items) > 1 else items[0].x.to(self.dtype)
         positions = torch.cat([p.positions for p in plans]) if len(plans) > 1 else plans[0].positions
@@ -236,8 +221,11 @@ class StageModel:
         if probes is not None and self.is_last:
             for i, (p, it) in enumerate(zip(plans, items)):
                 p.probe_tail, p.probe_index = it.attention_tail, i
+        dense = None
+        if self.packing:  # which rows take the dense path in every matrix product (see _RowPlan.of)
+            dense = torch.cat([p.whole for p in plans]) if len(plans) > 1 else plans[0].whole
         for li, lw in enumerate(self.layers):
-            h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes)
+            h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes, dense)
         for p, it in zip(plans, items):
             kv.commit(it.seq_id, p.n)
         parts = h.split([p.n for p in plans])
@@ -247,7 +235,8 @@ class StageModel:
             return list(parts)
         # The LM head only over the rows someone reads: one product for the whole batch.
         normed = rms_norm(torch.cat(read), self.final_norm, cfg.rms_eps)
-        logits = linear(normed, self.lm_head).float()
+        # (a packed head multiplies every row alone: widening a 152k-row head would cost more than it saves)
+        logits = linear(normed, self.lm_head, dense=False).float()
         sizes = [r.shape[0] for r in read]
         heads = iter(zip(logits.split(sizes), normed.split(sizes)))
         outs: list = []
@@ -259,12 +248,12 @@ class StageModel:
             outs.append((lg, nm) if it.return_normed else lg)
         return outs
 
-    def _layer(self, kv, li, lw: LayerWeights, h, cos, sin, items, plans, probes=None):
+    def _layer(self, kv, li, lw: LayerWeights, h, cos, sin, items, plans, probes=None, dense=None):
         cfg = self.config
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         total = h.shape[0]
         x = rms_norm(h, lw.attn_norm, cfg.rms_eps)
-        qkv = linear(x, lw.qkv, lw.qkv_bias)
+        qkv = linear(x, lw.qkv, lw.qkv_bias, dense)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = rotate(q.view(total, nh, hd).transpose(0, 1), cos, sin)
         k = rotate(k.view(total, nkv, hd).transpose(0, 1), cos, sin)
@@ -279,16 +268,20 @@ class StageModel:
                                           probes))
                 start = end
             attn = torch.cat(parts, dim=1)
-        h = h + linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o)
+        h = h + linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o, None, dense)
         x = rms_norm(h, lw.mlp_norm, cfg.rms_eps)
-        gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, lw.down)
+        gate, up = linear(x, lw.gate_up, None, dense).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, lw.down, None, dense)
 
     def _attend(self, kv: KVCache, li: int, seq_id, p: "_RowPlan", q, k, v, probes=None) -> torch.Tensor:
         """One sequence's attention, [heads, n, head_dim]: its new keys written, then read in place."""
         nh, nkv = self.config.num_heads, self.config.num_kv_heads
         kv.write(seq_id, li, p.offset, k, v)
         segments = kv.segments(seq_id, li, p.offset + p.n)
+        if p.exact and len(segments) == 1 and not (p.probe_tail and probes is not None):
+            return self._attend_exact(p, q, *segments[0])
+        if p.exact and p.mask is None:  # a forked sequence (shared prefix): one chunk mask for its rows
+            p = dataclasses.replace(p, mask=chunk_mask(p.past, p.n, q.device))
         if p.probe_tail and probes is not None and li == len(self.layers) - 1:
             probes[p.probe_index] = self._attention_tail(q, segments, p, p.probe_tail)
         if len(segments) == 1:
@@ -298,6 +291,36 @@ class StageModel:
                 scale=self.scale, enable_gqa=nkv != nh)[0]
         return segmented_attention(q, segments, p.mask, self.scale)
 
+
+    def _attend_exact(self, p: "_RowPlan", q, keys, values) -> torch.Tensor:
+        """Attention that gives each row the same bits however its sequence was cut or batched.
+
+        A whole position block attends in one call over exactly the keys up to its
+        end; any other row attends alone over the keys up to itself, as a decode
+        step does. CPU SDPA's result for a row does depend on the other rows of the
+        call (its tiles), so these are the only two shapes of call a row ever sees.
+        """
+        nh, nkv = self.config.num_heads, self.config.num_kv_heads
+        gqa = nkv != nh
+        outs, i = [], 0
+        whole = p.whole.tolist()
+        while i < p.n:
+            if p.mask is not None:  # a tree node: its ancestors and itself
+                sel = p.mask[i].nonzero().squeeze(1)
+                k_i, v_i, rows = keys[:, sel], values[:, sel], 1
+                mask = None
+            elif whole[i]:
+                rows, end = EXACT_BLOCK, p.past + i + EXACT_BLOCK
+                k_i, v_i = keys[:, :end], values[:, :end]
+                mask = torch.arange(end, device=q.device).unsqueeze(0) <= p.positions[i:i + rows].unsqueeze(1)
+            else:
+                rows, end = 1, p.past + i + 1
+                k_i, v_i, mask = keys[:, :end], values[:, :end], None
+            outs.append(F.scaled_dot_product_attention(
+                q[:, i:i + rows].contiguous().unsqueeze(0), k_i.unsqueeze(0), v_i.unsqueeze(0), attn_mask=mask,
+                scale=self.scale, enable_gqa=gqa)[0])
+            i += rows
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _attention_tail(self, q: torch.Tensor, segments, p: "_RowPlan", width: int) -> torch.Tensor:
         """[n, width]: head-averaged attention of the new rows on the last ``width`` positions."""
@@ -314,6 +337,90 @@ class StageModel:
         if tail.shape[1] < width:  # fewer positions than asked: pad on the left
             tail = F.pad(tail, (width - tail.shape[1], 0))
         return tail
+
+
+def _load_packed(cls, source, first: int, end: int, dtype: torch.dtype, device: torch.device,
+                 packing: str) -> StageModel:
+    """``[first, end)`` with every matrix packed (``decoding.quant``), sharing one scratch buffer.
+
+    What each tensor becomes (``formats`` records it, per tensor):
+
+    ========================  ============================  ===========================
+    stored in the file as     ``packed``                    ``packed4``
+    ========================  ============================  ===========================
+    Q4_0, Q4_1, Q4_K          4-bit, its own codes          4-bit, its own codes
+    Q8_0, Q5_0                8-bit (two planes), own codes 4-bit, rounded
+    Q6_K, F16, F32, others    8-bit, rounded (finer than    4-bit, rounded
+                              the file's own steps)
+    ========================  ============================  ===========================
+
+    Only scales and offsets change format (bfloat16) where codes are kept. The
+    token embedding stays as the file stores it and is widened per lookup.
+    """
+    from decoding.quant.groups import Int4Groups, requantize, requantize_8bit
+    from decoding.quant.packed import ConcatLinear, Scratch
+    from decoding.quant.rows import QuantRows
+
+    if device.type != "cpu":
+        raise ModelLoadError(f"the packed numeric modes run on the CPU; {device} takes bfloat16 or float16")
+    if packing not in ("packed", "packed4"):
+        raise ValueError(f"unknown packing {packing!r} (packed, packed4)")
+    cfg = source.config
+    scratch = Scratch()
+    formats: dict[str, str] = {}
+    cast = lambda t: t.to(dtype=dtype).contiguous()  # noqa: E731
+    kind_of = getattr(source, "tensor_type", lambda n: None)
+    four_bit_of = getattr(source, "read_int4_groups", lambda n: None)
+    eight_bit_of = getattr(source, "read_int8_planes", lambda n: None)
+
+    def planes(name: str, key: str) -> list[Int4Groups]:
+        kind = kind_of(name) or "float"
+        exact = four_bit_of(name)
+        if exact is not None:
+            formats[key] = f"int4 ({kind}, its own codes)"
+            return [exact]
+        if packing == "packed4":
+            formats[key] = f"int4 (rounded from {kind})"
+            return [requantize(source.read_tensor(name))]
+        kept = eight_bit_of(name)
+        if kept is not None:
+            formats[key] = f"int8 ({kind}, its own codes)"
+            return list(kept)
+        formats[key] = f"int8 (rounded from {kind})"
+        return list(requantize_8bit(source.read_tensor(name)))
+
+    def packed(*names: str, key: str = ""):
+        parts = [planes(n, key or n) for n in names]
+        if len({len(p) for p in parts}) == 1:  # same width: one matrix, one product
+            return PackedLinear([Int4Groups.concat([p[i] for p in parts]) for i in range(len(parts[0]))], scratch)
+        return ConcatLinear([PackedLinear(p, scratch) for p in parts])
+
+    layers = []
+    for i in range(first, end):
+        p = f"layers.{i}."
+        r = lambda n: source.read_tensor(p + n)  # noqa: E731
+        bias = cast(torch.cat([r("q_bias"), r("k_bias"), r("v_bias")])) if cfg.attention_bias else None
+        layers.append(LayerWeights(
+            attn_norm=cast(r("attn_norm")), qkv=packed(p + "q", p + "k", p + "v"), qkv_bias=bias,
+            o=packed(p + "o"), mlp_norm=cast(r("mlp_norm")), gate_up=packed(p + "gate", p + "up"),
+            down=packed(p + "down")))
+    embed = final_norm = lm_head = None
+    if end == cfg.num_layers:
+        final_norm = cast(source.read_tensor("final_norm"))
+        lm_head = packed("embed" if cfg.tie_embeddings else "lm_head", key="lm_head")
+    if first == 0 and lm_head is not None and cfg.tie_embeddings and isinstance(lm_head, PackedLinear):
+        embed = lm_head  # one matrix, as in the file: lookups widen the rows they need
+        formats["embed"] = "the LM head's rows, widened per lookup"
+    elif first == 0:
+        if hasattr(source, "read_row_blocks"):
+            embed = QuantRows(*source.read_row_blocks("embed"), dtype)
+            formats["embed"] = f"{embed.type_name} rows, widened per lookup"
+        else:
+            embed = cast(source.read_tensor("embed"))
+    inv_freq, _ = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, source.rope_freq_factors())
+    stage = cls(cfg, first, end, layers, embed, final_norm, lm_head, inv_freq, dtype)
+    stage.formats, stage.scratch, stage.packing = formats, scratch, packing
+    return stage
 
 
 @dataclass(frozen=True)
@@ -349,16 +456,33 @@ class _RowPlan:
     offset: int = 0
     probe_tail: int = 0
     probe_index: int = 0
+    past: int = 0
+    exact: bool = False  # a packed stage: each row computed the same way whatever came with it
+    whole: torch.Tensor | None = None  # exact, bool [n]: rows of whole EXACT_BLOCK position blocks
 
     @classmethod
-    def of(cls, it: BatchItem, past: int, device: torch.device) -> "_RowPlan":
-        """Positions and mask of ``it``'s rows, built on the stage's ``device`` (a tree mask is already there)."""
+    def of(cls, it: BatchItem, past: int, device: torch.device, exact: bool = False) -> "_RowPlan":
+        """Positions and mask of ``it``'s rows, built on the stage's ``device`` (a tree mask is already there).
+
+        ``exact`` (packed stages): a row's result must not depend on how the
+        sequence was cut into messages, nor on what was batched with it. Rows that
+        fill a whole block of EXACT_BLOCK positions ``[64 k, 64 k + 64)`` take the
+        dense path together (a prompt, however it is cut at block boundaries); every
+        other row (decode steps, verify rounds, a prompt's last partial block, tree
+        nodes) is computed alone, the way one decode step is.
+        """
         n = it.x.shape[0]
         if it.tree_mask is not None:
-            return cls(n, past + tree_depths(it.tree_mask), with_prefix(it.tree_mask, past), False)
+            return cls(n, past + tree_depths(it.tree_mask), with_prefix(it.tree_mask, past), False, past=past,
+                       exact=exact, whole=torch.zeros(n, dtype=torch.bool) if exact else None)
+        positions = torch.arange(past, past + n, device=device)
+        if exact:
+            first = -(-past // EXACT_BLOCK) * EXACT_BLOCK  # the first block boundary at or after past
+            last = (past + n) // EXACT_BLOCK * EXACT_BLOCK  # the last one at or before the end
+            pos = torch.arange(past, past + n)
+            return cls(n, positions, None, False, past=past, exact=True, whole=(pos >= first) & (pos < last))
         causal = n > 1 and past == 0  # let SDPA use its fused causal path
-        return cls(n, torch.arange(past, past + n, device=device), None if causal else chunk_mask(past, n, device),
-                   causal)
+        return cls(n, positions, None if causal else chunk_mask(past, n, device), causal)
 
 
 def segmented_attention(q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]],

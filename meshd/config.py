@@ -26,6 +26,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/meshd/meshd.toml")
 # The spellings decoding.device accepts, repeated so reading a config never imports torch.
 _DEVICE_RE = re.compile(r"auto|cpu|cuda(?::\d+)?")
 _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+_WEIGHT_NAMES = ("float32", "bfloat16", "float16", "packed", "packed4")
 DEFAULT_PORT = 7410
 DEFAULT_PAIRING_PORT = 7411
 
@@ -67,7 +68,9 @@ class Config:
     memory_budget_mb: int = field(default_factory=_default_memory_budget_mb)
     model: str | None = None  # None: embedded default; "none": no model (control plane only)
     device: str = "auto"  # where this device's stage computes: auto (CUDA if available), cpu, cuda, cuda:N
-    dtype: str | None = None  # weights/KV dtype; None or "auto": float32 on CPU, bfloat16/float16 on a GPU
+    weights: str | None = None  # numeric mode: auto (packed on a CPU, bfloat16/float16 on a GPU), float32,
+    #                              bfloat16, float16, packed, packed4; the leader's is the plan's, for every member
+    dtype: str | None = None  # older spelling of a dense mode (float32, bfloat16, float16); weights wins
     wire_dtype: str = "float32"  # activations this stage sends on: float16/bfloat16 halve the bytes per hop
     self_profile: str = "quick"  # no profile of this model yet: "quick" times one layer at start-up; "off"
     plan_layers: int = 30  # layer count planned for engines without a model file (test fakes)
@@ -122,6 +125,8 @@ class Config:
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype is not None and str(self.dtype).strip().lower() not in _DTYPE_NAMES:
             raise ConfigError(f"dtype must be {', '.join(_DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.weights is not None and str(self.weights).strip().lower() not in ("auto", *_WEIGHT_NAMES):
+            raise ConfigError(f"weights must be auto, {', '.join(_WEIGHT_NAMES)}, got {self.weights!r}")
         self.wire_dtype = str(self.wire_dtype).strip().lower()
         if self.wire_dtype not in _DTYPE_NAMES[1:]:
             raise ConfigError(f"wire_dtype must be {', '.join(_DTYPE_NAMES[1:])}, got {self.wire_dtype!r}")
@@ -136,7 +141,7 @@ def placement_of(cfg: Config | None):
     raises its one-line error when this machine cannot give it. Imports torch, so only on use."""
     from decoding.device import Placement
 
-    return Placement.resolve(getattr(cfg, "device", "auto"), getattr(cfg, "dtype", None))
+    return Placement.resolve(getattr(cfg, "device", "auto"), getattr(cfg, "dtype", None), getattr(cfg, "weights", None))
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import ipaddress
@@ -347,14 +348,29 @@ class Daemon:
         self._send_heartbeat()  # peers may plan with us now
         self.debounce.poke(self.clock())
 
+    @functools.cached_property
+    def weights_mode(self) -> str:
+        """The numeric mode this daemon's plans name when it leads: its own (``--weights``)."""
+        from meshd.config import placement_of
+
+        if not self.config.model_enabled:
+            return ""
+        try:
+            return placement_of(self.config).mode
+        except Exception:  # noqa: BLE001 - a device this machine lacks fails at start-up, loudly, elsewhere
+            return ""
+
     def _check_fit(self, source) -> None:
         """Say at once when this device alone cannot hold the model (and what to do)."""
         from meshd.config import placement_of
         from meshd.model_fit import fit_advice
 
-        dtype = placement_of(self.config).dtype
-        advice = fit_advice(source.config, dtype.itemsize, self.config.memory_budget_mb,
-                            self.config.model or "the embedded model", str(dtype).removeprefix("torch."))
+        from meshd.model_fit import PACKED_BYTES_PER_WEIGHT
+
+        placement = placement_of(self.config)
+        per_weight = PACKED_BYTES_PER_WEIGHT if placement.packed else placement.dtype.itemsize
+        advice = fit_advice(source.config, per_weight, self.config.memory_budget_mb,
+                            self.config.model or "the embedded model", placement.mode)
         if advice:
             log.warning("model_larger_than_device", advice=advice)
 
@@ -371,7 +387,7 @@ class Daemon:
             on_cpu = placement_of(self.config).device.type == "cpu"
             result = await asyncio.to_thread(
                 settle, self.state, source, mode=self.config.self_profile, threads=torch.get_num_threads(),
-                on_cpu=on_cpu, reference_dirs=[shipped_profiles_dir()])
+                on_cpu=on_cpu, reference_dirs=[shipped_profiles_dir()], weights=self.weights_mode)
         except Exception as exc:  # noqa: BLE001 - a failed measurement must not stop serving
             self.profile_how = f"shipped default: measuring failed ({type(exc).__name__}: {exc})"[:300]
             log.warning("self_profile_failed", error=f"{type(exc).__name__}: {exc}")
@@ -747,7 +763,8 @@ class Daemon:
             return
         seen = [int(m.peers[n].info.get("plan_version", 0)) for n in all_ready if n in m.peers]
         version = max([self.plan.version if self.plan else 0, *seen]) + 1
-        plan_over = lambda ids: make_plan(version, self.node_id, self._plan_inputs(ids), num_layers)  # noqa: E731
+        plan_over = lambda ids: make_plan(version, self.node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
+                                          self.weights_mode)
         plan = plan_over(ready)
         if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
             plan = self.sharing.gate(plan, self.plan, ready, model, plan_over)
@@ -758,8 +775,8 @@ class Daemon:
             if plan is None:
                 return
         cur = self.plan
-        if cur is not None and cur.digest() == plan.digest() and cur.leader == self.node_id \
-                and version <= cur.version + 1 and not self.plan_conflict:
+        if cur is not None and cur.digest() == plan.digest() and cur.weights == plan.weights \
+                and cur.leader == self.node_id and version <= cur.version + 1 and not self.plan_conflict:
             # Same assignment: keep the version, so requests running on it are not
             # failed as stale and no stage reloads anything.
             log.debug("replan_unchanged", version=cur.version)

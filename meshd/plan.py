@@ -49,6 +49,7 @@ class Plan(LayerAssignment):
     reason: str = ""
     leader: NodeId = NodeId("")
     members: tuple[NodeId, ...] = ()  # the ready members it was planned over (some may get no layers)
+    weights: str = ""  # the numeric mode every stage computes in (the leader's; "": each member its own)
 
     def to_assignment(self) -> dict[str, Any]:
         """The ``transport.messages.PlanUpdate.assignment`` form: node id -> stage.
@@ -60,7 +61,7 @@ class Plan(LayerAssignment):
             s.node_id: {
                 "stage": i, "first": s.first, "last": s.end, "num_layers": self.num_layers,
                 "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
-                "leader": self.leader, "members": list(self.members),
+                "leader": self.leader, "members": list(self.members), "weights": self.weights,
             }
             for i, s in enumerate(self.stages)
         }
@@ -77,7 +78,8 @@ class Plan(LayerAssignment):
             plan = Plan(PlanVersion(int(version)), stages, num_layers,
                         None if bottleneck is None else float(bottleneck),
                         str(any_row.get("reason", "")), NodeId(str(any_row.get("leader", ""))),
-                        tuple(NodeId(str(m)) for m in any_row.get("members", ())))
+                        tuple(NodeId(str(m)) for m in any_row.get("members", ())),
+                        str(any_row.get("weights", "") or ""))
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed plan assignment: {exc}") from None
         plan.check()
@@ -88,7 +90,8 @@ class Plan(LayerAssignment):
 
         Heartbeats carry it beside the version, so two members holding different plans
         under one version (two leaders of a briefly split view) are found and re-planned
-        above, instead of each serving its own plan forever.
+        above, instead of each serving its own plan forever. The numeric mode is left out, so
+        daemons too old to carry one agree with newer ones on the digest of the same stages.
         """
         return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
 
@@ -105,6 +108,7 @@ class Plan(LayerAssignment):
             "reason": self.reason,
             "leader": self.leader,
             "members": list(self.members),
+            "weights": self.weights or None,
         }
 
 
@@ -133,17 +137,19 @@ def shipped_profiles_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "profiles"
 
 
-def default_profile() -> dict[str, Any] | None:
-    """The first profile shipped in ``profiles/`` (sorted by name), if any."""
-    return next((data for _, data in read_profiles(shipped_profiles_dir())), None)
+def default_profile(weights: str = "") -> dict[str, Any] | None:
+    """The first profile shipped in ``profiles/`` (sorted by name) measured in the numeric mode
+    ``weights``, else the first of any mode, if any."""
+    shipped = [data for _, data in read_profiles(shipped_profiles_dir())]
+    return next((d for d in shipped if d.get("dtype") == weights), shipped[0] if shipped else None)
 
 
 def compute_stages(
-    members: list[MemberInput], num_layers: int
+    members: list[MemberInput], num_layers: int, weights: str = ""
 ) -> tuple[list[StageAssignment], float | None, str]:
     """Stages for ``members``: the partition DP when profiles allow it, else equal split."""
     ids = [m.node_id for m in members]
-    fallback = default_profile()
+    fallback = default_profile(weights)
     profiles = []
     for m in members:
         data = m.profile or fallback
@@ -172,10 +178,11 @@ def compute_stages(
     return stages, result.split.bottleneck_s, reason
 
 
-def make_plan(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int) -> Plan:
-    stages, bottleneck, reason = compute_stages(members, num_layers)
+def make_plan(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int,
+              weights: str = "") -> Plan:
+    stages, bottleneck, reason = compute_stages(members, num_layers, weights)
     plan = Plan(version, tuple(stages), num_layers, bottleneck, reason, leader,
-                tuple(sorted(m.node_id for m in members)))
+                tuple(sorted(m.node_id for m in members)), weights)
     plan.check()
     return plan
 

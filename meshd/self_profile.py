@@ -51,17 +51,17 @@ def describe(profile: dict[str, Any] | None) -> str:
     return f"measured {str(profile.get('measured_at', ''))[:10]}".rstrip()
 
 
-def reference_for(model: str, dirs: list[Path]) -> Path | None:
-    """A shipped full profile of ``model`` (its identity) to scale from, if any."""
-    for d in dirs:
-        for path, data in read_profiles(d):
-            if profile_model(data) == model and not data.get("scaled_from"):
-                return path
-    return None
+def reference_for(model: str, dirs: list[Path], weights: str = "") -> Path | None:
+    """A shipped full profile of ``model`` (its identity) to scale from, if any: one measured in the
+    numeric mode ``weights`` when there is one (a packed layer's speed is not a float32 layer's)."""
+    found = [(path, data) for d in dirs for path, data in read_profiles(d)
+             if profile_model(data) == model and not data.get("scaled_from")]
+    same_mode = [path for path, data in found if data.get("dtype") == weights]
+    return (same_mode or [path for path, _ in found] or [None])[0]
 
 
 def settle(state: StateDir, source, *, mode: str, threads: int, on_cpu: bool, reference_dirs: list[Path],
-           estimate: Callable[..., float] | None = None) -> SelfProfile:
+           estimate: Callable[..., float] | None = None, weights: str = "") -> SelfProfile:
     """The profile this device should be planned with (blocking: run it in a worker thread).
 
     ``estimate(source, reference, threads=...)`` returns the device's speed relative to
@@ -69,13 +69,15 @@ def settle(state: StateDir, source, *, mode: str, threads: int, on_cpu: bool, re
     """
     model = getattr(source, "identity", None) or ""
     own = state.own_profile(model) if model else None
+    if own is not None and weights and own.get("dtype") not in (weights, None) and mode != "off":
+        own = None  # measured in another numeric mode: measure again in this one
     if own is not None:
         return SelfProfile(own, "installed" if not own.get("scaled_from") else "reused")
     if mode == "off":
         return SelfProfile(None, "shipped default: self-profiling is off (self_profile = off)")
     if not on_cpu:
         return SelfProfile(None, "shipped default: profiles measure the CPU only and this stage runs on a GPU")
-    ref_path = reference_for(model, reference_dirs)
+    ref_path = reference_for(model, reference_dirs, weights)
     if ref_path is None:
         return SelfProfile(None, "shipped default: no shipped profile of this model to scale; "
                                  "run 'meshd profile --install' for a full one")

@@ -45,7 +45,8 @@ from partition.errors import PartitionError
 SCHEMA = "meshd.device-profile"
 SCHEMA_VERSION = 1
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: Bytes per activation element of each numeric mode ("packed": 4-bit matrices, bfloat16 activations).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "packed": 2, "packed4": 2}
 
 #: Share of device memory the planner leaves to the OS and other apps by default.
 DEFAULT_HEADROOM = 0.25

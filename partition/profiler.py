@@ -203,7 +203,7 @@ def profile_device(
 
     s = settings.resolved()
     torch.set_num_threads(s.threads)
-    dtype = getattr(torch, s.dtype)
+    dtype, packed = _numerics(s.dtype)
     cfg = source.config
     L = cfg.num_layers
     S = s.max_seq
@@ -219,7 +219,7 @@ def profile_device(
     )
     bar = _Progress(n_runs, progress)
     t_start = time.perf_counter()
-    full = source.load_stage(0, L, dtype)
+    full = source.load_stage(0, L, dtype, packed=packed)
     bar.step("load")
 
     def view(layers, first, end, embed=None, norm=None, head=None):
@@ -321,8 +321,7 @@ def profile_device(
                  for i, x in enumerate(s.q_x)]
     b = min_efficient_chunk(s.q_x, per_chunk)
 
-    def nbytes(t):
-        return 0 if t is None else t.numel() * t.element_size()
+    from decoding.linear import nbytes
 
     weight_bytes = ([nbytes(full.embed)] + [lw.nbytes() for lw in full.layers]
                     + [nbytes(full.final_norm) + nbytes(full.lm_head)])
@@ -393,6 +392,13 @@ def reusable(existing: DeviceProfile, identity: str, settings: ProfileSettings) 
 QUICK_POINTS = ((128 / 2048, 0.0), (512 / 2048, 0.0), (512 / 2048, 0.5))
 
 
+def _numerics(mode: str):
+    """(activation dtype, packing) of a profile's numeric mode: a dtype name, or a packing."""
+    import torch
+
+    return (torch.bfloat16, mode) if mode.startswith("packed") else (getattr(torch, mode), "")
+
+
 def estimate_speed(source, reference: DeviceProfile, threads: int = 1, repeats: int = 3, clock=None) -> float:
     """This device's speed relative to ``reference`` from one decoder layer (seconds, not minutes).
 
@@ -410,7 +416,8 @@ def estimate_speed(source, reference: DeviceProfile, threads: int = 1, repeats: 
         log.warning("quick_profile_other_model", reference=reference.model.identity,
                     model=source.identity)
     mid = cfg.num_layers // 2
-    stage = source.load_stage(mid, mid + 1)
+    dtype, packed = _numerics(reference.dtype)
+    stage = source.load_stage(mid, mid + 1, dtype, packed=packed)
     clock = clock or measurement_clock(threads)
     S = int(reference.settings.get("max_seq", reference.q.y[-1]))
     rng = torch.Generator().manual_seed(0)
@@ -421,10 +428,10 @@ def estimate_speed(source, reference: DeviceProfile, threads: int = 1, repeats: 
         kv.create("p", x + y)
         if y:
             off = kv.reserve("p", y)
-            k = torch.randn(cfg.num_kv_heads, y, cfg.head_dim, generator=rng)
+            k = torch.randn(cfg.num_kv_heads, y, cfg.head_dim, generator=rng).to(dtype)
             kv.write("p", 0, off, k, k.clone())
             kv.commit("p", y)
-        inp = torch.randn(x, cfg.hidden_size, generator=rng)
+        inp = torch.randn(x, cfg.hidden_size, generator=rng).to(dtype)
         stage.forward(kv, "p", inp, all_logits=False)  # warm-up
         ts = []
         for _ in range(repeats):

@@ -118,12 +118,14 @@ def test_status_names_the_bottlenecks_unit_and_tells_same_named_devices_apart():
         "members": [{"node_id": "n-1", "name": "pi", "self": True, "kv_tokens": 512, "uptime_s": 90,
                      "version": "0.1.0", "model_digest": "b179c9523d0e6a0f"},
                     {"node_id": "n-2", "name": "pi", "last_error": "model load failed: no space"}],
-        "plan": {"version": 2, "predicted_bottleneck": 1.25, "predicted_bottleneck_for_tokens": 512}})
+        "plan": {"version": 2, "predicted_bottleneck": 1.25, "predicted_bottleneck_for_tokens": 512,
+                 "weights": "packed"}})
     assert "meshd 0.1.0, up 2.0h" in text.splitlines()[0]
     assert "pi (n-1) *" in text and "pi (n-2)" in text
     assert "512" in text and "b179c9523d0e6a0f" in text and "90s" in text
     assert "last error on pi (n-2): model load failed: no space" in text
     assert "predicted bottleneck: 1.25 s per 512-token prompt" in text
+    assert "numeric mode packed" in text
 
 
 def test_status_shows_each_members_link_round_trip_or_that_it_stopped_answering():

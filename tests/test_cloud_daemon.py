@@ -17,14 +17,14 @@ import pytest
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.state import StateDir
-from tests.test_daemon_helpers import ROOT, Mesh, run_cli, wait_for
+from tests.test_daemon_helpers import HALF_THE_MODEL, ROOT, Mesh, run_cli, wait_for
 from tests.test_daemon_serving import _openai_over
 
 pytestmark = pytest.mark.slow
 
 
 def _greedy(real_source, real_stage, question: str, max_tokens: int) -> str:
-    """The model's own greedy answer: what budget 1.0 must give, whoever verifies."""
+    """The verifier's greedy answer (it computes in float32): what budget 1.0 must give, whoever drafts."""
     tok = real_source.tokenizer
     return generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]),
                     max_tokens, eos_ids=tok.eos_ids, tokenizer=tok).text
@@ -112,7 +112,8 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
     want = _greedy(real_source, real_stage, question, 16)
     with _mesh_with_verifier(real_source) as (mesh, cloud_dir, _):
         model = str(real_source.path)
-        a = mesh.spawn("alpha", "--model", model, "--cloud-min-timeout", "15", new_home="shared-cloud")
+        a = mesh.spawn("alpha", "--model", model, "--cloud-min-timeout", "15", *HALF_THE_MODEL,
+                       new_home="shared-cloud")
         a.wait_serving(60)
         wait_for(lambda: a.status().get("ready"), 120, what="alpha to serve", explain=a.log_tail)
         info = _pair(mesh, cloud_dir, a.state_dir)  # while alpha runs
@@ -122,7 +123,7 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
         wait_for(lambda: using(a) and cloud_of(a)["link"]["address"] == f"tcp://127.0.0.1:{info['port']}", 60,
                  what="alpha to pick the pairing up without a restart", explain=a.log_tail)
 
-        b = mesh.spawn("beta", "--model", model, "--cloud-min-timeout", "15", token=mesh.invite(a))
+        b = mesh.spawn("beta", "--model", model, "--cloud-min-timeout", "15", *HALF_THE_MODEL, token=mesh.invite(a))
         b.wait_serving(60)
         wait_for(lambda: both_ready(a, b), 120, what="a two-member plan", explain=lambda: summary(a, b))
         beta_key = StateDir(b.state_dir).keypair().public

@@ -5,7 +5,7 @@ import pytest
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import MeshdClient
-from tests.test_daemon_helpers import mesh, summary, wait_for  # noqa: F401 - fixture
+from tests.test_daemon_helpers import HALF_THE_MODEL, mesh, summary, wait_for  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
 
@@ -16,23 +16,23 @@ def plan_stages(proc) -> list:
 
 def two_daemon_mesh(mesh, model: str, home: str):
     """A home of two paired daemons with the real model, once their plan splits the layers."""
-    a = mesh.spawn("alpha", "--model", model, new_home=home)
+    a = mesh.spawn("alpha", "--model", model, *HALF_THE_MODEL, new_home=home)
     a.wait_serving(60)
-    b = mesh.spawn("beta", "--model", model, token=mesh.invite(a))
+    b = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL, token=mesh.invite(a))
     b.wait_serving(60)
     wait_for(lambda: len(plan_stages(a)) == 2 and len(plan_stages(b)) == 2, 90,
              what="a two-stage plan", explain=lambda: summary(a, b))
     return a, b
 
 
-def test_two_daemons_split_the_layers_and_match_the_single_device_reference(mesh, real_source, real_stage):
+def test_two_daemons_split_the_layers_and_match_the_single_device_reference(mesh, real_source, served_stage):
     a, b = two_daemon_mesh(mesh, str(real_source.path), "pipeline-test")
     (a0, a1), (b0, b1) = (s["layers"] for s in plan_stages(a))
     assert a0 == 0 and a1 == b0 and b1 == 30
 
     question = "What is the capital of France?"
     tok = real_source.tokenizer
-    want = generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]), 24,
+    want = generate(LocalPipeline([served_stage]), tok.apply_chat([{"role": "user", "content": question}]), 24,
                     eos_ids=tok.eos_ids, tokenizer=tok).text
     for proc in (a, b):  # either daemon can coordinate a request
         got = MeshdClient(proc.socket, timeout=180).chat(question, max_tokens=24, temperature=0)
@@ -40,7 +40,7 @@ def test_two_daemons_split_the_layers_and_match_the_single_device_reference(mesh
     assert "Paris" in want
 
 
-def test_an_answer_survives_a_daemon_killed_mid_request(mesh, real_source, real_stage):
+def test_an_answer_survives_a_daemon_killed_mid_request(mesh, real_source, served_stage):
     """The coordinator replays the request on the survivor: a pause, the same greedy answer."""
     import signal
 
@@ -49,7 +49,7 @@ def test_an_answer_survives_a_daemon_killed_mid_request(mesh, real_source, real_
     a, b = two_daemon_mesh(mesh, str(real_source.path), "pipeline-kill")
     question = "Write a long story about a lighthouse keeper."
     tok = real_source.tokenizer
-    want = generate(LocalPipeline([real_stage]), tok.apply_chat([{"role": "user", "content": question}]), 120,
+    want = generate(LocalPipeline([served_stage]), tok.apply_chat([{"role": "user", "content": question}]), 120,
                     eos_ids=tok.eos_ids, tokenizer=tok).text
     answer = StreamInBackground(a, question, 120, after=10)
     assert answer.started.wait(120), "the answer never started streaming"
@@ -69,9 +69,9 @@ def test_daemons_time_themselves_once_and_are_planned_with_what_they_measured(me
 
     quick = {"MESHD_SELF_PROFILE": "quick"}
     model = str(real_source.path)
-    a = mesh.spawn("alpha", "--model", model, new_home="self-profile", env=quick)
+    a = mesh.spawn("alpha", "--model", model, *HALF_THE_MODEL, new_home="self-profile", env=quick)
     a.wait_serving(60)
-    b = mesh.spawn("beta", "--model", model, token=mesh.invite(a), env=quick)
+    b = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL, token=mesh.invite(a), env=quick)
     b.wait_serving(60)
 
     def both_measured(proc):

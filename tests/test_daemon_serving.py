@@ -17,7 +17,7 @@ import pytest
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import MeshdClient
-from tests.test_daemon_helpers import Mesh, summary, wait_for
+from tests.test_daemon_helpers import HALF_THE_MODEL, Mesh, summary, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ class StreamInBackground:
 
 
 @pytest.fixture(scope="module")
-def reference(real_source, real_stage):
+def reference(real_source, served_stage):
     tok = real_source.tokenizer
     cache = {}
 
@@ -78,7 +78,7 @@ def reference(real_source, real_stage):
         key = (question, max_tokens)
         if key not in cache:
             ids = tok.apply_chat([{"role": "user", "content": question}])
-            cache[key] = generate(LocalPipeline([real_stage]), ids, max_tokens, eos_ids=tok.eos_ids,
+            cache[key] = generate(LocalPipeline([served_stage]), ids, max_tokens, eos_ids=tok.eos_ids,
                                   tokenizer=tok).text
         return cache[key]
     return answer
@@ -93,9 +93,9 @@ def home(real_source):
     mesh = Mesh()
     try:
         model = str(real_source.path)
-        a = mesh.spawn("alpha", "--model", model, new_home="serving-test")
+        a = mesh.spawn("alpha", "--model", model, *HALF_THE_MODEL, new_home="serving-test")
         a.wait_serving(60)
-        b = mesh.spawn("beta", "--model", model, token=mesh.invite(a))
+        b = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL, token=mesh.invite(a))
         b.wait_serving(60)
         wait_for(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
         yield [mesh, a, b, model]
@@ -158,7 +158,7 @@ def test_a_member_restarting_on_a_new_port_is_found_and_used_again(home, referen
     old_port = b.status()["ports"]["transport"]
     b.signal(signal.SIGKILL)
     b.wait(30)
-    b2 = mesh.spawn("beta", "--model", model)  # same state dir: same node id, a new port
+    b2 = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL)  # same state dir: same node id, a new port
     home[2] = b2
     wait_for(lambda: both_ready(a, b2) and b2.status()["ports"]["transport"] != old_port, 120,
              what="the restarted member back in a warm plan", explain=lambda: summary(a, b2))
@@ -186,9 +186,10 @@ def test_sigterm_finishes_the_stage_work_it_does_for_another_daemons_request(rea
     mesh = Mesh()
     try:
         model = str(real_source.path)
-        a = mesh.spawn("alpha", "--model", model, new_home="drain-test")
+        a = mesh.spawn("alpha", "--model", model, *HALF_THE_MODEL, new_home="drain-test")
         a.wait_serving(60)
-        b = mesh.spawn("beta", "--model", model, token=mesh.invite(a), env={"MESHD_DRAIN_TIMEOUT_S": "120"})
+        b = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL, token=mesh.invite(a),
+                       env={"MESHD_DRAIN_TIMEOUT_S": "120"})
         b.wait_serving(60)
         wait_for(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
         replayed_before = (a.status().get("stage") or {}).get("requests_replayed", 0)

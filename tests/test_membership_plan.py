@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from meshd import plan as plan_mod
@@ -15,7 +17,7 @@ def test_equal_split_tiles_the_layers_in_node_id_order():
 
 
 def test_without_any_profile_the_plan_is_an_equal_split_and_says_so(monkeypatch):
-    monkeypatch.setattr(plan_mod, "default_profile", lambda: None)
+    monkeypatch.setattr(plan_mod, "default_profile", lambda weights="": None)
     p = make_plan(3, "a", [MemberInput("a", 1000), MemberInput("b", 1000)], 30)
     assert p.stages == (Stage("a", 0, 15), Stage("b", 15, 30))
     assert p.version == 3 and p.leader == "a" and p.members == ("a", "b")
@@ -56,6 +58,16 @@ def test_a_planner_failure_falls_back_to_an_equal_split():
 def test_a_plan_survives_the_plan_update_message_form():
     p = Plan(7, (Stage("x", 0, 10), Stage("y", 10, 30)), 30, 0.25, "compute", "x", ("x", "y"))
     assert Plan.from_assignment(7, p.to_assignment()) == p
+
+
+def test_a_plan_names_the_numeric_mode_every_member_computes_in():
+    p = make_plan(3, "a", [MemberInput("a", 4000), MemberInput("b", 4000)], 30, weights="packed")
+    assert p.weights == "packed" and p.to_status()["weights"] == "packed"
+    assert Plan.from_assignment(3, p.to_assignment()).weights == "packed"
+    # the digest stays that of the stages alone: daemons too old to carry a mode agree on it
+    assert dataclasses.replace(p, weights="").digest() == p.digest()
+    assert Plan.from_assignment(3, {k: {kk: vv for kk, vv in v.items() if kk != "weights"}
+                                    for k, v in p.to_assignment().items()}).weights == ""  # an older leader
 
 
 def test_the_daemon_plan_is_made_of_the_partition_packages_half_open_stages():

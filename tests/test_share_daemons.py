@@ -15,7 +15,7 @@ from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import MeshdClient
 from meshd.share import manifest as mf
-from tests.test_daemon_helpers import kill_hard, mesh, run_cli, summary, wait_for  # noqa: F401 - fixture
+from tests.test_daemon_helpers import HALF_THE_MODEL, kill_hard, mesh, run_cli, summary, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -51,14 +51,14 @@ def manifest(real_source):
 
 
 @pytest.fixture(scope="module")
-def answer(real_source, real_stage):
+def answer(real_source, served_stage):
     tok = real_source.tokenizer
     cache = {}
 
     def ref(question: str, max_tokens: int = 16) -> str:
         if (question, max_tokens) not in cache:
             ids = tok.apply_chat([{"role": "user", "content": question}])
-            cache[(question, max_tokens)] = generate(LocalPipeline([real_stage]), ids, max_tokens,
+            cache[(question, max_tokens)] = generate(LocalPipeline([served_stage]), ids, max_tokens,
                                                      eos_ids=tok.eos_ids, tokenizer=tok).text
         return cache[(question, max_tokens)]
     return ref
@@ -77,11 +77,11 @@ def assert_fetched_only_from_the_home(proc, home):
 
 def test_two_devices_without_the_model_get_their_layers_from_the_home_and_answer_like_one_device(
         mesh, real_source, manifest, answer):
-    a = mesh.spawn("alpha", "--model", str(real_source.path), new_home="share-home")
+    a = mesh.spawn("alpha", "--model", str(real_source.path), *HALF_THE_MODEL, new_home="share-home")
     a.wait_serving(60)
     homes = {n: mesh.root / f"{n}-meshd-home" for n in ("beta", "gamma")}
-    b = mesh.spawn("beta", "--model", "", token=mesh.invite(a), env=no_index_env(homes["beta"]))
-    c = mesh.spawn("gamma", "--model", "", token=mesh.invite(a), env=no_index_env(homes["gamma"]))
+    b = mesh.spawn("beta", "--model", "", *HALF_THE_MODEL, token=mesh.invite(a), env=no_index_env(homes["beta"]))
+    c = mesh.spawn("gamma", "--model", "", *HALF_THE_MODEL, token=mesh.invite(a), env=no_index_env(homes["gamma"]))
     wait_for(lambda: warm_plan_over([a, b, c], 3), 240, what="a warm three-stage plan",
              explain=lambda: summary(a, b, c) + "\n" + json.dumps([sharing(p).get("fetch") for p in (b, c)]))
     for proc in (b, c):
@@ -104,10 +104,11 @@ def test_two_devices_without_the_model_get_their_layers_from_the_home_and_answer
 
 def test_a_fetch_killed_halfway_resumes_where_it_stopped_and_the_cache_is_listed_and_collected(
         mesh, real_source, manifest, answer):
-    a = mesh.spawn("alpha", "--model", str(real_source.path), new_home="resume-home")
+    a = mesh.spawn("alpha", "--model", str(real_source.path), *HALF_THE_MODEL, new_home="resume-home")
     a.wait_serving(60)
     home = mesh.root / "beta-meshd-home"
-    b = mesh.spawn("beta", "--model", "", "--share-rate", "24mbit", token=mesh.invite(a), env=no_index_env(home))
+    b = mesh.spawn("beta", "--model", "", "--share-rate", "24mbit", *HALF_THE_MODEL, token=mesh.invite(a),
+                   env=no_index_env(home))
 
     def progress():
         f = sharing(b).get("fetch") or {}
@@ -117,7 +118,7 @@ def test_a_fetch_killed_halfway_resumes_where_it_stopped_and_the_cache_is_listed
     state = json.loads(next((b.state_dir / "models").glob("*/share-state.json")).read_text())
     assert state["have"] and not state["complete"]
 
-    b = mesh.spawn("beta", "--model", "", env=no_index_env(home))  # same state dir, no rate cap now
+    b = mesh.spawn("beta", "--model", "", *HALF_THE_MODEL, env=no_index_env(home))  # same state dir, no rate cap now
     wait_for(lambda: warm_plan_over([a, b], 2), 180, what="a warm two-stage plan after the restart",
              explain=lambda: summary(a, b) + "\n" + json.dumps(sharing(b).get("fetch")))
     sh = sharing(b)

@@ -137,6 +137,50 @@ class GGUFSource(ModelSource):
                 arr = unpermute_rows(arr, self.config.num_kv_heads)
         return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))  # writable, owned
 
+    def tensor_type(self, name: str) -> str | None:
+        """The GGUF storage type of a canonical tensor ("Q4_K", "Q6_K", "F32"...), None if absent."""
+        t = self._tensors.get(name)
+        return None if t is None else t.tensor_type.name
+
+    def read_int4_groups(self, name: str):
+        """A 4-bit tensor's own codes, scales and offsets (``decoding.quant.groups``), rows un-permuted
+        like :meth:`read_tensor`'s; None when the tensor is not stored in a 4-bit format."""
+        from decoding.quant.groups import FOUR_BIT_TYPES, from_gguf_blocks
+
+        t = self._tensors.get(name)
+        if t is None or t.tensor_type.name not in FOUR_BIT_TYPES or len(t.shape) != 2:
+            return None
+        cols, rows = (int(d) for d in t.shape)
+        return self._unpermuted(name, from_gguf_blocks(t.tensor_type.name, np.asarray(t.data), (rows, cols)), rows)
+
+    def read_int8_planes(self, name: str):
+        """A Q8_0/Q5_0 tensor's own codes as two 4-bit planes (``decoding.quant.groups``), rows
+        un-permuted like :meth:`read_tensor`'s; None for other types."""
+        from decoding.quant.groups import EIGHT_BIT_TYPES, from_gguf_eight_bit
+
+        t = self._tensors.get(name)
+        if t is None or t.tensor_type.name not in EIGHT_BIT_TYPES or len(t.shape) != 2:
+            return None
+        cols, rows = (int(d) for d in t.shape)
+        planes = from_gguf_eight_bit(t.tensor_type.name, np.asarray(t.data), (rows, cols))
+        return tuple(self._unpermuted(name, p, rows) for p in planes)
+
+    def _unpermuted(self, name: str, groups, rows: int):
+        if self.arch in _PERMUTED_ARCHS and (name.endswith(".q") or name.endswith(".k")):
+            heads = self.config.num_heads if name.endswith(".q") else self.config.num_kv_heads
+            return groups.permute_rows(unpermute_rows(np.arange(rows), heads))
+        return groups
+
+    def read_row_blocks(self, name: str):
+        """A matrix's rows as stored (``(type name, uint8 [rows, bytes per row], cols)``), for lookups
+        that dequantise only the rows they need (the token embedding)."""
+        t = self._tensors.get(name)
+        if t is None or len(t.shape) != 2:
+            raise ModelLoadError(f"{self.path}: no matrix {name!r}")
+        cols, rows = (int(d) for d in t.shape)
+        raw = np.ascontiguousarray(np.asarray(t.data).view(np.uint8)).reshape(rows, -1)
+        return t.tensor_type.name, torch.from_numpy(raw.copy()), cols
+
     def rope_freq_factors(self):
         return self.read_tensor("rope_freqs") if "rope_freqs" in self._tensors else None
 

@@ -62,12 +62,12 @@ class ModelSource(abc.ABC):
         return self._load_tokenizer()
 
     def load_stage(self, first: int, end: int, dtype: torch.dtype = torch.float32,
-                   device: torch.device | str | None = None):
+                   device: torch.device | str | None = None, packed: str | bool = ""):
         """Decoder layers ``[first, end)`` (+ embedding when ``first == 0``, head when ``end`` is the last),
-        in ``dtype`` on ``device`` (default: the CPU)."""
+        in ``dtype`` on ``device`` (default: the CPU); ``packed``: the packing of its matrices ("packed", "packed4"; ``decoding.device.PACKINGS``)."""
         from decoding.stage import StageModel
 
-        return StageModel.from_source(self, first, end, dtype, device)
+        return StageModel.from_source(self, first, end, dtype, device, packed)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path})"

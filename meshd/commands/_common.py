@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from decoding.device import DEVICE_CHOICES, DTYPES  # noqa: F401  (DTYPES: re-exported for callers)
+from decoding.device import DEVICE_CHOICES, DTYPES, WEIGHT_MODES  # noqa: F401  (DTYPES: re-exported for callers)
 
 
 def add_model_args(p) -> None:
@@ -22,9 +22,11 @@ def add_device_args(p, default_device: str = "auto", stages: bool = True) -> Non
                    help=f"where the model runs: {DEVICE_CHOICES} (default {default_device}: "
                         f"{'CUDA when available, else the CPU' if default_device == 'auto' else default_device})"
                         f"{per_stage}")
+    p.add_argument("--weights", default="auto", choices=["auto", *WEIGHT_MODES],
+                   help="numeric mode (default auto: packed on the CPU - 4-bit matrices, bfloat16 activations - "
+                        "bfloat16 on GPUs that have it natively, else float16)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="weights and KV cache dtype (default auto: float32 on the CPU, bfloat16 on GPUs "
-                        "that have it natively, else float16)")
+                   help="older spelling of a dense --weights mode")
 
 
 def add_sampling_args(p) -> None:

@@ -35,7 +35,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from decoding.device import dtype_name, resolve_devices, resolve_dtype
+    from decoding.device import dtype_name, resolve_devices, resolve_dtype, resolve_weights
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
     from meshd.model_store import open_model
@@ -44,10 +44,13 @@ def run(args) -> int:
     sampling = sampling_from_args(args)
     devices = resolve_devices(args.device, args.stages)  # before loading anything: a bad --device fails fast
     dtype = None if args.dtype == "auto" else resolve_dtype(args.dtype, devices[0])  # None: each device's own
+    packed = ""
+    if dtype is None and not (args.weights == "auto" and len(set(devices)) > 1):
+        dtype, packed = resolve_weights(args.weights, devices[0])
     source = open_model(args.model)
     tok = source.tokenizer
     ids = tok.encode(args.prompt) if args.raw else tok.apply_chat([{"role": "user", "content": args.prompt}])
-    pipe = LocalPipeline.from_source(source, args.stages, dtype, devices)
+    pipe = LocalPipeline.from_source(source, args.stages, dtype, devices, packed)
     stream = not args.json
 
     def show(delta: str) -> None:

@@ -36,8 +36,11 @@ _FLAGS = [
     ("--model", "model", str, "model path; 'none' runs the control plane only"),
     ("--device", "device", str, "where this device's stage computes: auto (default: CUDA when available), "
                                 "cpu, cuda or cuda:N"),
-    ("--dtype", "dtype", str, "weights and KV cache dtype: auto (default: float32 on CPU, bfloat16 or "
-                              "float16 on a GPU), float32, bfloat16, float16"),
+    ("--weights", "weights", str, "numeric mode: auto (default: packed on a CPU, bfloat16 or float16 on a GPU), "
+                                  "float32, bfloat16, float16, packed (the file's 4-bit codes kept, wider ones as 8-bit), "
+                                  "packed4 (every matrix 4-bit: faster, less faithful); "
+                                  "the leader's mode is the plan's"),
+    ("--dtype", "dtype", str, "older spelling of a dense --weights mode: float32, bfloat16, float16"),
     ("--wire-dtype", "wire_dtype", str, "dtype of the activations this device sends to the next stage: "
                                         "float32 (default), float16 or bfloat16 (half the bytes per hop)"),
     ("--self-profile", "self_profile", str, "quick (default): with no profile of this model yet, time one "

@@ -35,6 +35,8 @@ def register(subparsers) -> None:
                    help="device to measure: cpu (default); measuring a GPU (cuda, cuda:N, auto on a CUDA "
                         "machine) is not built yet and is refused")
     p.add_argument("--max-seq", type=int, default=2048, help="longest sequence profiled (default 2048)")
+    p.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "float16", "packed", "packed4"],
+                   help="numeric mode to measure in (default float32; a daemon plans with the one it serves in)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per grid point (median)")
     p.add_argument("--headroom", type=float, default=None,
                    help="share of memory left to the rest of the device (default 0.25)")
@@ -175,7 +177,7 @@ def run(args) -> int:
         return 0
 
     settings = ProfileSettings(
-        max_seq=args.max_seq, threads=args.threads, repeats=args.repeats,
+        max_seq=args.max_seq, threads=args.threads, repeats=args.repeats, dtype=args.weights,
         headroom=pf.DEFAULT_HEADROOM if args.headroom is None else args.headroom,
         memory_bytes=memory,
     )

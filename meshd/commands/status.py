@@ -250,6 +250,8 @@ def _plan(p: Any) -> str:
         parts.append(f"{len(stages)} stage{'s' if len(stages) != 1 else ''}")
     elif stages is not None:
         parts.append(f"{stages} stages")
+    if p.get("weights"):
+        parts.append(f"numeric mode {p['weights']}")
     b = p.get("predicted_bottleneck")
     if b is not None:
         if isinstance(b, dict):

@@ -40,6 +40,21 @@ def default_cuts(prompt_len: int, num_stages: int) -> list[int]:
     return [round(prompt_len * i / k) for i in range(1, k)]
 
 
+def aligned_cuts(cuts: list[int], prompt_len: int, block: int) -> list[int]:
+    """``cuts`` moved to the nearest multiple of ``block`` (dropping those that meet or fall off an end).
+
+    A packed stage computes whole position blocks together and any other row alone
+    (``decoding.stage``): a prompt cut only at block boundaries is then computed
+    exactly as one device computes it uncut, bit for bit.
+    """
+    out: list[int] = []
+    for c in cuts:
+        a = int(round(c / block)) * block
+        if 0 < a < prompt_len and (not out or a > out[-1]):
+            out.append(a)
+    return out
+
+
 class PipelineEngine(Engine):
     def __init__(self, source, coordinator: PipelineCoordinator,
                  cuts_for: Callable[[int, Route], list[int]] | None = None, wait_s: float = DEFAULT_WAIT_S,

@@ -30,6 +30,7 @@ class StageEndpoint:
 class Route:
     plan_version: PlanVersion
     stages: tuple[StageEndpoint, ...]
+    weights: str = ""  # the plan's numeric mode ("": each stage its own)
 
     def index_of(self, node_id: str) -> int | None:
         for i, s in enumerate(self.stages):

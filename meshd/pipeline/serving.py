@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 
 from decoding.sampling import SamplingParams
+from decoding.stage import EXACT_BLOCK
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import PipelineCoordinator
-from meshd.pipeline.engine import UNCUT_PROMPT, default_cuts
+from meshd.pipeline.engine import UNCUT_PROMPT, aligned_cuts, default_cuts
 from meshd.pipeline.route import Route
 from partition.plan import LayerAssignment
 
@@ -70,7 +71,7 @@ def route_from_plan(plan: LayerAssignment, directory) -> Route:
         except KeyError:
             address, key = "", ""
         stages.append(StageEndpoint(s.node_id, address, key, s.first, s.end))
-    return Route(plan.version, tuple(stages))
+    return Route(plan.version, tuple(stages), getattr(plan, "weights", "") or "")
 
 
 CUT_TABLE_MAX_SEQ = 2048
@@ -199,8 +200,12 @@ class ServingRole:
             return []
         table = self._cut_tables.get(route.plan_version)
         if table is not None and prompt_len <= table.max_seq:
-            return list(table.lookup(prompt_len))
-        return default_cuts(prompt_len, len(route.stages))
+            cuts = list(table.lookup(prompt_len))
+        else:
+            cuts = default_cuts(prompt_len, len(route.stages))
+        if (route.weights or getattr(self.stage, "mode", "")).startswith("packed"):
+            cuts = aligned_cuts(cuts, prompt_len, EXACT_BLOCK)  # a packed stage's exactness (decoding.stage)
+        return cuts
 
     async def aclose(self) -> None:
         await self.coordinator.close()
@@ -233,6 +238,7 @@ async def start_serving(daemon) -> ServingRole:
     placement = placement_of(cfg)
     wire = getattr(cfg, "wire_dtype", "float32")
     stage = StageService(node, daemon.node_id, source, directory, dtype=placement.dtype, device=placement.device,
+                         packed=placement.packed,
                          activation_dtype=None if wire == "float32" else wire,
                          medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)))
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
@@ -242,7 +248,7 @@ async def start_serving(daemon) -> ServingRole:
     await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
 
     def profiles_for() -> dict[str, dict]:
-        fallback = default_profile()
+        fallback = default_profile(daemon.weights_mode)
         known = {**daemon.profiles, daemon.node_id: daemon.own_profile}
         return {nid: known.get(nid) or fallback for nid in daemon.members if (known.get(nid) or fallback)}
 

@@ -49,7 +49,7 @@ async def serve(args) -> int:
     node = TransportNode(args.node_id, state_dir=args.state_dir, curve=not args.no_curve)
     await node.start()
     source = open_model(args.model)
-    svc = StageService(node, args.node_id, source, lambda n: directory[n], dtype=placement.dtype,
+    svc = StageService(node, args.node_id, source, lambda n: directory[n], dtype=placement.dtype, packed=placement.packed,
                        device=placement.device, activation_dtype=args.activation_dtype, medusa=medusa_factory(source, args.heads),
                        **({} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}))
     address = await svc.start(args.bind)
@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default=None, help="Medusa heads file (default: shipped heads; 'none': off)")
     ap.add_argument("--device", default="cpu", help="auto, cpu (default), cuda or cuda:N")
     ap.add_argument("--dtype", default="auto", help="auto (the device's default), float32, bfloat16 or float16")
+    ap.add_argument("--weights", default="float32", help="numeric mode: float32 (default), bfloat16, float16, packed, packed4, auto")
     args = ap.parse_args(argv)
     _die_with_parent()
     if args.cores:
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     from meshd import log
 
     try:  # before anything starts: a device this machine lacks is one line, not a traceback
-        args.placement = Placement.resolve(args.device, args.dtype)
+        args.placement = Placement.resolve(args.device, args.dtype, args.weights if args.dtype == "auto" else None)
     except DeviceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from decoding.device import CPU, default_dtype, dtype_name, to_host
+from decoding.device import CPU, DeviceError, default_dtype, dtype_name, resolve_weights, to_host
+from decoding.memory import release_free_memory
 from decoding.errors import CacheFull, DecodingError
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, filtered_probs
@@ -134,14 +135,18 @@ class StageService:
                  dtype: torch.dtype | None = None, max_kv_tokens: int = 1 << 16,
                  activation_dtype: str | None = None, send_timeout_s: float = 5.0,
                  idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS,
-                 device: torch.device | None = None):
-        """``device``: where the stage computes (default the CPU); ``dtype`` None: that device's default."""
+                 device: torch.device | None = None, packed: str = ""):
+        """``device``: where the stage computes (default the CPU); ``dtype`` None: that device's default;
+        ``packed``: the packing of this device's own numeric mode ("" dense). A plan that names a mode
+        (:attr:`Route.weights`) overrides both, so every member computes alike."""
         self.node = node
         self.node_id = node_id
         self.source = model_source
         self.directory = directory
         self.device = CPU if device is None else torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
+        self.packed = packed
+        self.own_mode = packed or dtype_name(self.dtype)
         self.max_kv_tokens = max_kv_tokens
         self.activation_dtype = activation_dtype
         self.send_timeout_s = send_timeout_s
@@ -218,15 +223,20 @@ class StageService:
             rng = route.stages[idx].layers if idx is not None else None
             if rng is None:
                 self.stage, self.kv = None, None
-            elif self.stage is None or (self.stage.first, self.stage.end) != rng:
+            elif (self.stage is None or (self.stage.first, self.stage.end) != rng
+                  or self._mode_for(route) != self.mode):
+                self._adopt_mode(route)
                 self.stage = None  # not serving while the new range loads
-                log.info("stage_loading", plan_version=route.plan_version, first=rng[0], end=rng[1])
+                log.info("stage_loading", plan_version=route.plan_version, first=rng[0], end=rng[1],
+                         weights=self.mode)
                 t = time.perf_counter()
                 loop = asyncio.get_running_loop()
+                dtype, packed = self.dtype, self.packed
                 stage = await loop.run_in_executor(
-                    self._compute, lambda: self.source.load_stage(rng[0], rng[1], self.dtype, self.device))
+                    self._compute, lambda: self.source.load_stage(rng[0], rng[1], dtype, self.device, packed))
+                release_free_memory()  # what reading and repacking the tensors left behind
                 log.info("stage_loaded", first=rng[0], end=rng[1], seconds=round(time.perf_counter() - t, 2),
-                         weight_mb=round(stage.weight_bytes() / 1e6, 1))
+                         weight_mb=round(stage.weight_bytes() / 1e6, 1), weights=self.mode)
                 self.stage = stage
                 if stage.lm_head is not None:
                     self._warm_grammar()
@@ -237,6 +247,26 @@ class StageService:
             self._touched.clear()
             self._stepping.clear()
             self.route, self.index = route, idx
+
+    @property
+    def mode(self) -> str:
+        """The numeric mode this stage computes in now."""
+        return self.packed or dtype_name(self.dtype)
+
+    def _mode_for(self, route: Route) -> str:
+        """The mode a plan asks for, if this device can compute in it; else this device's own (logged)."""
+        wanted = route.weights or self.own_mode
+        try:
+            resolve_weights(wanted, self.device)
+        except DeviceError as exc:
+            log.warning("stage_mode_unavailable", wanted=wanted, using=self.own_mode, error=str(exc))
+            return self.own_mode
+        return wanted
+
+    def _adopt_mode(self, route: Route) -> None:
+        mode = self._mode_for(route)
+        if mode != self.mode:
+            self.dtype, self.packed = resolve_weights(mode, self.device)
 
     def _warm_grammar(self) -> None:
         """This stage samples: set the grammar engine up for the vocabulary in the background, so the
@@ -275,6 +305,7 @@ class StageService:
                 "layers": [self.stage.first, self.stage.end] if self.stage is not None else None,
                 "sequences": len(self.sequences()), "kv_tokens_in_use": self.kv_tokens_in_use(),
                 "kv_tokens_max": self.max_kv_tokens, "device": str(self.device), "dtype": dtype_name(self.dtype),
+                "weights": self.mode,
                 **self.stats.to_dict()}
 
     # -- message handling ------------------------------------------------------------

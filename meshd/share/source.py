@@ -61,6 +61,23 @@ class PartialGGUFSource(GGUFSource):
         return {n for n in self.needed(first, end) if n not in held}
 
     def read_tensor(self, name: str) -> torch.Tensor:
+        self._verify(name)
+        return super().read_tensor(name)
+
+    def read_int4_groups(self, name: str):
+        self._verify(name)
+        return super().read_int4_groups(name)
+
+    def read_int8_planes(self, name: str):
+        self._verify(name)
+        return super().read_int8_planes(name)
+
+    def read_row_blocks(self, name: str):
+        self._verify(name)
+        return super().read_row_blocks(name)
+
+    def _verify(self, name: str) -> None:
+        """Refuse a tensor that is not all here, or whose bytes do not match its digest (once per tensor)."""
         gname = self._gguf_name.get(name)
         if gname is not None and gname not in self._verified:
             region = self.entry.manifest.by_name[gname]
@@ -73,17 +90,16 @@ class PartialGGUFSource(GGUFSource):
                 raise ModelLoadError(f"{self.path}: tensor {gname} does not match its digest on disk; "
                                      f"its pieces will be fetched again")
             self._verified.add(gname)
-        return super().read_tensor(name)
 
     def load_stage(self, first: int, end: int, dtype: torch.dtype = torch.float32,
-                   device: torch.device | str | None = None):
+                   device: torch.device | str | None = None, packed: str | bool = ""):
         """Fetch what ``[first, end)`` lacks (if a fetcher is attached), then load it; one retry
         after a tensor failed its digest on disk (it was dropped and is fetched again)."""
         for attempt in (1, 2):
             if self.ensure is not None and self.missing(first, end):
                 self.ensure(first, end)
             try:
-                return super().load_stage(first, end, dtype, device)
+                return super().load_stage(first, end, dtype, device, packed)
             except ModelLoadError as exc:
                 if attempt == 2 or self.ensure is None or "does not match its digest" not in str(exc):
                     raise
