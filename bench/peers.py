@@ -112,12 +112,14 @@ def child_measure(args) -> None:
     anon0 = _status_kb("RssAnon")
     src = open_model(args.model_file)
     cfg = src.config
+    release_free_memory()
+    anon_open = _status_kb("RssAnon")  # the GGUF reader's metadata (vocabulary, merges): not the stage's
     dtype, packing = resolve_weights(args.mode, torch.device("cpu"))
     t = time.perf_counter()
     stage = src.load_stage(0, cfg.num_layers, dtype, packed=packing)
     load_s = time.perf_counter() - t
     release_free_memory()
-    resident = (_status_kb("RssAnon") - anon0) * 1024  # the stage's weights, as loaded
+    resident = (_status_kb("RssAnon") - anon_open) * 1024  # the stage's weights, as loaded
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, min(cfg.vocab_size, 30000), (args.prefill,), generator=gen)
     kv = stage.new_cache(args.prefill + args.decode + 8)
@@ -140,12 +142,12 @@ def child_measure(args) -> None:
     kv_bytes = kv.bytes_per_token() * (args.prefill + args.decode + 8)
     scratch = stage.scratch.nbytes if stage.scratch is not None else 0
     release_free_memory()
-    serving = (_status_kb("RssAnon") - anon0) * 1024  # after prefill and decode: + KV, scratch, activations
+    serving = (_status_kb("RssAnon") - anon_open) * 1024  # after prefill and decode: + KV, scratch, activations
     print(json.dumps({
         "prefill_tok_s": args.prefill / statistics.median(prefill_s),
         "decode_tok_s": args.decode / statistics.median(decode_s),
         "weight_bytes": stage.weight_bytes(), "resident_bytes": resident, "serving_bytes": serving,
-        "scratch_bytes": scratch,
+        "scratch_bytes": scratch, "reader_bytes": (anon_open - anon0) * 1024,
         "kv_bytes": kv_bytes, "load_s": load_s, "formats": _format_counts(stage.formats),
     }))
 
@@ -347,6 +349,7 @@ def main() -> int:
                    "serving_rss_over_gguf_plus_kv": round(m["serving_bytes"] / (gguf_bytes + m["kv_bytes"]), 3),
                    "weights_over_gguf": round(m["weight_bytes"] / gguf_bytes, 3),
                    "gguf_mb": round(gguf_bytes / 1e6, 1), "scratch_mb": round(m["scratch_bytes"] / 1e6, 1),
+                   "gguf_reader_mb": round(m["reader_bytes"] / 1e6, 1),
                    "formats": m["formats"], "mesh2_parity": None if mesh is None else mesh["parity"]}
             for key in ("prefill", "decode"):
                 if ref[key]:

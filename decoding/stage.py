@@ -408,8 +408,11 @@ def _load_packed(cls, source, first: int, end: int, dtype: torch.dtype, device: 
     if end == cfg.num_layers:
         final_norm = cast(source.read_tensor("final_norm"))
         lm_head = packed("embed" if cfg.tie_embeddings else "lm_head", key="lm_head")
-    if first == 0 and lm_head is not None and cfg.tie_embeddings and isinstance(lm_head, PackedLinear):
-        embed = lm_head  # one matrix, as in the file: lookups widen the rows they need
+    if first == 0 and cfg.tie_embeddings:
+        # One matrix, as in the file, and the same values wherever it is held: a first stage that is
+        # not the last looks rows up in the packed matrix the last stage multiplies by, so a mesh
+        # embeds exactly as one device does.
+        embed = lm_head if lm_head is not None else packed("embed", key="lm_head")
         formats["embed"] = "the LM head's rows, widened per lookup"
     elif first == 0:
         if hasattr(source, "read_row_blocks"):

@@ -203,6 +203,25 @@ def test_a_prompt_cut_at_block_boundaries_is_computed_as_one_device_computes_it_
     assert torch.equal(run([EXACT_BLOCK, 2 * EXACT_BLOCK]), whole)
 
 
+@pytest.mark.parametrize("packing", ["packed", "packed4"])
+def test_two_packed_stages_give_one_devices_tokens(real_source, packing):
+    """The mesh's split in-process: the first stage embeds with the same matrix the last multiplies by
+    (the embedded model ties them), and a prompt cut at a block boundary changes nothing."""
+    from decoding.generate import generate
+    from decoding.pipeline_local import LocalPipeline
+    from decoding.stage import EXACT_BLOCK
+
+    tok = real_source.tokenizer
+    one = LocalPipeline.from_source(real_source, 1, torch.bfloat16, packed=packing)
+    two = LocalPipeline.from_source(real_source, 2, torch.bfloat16, packed=packing)
+    ids = tok.encode("A home is a collection of small systems that were never designed together. " * 8)
+    want = generate(one, ids, 12).token_ids
+    assert generate(two, ids, 12).token_ids == want
+    assert generate(two, ids, 12, cuts=[EXACT_BLOCK]).token_ids == want
+    assert torch.equal(two.stages[0].embed.lookup(torch.tensor([5, 900])),
+                       one.stages[0].embed.lookup(torch.tensor([5, 900])))
+
+
 def test_cuts_in_a_packed_home_move_to_block_boundaries():
     from meshd.pipeline.engine import aligned_cuts
 

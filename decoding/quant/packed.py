@@ -200,9 +200,14 @@ class PackedLinear:
         return y if self._rows == self.out_features else y[:, : self.out_features]
 
     def _widened(self, x: torch.Tensor) -> torch.Tensor:
+        """The widened matrix times ``x``, DENSE_FROM_ROWS rows per product: oneDNN splits long
+        reductions (the down projections' 4,864-8,960 inputs) differently for different row counts,
+        so only a fixed row count gives a row the same bits in a 64-row chunk and in a 512-row one."""
         with self.scratch.lock:
-            w = self.scratch.take(self.out_features * self.in_features).view(self.out_features, -1)
-            return dense_linear(x, self.dequantize(out=w))
+            w = self.dequantize(out=self.scratch.take(self.out_features * self.in_features).view(self.out_features, -1))
+            if x.shape[0] <= DENSE_FROM_ROWS:
+                return dense_linear(x, w)
+            return torch.cat([dense_linear(x[i:i + DENSE_FROM_ROWS], w) for i in range(0, x.shape[0], DENSE_FROM_ROWS)])
 
     def __repr__(self) -> str:
         return f"PackedLinear({self.out_features}x{self.in_features}, {self.bits}-bit)"
