@@ -108,7 +108,7 @@ class Plan(LayerAssignment):
             "reason": self.reason,
             "leader": self.leader,
             "members": list(self.members),
-            "weights": self.weights or None,
+            **({"weights": self.weights} if self.weights else {}),
         }
 
 
@@ -140,8 +140,18 @@ def shipped_profiles_dir() -> Path:
 def default_profile(weights: str = "") -> dict[str, Any] | None:
     """The first profile shipped in ``profiles/`` (sorted by name) measured in the numeric mode
     ``weights``, else the first of any mode, if any."""
-    shipped = [data for _, data in read_profiles(shipped_profiles_dir())]
-    return next((d for d in shipped if d.get("dtype") == weights), shipped[0] if shipped else None)
+    found = prefer_mode([data for _, data in read_profiles(shipped_profiles_dir())], weights, lambda d: d)
+    return found
+
+
+def prefer_mode(items: list, weights: str, profile_of):
+    """The first of ``items`` whose profile (``profile_of(item)``) was measured in ``weights``, else
+    the first float32 one (profiles before modes had names), else the first; None for none."""
+    for want in (weights, "float32"):
+        hit = next((it for it in items if want and profile_of(it).get("dtype") == want), None)
+        if hit is not None:
+            return hit
+    return items[0] if items else None
 
 
 def compute_stages(

@@ -54,10 +54,12 @@ def describe(profile: dict[str, Any] | None) -> str:
 def reference_for(model: str, dirs: list[Path], weights: str = "") -> Path | None:
     """A shipped full profile of ``model`` (its identity) to scale from, if any: one measured in the
     numeric mode ``weights`` when there is one (a packed layer's speed is not a float32 layer's)."""
+    from meshd.plan import prefer_mode
+
     found = [(path, data) for d in dirs for path, data in read_profiles(d)
              if profile_model(data) == model and not data.get("scaled_from")]
-    same_mode = [path for path, data in found if data.get("dtype") == weights]
-    return (same_mode or [path for path, _ in found] or [None])[0]
+    best = prefer_mode(found, weights, lambda item: item[1])
+    return best[0] if best else None
 
 
 def settle(state: StateDir, source, *, mode: str, threads: int, on_cpu: bool, reference_dirs: list[Path],

@@ -239,7 +239,10 @@ def test_auto_is_the_cpu_here_and_cpu_is_always_there():
     want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else dv.CPU
     assert dv.resolve_device("auto") == dv.resolve_device(None) == want
     assert dv.resolve_device("cpu") == dv.resolve_device(" CPU ") == dv.CPU
-    assert dv.Placement.resolve("cpu") == dv.Placement(dv.CPU, torch.float32)
+    # auto on a CPU: the packed numeric mode (4-bit matrices, bfloat16 activations), float32 on request
+    assert dv.Placement.resolve("cpu") == dv.Placement(dv.CPU, torch.bfloat16, "packed")
+    assert dv.Placement.resolve("cpu", weights="float32") == dv.Placement(dv.CPU, torch.float32)
+    assert dv.Placement.resolve("cpu", dtype="float32").mode == "float32"
 
 
 def test_cuda_without_cuda_is_one_clear_line(monkeypatch):

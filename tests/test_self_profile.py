@@ -12,7 +12,8 @@ from meshd.self_profile import describe, reference_for, settle
 from meshd.state import StateDir
 from partition import profile as pf
 
-SHIPPED = sorted(shipped_profiles_dir().glob("*.json"))[0]
+SHIPPED = shipped_profiles_dir() / "x86_64-2core-1thread.json"  # float32: the mode of a daemon that names none
+SHIPPED_PACKED = shipped_profiles_dir() / "x86_64-2core-1thread-packed.json"
 MODEL = json.loads(SHIPPED.read_text())["model"]["identity"]
 
 
@@ -85,6 +86,13 @@ def test_without_a_way_to_measure_the_shipped_default_stays_and_says_why(tmp_pat
     got = run(state, timer, **kw)
     assert got.profile is None and got.how.startswith("shipped default:") and why in got.how
     assert timer.calls == 0 and not list(state.profiles_dir.glob("*.json"))
+
+
+def test_a_daemon_scales_the_reference_measured_in_its_own_numeric_mode(tmp_path):
+    got = run(state_dir(tmp_path), Timer(0.5), weights="packed")
+    assert got.profile["dtype"] == "packed"
+    assert pf.DeviceProfile.from_dict(got.profile).q(128, 0) == pytest.approx(2 * pf.load(SHIPPED_PACKED).q(128, 0))
+    assert reference_for(MODEL, [shipped_profiles_dir()], "float32") == SHIPPED
 
 
 def test_only_full_profiles_serve_as_references(tmp_path):

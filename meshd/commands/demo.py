@@ -27,6 +27,10 @@ FAST = ["--heartbeat-interval", "0.5", "--suspect-after", "2", "--gone-after", "
 # Each daemon stands for a CPU device pinned to its own core: on a GPU machine, join's default
 # (auto) would put both on the one GPU and the demo would no longer show what it says.
 CPU_DEVICE = ["--device", "cpu"]
+# Each stands for a small device that cannot hold the model alone (packed, the embedded model and a
+# 2,048-token cache need ~154 MiB): a home splits the model only when that pays or is needed, and
+# on one machine a split of a 135M model never pays.
+SMALL_DEVICE = ["--memory-budget-mb", "120"]
 
 
 def register(sub) -> None:
@@ -46,7 +50,7 @@ class _Daemon:
         self.state, self.socket, self.log = self.dir / "state", self.dir / "api.sock", self.dir / "daemon.log"
         cmd = [sys.executable, "-m", "meshd", "join", "--state-dir", str(self.state), "--socket",
                str(self.socket), "--name", name, "--port", "0", "--pairing-port", "0",
-               "--interface", "127.0.0.1", "--listen", "127.0.0.1", *FAST, *CPU_DEVICE, *extra]
+               "--interface", "127.0.0.1", "--listen", "127.0.0.1", *FAST, *CPU_DEVICE, *SMALL_DEVICE, *extra]
         if model:
             cmd += ["--model", model]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_") or k == "MESHD_HOME"}
