@@ -46,10 +46,11 @@ LLAMA_PREFIX = Path.home() / ".cache" / "meshd-anchors" / "llama.cpp"
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
 #: llama-bench -t 1 -p 512 -n 64 on this machine class (Intel Xeon VM, AVX-512, 2 vCPUs; llama.cpp
 #: built by bench/build_llama_cpp.sh, AMX off), for runs where llama.cpp is not built. tokens/s.
+#: (bench/results/peers.json, 2026-11-25: 3 repeats each)
 RECORDED_LLAMA_CPP = {
-    "smollm2-135m-instruct": {"prefill": None, "decode": None},
-    "qwen2.5-coder-0.5b-instruct": {"prefill": None, "decode": None},
-    "qwen2.5-coder-1.5b-instruct": {"prefill": 49.87, "decode": 7.28},
+    "smollm2-135m-instruct": {"prefill": 157.2, "decode": 48.52},
+    "qwen2.5-coder-0.5b-instruct": {"prefill": 110.31, "decode": 13.78},
+    "qwen2.5-coder-1.5b-instruct": {"prefill": 49.09, "decode": 6.87},
 }
 
 

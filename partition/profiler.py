@@ -393,10 +393,12 @@ QUICK_POINTS = ((128 / 2048, 0.0), (512 / 2048, 0.0), (512 / 2048, 0.5))
 
 
 def _numerics(mode: str):
-    """(activation dtype, packing) of a profile's numeric mode: a dtype name, or a packing."""
+    """(activation dtype, packing) of a profile's numeric mode, as a CPU stage computes in it."""
     import torch
 
-    return (torch.bfloat16, mode) if mode.startswith("packed") else (getattr(torch, mode), "")
+    from decoding.device import resolve_weights
+
+    return resolve_weights(mode, torch.device("cpu"))
 
 
 def estimate_speed(source, reference: DeviceProfile, threads: int = 1, repeats: int = 3, clock=None) -> float:
