@@ -59,10 +59,12 @@ async def run(args) -> dict:
     setup = {**machine_banner(), "model": source.identity, "devices": 2, "ranges": ranges,
              "threads_per_stage": 1, "cores": [[0], [1]], "curve": True, "sampling": "greedy",
              "max_tokens": args.max_tokens, "prompts": len(prompts), "methods": METHODS,
-             "heads": args.heads or "shipped"}
+             "heads": args.heads or "shipped", "device": args.device or "cpu",
+             "weights": args.weights or "float32"}
     print("# setup", json.dumps(setup), flush=True)
     rows = []
-    async with ProcessMesh(ranges, threads=1, cores=[[0], [1]], heads=args.heads) as mesh:
+    async with ProcessMesh(ranges, threads=1, cores=[[0], [1]], heads=args.heads,
+                           device=args.device, weights=args.weights) as mesh:
         coord = mesh.coord
         ids0 = tok.apply_chat([{"role": "user", "content": "Hello"}])
         async for _ in coord.steps("warm", ids0, 4, SamplingParams()):
@@ -162,6 +164,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode.json"))
     ap.add_argument("--heads", default=None, help="Medusa heads file (default: the shipped heads)")
+    ap.add_argument("--device", default=None, help="where both stages run: cpu (default) or cuda[:N] (one GPU holds both)")
+    ap.add_argument("--weights", default=None,
+                    help="numeric mode of both stages: float32 (default), bfloat16, float16, packed, auto")
     ap.add_argument("--outline", action="store_true",
                     help="outline-based parallel decoding instead: latency, concurrency, quality (bench/outline.py)")
     ap.add_argument("--judge", action="store_true", help="with --outline: judge quality with the local 1.5B model")

@@ -72,7 +72,6 @@ class StageModel:
         # The device is where the weights are (a view built from another stage's tensors follows them).
         weights = (embed, lm_head, final_norm, *(lw.attn_norm for lw in layers[:1]))
         self.device = next((t.device for t in weights if t is not None), inv_freq.device)
-        self._on_host = self.device.type == "cpu"  # decided once: the CPU path never tests or moves per call
         self.inv_freq = inv_freq if inv_freq.device == self.device else inv_freq.to(self.device)
         self.dtype = dtype
         self.scale = config.head_dim ** -0.5
@@ -195,8 +194,7 @@ class StageModel:
         if len({it.seq_id for it in items}) != len(items):
             raise ValueError("a sequence may appear only once in a batch")
         cfg, device = self.config, self.device
-        if not self._on_host:
-            items = [it.on(device) for it in items]
+        items = [it.on(device) for it in items]  # a CPU stage after a GPU one gets GPU tensors too
         plans = []
         for it in items:
             past, n = kv.length(it.seq_id), it.x.shape[0]
@@ -446,6 +444,8 @@ class BatchItem:
     def on(self, device: torch.device) -> "BatchItem":
         """This item with its tensors on ``device`` (the one host-to-device copy of a message)."""
         mask = self.tree_mask
+        if self.x.device == device and (mask is None or mask.device == device):
+            return self
         return dataclasses.replace(self, x=self.x.to(device),
                                    tree_mask=None if mask is None else mask.to(device))
 

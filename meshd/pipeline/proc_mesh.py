@@ -50,6 +50,7 @@ class ProcessMesh:
     heads: str | None = None  # Medusa heads for the last stage (None: shipped; "none": off)
     max_batch_tokens: int | None = None  # per batched forward (None: the stage's default; 0: unbatched)
     weights: str | None = None  # each stage's numeric mode (None: the stage process's default, float32)
+    device: str | None = None  # each stage's device ("cuda" puts every stage on the GPU; None: the CPU)
     ready_timeout_s: float = 180.0
     procs: list[subprocess.Popen] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
@@ -114,6 +115,8 @@ class ProcessMesh:
                 argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
             if self.weights:
                 argv += ["--weights", self.weights]
+            if self.device:
+                argv += ["--device", self.device]
             p = (self.launcher(i, argv) if self.launcher else
                  subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True))
             self.procs.append(p)
