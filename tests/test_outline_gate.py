@@ -16,6 +16,7 @@ import pytest
 import structlog
 
 from decoding.sampling import SamplingParams
+from meshd.commands.chat import summary_line
 from meshd.commands.status import _outline
 from meshd.engine import BadEngineRequest, GenerationRequest
 from meshd.pipeline.outline_gate import (BREVITY_CUES, MIN_ANSWER_TOKENS, SURE_ANSWER_TOKENS, brevity_cue,
@@ -112,6 +113,12 @@ def test_the_brevity_cues_are_kept_in_one_place():
     assert len(BREVITY_CUES) >= 10 and all(isinstance(c, str) for c in BREVITY_CUES)
 
 
+def test_the_router_alone_would_outline_the_one_sentence_question():
+    """Why the cue is needed: "What should I do" reads like a list question to the router."""
+    assert shipped().wants_outline(ONE_SENTENCE)
+    assert decide("auto", user(ONE_SENTENCE), 512, shipped()).reason == "brevity"
+
+
 # --------------------------------------------------------------------------- through the pipeline engine
 
 
@@ -205,7 +212,7 @@ async def test_an_attempt_that_falls_back_anyway_is_counted_logged_and_reported_
 # --------------------------------------------------------------------------- where it shows
 
 
-def test_status_and_metrics_show_fallbacks_and_declines_by_reason():
+def test_status_the_chat_summary_and_metrics_show_fallbacks_and_declines_by_reason():
     outline = {"requests": 2, "used": 1, "fallbacks": 1, "points": 5, "fallback_reasons": {"budget": 1},
                "declined": {"brevity": 3, "router": 7}}
     line = _outline({"outline": outline})
@@ -214,6 +221,11 @@ def test_status_and_metrics_show_fallbacks_and_declines_by_reason():
     assert _outline({"outline": {**outline, "requests": 0, "used": 0, "fallbacks": 0, "fallback_reasons": {}}}) \
         == "outline decoding: used by 0 of 0 requests routed to it (0 fell back to a plain answer); " \
            "declined before generating: router 7, brevity 3"
+    assert summary_line({"completion_tokens": 9, "outline": {"used": False, "fallback": "budget", "detail":
+                         "60 tokens leave too little room for 3 points"}}, 2.0, 1.5, "stop").endswith(
+        "; outline fell back (60 tokens leave too little room for 3 points); finish: stop]")
+    assert "; outline: 4 points;" in summary_line({"completion_tokens": 90, "outline": {"used": True, "points": 4}},
+                                                  2.0, 1.5, "stop")
     with ServerThread(FakeEngine(), status={**STATUS, "stage": {"layers": [0, 30], "outline": outline}}) as srv:
         m = metrics(srv)
     assert m["meshd_outline_used_total"] == {(): 1.0}
