@@ -295,6 +295,7 @@ def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_
     plainly from the first token — no outline is ever attempted, and status counts why."""
     import httpx
     import ollama
+    import openai
 
     _, a, b, _ = home
     question = "My living room is cold in the evening. What should I do, in one sentence?"
@@ -315,6 +316,17 @@ def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_
     assert "outline" not in out.stderr  # the summary line reports no outline
     assert _outline_attempts(a) == attempts, "an outline was attempted"
     assert a.status()["stage"]["outline"]["declined"]["brevity"] == before + 3
+    # A list question whose budget cannot hold an outline: plain under "auto", a 400 under "on".
+    openai_client = _openai_over(a.socket)
+    short = openai_client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
+        max_tokens=40, temperature=0, extra_body={"outline": "auto"})
+    assert short.choices[0].message.content.strip() and "outline" not in short.usage.model_dump()
+    with pytest.raises(openai.BadRequestError, match="max_tokens of at least"):
+        openai_client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
+            max_tokens=40, temperature=0, extra_body={"outline": "on"})
+    assert _outline_attempts(a) == attempts and a.status()["stage"]["outline"]["declined"]["budget"] >= 1
     wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
 
