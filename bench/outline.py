@@ -9,7 +9,7 @@ Run as ``bench/decode.py --outline`` (or this file directly). One session:
      naive       plain pipelined decoding
      outline     outline mode forced on (title-by-title outline, points expanded concurrently)
      outline_sd  outline mode with speculative decoding in every point (``auto`` drafter)
-     auto        what ``outline: "auto"`` does (the shipped router picks outline or naive)
+     auto        what ``outline: "auto"`` does (meshd.pipeline.outline_gate: the budget, brevity cues, the router)
    End-to-end answer latency (request sent -> last token) and answer tokens/s.
    Speedups are over naive on the outline-suited prompts (those the labelled set marks suited).
 2. Concurrency. Aggregate decode throughput with 1, 2, 4, 8 ordinary requests
@@ -73,6 +73,7 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
     from decoding.speculative.session import SpeculationSession
     from meshd.model_store import open_model
     from meshd.pipeline.outline import OutlineDecoder, OutlineStats
+    from meshd.pipeline.outline_gate import decide
     from meshd.pipeline.outline_router import shipped
     from meshd.pipeline.proc_mesh import ProcessMesh
 
@@ -109,7 +110,7 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
             naive_s = time.perf_counter() - t0
             outline, outline_s, st = await outlined(f"o{i}", msgs, spec=False)
             row = {"id": r["id"], "category": r["category"], "suited": r["outline"], "prompt": r["prompt"],
-                   "routed_outline": router.wants_outline(r["prompt"]),
+                   "routed_outline": decide("auto", msgs, max_tokens, router).use,  # what auto does
                    "naive": {"text": tok.decode(naive), "tokens": len(naive), "latency_s": round(naive_s, 3)},
                    "outline": {"text": tok.decode(outline) if outline else None,
                                "tokens": len(outline) if outline else 0, "latency_s": round(outline_s, 3),

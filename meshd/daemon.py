@@ -863,7 +863,7 @@ class Daemon:
             if spec["rounds"] else 0.0
         spec["round_cost_slope"] = round(coord.round_cost.slope, 4)
         out = {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec,
-               "outline": dict(coord.outline_totals)}
+               "outline": {k: dict(v) if isinstance(v, dict) else v for k, v in coord.outline_totals.items()}}
         cloud = self.cloud_sync.status()
         if cloud is not None:
             out["cloud"] = cloud

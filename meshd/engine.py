@@ -120,6 +120,7 @@ class Usage:
     completion_tokens: int
     speculative: SpeculativeStats | None = None  # how speculation went (None: not attempted)
     cloud: dict[str, Any] | None = None  # how a cloud verifier was used (None: it was not)
+    outline: dict[str, Any] | None = None  # how an outline attempt went (None: none was attempted)
 
     @property
     def total_tokens(self) -> int:
@@ -135,6 +136,8 @@ class Usage:
             d["speculative"] = self.speculative.to_dict()
         if self.cloud is not None:
             d["cloud"] = dict(self.cloud)
+        if self.outline is not None:
+            d["outline"] = dict(self.outline)
         return d
 
 
@@ -165,10 +168,14 @@ class GenerationRequest:
     constraint: dict[str, Any] | None = None
     # Repetition penalties; the API sends active ones only to engines with ``supports_penalties``.
     penalties: Penalties = field(default_factory=Penalties)
-    # Outline-based parallel decoding: "auto" (the router decides), "on" or "off"; engines
-    # with ``supports_outline`` honour it. Filled in by the engine: whether it was used.
+    # Tools were offered (their calls may be parsed from free text even without a constraint).
+    tools_offered: bool = False
+    # Outline-based parallel decoding: "auto" (meshd.pipeline.outline_gate decides), "on" or "off";
+    # engines with ``supports_outline`` honour it. Filled in by the engine: whether it was used,
+    # and how an attempt went (reported in usage).
     outline: str = "auto"
     outline_used: bool = False
+    outline_stats: dict[str, Any] | None = None
     # A paired cloud verifier: "auto" (use it at the daemon's budget), "off", or a budget in [0, 1].
     # Filled in by the engine: how the offloading went (reported in usage).
     cloud: str | float = "auto"
@@ -307,7 +314,7 @@ class Engine(abc.ABC):
                 finish = "stop" if produced < req.max_tokens else "length"
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
         yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, req.speculative_stats,
-                                                         req.cloud_stats))
+                                                         req.cloud_stats, req.outline_stats))
 
 
 # --------------------------------------------------------------------------- threads

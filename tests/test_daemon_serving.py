@@ -281,6 +281,52 @@ def test_outline_decoding_through_two_daemons_answers_point_by_point_and_is_coun
     out = subprocess.run([sys.executable, "-m", "meshd", "status", "--socket", str(a.socket)],
                          capture_output=True, text=True, timeout=60, env=a.env)
     assert "outline decoding: used by" in out.stdout, out.stdout
+    assert any(e.get("event") == "outline_attempt" and e.get("mode") == "on" for e in a.events())
+    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+
+
+def _outline_attempts(proc) -> int:
+    return sum(e.get("event") in ("outline_attempt", "outline_fallback") for e in proc.events())
+
+
+def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_attempt(home):
+    """Home Assistant's kind of question ("…in one sentence?") reads like a list question to the router,
+    but asks for one sentence: through the OpenAI API, the Ollama API and `meshd chat` it is answered
+    plainly from the first token — no outline is ever attempted, and status counts why."""
+    import httpx
+    import ollama
+    import openai
+
+    _, a, b, _ = home
+    question = "My living room is cold in the evening. What should I do, in one sentence?"
+    before = (a.status()["stage"]["outline"].get("declined") or {}).get("brevity", 0)
+    attempts = _outline_attempts(a)
+    answers = [_openai_over(a.socket).chat.completions.create(
+        model="any", messages=[{"role": "user", "content": question}], max_tokens=120, temperature=0,
+        extra_body={"outline": "auto"}).choices[0].message.content]
+    client = ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(a.socket)), timeout=240)
+    answers.append(client.chat(model="any", messages=[{"role": "user", "content": question}],
+                               options={"num_predict": 120, "temperature": 0}).message.content)
+    out = subprocess.run([sys.executable, "-m", "meshd", "chat", "--socket", str(a.socket), "--max-tokens", "120",
+                          "--temperature", "0", question], capture_output=True, text=True, timeout=240, env=a.env)
+    assert out.returncode == 0, out.stderr
+    answers.append(out.stdout)
+    for text in answers:
+        assert text.strip() and not text.lstrip().startswith("1."), answers
+    assert "outline" not in out.stderr  # the summary line reports no outline
+    assert _outline_attempts(a) == attempts, "an outline was attempted"
+    assert a.status()["stage"]["outline"]["declined"]["brevity"] == before + 3
+    # A list question whose budget cannot hold an outline: plain under "auto", a 400 under "on".
+    openai_client = _openai_over(a.socket)
+    short = openai_client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
+        max_tokens=40, temperature=0, extra_body={"outline": "auto"})
+    assert short.choices[0].message.content.strip() and "outline" not in short.usage.model_dump()
+    with pytest.raises(openai.BadRequestError, match="max_tokens of at least"):
+        openai_client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
+            max_tokens=40, temperature=0, extra_body={"outline": "on"})
+    assert _outline_attempts(a) == attempts and a.status()["stage"]["outline"]["declined"]["budget"] >= 1
     wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
 

@@ -154,7 +154,9 @@ def constrain_tool_calls(engine: Engine, params: oa.RequestParams, tools: list[d
     "required" or a tool name constrains from the first token. A
     ``response_format`` already constrains the whole answer (and a forced
     choice with one was refused when parsing), so it is left as it is.
+    ``params.tools_offered`` records that calls may come (outline mode stays away).
     """
+    params.tools_offered = bool(tools) and choice != "none"
     if not tools or choice == "none" or params.constraint is not None:
         return
     forced = choice is not None
@@ -201,7 +203,7 @@ def generation_request(engine: Engine, rid: str, prompt_ids: list[int], params: 
         request_id=rid, prompt_ids=prompt_ids, max_tokens=min(params.max_tokens or room, room),
         messages=messages, sampling=params.sampling, stop=params.stop, stream=params.stream,
         speculative=params.speculative, constraint=params.constraint, penalties=params.penalties,
-        outline=params.outline, cloud=params.cloud,
+        outline=params.outline, tools_offered=params.tools_offered, cloud=params.cloud,
     )
 
 

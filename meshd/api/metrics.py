@@ -193,6 +193,7 @@ class MeshCollector:
                                       "this device's stage spent computing", labels=["layers"])
                 b.add_metric(label, min(1.0, float(stage["busy_s"]) / up))
                 yield b
+            yield from _outline_metrics(stage.get("outline"))
         links = s.get("links")
         if isinstance(links, dict) and links:
             links = sorted((str(p), i) for p, i in links.items() if isinstance(i, dict))
@@ -213,6 +214,30 @@ class MeshCollector:
             yield rtt
             yield up
             yield sent
+
+
+def _outline_metrics(o: Any):
+    """Outline decoding through this device's coordinator: answers that used it, attempts that fell
+    back to a plain answer after writing an outline (time lost), requests declined before generating."""
+    if not isinstance(o, dict):
+        return
+    if _number(o.get("used")):
+        used = CounterMetricFamily("meshd_outline_used", "Requests answered in outline mode")
+        used.add_metric([], float(o["used"]))
+        yield used
+    for key, name, doc in (
+        ("fallback_reasons", "meshd_outline_fallbacks", "Outline attempts that fell back to a plain "
+         "answer after writing the outline (its time lost), by reason"),
+        ("declined", "meshd_outline_declined", "Requests answered plainly because outline mode was "
+         "declined before generating, by reason"),
+    ):
+        counts = o.get(key)
+        if isinstance(counts, dict):
+            c = CounterMetricFamily(name, doc, labels=["reason"])
+            for reason, n in sorted(counts.items()):
+                if _number(n):
+                    c.add_metric([str(reason)], float(n))
+            yield c
 
 
 def _number(v: Any) -> bool:

@@ -554,6 +554,8 @@ def _final(kind: str, model: str, ev: TokenEvent, run, started_ns: int, prompt_i
         out["context"] = [*prompt_ids, *generated]
     if usage is not None and usage.speculative is not None:
         out["speculative"] = usage.speculative.to_dict()  # meshd extension
+    if usage is not None and usage.outline is not None:
+        out["outline"] = dict(usage.outline)  # meshd extension: how an outline attempt went
     return out
 
 

@@ -77,6 +77,7 @@ class RequestParams:
     penalties: Penalties = field(default_factory=Penalties)
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
     outline: str = "auto"  # meshd's extension: outline-based parallel decoding ("auto" | "on" | "off")
+    tools_offered: bool = False  # the prompt offers tools (set where tools meet the params)
     cloud: str | float = "auto"  # meshd's extension: a paired cloud verifier ("auto" | "off" | budget 0..1)
 
 

@@ -85,5 +85,9 @@ def summary_line(usage: dict | None, elapsed_s: float, ttft_s: float | None,
             detail.append(f"{(n - 1) / decode_s:.1f} tokens/s")
     if detail:
         parts.append(": " + ", ".join(detail))
+    outline = (usage or {}).get("outline")
+    if isinstance(outline, dict):
+        parts.append(f"; outline: {outline.get('points')} points" if outline.get("used")
+                     else f"; outline fell back ({outline.get('detail') or outline.get('fallback')})")
     parts.append(f"; finish: {finish or 'unknown'}")
     return "[" + "".join(parts) + "]"

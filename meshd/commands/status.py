@@ -280,14 +280,24 @@ def _speculation(stage: Any) -> str:
 
 
 def _outline(stage: Any) -> str:
-    """Outline-based parallel decoding through this device's coordinator: how many requests used it."""
+    """Outline-based parallel decoding through this device's coordinator: how many requests used it,
+    how many attempts fell back (their time lost) and why, and what was declined before generating."""
     o = stage.get("outline") if isinstance(stage, dict) else None
-    if not isinstance(o, dict) or not o.get("requests"):
+    if not isinstance(o, dict) or not (o.get("requests") or o.get("declined")):
         return ""
     used = o.get("used", 0)
     points = f", {o.get('points', 0) / used:.1f} points each" if used else ""
-    return (f"outline decoding: used by {used} of {o['requests']} requests routed to it{points}"
-            f" ({o.get('fallbacks', 0)} fell back to a plain answer)")
+    line = (f"outline decoding: used by {used} of {o.get('requests', 0)} requests routed to it{points}"
+            f" ({o.get('fallbacks', 0)} fell back to a plain answer{_by_reason(o.get('fallback_reasons'))})")
+    declined = _by_reason(o.get("declined"))
+    return line + (f"; declined before generating{declined}" if declined else "")
+
+
+def _by_reason(counts: Any) -> str:
+    """``": brevity 3, budget 1"`` from ``{"brevity": 3, "budget": 1}`` (empty when there are none)."""
+    if not isinstance(counts, dict) or not counts:
+        return ""
+    return ": " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _cloud(stage: Any) -> str:

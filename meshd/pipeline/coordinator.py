@@ -148,7 +148,9 @@ class PipelineCoordinator:
         self.round_cost = RoundCost()
         self.medusa_paths = MAX_CANDIDATES
         self.spec_totals = {"rounds": 0, "drafted": 0, "accepted": 0, "requests": 0}
-        self.outline_totals = {"requests": 0, "used": 0, "fallbacks": 0, "points": 0}
+        # Outline decoding: attempts ("requests" = used + fallbacks), fallbacks and declines by reason.
+        self.outline_totals = {"requests": 0, "used": 0, "fallbacks": 0, "points": 0,
+                               "fallback_reasons": {}, "declined": {}}
         self._closing = False
         self._freeing: set[asyncio.Task] = set()
 

@@ -22,6 +22,7 @@ from meshd.engine import (BadEngineRequest, Engine, EngineBusy, GenerationFailed
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import NoRoute, PipelineBusy, PipelineCoordinator, PipelineError
 from meshd.pipeline.outline import OutlineDecoder, OutlineStats
+from meshd.pipeline.outline_gate import OutlineDecision, decide as decide_outline
 from meshd.pipeline.outline_router import shipped as outline_router
 from meshd.pipeline.route import Route
 
@@ -71,6 +72,7 @@ class PipelineEngine(Engine):
         self.coordinator = coordinator
         self.cuts_for = cuts_for or (lambda n, route: default_cuts(n, len(route.stages)))
         self.wait_s = wait_s
+        outline_router()  # read the router's weights now, not on the first request (a quarter second)
 
     @property
     def in_flight(self) -> int:
@@ -111,19 +113,18 @@ class PipelineEngine(Engine):
 
     supports_outline = True
 
-    def outline_for(self, req: GenerationRequest) -> bool:
-        """Whether to answer in outline mode: asked for (``on``), or the router says the question suits it."""
-        if req.outline == "off" or not req.messages:
-            return False
-        last = req.messages[-1]
-        shaped = req.constraint is not None or req.penalties.active
-        usable = last.get("role") == "user" and isinstance(last.get("content"), str) and not shaped
-        if req.outline == "on":
-            if not usable:
-                raise BadEngineRequest("outline decoding needs a plain chat question as the last message, "
-                                       "without structured output or repetition penalties")
-            return True
-        return usable and outline_router().wants_outline(last["content"])
+    def outline_for(self, req: GenerationRequest) -> OutlineDecision:
+        """Whether to answer in outline mode, decided before any token (``meshd.pipeline.outline_gate``);
+        a declined "auto" is counted by its reason."""
+        decision = decide_outline(req.outline, req.messages, req.max_tokens, outline_router(),
+                                  constrained=req.constraint is not None, penalties=req.penalties.active,
+                                  tools=req.tools_offered)
+        if not decision.use and decision.reason != "off":
+            declined = self.coordinator.outline_totals["declined"]
+            declined[decision.reason] = declined.get(decision.reason, 0) + 1
+            log.debug("outline_declined", request_id=req.request_id, reason=decision.reason,
+                      detail=decision.detail)
+        return decision
 
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         # aclosing: a caller that stops early closes the inner generator now, so its bookkeeping
@@ -131,7 +132,8 @@ class PipelineEngine(Engine):
         if self.cloud_for(req):
             inner = self._cloud_ids(req)
         else:
-            inner = self._outline_ids(req) if self.outline_for(req) else self._plain_ids(req)
+            decision = self.outline_for(req)
+            inner = self._outline_ids(req, decision) if decision.use else self._plain_ids(req)
         try:
             async with contextlib.aclosing(inner) as ids:
                 async for t in ids:
@@ -188,18 +190,24 @@ class PipelineEngine(Engine):
             req.cloud_stats = decoder.stats.to_dict()
             await drafter.close()
 
-    async def _outline_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+    async def _outline_ids(self, req: GenerationRequest, decision: OutlineDecision) -> AsyncIterator[int]:
         totals = self.coordinator.outline_totals
         totals["requests"] += 1
         stats = OutlineStats()
         decoder = OutlineDecoder(self.coordinator, self.tokenizer, self.eos_ids, self.wait_s,
                                  speculation=(lambda ids: self.speculation_for(req, ids))
                                  if req.speculative.enabled else None)
+        log.info("outline_attempt", request_id=req.request_id, mode=req.outline, reason=decision.reason,
+                 detail=decision.detail, max_tokens=req.max_tokens)
         stream = await decoder.run(req.request_id, req.messages, req.max_tokens, req.sampling, stats,
                                    cuts=self.cuts_for)
-        if stream is None:  # no usable outline: the plain answer it is
+        req.outline_stats = stats.to_dict()
+        if stream is None:  # no usable outline: the plain answer it is (the outline's time is lost)
             totals["fallbacks"] += 1
-            log.info("outline_fallback", request_id=req.request_id, reason=stats.fallback)
+            reasons = totals["fallback_reasons"]
+            reasons[stats.fallback_reason] = reasons.get(stats.fallback_reason, 0) + 1
+            log.warning("outline_fallback", request_id=req.request_id, reason=stats.fallback_reason,
+                        detail=stats.fallback, outline_tokens=stats.outline_tokens)
             stream = self._plain_ids(req)
         else:
             req.outline_used = True

@@ -9,8 +9,9 @@ stages batch their steps. The answer is the expansions in point order.
 
 It is lossy — the points are written without seeing each other — so it is
 for answers that are a list of independent points, never for code, maths or
-step-by-step reasoning (``meshd.pipeline.outline_router`` decides under
-``outline: "auto"``).
+step-by-step reasoning, nor for short answers (``meshd.pipeline.outline_gate``
+decides before anything is generated, asking ``meshd.pipeline.outline_router``
+under ``outline: "auto"``).
 
 Streaming keeps the order a reader expects: point 1 streams as it is written;
 each later point follows as soon as the one before it is complete (it has
@@ -68,7 +69,15 @@ class OutlineStats:
     points: int = 0
     outline_tokens: int = 0
     point_tokens: list[int] = field(default_factory=list)
-    fallback: str | None = None
+    fallback: str | None = None  # why the outline was dropped for a plain answer, for people
+    fallback_reason: str | None = None  # the same as a code: "few_points" or "budget" (counted)
+
+    def to_dict(self) -> dict:
+        """What a response's usage reports: the points written, or why it fell back."""
+        if self.fallback is not None:
+            return {"used": False, "fallback": self.fallback_reason, "detail": self.fallback,
+                    "outline_tokens": self.outline_tokens}
+        return {"used": True, "points": self.points, "outline_tokens": self.outline_tokens}
 
 
 class OutlineDecoder:
@@ -147,7 +156,9 @@ class OutlineDecoder:
             raise
         n, budget = self._fit(titles, max_tokens)
         if len(titles) < MIN_POINTS or n < MIN_POINTS:
-            stats.fallback = (f"the model wrote {len(titles)} usable outline points" if len(titles) < MIN_POINTS
+            few = len(titles) < MIN_POINTS
+            stats.fallback_reason = "few_points" if few else "budget"
+            stats.fallback = (f"the model wrote {len(titles)} usable outline points" if few
                               else f"{max_tokens} tokens leave too little room for {MIN_POINTS} points")
             await self._release(segments)
             return None
