@@ -32,6 +32,21 @@ COMMAND_MODULES = [
 ]
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that refuses flags it does not know with its own usage line.
+
+    argparse hands a subcommand's unknown arguments up to ``meshd``'s parser, whose usage
+    says nothing about the subcommand's flags (``meshd join --prot 0`` would print
+    ``usage: meshd [-h] ... COMMAND``). Nested subcommands inherit this class.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshd", description="Run one LLM together on the devices of your home."
@@ -42,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="log line format (json for journald)",
     )
     parser.add_argument("--log-level", default="warning")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_SubcommandParser)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser

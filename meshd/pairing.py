@@ -96,7 +96,8 @@ class Token:
             secret = base64.urlsafe_b64decode(s + "=" * (-len(s) % 4))
             return Token(secret, str(body["n"]), tuple(map(str, body["a"])), int(body["p"]))
         except (ValueError, KeyError, TypeError) as exc:
-            raise PairingError(f"malformed invite token ({exc.__class__.__name__})") from None
+            raise PairingError("malformed invite token: it starts like one but does not decode; paste the "
+                               "whole first line `meshd invite` printed (it may have been cut or wrapped)") from None
 
 
 def token_id(secret: bytes) -> str:

@@ -24,9 +24,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 .venv/bin/meshd model pull --quiet
-# The tool-calling model for the Home Assistant tests (~490 MB, fetched once, sha256-checked).
-# Those tests skip with the reason if it is missing; MESHD_SKIP_TOOL_MODEL=1 skips the fetch.
-if [ -z "${MESHD_SKIP_TOOL_MODEL:-}" ]; then
+# The tool-calling model for the Home Assistant tests (~490 MB, fetched once, sha256-checked): only
+# for the test command (`setup.sh --with-tool-model`), never for the demo. Those tests skip with the
+# reason if it is missing; MESHD_SKIP_TOOL_MODEL=1 skips the fetch.
+if [ "${1:-}" = "--with-tool-model" ] && [ -z "${MESHD_SKIP_TOOL_MODEL:-}" ]; then
+    if ! .venv/bin/meshd model list 2>/dev/null | grep -qE "^ +qwen2.5-coder-0.5b-instruct +cached"; then
+        echo "[setup] fetching qwen2.5-coder-0.5b-instruct (~490 MB, once) for the tool-calling tests;" \
+             "MESHD_SKIP_TOOL_MODEL=1 skips it (those tests then skip)"
+    fi
     .venv/bin/meshd model pull qwen2.5-coder-0.5b-instruct --quiet \
         || echo "[setup] warning: could not fetch qwen2.5-coder-0.5b-instruct; the tool-calling tests will skip"
 fi

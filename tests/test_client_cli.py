@@ -151,3 +151,16 @@ def test_status_says_what_each_device_is_planned_with():
     assert ("planned with profiles: laptop: 1.90x x86_64-2core-1thread (one-layer estimate); "
             "nas: shipped default") in text
     assert "this device's profile: shipped default: self-profiling is off" in text
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["join", "--prot", "0"], "usage: meshd join"),
+    (["model", "pull", "--bogus"], "usage: meshd model pull"),
+    (["status", "--json", "--bogus"], "usage: meshd status"),
+])
+def test_a_wrong_flag_gets_the_subcommands_usage_not_the_top_level_one(argv, usage, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert usage in err and f"unrecognized arguments: {argv[-1] if argv[-1] != '0' else '--prot 0'}" in err

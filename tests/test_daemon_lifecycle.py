@@ -191,3 +191,10 @@ def test_join_rejects_a_malformed_token(tmp_path, capsys):
     rc, _ = run_cli("join", "--state-dir", str(tmp_path / "s"), "--token", "hello")
     assert rc == 1
     assert "not a meshd invite token" in capsys.readouterr().err
+
+
+def test_a_cut_token_is_refused_with_what_to_paste_instead(tmp_path, capsys):
+    rc, _ = run_cli("join", "--state-dir", str(tmp_path / "s"), "--token", "meshd1-eyJzIjoi")
+    err = capsys.readouterr().err
+    assert rc == 1 and "malformed invite token" in err and "whole first line" in err
+    assert "Error)" not in err  # no bare exception class names

@@ -25,8 +25,10 @@ def test_a_busy_port_is_reported_with_the_flag_and_the_second_daemon_recipe(shor
             check_can_listen(cfg)
         cfg = Config(listen="127.0.0.1", port=0, pairing_port=0, socket=short_tmp / "s.sock",
                      http=f"127.0.0.1:{busy.getsockname()[1]}")
-        with pytest.raises(MeshdError, match=r"\(--http\)"):
+        with pytest.raises(MeshdError, match=r"\(--http\)") as refused:
             check_can_listen(cfg)
+        # the hint names the one flag in the way, not the other ports
+        assert "pick another --http port" in str(refused.value) and "--pairing-port" not in str(refused.value)
     finally:
         busy.close()
 

@@ -31,6 +31,9 @@ CPU_DEVICE = ["--device", "cpu"]
 # 2,048-token cache need ~154 MiB): a home splits the model only when that pays or is needed, and
 # on one machine a split of a 135M model never pays.
 SMALL_DEVICE = ["--memory-budget-mb", "120"]
+WEAK_MODEL_NOTE = ("note: the embedded SmolLM2-135M is a demo model: fast, but too small for dependable answers, "
+                   "and it cannot call Home Assistant's tools. For a home: `meshd model pull "
+                   "qwen2.5-coder-1.5b-instruct`, then `--model qwen2.5-coder-1.5b-instruct` (see the README).")
 
 
 def register(sub) -> None:
@@ -92,7 +95,7 @@ class _Daemon:
 def _wait(what: str, cond, timeout: float, quiet: bool):
     deadline = time.monotonic() + timeout
     if not quiet:
-        print(f"… {what}", file=sys.stderr, flush=True)
+        print(f"… waiting for {what}", file=sys.stderr, flush=True)
     while time.monotonic() < deadline:
         value = cond()
         if value:
@@ -150,8 +153,11 @@ def run(args) -> int:
                               "tokens": tokens, "model": status.get("model"),
                               "plan_version": status["plan"]["version"]}))
         else:
-            where = ", ".join(f"{d['device']} layers {d['layers'][0]}-{d['layers'][1] - 1}" for d in devices)
+            # half-open, as --json and `meshd status --json` write them
+            where = ", ".join(f"{d['device']} layers [{d['layers'][0]}, {d['layers'][1]})" for d in devices)
             print(f"\n\n[{tokens} tokens | TTFT {ttft * 1000:.0f} ms | {tps:.1f} tokens/s | {where}]")
+            if args.model is None:
+                print(WEAK_MODEL_NOTE, file=sys.stderr)
     finally:
         codes = [d.stop() for d in daemons]
         if not quiet and daemons:

@@ -130,7 +130,10 @@ def check_can_listen(cfg) -> None:
         try:
             socket.create_server((host, port), family=family).close()
         except OSError as exc:
-            hint = f"; {SECOND_DAEMON_HINT}" if exc.errno == errno.EADDRINUSE else ""
+            hint = ""
+            if exc.errno == errno.EADDRINUSE:  # name the one flag in the way; the others are fine
+                hint = (f"; pick another {flag} port (or stop what holds it)" if flag in ("--http", "--api-listen")
+                        else f"; {SECOND_DAEMON_HINT}")
             raise MeshdError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}{hint}; "
                              f"the invite token was not used") from None
     path = cfg.resolved_socket()
