@@ -764,7 +764,7 @@ class Daemon:
         seen = [int(m.peers[n].info.get("plan_version", 0)) for n in all_ready if n in m.peers]
         version = max([self.plan.version if self.plan else 0, *seen]) + 1
         plan_over = lambda ids: make_plan(version, self.node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
-                                          self.weights_mode)
+                                          self.weights_mode, model)
         plan = plan_over(ready)
         if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
             plan = self.sharing.gate(plan, self.plan, ready, model, plan_over)

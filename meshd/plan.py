@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.state import json_digest, read_profiles
+from meshd.state import json_digest, profile_model, read_profiles
 from partition.ids import NodeId, PlanVersion
 from partition.plan import LayerAssignment, StageAssignment
 
@@ -137,11 +137,14 @@ def shipped_profiles_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "profiles"
 
 
-def default_profile(weights: str = "") -> dict[str, Any] | None:
-    """The first profile shipped in ``profiles/`` (sorted by name) measured in the numeric mode
-    ``weights``, else the first of any mode, if any."""
-    found = prefer_mode([data for _, data in read_profiles(shipped_profiles_dir())], weights, lambda d: d)
-    return found
+def default_profile(weights: str = "", model: str = "") -> dict[str, Any] | None:
+    """The profile shipped in ``profiles/`` for a member that shared none: one of ``model`` (its
+    identity) when one is shipped — another model's layer times and layer count would make the
+    planner refuse and the home fall back to an equal split — measured in the numeric mode
+    ``weights`` if possible; else the first (by name) of that mode, else the first of any."""
+    shipped = [data for _, data in read_profiles(shipped_profiles_dir())]
+    same_model = [data for data in shipped if model and profile_model(data) == model]
+    return prefer_mode(same_model or shipped, weights, lambda d: d)
 
 
 def prefer_mode(items: list, weights: str, profile_of):
@@ -155,11 +158,11 @@ def prefer_mode(items: list, weights: str, profile_of):
 
 
 def compute_stages(
-    members: list[MemberInput], num_layers: int, weights: str = ""
+    members: list[MemberInput], num_layers: int, weights: str = "", model: str = ""
 ) -> tuple[list[StageAssignment], float | None, str]:
     """Stages for ``members``: the partition DP when profiles allow it, else equal split."""
     ids = [m.node_id for m in members]
-    fallback = default_profile(weights)
+    fallback = default_profile(weights, model)
     profiles = []
     for m in members:
         data = m.profile or fallback
@@ -184,13 +187,17 @@ def compute_stages(
         log.warning("planner_fallback", error=str(exc))
         return equal_split(ids, num_layers), None, f"equal split: planner failed ({exc})"
     stages = [StageAssignment(NodeId(devs[d].device_id), first, end) for d, first, end in result.split.stages]
-    reason = f"{result.reason}; {result.left_out}" if result.left_out else result.reason
+    # the bottleneck's kind ("compute" | "memory" | "link") with the planner's own words on it,
+    # so `meshd status` explains a plan instead of printing a bare code word
+    reason = f"{result.reason}: {result.explanation}"
+    if result.left_out:
+        reason += f"; {result.left_out}"
     return stages, result.split.bottleneck_s, reason
 
 
 def make_plan(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int,
-              weights: str = "") -> Plan:
-    stages, bottleneck, reason = compute_stages(members, num_layers, weights)
+              weights: str = "", model: str = "") -> Plan:
+    stages, bottleneck, reason = compute_stages(members, num_layers, weights, model)
     plan = Plan(version, tuple(stages), num_layers, bottleneck, reason, leader,
                 tuple(sorted(m.node_id for m in members)), weights)
     plan.check()

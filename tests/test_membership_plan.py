@@ -17,7 +17,7 @@ def test_equal_split_tiles_the_layers_in_node_id_order():
 
 
 def test_without_any_profile_the_plan_is_an_equal_split_and_says_so(monkeypatch):
-    monkeypatch.setattr(plan_mod, "default_profile", lambda weights="": None)
+    monkeypatch.setattr(plan_mod, "default_profile", lambda weights="", model="": None)
     p = make_plan(3, "a", [MemberInput("a", 1000), MemberInput("b", 1000)], 30)
     assert p.stages == (Stage("a", 0, 15), Stage("b", 15, 30))
     assert p.version == 3 and p.leader == "a" and p.members == ("a", "b")
@@ -32,6 +32,39 @@ def test_with_profiles_the_partition_planner_decides_and_predicts_the_bottleneck
     assert p.predicted_bottleneck_s and p.predicted_bottleneck_s > 0
     assert not p.reason.startswith("equal split")
     p.check()
+
+
+def test_the_plan_reason_explains_its_bottleneck_in_words():
+    """Not a bare code word ("link"): the kind, then the planner's explanation of it."""
+    if plan_mod.default_profile() is None:
+        pytest.skip("no shipped profile in profiles/")
+    members = [MemberInput(n, 8000) for n in ("a", "b")]
+    p = make_plan(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
+    kind, _, words = p.reason.partition(": ")
+    assert kind in ("compute", "memory", "link") and "layers" in words and " s" in words
+
+
+def test_a_member_without_a_profile_is_planned_with_the_shipped_profile_of_its_own_model(tmp_path, monkeypatch):
+    """Another model's profile has other layer times and another layer count: the planner would
+    refuse it and the home would fall back to an equal split."""
+    import json
+
+    shipped = [p for p in sorted(plan_mod.shipped_profiles_dir().glob("*.json"))]
+    if not shipped:
+        pytest.skip("no shipped profile in profiles/")
+    ours = json.loads(shipped[0].read_text())
+    other = json.loads(shipped[0].read_text())
+    other["model"] = {**other["model"], "identity": "other.gguf@0123456789abcdef", "num_layers": 24}
+    other["device_id"] = "aaa-first-by-name"
+    (tmp_path / "aaa.json").write_text(json.dumps(other))
+    (tmp_path / "zzz.json").write_text(json.dumps(ours))
+    monkeypatch.setattr(plan_mod, "shipped_profiles_dir", lambda: tmp_path)
+    mode = ours.get("dtype", "")
+    assert plan_mod.default_profile(mode, "other.gguf@0123456789abcdef")["model"]["num_layers"] == 24
+    assert plan_mod.default_profile(mode, ours["model"]["identity"])["device_id"] == ours["device_id"]
+    p = make_plan(1, "a", [MemberInput("a", 8000), MemberInput("b", 8000)], ours["model"]["num_layers"],
+                  mode, ours["model"]["identity"])
+    assert not p.reason.startswith("equal split"), p.reason
 
 
 def test_a_member_that_would_slow_prompts_down_is_left_out_and_the_plan_says_why():

@@ -248,7 +248,7 @@ async def start_serving(daemon) -> ServingRole:
     await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
 
     def profiles_for() -> dict[str, dict]:
-        fallback = default_profile(daemon.weights_mode)
+        fallback = default_profile(daemon.weights_mode, source.identity)
         known = {**daemon.profiles, daemon.node_id: daemon.own_profile}
         return {nid: known.get(nid) or fallback for nid in daemon.members if (known.get(nid) or fallback)}
 
