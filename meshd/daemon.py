@@ -53,7 +53,7 @@ from meshd.peerlink import PeerLink, probe_interval_for
 from meshd.plan import MemberInput, Plan, make_plan, plannable_members
 from meshd.sdnotify import Notifier
 from meshd.self_profile import describe as describe_profile
-from meshd.state import Home, Member, StateDir, json_digest, key_fingerprint, members_digest
+from meshd.state import Home, Member, StateDir, atomic_write, json_digest, key_fingerprint, members_digest
 from partition.ids import NodeId, PlanVersion
 from transport.errors import TransportError
 from transport.messages import Envelope, PlanUpdate
@@ -63,6 +63,7 @@ log = get_logger("meshd.daemon")
 _PORT_HINT = ("; if another meshd runs on this machine, give this one --port 0 --pairing-port 0 "
               "(and its own --state-dir and --socket)")
 RUNTIME_FILE = "daemon.json"  # in the state dir while running: ports/addresses for `meshd invite`
+LAST_PAIRING_PORT_FILE = "pairing_port"  # kept across restarts: tokens name this port
 SHUTDOWN_MESSAGE = "meshd is shutting down on this device; retry the request"
 
 
@@ -236,7 +237,7 @@ class Daemon:
         self.sharing = await start_sharing(self, replan_now=self._maybe_replan)
         self.pairing = PairingServer(self.state, self._on_admitted)
         try:
-            self.pairing_port = await self.pairing.start(cfg.listen, cfg.pairing_port)
+            self.pairing_port = await self._start_pairing(cfg)
         except OSError as exc:
             raise DaemonError(f"cannot listen on {cfg.listen}:{cfg.pairing_port} (--pairing-port): "
                               f"{exc.strerror or exc}{_PORT_HINT if cfg.pairing_port else ''}") from None
@@ -253,6 +254,26 @@ class Daemon:
         log.info("daemon_started", home=self.home.name, name=cfg.name, port=self.port,
                  pairing_port=self.pairing_port, socket=str(self.socket_path),
                  interfaces=[i.name for i in self.interfaces], fingerprint=key_fingerprint(self.public_key))
+
+    async def _start_pairing(self, cfg) -> int:
+        """Listen for pairing. With ``--pairing-port 0`` the port this state dir had last time comes
+        first: invite tokens name it, and one minted before a restart should still work."""
+        remembered = self.state.root / LAST_PAIRING_PORT_FILE
+        port = 0
+        if not cfg.pairing_port:
+            try:
+                last = int(remembered.read_text().strip())
+            except (OSError, ValueError):
+                last = 0
+            if 0 < last < 65536:
+                try:
+                    port = await self.pairing.start(cfg.listen, last)
+                except OSError:
+                    log.info("pairing_port_moved", previous=last,
+                             reason="taken since the last start; invite tokens minted before it need renewing")
+        port = port or await self.pairing.start(cfg.listen, cfg.pairing_port)
+        atomic_write(remembered, f"{port}\n".encode(), mode=0o644)
+        return port
 
     async def _ready_when_serving(self) -> None:
         """READY=1 once a request would be served at once (model loaded, a plan warm).
@@ -880,7 +901,6 @@ class Daemon:
 
     # -- runtime file for `meshd invite` -----------------------------------------------
     def _write_runtime_file(self) -> None:
-        from meshd.state import atomic_write
 
         info = {"pid": os.getpid(), "node_id": self.node_id, "port": self.port,
                 "pairing_port": self.pairing_port,

@@ -295,7 +295,10 @@ async def join_with_token(
             errors.append(f"{address}:{token.pairing_port}: {exc or type(exc).__name__}")
         finally:
             writer.close()
-    raise PairingError("cannot reach the inviting device (" + "; ".join(errors) + ")")
+    raise PairingError("cannot reach the inviting device (" + "; ".join(errors) + "). Is its daemon running "
+                       "and reachable from here? The token names the pairing port that device had when "
+                       "`meshd invite` ran; if it has restarted on another port since, run `meshd invite` "
+                       "there again for a fresh token")
 
 
 async def _join_on(reader, writer, token: Token, node_id, name, public_key):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import threading
@@ -15,7 +16,7 @@ import zmq.auth
 from meshd.client import MeshdClient
 from meshd.engine import Engine, GenerationRequest
 from meshd.errors import MeshdError
-from tests.test_daemon_helpers import mesh, run_cli, wait_for  # noqa: F401
+from tests.test_daemon_helpers import mesh, run_cli, summary, wait_for  # noqa: F401
 from transport.keys import AllowList, Keypair
 from transport.wire import encode_frames
 
@@ -198,3 +199,20 @@ def test_a_cut_token_is_refused_with_what_to_paste_instead(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and "malformed invite token" in err and "whole first line" in err
     assert "Error)" not in err  # no bare exception class names
+
+
+def test_an_invite_minted_before_a_restart_on_pairing_port_0_still_pairs(mesh):
+    """Tokens name the pairing port; with --pairing-port 0 a restarted daemon takes its last one
+    again, so a token handed out before the restart is not a bare connection error after it."""
+    a = mesh.spawn("a", new_home="flat")
+    a.wait_serving(60)
+    token = mesh.invite(a)
+    port_before = json.loads((a.state_dir / "daemon.json").read_text())["pairing_port"]
+    a.signal(signal.SIGTERM)
+    assert a.wait(30) == 0
+    a.start()
+    a.wait_serving(60)
+    assert json.loads((a.state_dir / "daemon.json").read_text())["pairing_port"] == port_before
+    b = mesh.spawn("b", token=token)
+    wait_for(lambda: len(a.status().get("members", [])) == 2, 60, what="the new member to be admitted",
+             explain=lambda: summary(a, b))
