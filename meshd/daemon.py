@@ -53,7 +53,7 @@ from meshd.peerlink import PeerLink, probe_interval_for
 from meshd.plan import MemberInput, Plan, make_plan, plannable_members
 from meshd.sdnotify import Notifier
 from meshd.self_profile import describe as describe_profile
-from meshd.state import Home, Member, StateDir, json_digest, key_fingerprint, members_digest
+from meshd.state import RUNTIME_FILE, Home, Member, StateDir, json_digest, key_fingerprint, members_digest
 from partition.ids import NodeId, PlanVersion
 from transport.errors import TransportError
 from transport.messages import Envelope, PlanUpdate
@@ -62,7 +62,6 @@ log = get_logger("meshd.daemon")
 
 _PORT_HINT = ("; if another meshd runs on this machine, give this one --port 0 --pairing-port 0 "
               "(and its own --state-dir and --socket)")
-RUNTIME_FILE = "daemon.json"  # in the state dir while running: ports/addresses for `meshd invite`
 SHUTDOWN_MESSAGE = "meshd is shutting down on this device; retry the request"
 
 
