@@ -43,9 +43,7 @@ def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
     xdg = env.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "meshd" / SOCKET_NAME
-    home = env.get("HOME")
-    base = Path(home) if home else Path.home()
-    return base / ".local" / "state" / "meshd" / SOCKET_NAME
+    return _user_state_dir(env) / SOCKET_NAME
 
 
 STATE_DIR_HELP = "state directory (default $MESHD_HOME, else $STATE_DIRECTORY, else ~/.local/state/meshd)"
@@ -72,6 +70,11 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
     state = env.get("STATE_DIRECTORY")
     if state:
         return Path(state.split(":")[0])
+    return _user_state_dir(env)
+
+
+def _user_state_dir(env: Mapping[str, str]) -> Path:
+    """``~/.local/state/meshd``: a user's daemon without systemd or $MESHD_HOME (state and socket)."""
     user = env.get("HOME")
     return (Path(user) if user else Path.home()) / ".local" / "state" / "meshd"
 
