@@ -10,7 +10,7 @@
 # model cache (MESHD_HOME, the same for the service and every command below),
 # the model, /etc/meshd/meshd.toml, the home (created or joined, then the command
 # exits: `meshd join --setup-only`), an API key, the unit (+ the GPU drop-in),
-# `systemd-analyze verify`, then `systemctl enable --now meshd`.
+# `systemd-analyze verify`, then `systemctl enable meshd && systemctl restart meshd`.
 #
 # --prefix DIR installs everything under DIR as the calling user instead (no user,
 # no chown, nothing started): what the tests run, and a way to look before installing.
@@ -201,7 +201,8 @@ fi
 if [ "$start" = 1 ]; then
     step "enabling and starting meshd (READY once it can answer; up to TimeoutStartSec=15min)"
     systemctl daemon-reload
-    systemctl enable --now meshd
+    systemctl enable meshd
+    systemctl restart meshd   # starts it, or restarts a running one on the new install
     echo "[install] done: systemctl status meshd; journalctl -u meshd -f -o cat"
 else
     echo "[install] done; not started. To start: systemctl daemon-reload && systemctl enable --now meshd"
