@@ -267,7 +267,10 @@ class Daemon:
                 break
             if warm is not None and warm.is_set():
                 break
-            waiting = ("loading the model" if inner is None else
+            waiting = ("fetching the model from members of the home (none may hold it yet: "
+                       "`meshd model pull` with this daemon's MESHD_HOME puts it here)"
+                       if self.load_state == "fetching" else
+                       "loading the model" if inner is None else
                        "waiting for a plan and its stages to load" if self.plan is None else
                        f"warming up plan v{self.plan.version}")
             self.notifier.status(f"home {home}: {waiting}")

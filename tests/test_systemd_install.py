@@ -187,47 +187,78 @@ def test_the_installed_unit_and_its_gpu_drop_in_pass_systemd_analyze_verify(inst
     assert out.returncode == 0 and not complaints, out.stdout + out.stderr
 
 
-def test_the_service_as_installed_sends_ready_and_admits_the_scripts_key(installed, tmp_path_factory):
-    run = tmp_path_factory.mktemp("run")
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(run / "notify"))
-    notify.settimeout(0.5)
-    env = {**_clean_env(), **FAST_ENV, **installed.service_env(),
-           "RUNTIME_DIRECTORY": str(run), "NOTIFY_SOCKET": str(run / "notify"),
-           "MESHD_CONFIG": str(installed.prefix / "etc/meshd/meshd.toml"),  # the real one: /etc/meshd/meshd.toml
-           # what a test needs on top (a drop-in could set these): free ports, loopback, no model to load
-           "MESHD_PORT": "0", "MESHD_PAIRING_PORT": "0", "MESHD_INTERFACE": "127.0.0.1", "MESHD_MODEL": "none"}
-    log = open(run / "daemon.log", "wb")
-    proc = subprocess.Popen([*shlex.split(installed.service()["ExecStart"]), *FAST], env=env, cwd="/",
-                            stdout=log, stderr=subprocess.STDOUT)
-    received: list[str] = []
+class Service:
+    """The daemon started as systemd starts the installed unit: its ExecStart, its Environment=,
+    $STATE_DIRECTORY, $RUNTIME_DIRECTORY and a $NOTIFY_SOCKET this test reads."""
 
-    def said(what: str, running: bool = True) -> bool:
-        assert not running or proc.poll() is None, (run / "daemon.log").read_text()
+    def __init__(self, installed: Installed, run: Path, **extra_env: str):
+        self.run = run
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(run / "notify"))
+        self.notify.settimeout(0.5)
+        self.received: list[str] = []
+        env = {**_clean_env(), **FAST_ENV, **installed.service_env(),
+               "RUNTIME_DIRECTORY": str(run), "NOTIFY_SOCKET": str(run / "notify"),
+               "MESHD_CONFIG": str(installed.prefix / "etc/meshd/meshd.toml"),  # the real one: /etc/meshd/meshd.toml
+               # what a test needs on top (a drop-in could set these): free ports, loopback
+               "MESHD_PORT": "0", "MESHD_PAIRING_PORT": "0", "MESHD_INTERFACE": "127.0.0.1", **extra_env}
+        self.log = open(run / "daemon.log", "wb")
+        self.proc = subprocess.Popen([*shlex.split(installed.service()["ExecStart"]), *FAST], env=env, cwd="/",
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def said(self, what, running: bool = True) -> bool:
+        """Whether a notification ``what`` (a line, or a predicate on one) arrived; reads one datagram."""
+        assert not running or self.proc.poll() is None, (self.run / "daemon.log").read_text()
         try:
-            received.extend(notify.recv(4096).decode().splitlines())
+            self.received.extend(self.notify.recv(4096).decode().splitlines())
         except TimeoutError:
             pass
-        return what in received
+        return any(what(line) if callable(what) else line == what for line in self.received)
 
+    def wait_said(self, what, timeout: float, running: bool = True) -> None:
+        wait_for(lambda: self.said(what, running), timeout, interval=0, what=f"{what} from the installed service",
+                 explain=lambda: f"{self.received}\n{(self.run / 'daemon.log').read_text()}")
+
+    def stop(self) -> int:
+        """SIGTERM, as ``systemctl stop`` sends it; the exit code, after STOPPING=1."""
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(30)
+        self.wait_said("STOPPING=1", 10, running=False)
+        return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+        self.notify.close()
+
+
+def test_the_service_as_installed_sends_ready_and_admits_the_scripts_key(installed, tmp_path_factory):
+    svc = Service(installed, tmp_path_factory.mktemp("run"), MESHD_MODEL="none")  # no model to load
     try:
-        wait_for(lambda: said("READY=1"), 60, interval=0, what="READY=1 from the installed service",
-                 explain=lambda: (run / "daemon.log").read_text())
-        status = MeshdClient(run / "meshd.sock", timeout=10).status()  # $RUNTIME_DIRECTORY/meshd.sock
+        svc.wait_said("READY=1", 60)
+        status = MeshdClient(svc.run / "meshd.sock", timeout=10).status()  # $RUNTIME_DIRECTORY/meshd.sock
         assert status["name"] == "kitchen"
         url = "http://127.0.0.1:" + status["api"]["http"].rpartition(":")[2]
         assert httpx.get(f"{url}/api/tags", timeout=10).status_code == 401
         ok = httpx.get(f"{url}/api/tags", headers={"Authorization": f"Bearer {installed.key()}"}, timeout=10)
         assert ok.status_code != 401, ok.text
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        assert wait_for(lambda: said("STOPPING=1", running=False), 10, interval=0, what="STOPPING=1")
+        assert svc.stop() == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log.close()
-        notify.close()
+        svc.close()
+
+
+def test_a_service_without_the_model_says_in_its_status_what_it_waits_for(installed, tmp_path_factory):
+    """The install copied no default model: not READY, and `systemctl status` says why and what helps."""
+    svc = Service(installed, tmp_path_factory.mktemp("run"))
+    try:
+        svc.wait_said(lambda line: line.startswith("STATUS=") and "fetching the model" in line
+                      and "meshd model pull" in line, 60)
+        assert "READY=1" not in svc.received
+        assert svc.stop() == 0
+    finally:
+        svc.close()
 
 
 def test_the_docs_name_every_option_of_the_script_and_the_drop_in_as_shipped():
