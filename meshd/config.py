@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.errors import MeshdError
-from meshd.paths import default_socket_path
+from meshd.paths import default_socket_path, default_state_dir
 
 DEFAULT_CONFIG_PATH = Path("/etc/meshd/meshd.toml")
 # The spellings decoding.device accepts, repeated so reading a config never imports torch.
@@ -35,14 +35,6 @@ class ConfigError(MeshdError):
     """The configuration file, an environment variable or a flag is invalid."""
 
 
-def _default_state_dir(env: Mapping[str, str]) -> Path:
-    state = env.get("STATE_DIRECTORY")  # systemd StateDirectory=
-    if state:
-        return Path(state.split(":")[0])
-    home = env.get("HOME")
-    return (Path(home) if home else Path.home()) / ".local" / "state" / "meshd"
-
-
 def _default_memory_budget_mb() -> int:
     """Half of physical memory: the device is someone's laptop, not a server."""
     try:
@@ -54,7 +46,7 @@ def _default_memory_budget_mb() -> int:
 
 @dataclass
 class Config:
-    state_dir: Path | None = None  # None: $STATE_DIRECTORY or ~/.local/state/meshd
+    state_dir: Path | None = None  # None: $MESHD_HOME, $STATE_DIRECTORY or ~/.local/state/meshd
     socket: Path | None = None  # None: meshd.paths.default_socket_path()
     name: str = field(default_factory=_socket.gethostname)  # human-readable device name
     listen: str = "0.0.0.0"  # address the transport and pairing endpoints bind
@@ -93,7 +85,7 @@ class Config:
 
     def resolved_state_dir(self, env: Mapping[str, str] | None = None) -> Path:
         env = os.environ if env is None else env
-        return Path(self.state_dir).expanduser() if self.state_dir else _default_state_dir(env)
+        return Path(self.state_dir).expanduser() if self.state_dir else default_state_dir(env)
 
     def resolved_socket(self, env: Mapping[str, str] | None = None) -> Path:
         env = os.environ if env is None else env

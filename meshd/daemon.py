@@ -53,7 +53,8 @@ from meshd.peerlink import PeerLink, probe_interval_for
 from meshd.plan import MemberInput, Plan, make_plan, plannable_members
 from meshd.sdnotify import Notifier
 from meshd.self_profile import describe as describe_profile
-from meshd.state import Home, Member, StateDir, atomic_write, json_digest, key_fingerprint, members_digest
+from meshd.state import (RUNTIME_FILE, Home, Member, StateDir, atomic_write, json_digest, key_fingerprint,
+                         members_digest)
 from partition.ids import NodeId, PlanVersion
 from transport.errors import TransportError
 from transport.messages import Envelope, PlanUpdate
@@ -62,7 +63,6 @@ log = get_logger("meshd.daemon")
 
 _PORT_HINT = ("; if another meshd runs on this machine, give this one --port 0 --pairing-port 0 "
               "(and its own --state-dir and --socket)")
-RUNTIME_FILE = "daemon.json"  # in the state dir while running: ports/addresses for `meshd invite`
 LAST_PAIRING_PORT_FILE = "pairing_port"  # kept across restarts: tokens name this port
 SHUTDOWN_MESSAGE = "meshd is shutting down on this device; retry the request"
 
@@ -289,7 +289,10 @@ class Daemon:
                 break
             if warm is not None and warm.is_set():
                 break
-            waiting = ("loading the model" if inner is None else
+            waiting = ("fetching the model from members of the home (none may hold it yet: "
+                       "`meshd model pull` with this daemon's MESHD_HOME puts it here)"
+                       if self.load_state == "fetching" else
+                       "loading the model" if inner is None else
                        "waiting for a plan and its stages to load" if self.plan is None else
                        f"warming up plan v{self.plan.version}")
             self.notifier.status(f"home {home}: {waiting}")

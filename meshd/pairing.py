@@ -114,7 +114,8 @@ def create_invite(
 ) -> tuple[Token, float]:
     """Store a new one-time invite (hashed) and return the token and its expiry time."""
     if state.home() is None:
-        raise PairingError("this device is not in a home yet: run 'meshd join --new-home NAME' first")
+        raise PairingError("this device is not in a home yet: it enters one with 'meshd join --token TOKEN' "
+                           "(or, on a home's first device only, 'meshd join --new-home NAME')")
     token = Token(secrets.token_bytes(16), node_id, tuple(addresses), pairing_port)
     expires = (time.time() if now is None else now) + ttl_s
     state.add_invite(token.token_id, token.key.hex(), expires)

@@ -1,8 +1,9 @@
-"""Where the client API socket lives, in one place.
+"""Where the client API socket and the state directory live, in one place.
 
-The daemon (which binds the socket) and every client (``meshd chat``,
-``meshd status``, ``meshd.client``) must agree on the path without talking to
-each other first, so both resolve it through :func:`default_socket_path`.
+The daemon (which binds the socket and owns the state) and every other
+command (``meshd chat``, ``meshd status``, ``meshd apikey``, ``meshd invite``,
+``meshd.client``) must agree on both paths without talking to each other
+first, so all of them resolve them here.
 """
 
 from __future__ import annotations
@@ -42,9 +43,40 @@ def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
     xdg = env.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "meshd" / SOCKET_NAME
-    home = env.get("HOME")
-    base = Path(home) if home else Path.home()
-    return base / ".local" / "state" / "meshd" / SOCKET_NAME
+    return _user_state_dir(env) / SOCKET_NAME
+
+
+STATE_DIR_HELP = "state directory (default $MESHD_HOME, else $STATE_DIRECTORY, else ~/.local/state/meshd)"
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The state directory when neither ``--state-dir`` nor ``$MESHD_STATE_DIR`` names one.
+
+    1. ``$MESHD_HOME`` — one directory for everything meshd keeps: the state
+       and the model cache (``models/``, see ``meshd.model_store``). The
+       systemd unit sets it, so a one-off command run as the service's user
+       with the same variable (``sudo -u meshd env MESHD_HOME=/var/lib/meshd
+       meshd apikey create ha``) reads and writes exactly what the service
+       does; without that, the state and the models would be looked for in
+       two different places and a key would land where the daemon never looks.
+    2. ``$STATE_DIRECTORY`` — set by systemd from ``StateDirectory=``; the
+       first of several.
+    3. ``~/.local/state/meshd``.
+    """
+    env = os.environ if env is None else env
+    home = env.get("MESHD_HOME")
+    if home:
+        return Path(home).expanduser()
+    state = env.get("STATE_DIRECTORY")
+    if state:
+        return Path(state.split(":")[0])
+    return _user_state_dir(env)
+
+
+def _user_state_dir(env: Mapping[str, str]) -> Path:
+    """``~/.local/state/meshd``: a user's daemon without systemd or $MESHD_HOME (state and socket)."""
+    user = env.get("HOME")
+    return (Path(user) if user else Path.home()) / ".local" / "state" / "meshd"
 
 
 def check_socket_path(path: str | os.PathLike) -> Path:

@@ -134,7 +134,15 @@ def equal_split(node_ids: list[NodeId], num_layers: int) -> list[StageAssignment
 
 
 def shipped_profiles_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "profiles"
+    """The reference profiles shipped with meshd: ``meshd/profiles``.
+
+    In a checkout that is a symbolic link to the repository's top-level
+    ``profiles/`` (where profiles are measured and reviewed); a wheel or sdist
+    copies the files behind it into the package (``package-data`` in
+    pyproject.toml), so an installed meshd, which has no repository around
+    it, finds the same profiles at the same place and plans by speed.
+    """
+    return Path(__file__).resolve().parent / "profiles"
 
 
 def default_profile(weights: str = "", model: str = "") -> dict[str, Any] | None:

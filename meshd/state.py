@@ -1,12 +1,16 @@
 """The state directory: everything a device remembers across restarts.
 
-Layout (all under ``$STATE_DIRECTORY`` or ``~/.local/state/meshd``)::
+Layout (all under ``--state-dir``, else ``$MESHD_HOME``, ``$STATE_DIRECTORY`` or
+``~/.local/state/meshd``: ``meshd.paths.default_state_dir``)::
 
     node_id            this device's stable id (hex), created on first start
     home.json          {"home_id", "name"}: which home this device belongs to
     members.json       known members: node_id -> {name, public_key}; this IS the
                        allow-list the transport's ZAP handler admits
     invites.json       pending one-time invite tokens, stored hashed with expiry
+    api_keys.json      hashed API keys for the LAN listener (``meshd.apikeys``)
+    daemon.json        while the daemon runs: its pid, ports, addresses and API socket,
+                       for ``meshd invite`` and ``meshd status --state-dir``
     keys/              this device's CURVE keypair and the transport's allow-list
                        (``transport.keys``: node.key, node.key_secret, allowed_peers.json)
     profiles/          device profiles (partition profiler output)
@@ -37,6 +41,9 @@ from transport.errors import KeyStoreError
 
 if TYPE_CHECKING:
     from meshd.cloud.record import CloudRecord
+
+
+RUNTIME_FILE = "daemon.json"
 
 
 class StateError(MeshdError):
@@ -159,6 +166,27 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
 class StateDir:
     def __init__(self, root: Path):
         self.root = Path(root)
+
+    @classmethod
+    def of_home(cls, root: Path) -> StateDir:
+        """The state directory of a device already in a home, or a StateError saying what is wrong.
+
+        For the commands that act on a daemon's state from outside (``meshd
+        apikey``, ``meshd invite``, ``meshd status --state-dir``): a mistyped
+        path or a forgotten ``MESHD_HOME`` must fail here, before anything is
+        written, not create a fresh directory that the daemon never reads (a
+        key there is a key nobody checks) or suggest creating a second home.
+        """
+        state = cls(root)
+        where = ("check --state-dir or $MESHD_HOME (the systemd service's is /var/lib/meshd: "
+                 "sudo -u meshd env MESHD_HOME=/var/lib/meshd meshd ...)")
+        if not state.root.is_dir():
+            raise StateError(f"no meshd state directory at {state.root}: {where}")
+        if not (state.root / "home.json").is_file():
+            raise StateError(f"{state.root} holds no home (no home.json): {where}; a device enters a home "
+                             "with 'meshd join --token TOKEN' (a token from 'meshd invite' on a member), "
+                             "or, on a home's first device only, 'meshd join --new-home NAME'")
+        return state
 
     # -- layout -----------------------------------------------------------
     @property

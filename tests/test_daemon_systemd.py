@@ -1,4 +1,4 @@
-"""The systemd unit is valid (``systemd-analyze verify``) and asks for what meshd relies on."""
+"""The systemd unit and its GPU drop-in are valid (``systemd-analyze verify``) and ask for what meshd relies on."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def test_the_unit_passes_systemd_analyze_verify(tmp_path):
     exe = str(meshd) if meshd.exists() else f"{sys.executable} -m meshd"
     unit = tmp_path / "meshd.service"
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/meshd", exe))
+    # and the GPU drop-in, where systemd (and verify) reads it: <unit>.d/
+    shutil.copytree(UNIT.with_name("meshd.service.d"), tmp_path / "meshd.service.d")
     out = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=120)
     complaints = [line for line in (out.stdout + out.stderr).splitlines() if "meshd.service" in line]
     assert out.returncode == 0 and not complaints, out.stdout + out.stderr
@@ -54,6 +56,7 @@ def test_the_unit_is_a_sandboxed_notify_service_with_a_watchdog():
     assert svc["ExecStart"].endswith("meshd join")
     assert svc["Restart"] == "on-failure"
     assert "WatchdogSec" in svc
+    assert "TimeoutStartSec" in svc  # READY=1 waits for the model and a warm plan: longer than the default 90 s
     assert svc["ProtectSystem"] == "strict"
     for key in ("ProtectHome", "NoNewPrivileges", "PrivateTmp"):
         assert svc[key] == "yes", key

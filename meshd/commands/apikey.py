@@ -1,7 +1,10 @@
 """``meshd apikey create|list|revoke``: keys for the API's LAN listener (``meshd join --http``).
 
 Keys live hashed in the state directory (``api_keys.json``), so run these as
-the daemon's user with the same ``--state-dir`` (or ``$STATE_DIRECTORY``).
+the daemon's user with the same ``--state-dir`` or ``$MESHD_HOME`` (for the
+systemd service: ``sudo -u meshd env MESHD_HOME=/var/lib/meshd meshd apikey
+create ha``). The directory must already hold a home: a mistyped path is an
+error, never a fresh directory whose keys no daemon reads.
 The running daemon picks changes up on the next request; no restart.
 A key is printed once, at creation: store it in the client (Home Assistant's
 "API key" field, ``OPENAI_API_KEY``...).
@@ -15,6 +18,8 @@ import os
 
 from meshd.apikeys import ApiKeyStore
 from meshd.config import load_config
+from meshd.paths import STATE_DIR_HELP
+from meshd.state import StateDir
 
 
 def register(subparsers) -> None:
@@ -24,8 +29,7 @@ def register(subparsers) -> None:
     for name, help_text in (("create", "create a key and print it (once)"), ("list", "list keys"),
                             ("revoke", "revoke a key by name")):
         q = sub.add_parser(name, help=help_text)
-        q.add_argument("--state-dir", default=None,
-                       help="state directory (default $STATE_DIRECTORY or ~/.local/state/meshd)")
+        q.add_argument("--state-dir", default=None, help=STATE_DIR_HELP)
         q.add_argument("--config", default=None, help="TOML config file")
         if name in ("create", "revoke"):
             q.add_argument("name", nargs="?" if name == "create" else None,
@@ -37,7 +41,7 @@ def register(subparsers) -> None:
 
 def _store(args) -> ApiKeyStore:
     cfg = load_config(args.config, os.environ, {"state_dir": args.state_dir})
-    return ApiKeyStore(cfg.resolved_state_dir())
+    return ApiKeyStore(StateDir.of_home(cfg.resolved_state_dir()).root)
 
 
 def _create(args) -> int:

@@ -6,8 +6,10 @@ token): the token's secret is stored hashed with its expiry in
 new device connects. The token embeds where to connect: the running daemon's
 pairing port and addresses (from its ``daemon.json``), or the configured port
 and this host's addresses when the daemon is not running yet. Run it as the
-user that owns the state directory (e.g. ``sudo -u meshd meshd invite`` or
-``sudo meshd invite`` for the systemd unit's /var/lib/meshd).
+user that owns the state directory, with its path (for the systemd service:
+``sudo -u meshd env MESHD_HOME=/var/lib/meshd meshd invite``). A path that
+holds no home is an error before anything is written: no node id is created
+there, and no second home is suggested.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from pathlib import Path
 from meshd.config import load_config
 from meshd.discovery import select_interfaces
 from meshd.pairing import create_invite
-from meshd.state import StateDir
+from meshd.paths import STATE_DIR_HELP
+from meshd.state import RUNTIME_FILE, StateDir
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("invite", help="print a one-time token for a new device to join this home",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=None, help="TOML config file")
-    p.add_argument("--state-dir", default=None, help="state directory of this device's daemon")
+    p.add_argument("--state-dir", default=None, help=STATE_DIR_HELP)
     p.add_argument("--ttl", type=float, default=None, metavar="SECONDS",
                    help="how long the token stays valid (default 900)")
     p.add_argument("--json", action="store_true", help="print {token, expires_at} as JSON")
@@ -37,9 +40,9 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     cfg = load_config(args.config, os.environ, {"state_dir": args.state_dir, "invite_ttl_s": args.ttl})
-    state = StateDir(cfg.resolved_state_dir())
+    state = StateDir.of_home(cfg.resolved_state_dir())
     try:
-        info = json.loads((state.root / "daemon.json").read_text())
+        info = json.loads((state.root / RUNTIME_FILE).read_text())
         port, addresses = int(info["pairing_port"]), list(info["addresses"])
     except (OSError, ValueError, KeyError):
         port = cfg.pairing_port

@@ -3,7 +3,10 @@
 First run on the first device: ``meshd join --new-home NAME`` creates the home.
 First run on every other device: ``meshd join --token T`` with a token from
 ``meshd invite`` on a member. Afterwards plain ``meshd join`` (the systemd
-unit) rejoins the home recorded in the state directory.
+unit) rejoins the home recorded in the state directory. ``--setup-only`` does
+the first-run step and exits instead of serving: the systemd install's one-off
+step as the service's user, which then ends by itself (no Ctrl-C at the right
+moment, no wait for a model) and leaves serving to the service.
 
 Settings: defaults < ``/etc/meshd/meshd.toml`` (or ``--config``) <
 ``MESHD_*`` environment variables < the flags below.
@@ -21,11 +24,12 @@ import structlog
 from meshd import log
 from meshd.config import load_config, placement_of
 from meshd.errors import MeshdError
+from meshd.paths import STATE_DIR_HELP
 from meshd.state import StateDir
 
 # flag -> Config field; every one defaults to None ("not given").
 _FLAGS = [
-    ("--state-dir", "state_dir", str, "state directory (default $STATE_DIRECTORY or ~/.local/state/meshd)"),
+    ("--state-dir", "state_dir", str, STATE_DIR_HELP),
     ("--socket", "socket", str, "client API unix socket"),
     ("--name", "name", str, "this device's name (default: host name)"),
     ("--listen", "listen", str, "address the transport and pairing ports bind (default 0.0.0.0)"),
@@ -72,6 +76,9 @@ def register(subparsers) -> None:
     first = p.add_mutually_exclusive_group()
     first.add_argument("--new-home", metavar="NAME", help="create a new home with this device as first member")
     first.add_argument("--token", metavar="TOKEN", help="join the home that issued this invite token")
+    p.add_argument("--setup-only", action="store_true",
+                   help="create (--new-home) or join (--token) the home, or check that the state dir holds "
+                        "one, then exit without serving (the one-off step before 'systemctl enable --now meshd')")
     for flag, dest, typ, help_text in _FLAGS:
         p.add_argument(flag, dest=f"cfg_{dest}", type=typ, default=None, help=help_text,
                        metavar=flag.strip("-").upper().replace("-", "_"))
@@ -95,9 +102,13 @@ def run(args) -> int:
         placement_of(cfg)
     state = StateDir(cfg.resolved_state_dir()).ensure()
     structlog.contextvars.bind_contextvars(node=state.node_id())
-    if args.token:
+    if args.token and not args.setup_only:
         check_can_listen(cfg)  # an invite token is single-use: never spend it on a daemon that cannot start
     prepare_home(state, cfg, new_home=args.new_home, token=args.token)
+    if args.setup_only:
+        log.get_logger("meshd.join").info("setup_done", home=state.home().name, state_dir=str(state.root),
+                                          next="start the daemon: systemctl enable --now meshd, or meshd join")
+        return 0
     from meshd.daemon import Daemon
 
     return asyncio.run(Daemon(cfg).run())

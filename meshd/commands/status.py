@@ -1,6 +1,8 @@
 """``meshd status``: who is in the mesh, what each device runs, how fast it goes.
 
-Reads ``GET /v1/mesh/status`` from the local daemon. The renderer is a pure
+Reads ``GET /v1/mesh/status`` from the local daemon, found by ``--socket``, or
+by the socket its state directory records (``--state-dir`` or ``$MESHD_HOME``:
+the same directory every other command is given). The renderer is a pure
 function of the status dict and tolerates missing keys, because the daemon's
 status grows over time and an old CLI must still print a new daemon's status.
 """
@@ -8,12 +10,15 @@ status grows over time and an old CLI must still print a new daemon's status.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from meshd.client import MeshdClient
 from meshd.errors import MeshdError
+from meshd.paths import STATE_DIR_HELP
 
 DASH = "-"
 
@@ -25,14 +30,41 @@ def register(subparsers) -> None:
     )
     p.add_argument("--socket", help="daemon socket (default: $MESHD_SOCKET, $RUNTIME_DIRECTORY, "
                                     "$XDG_RUNTIME_DIR/meshd/meshd.sock)")
+    p.add_argument("--state-dir", default=None,
+                   help=f"find the daemon by the socket it records in its {STATE_DIR_HELP}")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until Ctrl-C")
     p.set_defaults(func=run)
 
 
+def daemon_socket(socket: str | None, state_dir: str | None, env=None) -> Path | None:
+    """The socket to ask: ``--socket``; else the one the daemon of ``--state-dir`` records in its
+    ``daemon.json`` (an error if that directory holds no home or no running daemon); else, with
+    ``$MESHD_HOME`` set and no ``$MESHD_SOCKET``, the one recorded there if any; else None (the
+    default path, ``meshd.paths``)."""
+    from meshd.state import RUNTIME_FILE, StateDir
+
+    env = os.environ if env is None else env
+    if socket:
+        return Path(socket).expanduser()
+    if state_dir:
+        state = StateDir.of_home(Path(state_dir).expanduser())
+    elif env.get("MESHD_HOME") and not env.get("MESHD_SOCKET"):
+        state = StateDir(Path(env["MESHD_HOME"]).expanduser())
+    else:
+        return None
+    try:
+        return Path(json.loads((state.root / RUNTIME_FILE).read_text())["socket"])
+    except (OSError, ValueError, KeyError, TypeError):
+        if state_dir:
+            raise MeshdError(f"no meshd daemon is running with state directory {state.root} "
+                             f"(no readable {RUNTIME_FILE}); start it, or pass --socket") from None
+        return None
+
+
 def run(args) -> int:
-    client = MeshdClient(args.socket, timeout=10.0)
+    client = MeshdClient(daemon_socket(args.socket, args.state_dir), timeout=10.0)
     if args.watch is None:
         print(_show(client.status(), args.json))
         return 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.share.store import ModelCache
+from meshd.state import RUNTIME_FILE
 
 
 def state_dir(explicit: str | None) -> Path:
@@ -37,7 +38,7 @@ def in_use(state: Path) -> tuple[set[str], str]:
     from meshd.errors import MeshdError
 
     try:
-        runtime = json.loads((state / "daemon.json").read_text())
+        runtime = json.loads((state / RUNTIME_FILE).read_text())
     except (OSError, ValueError):
         return set(), "no daemon runs on this state dir"
     try:
