@@ -34,8 +34,8 @@ def test_status_table_has_one_row_per_device_then_plan_and_performance(server, c
     header = next(i for i, line in enumerate(lines) if line.startswith("NAME"))
     assert lines[header].split() == ["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "KV", "TOKENS",
                                      "UPTIME", "VERSION", "MODEL", "LAST", "SEEN", "RTT"]
-    assert lines[header + 1].split()[:7] == ["desk-pc", "*", "active", "192.168.1.10:7400", "6.0", "GiB", "0-17"]
-    assert lines[header + 2].split()[:6] == ["kitchen-pi", "joining", "192.168.1.20:7400", "1.5", "GiB", "18-29"]
+    assert lines[header + 1].split()[:7] == ["desk-pc", "*", "active", "192.168.1.10:7400", "6.0", "GiB", "[0,18)"]
+    assert lines[header + 2].split()[:6] == ["kitchen-pi", "joining", "192.168.1.20:7400", "1.5", "GiB", "[18,30)"]
     assert "3s ago" in lines[header + 2]
     assert lines[0] == "meshd - home smith-home, this node desk-pc (n-abc123), serving"
     assert "plan v3, 2 stages, predicted bottleneck: 0.04 s, leader n-abc123" in out
@@ -88,7 +88,7 @@ def test_status_renders_whatever_keys_are_missing_or_odd(status):
 
 def test_render_handles_partial_members():
     text = render_status({"members": [{"name": "x", "layers": [[0, 4], [8, 12]]}]})
-    assert "0-3,8-11" in text
+    assert "[0,4),[8,12)" in text
 
 
 def test_chat_streams_the_answer_to_stdout_and_a_summary_to_stderr(server, capsys, engine):

@@ -19,9 +19,9 @@ def test_status_shows_holdings_fetch_progress_waiting_members_and_shunned_peers(
         },
     }
     text = render_status(s)
-    assert "model sharing: holds layers 10-19 + token_embd.weight (31% of the file); fetching layers 10-19: 45%" in text
+    assert "model sharing: holds layers [10,20) + token_embd.weight (31% of the file); fetching layers [10,20): 45%" in text
     assert "95.2 Mbit/s, 1.2 s left" in text and "lent 2.9 MiB to others" in text
-    assert "plan waits for jetson (layers 20-29): fetching layers 20-29: 50% (1.0 MiB / 2.0 MiB)" in text
+    assert "plan waits for jetson (layers [20,30)): fetching layers [20,30): 50% (1.0 MiB / 2.0 MiB)" in text
     assert "not asking cc for pieces: sent piece 7" in text
 
 

@@ -154,7 +154,7 @@ def run(args) -> int:
                               "plan_version": status["plan"]["version"]}))
         else:
             # half-open, as --json and `meshd status --json` write them
-            where = ", ".join(f"{d['device']} layers [{d['layers'][0]}, {d['layers'][1]})" for d in devices)
+            where = ", ".join(f"{d['device']} layers [{d['layers'][0]},{d['layers'][1]})" for d in devices)
             print(f"\n\n[{tokens} tokens | TTFT {ttft * 1000:.0f} ms | {tps:.1f} tokens/s | {where}]")
             if args.model is None:
                 print(WEAK_MODEL_NOTE, file=sys.stderr)

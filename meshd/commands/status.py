@@ -35,7 +35,41 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until Ctrl-C")
+    p.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                   help="first wait, up to SECONDS, until the daemon answers (for scripts that start "
+                        "one in the background); exit 1 if it does not")
+    p.add_argument("--ready", action="store_true",
+                   help="with --wait: until it is also ready to serve requests (what systemd's READY=1 "
+                        "means: model loaded, a plan warm)")
+    p.add_argument("--stages", type=int, default=None, metavar="N",
+                   help="with --wait: until the plan also gives layers to at least N devices")
     p.set_defaults(func=run)
+
+
+def wait_for_daemon(client: MeshdClient, timeout_s: float, ready: bool = False, stages: int = 0,
+                    interval_s: float = 0.25) -> dict[str, Any]:
+    """The daemon's status once it answers (with ``ready``: once it says it is ready to serve;
+    with ``stages``: once its plan gives layers to that many devices); a MeshdError naming what it
+    still waits for, or why it cannot be asked, when ``timeout_s`` passes first. Lets a script
+    start daemons in the background and go on when they can answer, without guessing a sleep."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while True:
+        try:
+            status = client.status()
+            plan = status.get("plan") or {}
+            spans = len(plan.get("stages") or [])
+            if (status.get("ready") or not ready) and spans >= stages:
+                return status
+            last = (f"model {status.get('load_state', '?')}, "
+                    + (f"plan v{plan.get('version')} over {spans} device(s)"
+                       + ("" if status.get("ready") else ", not warm yet") if plan else "no plan yet"))
+        except MeshdError as exc:  # not listening yet: it may still be starting
+            last = str(exc)
+        if time.monotonic() >= deadline:
+            want = "answering" + (", ready" if ready else "") + (f", over {stages} devices" if stages else "")
+            raise MeshdError(f"the daemon is not yet {want} after {timeout_s:g} s ({last})")
+        time.sleep(interval_s)
 
 
 def daemon_socket(socket: str | None, state_dir: str | None, env=None) -> Path | None:
@@ -65,6 +99,10 @@ def daemon_socket(socket: str | None, state_dir: str | None, env=None) -> Path |
 
 def run(args) -> int:
     client = MeshdClient(daemon_socket(args.socket, args.state_dir), timeout=10.0)
+    if (args.ready or args.stages) and args.wait is None:
+        raise MeshdError("--ready and --stages go with --wait SECONDS (how long to wait)")
+    if args.wait is not None:
+        wait_for_daemon(client, args.wait, ready=args.ready, stages=args.stages or 0)
     if args.watch is None:
         print(_show(client.status(), args.json))
         return 0
@@ -235,14 +273,16 @@ def _bytes(v: Any) -> str:
 
 
 def _layers(v: Any) -> str:
-    """Half-open ``[first, end)`` pairs print as ``first-(end-1)``; several ranges join with commas."""
+    """Half-open ``[first, end)`` pairs print as ``[first,end)``, as ``--json``, the plan and the demo
+    write them (an inclusive ``first-(end-1)`` beside a JSON ``[first, end]`` read as two different
+    splits); several ranges join with commas."""
     if v is None or v == [] or v == "":
         return DASH
     if isinstance(v, dict):
         v = [v.get("first"), v.get("end", v.get("last"))]
     if isinstance(v, (list, tuple)):
         if len(v) == 2 and all(isinstance(x, int) for x in v):
-            return f"{v[0]}-{v[1] - 1}" if v[1] > v[0] else DASH
+            return f"[{v[0]},{v[1]})" if v[1] > v[0] else DASH
         if all(isinstance(x, (list, tuple, dict)) for x in v):
             return ",".join(_layers(x) for x in v)
     return str(v)
