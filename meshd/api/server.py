@@ -311,7 +311,14 @@ async def _mesh_status(request: web.Request) -> web.Response:
             recent[k] = v
     status["recent"] = recent
     status.setdefault("api", dict(request.app[LISTENING]))
+    if not _on_unix_socket(request):  # file paths are for this machine's users only
+        status["api"] = {k: v for k, v in status["api"].items() if k != "socket"}
     return web.json_response(status)
+
+
+def _on_unix_socket(request: web.Request) -> bool:
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return isinstance(sockname, str)
 
 
 async def _health(request: web.Request) -> web.Response:
