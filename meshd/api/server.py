@@ -567,7 +567,20 @@ def _bind_tcp(host: str, port: int, spec: str, flag: str = "--api-listen") -> so
     try:
         return socket.create_server((host, port), family=family)
     except OSError as exc:
-        raise ApiStartError(f"cannot listen on {spec} ({flag}): {exc.strerror or exc}") from exc
+        raise ApiStartError(f"cannot listen on {spec} ({flag}): {bind_error(exc, flag, port)}") from exc
+
+
+OLLAMA_PORT = 11434
+
+
+def bind_error(exc: OSError, flag: str, port: int) -> str:
+    """Why an API port cannot be bound, and what to change: the API's own flag, not other ports."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    if exc.errno != errno.EADDRINUSE:
+        return reason
+    who = (" (an Ollama server listens there by default: stop it, e.g. 'systemctl stop ollama')"
+           if port == OLLAMA_PORT else "")
+    return f"{reason}: another program listens on that port{who}; stop it or give {flag} another port"
 
 
 async def start_api(

@@ -126,7 +126,7 @@ def check_can_listen(cfg) -> None:
     import errno
     import socket
 
-    from meshd.api.server import parse_listen
+    from meshd.api.server import bind_error, parse_listen
 
     wanted = [(cfg.listen, cfg.port, "--port"), (cfg.listen, cfg.pairing_port, "--pairing-port")]
     for spec, flag in ((cfg.api_listen, "--api-listen"), (cfg.http, "--http")):
@@ -140,8 +140,12 @@ def check_can_listen(cfg) -> None:
         try:
             socket.create_server((host, port), family=family).close()
         except OSError as exc:
-            hint = f"; {SECOND_DAEMON_HINT}" if exc.errno == errno.EADDRINUSE else ""
-            raise MeshdError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}{hint}; "
+            if flag in ("--api-listen", "--http"):
+                why = bind_error(exc, flag, port)
+            else:
+                hint = f"; {SECOND_DAEMON_HINT}" if exc.errno == errno.EADDRINUSE else ""
+                why = f"{os.strerror(exc.errno) if exc.errno else exc}{hint}"
+            raise MeshdError(f"cannot listen on {host}:{port} ({flag}): {why}; "
                              f"the invite token was not used") from None
     path = cfg.resolved_socket()
     if path.exists():
