@@ -2,7 +2,7 @@
 
 One ``meshd join`` process serves the embedded model with ``--require-keys`` on two loopback TCP
 listeners (``--api-listen``, ``--http``), the way a user tries Home Assistant's key on the daemon's
-own machine. Its Medusa heads are configured to a file in its state directory that does not exist,
+own machine, and one alias (``--model-aliases llama3.2:1b``). Its Medusa heads are configured to a file in its state directory that does not exist,
 so speculation falls back for a reason that quotes a path: the reason goes to the log, not to clients.
 """
 
@@ -34,7 +34,8 @@ def daemon():
     try:
         missing_heads = mesh.root / "solo" / "state" / "medusa-heads.safetensors"
         d = mesh.spawn("solo", "--model", str(model_store.default_model_path()), "--api-listen", "127.0.0.1:0",
-                       "--http", "127.0.0.1:0", "--require-keys", new_home="honest",
+                       "--http", "127.0.0.1:0", "--require-keys", "--model-aliases", "llama3.2:1b",
+                       new_home="honest",
                        env={"MESHD_MEDUSA_HEADS": str(missing_heads)})
         wait_for(lambda: d.status().get("ready"), 180, what="the daemon to serve its model")
         rc, out = run_cli("apikey", "create", "ha", "--state-dir", str(d.state_dir), "--json")
@@ -127,8 +128,9 @@ def test_unknown_models_are_not_found_for_the_ollama_client_and_the_openai_sdk(d
         o.pull("llama3.2:3b")
     assert "file does not exist" in info.value.error
     served = daemon.status()["model"]
-    assert [m.model for m in o.list().models] == [f"{served}:latest"]
+    assert [m.model for m in o.list().models] == [f"{served}:latest", "llama3.2:1b"]
     assert o.pull(served).status == "success"
+    assert o.chat(model="llama3.2:1b", messages=HI, stream=False, options={"num_predict": 2}).model == "llama3.2:1b"
     sdk = openai.OpenAI(base_url=f"http://{daemon.api['tcp']}/v1", api_key=daemon.key, max_retries=0)
     with pytest.raises(openai.NotFoundError) as err:
         sdk.chat.completions.create(model="gpt-4o-mini", messages=HI, max_tokens=4)
