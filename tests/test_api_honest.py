@@ -8,35 +8,19 @@ real daemon with the real model are in ``tests/test_api_honest_daemon.py``.
 
 from __future__ import annotations
 
-import httpx
 import ollama
 import openai
 import pytest
 
 from meshd.config import load_config
+from tests.test_api_hostile_input import http as raw
+from tests.test_api_hostile_input import sdk as openai_client
+from tests.test_api_ollama import client as ollama_client
+from tests.test_api_ollama import srv  # noqa: F401 - a fixture
 from tests.test_api_support import REPLY, FakeEngine, ServerThread
 
 HI = [{"role": "user", "content": "hi"}]
 NOT_FOUND = 'model "llama3.2:3b" not found, try pulling it first'  # Ollama's own words
-
-
-@pytest.fixture
-def srv():
-    with ServerThread(FakeEngine()) as s:
-        yield s
-
-
-def ollama_client(s: ServerThread) -> ollama.Client:
-    return ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(s.socket_path)))
-
-
-def openai_client(s: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://localhost/v1", api_key="-", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(s.socket_path))))
-
-
-def raw(s: ServerThread) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(s.socket_path)), base_url="http://localhost")
 
 
 # --------------------------------------------------------------------------- unknown names
