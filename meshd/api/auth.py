@@ -8,9 +8,9 @@ with curl on the daemon's own machine, and other local users need a key too.
 The unix socket never asks (its file mode is its guard; ``meshd status`` and
 ``meshd chat`` use it). A listener on any other address (``meshd join --http
 0.0.0.0:11434``) can be reached by every device on the LAN: each request there
-must carry
-``Authorization: Bearer <key>`` with a key from ``meshd apikey create``
-(Home Assistant's Ollama and OpenAI integrations send exactly that header).
+must carry ``Authorization: Bearer <key>`` with a key from ``meshd apikey
+create`` (Home Assistant's Ollama and OpenAI integrations send exactly that
+header).
 
 The policy is per listener, not per client address: a request that reaches
 the LAN port from this machine (a reverse proxy, an SSH tunnel) still needs

@@ -31,7 +31,7 @@ ANY = "*"
 GENERIC = "meshd"  # "the model this home serves", whichever it is
 
 
-def _key(name: str) -> str:
+def name_key(name: str) -> str:
     """How names compare: no case, no surrounding space, ``:latest`` implied."""
     return name.strip().lower().removesuffix(":latest")
 
@@ -57,28 +57,30 @@ class ModelNames:
 
     def listed(self, served: str) -> list[str]:
         """Names to list as models: the served one, then each explicit alias once."""
-        out, seen = [served], {_key(served)}
+        out, seen = [served], {name_key(served)}
         for a in self.aliases:
-            if a != ANY and _key(a) not in seen:
-                seen.add(_key(a))
+            if a != ANY and name_key(a) not in seen:
+                seen.add(name_key(a))
                 out.append(a)
         return out
 
     def is_alias(self, served: str, asked: str | None) -> bool:
         """Whether ``asked`` reaches the served model only through an alias."""
-        if not asked or not asked.strip() or _key(asked) in (_key(served), GENERIC):
-            return False
-        return self.any_name or _key(asked) in {_key(a) for a in self.aliases}
+        return not _names_served(served, asked) and (
+            self.any_name or name_key(asked or "") in {name_key(a) for a in self.aliases})
 
     def known(self, served: str, asked: str | None) -> bool:
-        if not asked or not asked.strip() or _key(asked) in (_key(served), GENERIC):
-            return True
-        return self.is_alias(served, asked)
+        return _names_served(served, asked) or self.is_alias(served, asked)
 
     def check(self, served: str, asked: str | None, *, ollama: bool) -> None:
         """Raise the dialect's 404 when ``asked`` is neither the served model nor an alias."""
         if not self.known(served, asked):
             raise not_found(asked or "", served, ollama=ollama)
+
+
+def _names_served(served: str, asked: str | None) -> bool:
+    """No name, the served model's own, or ``meshd``."""
+    return not asked or not asked.strip() or name_key(asked) in (name_key(served), GENERIC)
 
 
 def not_found(asked: str, served: str, *, ollama: bool) -> RequestError:

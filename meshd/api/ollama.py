@@ -54,6 +54,7 @@ from meshd.api.common import (
     ENGINE, MODEL_INFO, NAMES, await_engine, chat_prompt, generation_request, log, public_usage,
     read_json, served_model, constrain_tool_calls, tracked, vocab_size,
 )
+from meshd.api.names import name_key
 from meshd.api.names import tagged as _tagged
 from meshd.api.validation import validate
 from meshd.engine import Engine, EngineError, TokenEvent
@@ -381,9 +382,8 @@ async def _pull(request: web.Request) -> web.StreamResponse:
         if body.stream:
             return await _ndjson(request, [{"status": "success"}])
         return web.json_response({"status": "success"})
-    name = body.target.strip()
-    if name.lower().removesuffix(":latest") in model_store.CATALOG:
-        wanted = name.lower().removesuffix(":latest")
+    name, wanted = body.target.strip(), name_key(body.target)
+    if wanted in model_store.CATALOG:
         message = (f"{wanted} is not the model this home serves ({served}), and a pull through the API "
                    f"cannot change that: every member holds the home's one model. To serve {wanted}, run "
                    f"'meshd model pull {wanted}' on each member and restart them with --model {wanted}")
