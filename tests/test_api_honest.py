@@ -168,3 +168,16 @@ def test_show_names_the_model_not_its_file():
     with ServerThread(engine) as s:
         shown = ollama_client(s).show("fake-model")
     assert "/home/someone" not in shown.modelfile and "FROM fake-model" in shown.modelfile
+
+
+def test_a_draft_model_that_cannot_be_opened_is_named_by_file_not_by_path(tmp_path):
+    """Its error becomes a request's 400 (speculative drafter "draft_model"): no directories in it."""
+    from types import SimpleNamespace
+
+    from decoding.errors import DrafterError
+    from meshd.drafting import DraftModels
+
+    drafts = DraftModels(str(tmp_path / "models" / "small.gguf"), SimpleNamespace(tokenizer=None))
+    with pytest.raises(DrafterError) as info:
+        drafts()
+    assert "small.gguf" in str(info.value) and str(tmp_path) not in str(info.value)
