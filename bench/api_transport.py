@@ -103,9 +103,9 @@ def main() -> None:
                             {"Authorization": f"Bearer {key}"}),
         }
         bodies = {
-            "/api/chat": {"model": "m", "messages": MESSAGES, "stream": True,
+            "/api/chat": {"model": "meshd", "messages": MESSAGES, "stream": True,
                           "options": {"temperature": 0, "num_predict": 8}},
-            "/v1/chat/completions": {"model": "m", "messages": MESSAGES, "stream": True,
+            "/v1/chat/completions": {"model": "meshd", "messages": MESSAGES, "stream": True,
                                      "temperature": 0, "max_tokens": 8},
         }
         for path, body in bodies.items():  # warm-up
@@ -138,7 +138,7 @@ def main() -> None:
                                          "ratio_to_unix": round(pmed[n] / pmed["unix"], 3)} for n in names}
         # Constrained decoding end to end: per-token time after the first, with and without a schema.
         c, h = targets["unix"]
-        plain = {"model": "m", "messages": MESSAGES, "stream": True, "temperature": 0, "max_tokens": 24,
+        plain = {"model": "meshd", "messages": MESSAGES, "stream": True, "temperature": 0, "max_tokens": 24,
                  "frequency_penalty": 0.0}
         constrained = dict(plain, response_format={"type": "json_schema",
                                                    "json_schema": {"name": "c", "schema": SCHEMA}})

@@ -79,6 +79,12 @@ class Config:
     http: str | None = None  # the API on TCP for the LAN, "0.0.0.0:11434"; off loopback it needs API keys
     tls_cert: Path | None = None  # PEM certificate chain: --http speaks HTTPS
     tls_key: Path | None = None  # PEM private key for tls_cert
+    require_keys: bool = False  # every TCP listener needs an API key, loopback ones too (not the unix socket)
+    # Other names requests may give the served model (Ollama's "llama3.2:3b", OpenAI's "gpt-4o-mini"): unknown
+    # names get a 404 (Ollama's "model not found", OpenAI's model_not_found) unless listed here; "*" accepts any.
+    # Listed in /v1/models and /api/tags; Ollama replies echo the alias asked, OpenAI replies the served model.
+    model_aliases: list[str] = field(default_factory=list)
+    debug_responses: bool = False  # replies carry internal notes (why speculation fell back; may quote paths)
     engine: str | None = None  # "module:factory" returning the Engine (seam for the pipeline)
     log_format: str = "auto"  # auto: journald under systemd, console on a terminal, json otherwise
     log_level: str = "info"
@@ -122,6 +128,9 @@ class Config:
         self.wire_dtype = str(self.wire_dtype).strip().lower()
         if self.wire_dtype not in _DTYPE_NAMES[1:]:
             raise ConfigError(f"wire_dtype must be {', '.join(_DTYPE_NAMES[1:])}, got {self.wire_dtype!r}")
+        self.model_aliases = [str(a).strip() for a in self.model_aliases if str(a).strip()]
+        if any(len(a) > 512 for a in self.model_aliases):
+            raise ConfigError("model_aliases: a model name is at most 512 characters")
         self.self_profile = str(self.self_profile).strip().lower()
         if self.self_profile not in ("quick", "off"):
             raise ConfigError(f"self_profile must be quick or off, got {self.self_profile!r}")

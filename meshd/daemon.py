@@ -325,7 +325,8 @@ class Daemon:
 
         self.api_app = create_app(self.engine, self.status, engine_wait_s=cfg.request_wait_s,
                                   engine_loading=lambda: self.load_state in ("loading", "fetching"),
-                                  api_keys=ApiKeyStore(self.state.root))
+                                  api_keys=ApiKeyStore(self.state.root), model_aliases=cfg.model_aliases,
+                                  debug_responses=cfg.debug_responses, require_keys=cfg.require_keys)
         self.api_runner = await start_api(self.api_app, self.socket_path, cfg.api_listen,
                                           http=cfg.http, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
         if engine is None and cfg.model_enabled and not cfg.engine:

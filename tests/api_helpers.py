@@ -25,10 +25,10 @@ class KeyedServer(ServerThread):
     """The API on a unix socket plus ``--http 0.0.0.0:0`` (a LAN listener: keys required)."""
 
     def __init__(self, engine, *, http: str = "0.0.0.0:0", listen: str | None = None,
-                 tls: tuple[Path, Path] | None = None, status: dict | None = None):
+                 tls: tuple[Path, Path] | None = None, status: dict | None = None, **app_options):
         super().__init__(engine, status=status, listen=listen)
         self.keys = ApiKeyStore(Path(tempfile.mkdtemp(prefix="meshd-keys-", dir=str(self.dir))))
-        self.app = create_app(engine, lambda: self.status, api_keys=self.keys)
+        self.app = create_app(engine, lambda: self.status, api_keys=self.keys, **app_options)
         self.http, self.tls = http, tls
 
     def __enter__(self) -> KeyedServer:

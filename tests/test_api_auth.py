@@ -1,4 +1,4 @@
-"""The LAN listener: every request needs an API key; the unix socket and loopback do not.
+"""The LAN listener: every request needs an API key; the socket and loopback do not (unless --require-keys).
 
 Real clients: curl through the unix socket and through TCP (with and without
 a key), the ``openai`` SDK and the ``ollama`` client with their usual key
@@ -17,12 +17,12 @@ import openai
 import pytest
 
 from meshd.api.auth import FailureLimiter
-from meshd.api.common import AUTH
+from meshd.api.common import AUTH, LISTENING
 from meshd.api.server import ApiStartError, parse_listen
 from tests.api_helpers import KeyedServer
 from tests.test_api_support import REPLY, FakeEngine
 
-BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 needs_curl = pytest.mark.skipif(not shutil.which("curl"), reason="curl is not installed")
 
 
@@ -81,9 +81,9 @@ def test_the_openai_sdk_uses_its_api_key_option(srv):
 
 def test_the_ollama_client_sends_the_key_as_a_header(srv):
     good = ollama.Client(host=srv.url, headers={"Authorization": f"Bearer {srv.key}"})
-    assert good.chat(model="m", messages=BODY["messages"], stream=False).message.content == REPLY
+    assert good.chat(model="fake-model", messages=BODY["messages"], stream=False).message.content == REPLY
     with pytest.raises(ollama.ResponseError) as info:
-        ollama.Client(host=srv.url).chat(model="m", messages=BODY["messages"])
+        ollama.Client(host=srv.url).chat(model="fake-model", messages=BODY["messages"])
     assert info.value.status_code == 401
 
 
@@ -114,6 +114,26 @@ def test_stored_keys_are_hashes_only(srv):
 def test_a_loopback_http_listener_needs_no_key():
     with KeyedServer(FakeEngine(), http="127.0.0.1:0") as s:
         assert httpx.get(f"{s.url}/v1/models").status_code == 200
+
+
+@needs_curl
+def test_require_keys_asks_for_the_key_on_loopback_too_but_not_on_the_socket():
+    """So a user can try the key Home Assistant will send, with curl on the daemon's own machine."""
+    with KeyedServer(FakeEngine(), http="127.0.0.1:0", listen="127.0.0.1:0", require_keys=True) as s:
+        key = s.keys.create("ha")
+        tcp = f"http://{s.app[LISTENING]['tcp']}"
+        for url in (s.url, tcp):
+            assert httpx.get(f"{url}/v1/models").status_code == 401
+            code, body = curl("-H", f"Authorization: Bearer {key}", "-H", "Content-Type: application/json",
+                              "-d", json.dumps(BODY), f"{url}/v1/chat/completions")
+            assert code == 200 and body["choices"][0]["message"]["content"] == REPLY
+            assert httpx.get(f"{url}/health").status_code == 200  # probes stay public
+        with pytest.raises(ollama.ResponseError) as info:
+            ollama.Client(host=s.url).chat(model="fake-model", messages=BODY["messages"])
+        assert info.value.status_code == 401
+        assert s.app[LISTENING]["http_auth"] == "api key" and s.app[LISTENING]["tcp_auth"] == "api key"
+        code, body = curl("--unix-socket", str(s.socket_path), "http://localhost/v1/models")
+        assert code == 200 and body["data"][0]["id"] == "fake-model"
 
 
 def test_listen_errors_name_the_flag_given():

@@ -39,7 +39,7 @@ def test_daemon_serves_ollama_and_openai_on_its_lan_listener_with_a_key(mesh):
     key = json.loads(out.strip().splitlines()[-1])["key"]
     client = ollama.Client(host=url, headers={"Authorization": f"Bearer {key}"})
     assert [m.model for m in client.list().models] == ["fake-model:latest"]
-    assert client.chat(model="x", messages=[{"role": "user", "content": "hi"}], stream=False,
+    assert client.chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False,
                        options={"temperature": 0}).message.content == REPLY
 
     health = httpx.get(f"{url}/health")

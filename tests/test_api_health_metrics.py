@@ -56,9 +56,9 @@ def test_metrics_parse_and_count_requests_tokens_and_latency():
         client = openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0,
                                http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path))))
         for _ in range(2):
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
         with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], seed=2**70)
+            client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], seed=2**70)
         m = metrics(srv)
     ok = (("api", "openai"), ("endpoint", "/v1/chat/completions"), ("outcome", "ok"))
     assert m["meshd_requests_total"][ok] == 2
@@ -100,7 +100,7 @@ def test_queue_depth_counts_requests_waiting_for_their_first_token():
         client = openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0,
                                http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path))))
         t = threading.Thread(target=lambda: client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}]))
+            model="fake-model", messages=[{"role": "user", "content": "hi"}]))
         t.start()
         from tests.test_api_support import wait_until
 

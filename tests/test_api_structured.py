@@ -45,7 +45,7 @@ def smol():
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_json_schema_answers_always_parse_and_validate(smol, seed):
     r = sdk(smol).chat.completions.create(
-        model="m", messages=ASK, temperature=1.0, seed=seed, max_tokens=200,
+        model="meshd", messages=ASK, temperature=1.0, seed=seed, max_tokens=200,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
     assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
@@ -55,7 +55,7 @@ def test_json_schema_answers_always_parse_and_validate(smol, seed):
 def test_json_object_answers_are_objects_also_when_streamed(smol):
     """(The frequency penalty keeps the 135M model from repeating one key until max_tokens.)"""
     chunks = list(sdk(smol).chat.completions.create(
-        model="m", messages=ASK, temperature=0, max_tokens=400, stream=True, frequency_penalty=1.0,
+        model="meshd", messages=ASK, temperature=0, max_tokens=400, stream=True, frequency_penalty=1.0,
         response_format={"type": "json_object"}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "stop", text  # only a cut-off answer may not parse
@@ -65,10 +65,10 @@ def test_json_object_answers_are_objects_also_when_streamed(smol):
 @pytest.mark.slow
 def test_ollama_format_takes_a_schema_or_json(smol):
     c = ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(smol.socket_path)))
-    r = c.chat(model="m", messages=ASK, format=SCHEMA, options={"seed": 4, "num_predict": 300})
+    r = c.chat(model="meshd", messages=ASK, format=SCHEMA, options={"seed": 4, "num_predict": 300})
     assert r.done_reason == "stop", r.message.content
     jsonschema.validate(json.loads(r.message.content), SCHEMA)
-    g = c.generate(model="m", prompt="List two colours as JSON.", format="json",
+    g = c.generate(model="meshd", prompt="List two colours as JSON.", format="json",
                    options={"temperature": 0, "num_predict": 300, "repeat_penalty": 1.3})
     assert g.done_reason == "stop", g.response  # only a cut-off answer may not parse
     assert isinstance(json.loads(g.response), dict)
@@ -77,7 +77,7 @@ def test_ollama_format_takes_a_schema_or_json(smol):
 @pytest.mark.slow
 def test_a_bad_schema_is_a_400_before_any_generation(smol):
     with pytest.raises(openai.BadRequestError) as info:
-        sdk(smol).chat.completions.create(model="m", messages=ASK, response_format={
+        sdk(smol).chat.completions.create(model="meshd", messages=ASK, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     assert info.value.body["param"] == "response_format.json_schema.schema"
     assert info.value.body["code"] == "invalid_schema"
@@ -86,7 +86,7 @@ def test_a_bad_schema_is_a_400_before_any_generation(smol):
 def test_engines_that_cannot_constrain_refuse_instead_of_ignoring():
     with ServerThread(FakeEngine()) as srv:
         with pytest.raises(openai.BadRequestError) as info:
-            sdk(srv).chat.completions.create(model="m", messages=ASK, response_format={"type": "json_object"})
+            sdk(srv).chat.completions.create(model="meshd", messages=ASK, response_format={"type": "json_object"})
         assert "structured output is not supported" in info.value.body["message"]
         assert info.value.body["param"] == "response_format"
 

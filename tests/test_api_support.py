@@ -110,7 +110,8 @@ class ServerThread:
     """
 
     def __init__(self, engine: Engine | None, status: dict | None = None, listen: str | None = None,
-                 limits: ApiLimits | None = None):
+                 limits: ApiLimits | None = None, **app_options):
+        """``app_options`` go to ``create_app`` (``model_aliases``, ``debug_responses``...)."""
         self.engine = engine
         self.status = dict(STATUS if status is None else status)
         self.listen = listen
@@ -118,7 +119,7 @@ class ServerThread:
         self.dir = Path(tempfile.mkdtemp(prefix="meshd-api-", dir="/tmp"))
         self.socket_path = self.dir / "run" / "meshd.sock"
         self.loop = asyncio.new_event_loop()
-        self.app = create_app(engine, lambda: self.status, limits=limits)
+        self.app = create_app(engine, lambda: self.status, limits=limits, **app_options)
         self.runner = None
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 

@@ -48,7 +48,7 @@ def smol():
 @pytest.mark.slow
 def test_a_tool_call_comes_back_with_finish_reason_tool_calls_then_the_result_is_used(qwen):
     c = sdk(qwen)
-    r = c.chat.completions.create(model="anything", messages=ASK, tools=WEATHER, temperature=0)
+    r = c.chat.completions.create(model="meshd", messages=ASK, tools=WEATHER, temperature=0)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message.content
     call = choice.message.tool_calls[0]
@@ -57,7 +57,7 @@ def test_a_tool_call_comes_back_with_finish_reason_tool_calls_then_the_result_is
 
     history = [*ASK, choice.message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "sunny"})}]
-    r2 = c.chat.completions.create(model="anything", messages=history, tools=WEATHER, temperature=0)
+    r2 = c.chat.completions.create(model="meshd", messages=history, tools=WEATHER, temperature=0)
     # What the model makes of the result is the model's business (the 0.5B calls again; the
     # 1.5B answers, bench/ha_commands.py); that it comes back well formed is ours.
     again = r2.choices[0].message.tool_calls or []
@@ -70,7 +70,7 @@ def test_a_tool_call_comes_back_with_finish_reason_tool_calls_then_the_result_is
 
 @pytest.mark.slow
 def test_streamed_tool_calls_arrive_as_deltas_not_as_text(qwen):
-    chunks = list(sdk(qwen).chat.completions.create(model="m", messages=ASK, tools=WEATHER,
+    chunks = list(sdk(qwen).chat.completions.create(model="meshd", messages=ASK, tools=WEATHER,
                                                      temperature=0, stream=True))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
@@ -83,7 +83,7 @@ def test_streamed_tool_calls_arrive_as_deltas_not_as_text(qwen):
 def test_tool_choice_naming_a_function_forces_a_valid_call(qwen):
     """A forced call is constrained decoding of the call object: it always parses and fits."""
     r = sdk(qwen).chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Tell me a joke."}], tools=WEATHER,
+        model="meshd", messages=[{"role": "user", "content": "Tell me a joke."}], tools=WEATHER,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=1.0, seed=3)
     call = r.choices[0].message.tool_calls[0]
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
@@ -93,21 +93,21 @@ def test_tool_choice_naming_a_function_forces_a_valid_call(qwen):
 @pytest.mark.slow
 def test_tool_choice_required_always_calls_and_a_schema_that_cannot_compile_is_a_400(qwen):
     c = sdk(qwen)
-    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell me a joke."}],
+    r = c.chat.completions.create(model="meshd", messages=[{"role": "user", "content": "Tell me a joke."}],
                                   tools=WEATHER, tool_choice="required", temperature=0)
     assert r.choices[0].finish_reason == "tool_calls"
     assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["city"]
     broken = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "pattern": "(unclosed"}}}}}]
     with pytest.raises(openai.BadRequestError) as info:
-        c.chat.completions.create(model="m", messages=ASK, tools=broken)
+        c.chat.completions.create(model="meshd", messages=ASK, tools=broken)
     assert info.value.body["param"] == "tools" and info.value.body["code"] == "invalid_schema"
-    assert c.chat.completions.create(model="m", messages=ASK, tools=WEATHER, max_tokens=4).choices  # still serving
+    assert c.chat.completions.create(model="meshd", messages=ASK, tools=WEATHER, max_tokens=4).choices  # still serving
 
 
 @pytest.mark.slow
 def test_tool_choice_none_renders_no_tools(qwen):
-    r = sdk(qwen).chat.completions.create(model="m", messages=ASK, tools=WEATHER, tool_choice="none",
+    r = sdk(qwen).chat.completions.create(model="meshd", messages=ASK, tools=WEATHER, tool_choice="none",
                                           temperature=0, max_tokens=8)
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason in ("stop", "length")
 
@@ -115,7 +115,7 @@ def test_tool_choice_none_renders_no_tools(qwen):
 @pytest.mark.slow
 def test_a_model_whose_template_has_no_tools_is_a_clear_400(smol):
     with pytest.raises(openai.BadRequestError) as info:
-        sdk(smol).chat.completions.create(model="m", messages=ASK, tools=WEATHER)
+        sdk(smol).chat.completions.create(model="meshd", messages=ASK, tools=WEATHER)
     assert info.value.body["param"] == "tools" and info.value.body["code"] == "tools_not_supported"
 
 
@@ -128,16 +128,16 @@ def test_bad_tool_definitions_are_a_400_naming_the_field():
                              ([{"type": "retrieval"}], "tools[0]"),
                              ([WEATHER[0], WEATHER[0]], "tools[1].function.name")):
             with pytest.raises(openai.BadRequestError) as info:
-                c.chat.completions.create(model="m", messages=ASK, tools=tools)
+                c.chat.completions.create(model="meshd", messages=ASK, tools=tools)
             assert info.value.body["param"] == param
         with pytest.raises(openai.BadRequestError) as info:
-            c.chat.completions.create(model="m", messages=ASK, tools=WEATHER,
+            c.chat.completions.create(model="meshd", messages=ASK, tools=WEATHER,
                                       tool_choice={"type": "function", "function": {"name": "nope"}})
         assert info.value.body["param"] == "tool_choice"
         bad_history = [*ASK, {"role": "assistant", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{oops"}}]}]
         with pytest.raises(openai.BadRequestError) as info:
-            c.chat.completions.create(model="m", messages=bad_history, tools=WEATHER)
+            c.chat.completions.create(model="meshd", messages=bad_history, tools=WEATHER)
         assert info.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
 
 
@@ -150,8 +150,8 @@ def test_parallel_tool_calls_false_returns_one_call():
         engine.CALL = two
         c = sdk(srv)
         tools = [{"type": "function", "function": {"name": "HassTurnOn", "parameters": {"type": "object"}}}]
-        both = c.chat.completions.create(model="m", messages=ASK, tools=tools)
-        one = c.chat.completions.create(model="m", messages=ASK, tools=tools, parallel_tool_calls=False)
+        both = c.chat.completions.create(model="meshd", messages=ASK, tools=tools)
+        one = c.chat.completions.create(model="meshd", messages=ASK, tools=tools, parallel_tool_calls=False)
     assert len(both.choices[0].message.tool_calls) == 2 and len(one.choices[0].message.tool_calls) == 1
 
 

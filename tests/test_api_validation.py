@@ -302,10 +302,10 @@ def test_any_model_gets_the_apis_400():
 
 def test_the_ollama_api_names_nested_fields_the_same_way(server):  # noqa: F811 - fixture
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(server.socket_path)), base_url="http://localhost") as h:
-        r = h.post("/api/chat", json={"model": "m", "stream": False,
+        r = h.post("/api/chat", json={"model": "fake-model", "stream": False,
                                       "messages": [{"role": "user", "content": "hi"}, {"role": "wizard"}]})
         assert r.status_code == 400 and r.json()["error"].startswith("'messages[1].role' must be one of")
-        r = h.post("/api/chat", json={"model": "m", "messages": HI, "options": {"top_p": 2}})
+        r = h.post("/api/chat", json={"model": "fake-model", "messages": HI, "options": {"top_p": 2}})
         assert r.status_code == 400 and r.json()["error"] == "'options.top_p' must be at most 1 (got 2)"
         ok = h.post(CHAT, json={"messages": [{"role": "user", "content": "hi", "x": 1}], "x_field": 2})
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == REPLY
@@ -326,5 +326,5 @@ def test_a_cloud_budget_on_an_engine_without_a_verifier_is_refused_not_ignored(s
         r = h.post(CHAT, json={"messages": HI, "cloud": 0.5})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cloud"
         assert h.post(CHAT, json={"messages": HI, "cloud": "off"}).status_code == 200
-        r = h.post("/api/chat", json={"model": "m", "stream": False, "messages": HI, "cloud": 1.0})
+        r = h.post("/api/chat", json={"model": "fake-model", "stream": False, "messages": HI, "cloud": 1.0})
         assert r.status_code == 400 and "cloud" in r.json()["error"]

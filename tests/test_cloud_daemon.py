@@ -75,7 +75,7 @@ def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_
         wait_for(lambda: a.status().get("ready"), 120, what="alpha to serve", explain=a.log_tail)
 
         client = _openai_over(a.socket)
-        resp = client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],
+        resp = client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": question}],
                                               max_tokens=24, temperature=0, extra_body={"cloud": 1.0})
         assert resp.choices[0].message.content == want
         usage = resp.usage.model_dump()
@@ -87,7 +87,7 @@ def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_
 
         verifier.send_signal(signal.SIGKILL)  # the cloud vanishes
         verifier.wait(10)
-        resp = client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Say hello."}],
+        resp = client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": "Say hello."}],
                                               max_tokens=16, temperature=0, extra_body={"cloud": 1.0})
         assert resp.choices[0].message.content and resp.choices[0].finish_reason in ("stop", "length")
         usage = resp.usage.model_dump()
@@ -132,7 +132,7 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
         wait_for(lambda: using(b), 60, what="beta to learn the pairing and connect", explain=b.log_tail)
 
         client = _openai_over(b.socket)
-        resp = client.chat.completions.create(model="any", messages=[{"role": "user", "content": question}],
+        resp = client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": question}],
                                               max_tokens=16, temperature=0, extra_body={"cloud": 1.0})
         assert resp.choices[0].message.content == want
         usage = resp.usage.model_dump()["cloud"]
@@ -143,5 +143,5 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
         wait_for(lambda: not cloud_of(a), 60, what="alpha to learn of the unpairing", explain=a.log_tail)
         with pytest.raises(openai.BadRequestError, match="not paired"):
             _openai_over(a.socket).chat.completions.create(
-                model="any", messages=[{"role": "user", "content": question}], max_tokens=4,
+                model="meshd", messages=[{"role": "user", "content": question}], max_tokens=4,
                 extra_body={"cloud": 1.0})

@@ -225,7 +225,7 @@ def test_speculative_decoding_through_two_daemons_changes_nothing_and_is_reporte
     answers = {}
     for spec in ("off", {"drafter": "lookup"}, "auto"):
         resp = client.chat.completions.create(
-            model="any", messages=[{"role": "user", "content": question}], max_tokens=32, temperature=0,
+            model="meshd", messages=[{"role": "user", "content": question}], max_tokens=32, temperature=0,
             extra_body={"speculative": spec})
         answers[json.dumps(spec)] = resp.choices[0].message.content
         usage = resp.usage.model_dump()
@@ -238,10 +238,10 @@ def test_speculative_decoding_through_two_daemons_changes_nothing_and_is_reporte
     stage = a.status()["stage"]
     assert stage["speculative"]["requests"] >= 2
     with pytest.raises(openai.BadRequestError, match="draft model"):
-        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        extra_body={"speculative": {"drafter": "draft_model"}})
     with pytest.raises(openai.BadRequestError, match="speculative"):
-        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        extra_body={"speculative": {"drafter": "magic"}})
     wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
@@ -254,7 +254,7 @@ def test_structured_output_through_two_daemons_always_parses(home):
               "required": ["room", "on"], "additionalProperties": False}
     for seed in (1, 2):
         resp = client.chat.completions.create(
-            model="any", messages=[{"role": "user", "content": "Turn on the kitchen light, as JSON."}],
+            model="meshd", messages=[{"role": "user", "content": "Turn on the kitchen light, as JSON."}],
             max_tokens=48, temperature=1.0, seed=seed,
             response_format={"type": "json_schema", "json_schema": {"name": "light", "schema": schema}})
         obj = json.loads(resp.choices[0].message.content)
@@ -268,12 +268,12 @@ def test_outline_decoding_through_two_daemons_answers_point_by_point_and_is_coun
     _, a, b, _ = home
     client = _openai_over(a.socket)
     stream = client.chat.completions.create(
-        model="any", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
+        model="meshd", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
         max_tokens=120, temperature=0, stream=True, extra_body={"outline": "on"})
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text.startswith("1. ") and "\n2. " in text and text.index("\n2. ") < text.index("\n3. "), text
     code = client.chat.completions.create(
-        model="any", messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
+        model="meshd", messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
         max_tokens=8, temperature=0, extra_body={"outline": "auto"})
     assert not code.choices[0].message.content.startswith("1. ")
     outline = a.status()["stage"]["outline"]

@@ -25,12 +25,34 @@ def test_a_busy_port_is_reported_with_the_flag_and_the_second_daemon_recipe(shor
             check_can_listen(cfg)
         cfg = Config(listen="127.0.0.1", port=0, pairing_port=0, socket=short_tmp / "s.sock",
                      http=f"127.0.0.1:{busy.getsockname()[1]}")
-        with pytest.raises(MeshdError, match=r"\(--http\)") as refused:
+        with pytest.raises(MeshdError, match=r"\(--http\)") as info:
             check_can_listen(cfg)
-        # the hint names the one flag in the way, not the other ports
-        assert "pick another --http port" in str(refused.value) and "--pairing-port" not in str(refused.value)
+        # An API port's clash is about that port: the second-daemon recipe for other ports does not help.
+        assert "give --http another port" in str(info.value) and "--pairing-port" not in str(info.value)
     finally:
         busy.close()
+
+
+def test_an_api_port_in_use_at_start_names_its_own_flag_and_ollamas_port(short_tmp):
+    import asyncio
+    import errno
+
+    from meshd.api.server import ApiStartError, create_app, start_api
+
+    busy = _busy_port()
+    port = busy.getsockname()[1]
+    try:
+        async def start(spec: str):
+            return await start_api(create_app(None), short_tmp / "s.sock", spec)
+
+        with pytest.raises(ApiStartError, match=r"\(--api-listen\): .*give --api-listen another port"):
+            asyncio.run(start(f"127.0.0.1:{port}"))
+    finally:
+        busy.close()
+    from meshd.api.server import bind_error
+
+    in_use = OSError(errno.EADDRINUSE, "Address already in use")
+    assert "Ollama server" in bind_error(in_use, "--http", 11434)
 
 
 def test_a_socket_another_daemon_serves_is_reported(short_tmp):

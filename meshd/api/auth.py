@@ -1,11 +1,16 @@
 """Who may use the API: the unix socket and loopback are trusted, LAN listeners need a key.
 
 The unix socket is guarded by file permissions (mode 0660, the meshd group)
-and a loopback port only reaches this machine, so neither asks for a key. A
-listener on any other address (``meshd join --http 0.0.0.0:11434``) can be
-reached by every device on the LAN: each request there must carry
-``Authorization: Bearer <key>`` with a key from ``meshd apikey create``
-(Home Assistant's Ollama and OpenAI integrations send exactly that header).
+and a loopback port only reaches this machine, so neither asks for a key —
+unless ``require_keys`` (``--require-keys``) says every TCP listener, loopback
+included, needs one: then a user can try the key Home Assistant will send
+with curl on the daemon's own machine, and other local users need a key too.
+The unix socket never asks (its file mode is its guard; ``meshd status`` and
+``meshd chat`` use it). A listener on any other address (``meshd join --http
+0.0.0.0:11434``) can be reached by every device on the LAN: each request there
+must carry ``Authorization: Bearer <key>`` with a key from ``meshd apikey
+create`` (Home Assistant's Ollama and OpenAI integrations send exactly that
+header).
 
 The policy is per listener, not per client address: a request that reaches
 the LAN port from this machine (a reverse proxy, an SSH tunnel) still needs
@@ -63,10 +68,16 @@ class FailureLimiter:
 class Authenticator:
     """Decides per request whether a key is needed, and whether the one given is valid."""
 
-    def __init__(self, store: ApiKeyStore | None, limiter: FailureLimiter | None = None):
+    def __init__(self, store: ApiKeyStore | None, limiter: FailureLimiter | None = None, *,
+                 require_keys: bool = False):
         self.store = store
         self.limiter = limiter or FailureLimiter()
+        self.require_keys = require_keys  # every TCP listener needs a key, loopback ones too
         self.keyed_ports: set[int] = set()  # TCP ports of listeners that require a key
+
+    def keyed(self, loopback: bool) -> bool:
+        """Whether a TCP listener (on a loopback address or not) asks for keys."""
+        return self.require_keys or not loopback
 
     def requires_key(self, sockname) -> bool:
         """Whether a connection accepted on ``sockname`` (its local address) needs a key."""

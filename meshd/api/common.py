@@ -58,7 +58,8 @@ LISTENING = web.AppKey("listening", dict)
 LIMITS = web.AppKey("limits", ApiLimits)
 AUTH = web.AppKey("auth", object)  # meshd.api.auth.Authenticator
 MODEL_INFO = web.AppKey("model_info", object)  # () -> dict: file, size, digest, modified (Ollama tags)
-PULL = web.AppKey("pull", object)  # (name, progress) -> Path: fetch a catalog model (Ollama /api/pull)
+NAMES = web.AppKey("model_names", object)  # meshd.api.names.ModelNames: the names requests may use
+DEBUG = web.AppKey("debug_responses", bool)  # replies may carry internal notes (fallback reasons)
 
 
 async def status_of(app: web.Application) -> dict[str, Any]:
@@ -113,6 +114,31 @@ def engine_of(request: web.Request) -> Engine:
     if engine is None:
         raise EngineUnavailable("no model is loaded yet; the daemon is still starting or planning")
     return engine
+
+
+def served_model(request: web.Request, engine: Engine, asked: str | None, *, ollama: bool) -> None:
+    """A 404 in the path's dialect unless ``asked`` names the served model or an alias (``meshd.api.names``)."""
+    request.app[NAMES].check(engine.model_id, asked, ollama=ollama)
+
+
+def public_usage(request: web.Request, usage) -> dict[str, Any]:
+    """``usage`` as a reply carries it: without internal notes unless ``debug_responses`` asks.
+
+    A ``fallback_reason`` (why speculation fell back, e.g. Medusa heads that
+    did not load) can quote files of the install or the state directory;
+    clients on the LAN get the counts, the daemon's log keeps the reason.
+    """
+    d = usage.to_dict()
+    if not request.app[DEBUG]:
+        _drop_notes(d)
+    return d
+
+
+def _drop_notes(d: Any) -> None:
+    if isinstance(d, dict):
+        d.pop("fallback_reason", None)
+        for v in d.values():
+            _drop_notes(v)
 
 
 def vocab_size(engine: Engine | None) -> int | None:

@@ -4,7 +4,9 @@ Routes: ``/api/version``, ``/api/tags``, ``/api/show``, ``/api/ps``,
 ``/api/chat`` and ``/api/generate`` (NDJSON streaming by default, as
 Ollama), ``/api/pull``, and ``GET /`` ("Ollama is running"). Errors are
 Ollama's ``{"error": "..."}`` (the server's middleware picks the dialect by
-path).
+path). A model name the home does not serve (nor alias) is Ollama's 404
+``model "X" not found, try pulling it first`` (:mod:`meshd.api.names`), and
+``/api/pull`` of it says why it cannot be pulled here.
 
 Request bodies are validated by pydantic models; a validation error becomes
 the same 400 as everywhere else, naming the field (``options.top_p``).
@@ -34,7 +36,6 @@ Mapping of what Ollama clients send:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import re
@@ -50,9 +51,11 @@ from decoding.sampling import SamplingParams
 from meshd.api import openai_schema as oa
 from meshd.api import tools as tl
 from meshd.api.common import (
-    ENGINE, MODEL_INFO, PULL, await_engine, chat_prompt, generation_request, log, read_json,
-    constrain_tool_calls, tracked, vocab_size,
+    ENGINE, MODEL_INFO, NAMES, await_engine, chat_prompt, generation_request, log, public_usage,
+    read_json, served_model, constrain_tool_calls, tracked, vocab_size,
 )
+from meshd.api.names import name_key
+from meshd.api.names import tagged as _tagged
 from meshd.api.validation import validate
 from meshd.engine import Engine, EngineError, TokenEvent
 
@@ -221,10 +224,6 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _tagged(name: str) -> str:
-    return name if ":" in name else f"{name}:latest"
-
-
 def _source(engine: Engine):
     return getattr(engine, "source", None)
 
@@ -280,9 +279,9 @@ def _file_info(request: web.Request, engine: Engine) -> dict[str, Any]:
     return info
 
 
-def _model_entry(request: web.Request, engine: Engine) -> dict[str, Any]:
+def _model_entry(request: web.Request, engine: Engine, name: str | None = None) -> dict[str, Any]:
     f = _file_info(request, engine)
-    name = _tagged(engine.model_id)
+    name = _tagged(name or engine.model_id)
     return {"name": name, "model": name, "modified_at": f["modified_at"], "size": f["size"],
             "digest": f["digest"], "details": _details(engine)}
 
@@ -308,8 +307,13 @@ async def _version(request: web.Request) -> web.Response:
 
 
 async def _tags(request: web.Request) -> web.Response:
+    """The served model, then each configured alias (as Ollama lists a copy: same digest).
+
+    Home Assistant looks its configured model up here and pulls it when absent.
+    """
     engine = request.app[ENGINE]
-    return web.json_response({"models": [_model_entry(request, engine)] if engine else []})
+    names = request.app[NAMES].listed(engine.model_id) if engine else []
+    return web.json_response({"models": [_model_entry(request, engine, n) for n in names]})
 
 
 async def _ps(request: web.Request) -> web.Response:
@@ -325,6 +329,7 @@ async def _ps(request: web.Request) -> web.Response:
 async def _show(request: web.Request) -> web.Response:
     body = validate(NameBody, await read_json(request))
     engine = await await_engine(request)
+    served_model(request, engine, body.target, ollama=True)
     src = _source(engine)
     cfg = getattr(src, "config", None)
     arch = getattr(cfg, "arch", "unknown")
@@ -339,9 +344,10 @@ async def _show(request: web.Request) -> web.Response:
     template = getattr(getattr(engine.tokenizer, "meta", None), "chat_template", None) or ""
     params = "\n".join(f"{k:<15} {v}" for k, v in DEFAULTS.items())
     f = _file_info(request, engine)
+    # FROM names the model, not its file: where the daemon keeps it is not for clients.
     return web.json_response({
         "license": "", "modelfile": f"# served by meshd as {body.target or engine.model_id}\n"
-                                    f"FROM {getattr(src, 'path', engine.model_id)}\n",
+                                    f"FROM {engine.model_id}\n",
         "parameters": params, "template": template, "details": _details(engine),
         "model_info": info, "capabilities": _capabilities(engine), "modified_at": f["modified_at"],
     })
@@ -357,50 +363,38 @@ async def _not_implemented(request: web.Request) -> web.Response:
 
 
 async def _pull(request: web.Request) -> web.StreamResponse:
-    """Success when the name is served (any name resolves); progress while a catalog model is fetched."""
+    """Success for a name the home serves (it is there); Ollama's pull error for any other.
+
+    Nothing is downloaded: a home serves one model, held by every member, so
+    fetching another onto this device would change nothing a client can use
+    and would report a success that ``/api/chat`` then contradicts. A catalog
+    model gets the commands that do switch the home; any other name, Ollama's
+    own "file does not exist". Errors take Ollama's two forms: streamed, a
+    ``{"error": ...}`` line in a 200 NDJSON reply; not streamed, a 500 with
+    the same object (the status Ollama answers a failed pull with).
+    """
     from meshd import model_store
 
     body = validate(NameBody, await read_json(request))
-    name = body.target.removesuffix(":latest")
-    pull = request.app[PULL] or model_store.pull_named
-    fetch = name in model_store.CATALOG and not model_store.is_named_pulled(name)
-    if request.app[PULL] is not None:
-        fetch = name in model_store.CATALOG  # an injected fetcher decides itself (tests)
-    if not fetch:
+    engine = await await_engine(request)
+    served, names = engine.model_id, request.app[NAMES]
+    if body.target.strip() and names.known(served, body.target):
         if body.stream:
-            return await _ndjson(request, [{"status": "pulling manifest"}, {"status": "success"}])
+            return await _ndjson(request, [{"status": "success"}])
         return web.json_response({"status": "success"})
-    log.info("ollama_pull", model=name)
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def progress(status: str, completed: int, total: int) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, {"status": status, "digest": name,
-                                                      "total": total, "completed": completed})
-
-    task = asyncio.ensure_future(asyncio.to_thread(pull, name, True, progress))
-    if not body.stream:
-        await task  # ModelNotAvailable (a MeshdError) -> handled below by the middleware as 500
-        return web.json_response({"status": "success"})
-    resp = web.StreamResponse(headers={"Content-Type": NDJSON})
-    await resp.prepare(request)
-    await resp.write(_line({"status": "pulling manifest"}))
-    while not task.done() or not queue.empty():
-        getter = asyncio.ensure_future(queue.get())
-        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            await resp.write(_line(getter.result()))
-        else:
-            getter.cancel()
-    exc = task.exception()
-    if exc is not None:
-        log.warning("ollama_pull_failed", model=name, error=str(exc))
-        await resp.write(_line({"error": f"pull {name} failed: {exc}"}))
+    name, wanted = body.target.strip(), name_key(body.target)
+    if wanted in model_store.CATALOG:
+        message = (f"{wanted} is not the model this home serves ({served}), and a pull through the API "
+                   f"cannot change that: every member holds the home's one model. To serve {wanted}, run "
+                   f"'meshd model pull {wanted}' on each member and restart them with --model {wanted}")
     else:
-        await resp.write(_line({"status": "verifying sha256 digest"}))
-        await resp.write(_line({"status": "success"}))
-    await resp.write_eof()
-    return resp
+        listed = ", ".join(names.listed(served))
+        message = (f"pull model manifest: file does not exist: meshd cannot fetch {name!r}; this home "
+                   f"serves {listed} (the config's model_aliases can admit other names)")
+    log.warning("ollama_pull_refused", model=name, served=served)
+    if body.stream:
+        return await _ndjson(request, [{"error": message}])
+    return web.json_response({"error": message}, status=500)
 
 
 async def _ndjson(request: web.Request, objs: list[dict]) -> web.StreamResponse:
@@ -478,9 +472,10 @@ def _history(messages: list[Message]) -> list[dict[str, Any]]:
 async def _chat(request: web.Request) -> web.StreamResponse:
     body = validate(ChatBody, await read_json(request))
     engine = await await_engine(request)
+    served_model(request, engine, body.model, ollama=True)
     params, num_ctx = _params(body, vocab_size(engine))
     if not body.messages:  # Ollama: an empty chat loads the model and answers at once
-        return await _loaded(request, body, "chat")
+        return await _loaded(engine, body, "chat")
     try:
         tools = tl.parse_tools(body.tools)
     except tl.ToolError as exc:
@@ -495,9 +490,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request) -> web.StreamResponse:
     body = validate(GenerateBody, await read_json(request))
     engine = await await_engine(request)
+    served_model(request, engine, body.model, ollama=True)
     params, num_ctx = _params(body, vocab_size(engine))
     if not body.prompt and not body.context:
-        return await _loaded(request, body, "generate")
+        return await _loaded(engine, body, "generate")
     vocab = vocab_size(engine) or oa.MAX_VOCAB
     context = list(body.context or [])
     bad = next((t for t in context if not 0 <= t < vocab), None)
@@ -514,8 +510,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     return await _run(request, engine, body, params, num_ctx, prompt_ids, messages, [], "generate")
 
 
-async def _loaded(request: web.Request, body: _Common, kind: str) -> web.Response:
-    out: dict[str, Any] = {"model": body.model, "created_at": _now(), "done": True, "done_reason": "load"}
+async def _loaded(engine: Engine, body: _Common, kind: str) -> web.Response:
+    out: dict[str, Any] = {"model": body.model or _tagged(engine.model_id), "created_at": _now(), "done": True,
+                           "done_reason": "load"}
     if kind == "chat":
         out["message"] = {"role": "assistant", "content": ""}
     else:
@@ -533,8 +530,8 @@ def _part(kind: str, model: str, text: str) -> dict[str, Any]:
     return base
 
 
-def _final(kind: str, model: str, ev: TokenEvent, run, started_ns: int, prompt_ids: list[int],
-           generated: list[int], calls: list[tl.ToolCall]) -> dict[str, Any]:
+def _final(request: web.Request, kind: str, model: str, ev: TokenEvent, run, started_ns: int,
+           prompt_ids: list[int], generated: list[int], calls: list[tl.ToolCall]) -> dict[str, Any]:
     out = _part(kind, model, "")
     now_ns = time.monotonic_ns()
     first_ns = int(run.first_token_at * 1e9) if run.first_token_at is not None else now_ns
@@ -553,7 +550,7 @@ def _final(kind: str, model: str, ev: TokenEvent, run, started_ns: int, prompt_i
     if kind == "generate":
         out["context"] = [*prompt_ids, *generated]
     if usage is not None and usage.speculative is not None:
-        out["speculative"] = usage.speculative.to_dict()  # meshd extension
+        out["speculative"] = public_usage(request, usage)["speculative"]  # meshd extension
     if usage is not None and usage.outline is not None:
         out["outline"] = dict(usage.outline)  # meshd extension: how an outline attempt went
     return out
@@ -593,11 +590,11 @@ async def _run(request: web.Request, engine: Engine, body: _Common, params: oa.R
                             msg = _part(kind, model, "")
                             msg["message"]["tool_calls"] = [c.ollama() for c in calls]
                             await resp.write(_line(msg))
-                        await resp.write(_line(_final(kind, model, ev, run, started_ns, prompt_ids,
+                        await resp.write(_line(_final(request, kind, model, ev, run, started_ns, prompt_ids,
                                                       generated, calls)))
                         await resp.write_eof()
                         return resp
-                    final = _final(kind, model, ev, run, started_ns, prompt_ids, generated, calls)
+                    final = _final(request, kind, model, ev, run, started_ns, prompt_ids, generated, calls)
                     content = "".join(parts)
                     if kind == "chat":
                         final["message"] = {"role": "assistant", "content": content}

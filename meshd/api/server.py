@@ -41,10 +41,11 @@ from meshd.api import openai_schema as oa
 from meshd.api import tools as tl
 from meshd.api.auth import PUBLIC_PATHS, Authenticator
 from meshd.api.common import (  # noqa: F401 - LIMITS, LISTENING and ApiLimits are part of this module's API
-    AUTH, ENGINE, ENGINE_SET, ENGINE_WAIT, LIMITS, LISTENING, METRICS, MODEL_INFO, PULL, STATUS,
-    ApiLimits, await_engine, chat_prompt, generation_request, log, read_json, status_of,
-    constrain_tool_calls, too_large, tracked, vocab_size,
+    AUTH, DEBUG, ENGINE, ENGINE_SET, ENGINE_WAIT, LIMITS, LISTENING, METRICS, MODEL_INFO, NAMES, STATUS,
+    ApiLimits, await_engine, chat_prompt, generation_request, log, public_usage, read_json, served_model,
+    status_of, constrain_tool_calls, too_large, tracked, vocab_size,
 )
+from meshd.api.names import ModelNames, not_found
 from meshd.api.metrics import ApiMetrics, MeshCollector
 from meshd.apikeys import ApiKeyStore
 from meshd.engine import Engine, EngineError, TokenEvent
@@ -75,14 +76,19 @@ def create_app(
     engine_loading: Callable[[], bool] | None = None,
     api_keys: ApiKeyStore | None = None,
     model_info: Callable[[], dict[str, Any]] | None = None,
-    pull: Callable[..., Any] | None = None,
+    model_aliases: list[str] | tuple[str, ...] = (), debug_responses: bool = False,
+    require_keys: bool = False,
 ) -> web.Application:
     """The aiohttp application; ``engine`` may be None until a model is ready.
 
     While ``engine_loading()`` says a model is still loading, a request waits up
     to ``engine_wait_s`` for it instead of failing at once (a daemon that just
     started, a request sent with ``meshd join``). ``api_keys`` checks keys on
-    LAN listeners; ``model_info`` and ``pull`` serve Ollama's model endpoints.
+    LAN listeners, and on every TCP listener with ``require_keys``;
+    ``model_info`` serves Ollama's model endpoints. ``model_aliases`` are the
+    other names requests may give the served model (:mod:`meshd.api.names`);
+    ``debug_responses`` lets replies carry internal notes such as why
+    speculation fell back (they may quote file paths; off, only the log has them).
     """
     from meshd.api import ollama
 
@@ -100,9 +106,10 @@ def create_app(
     app[METRICS].registry.register(app[MESH])
     app[LISTENING] = {}
     app[LIMITS] = limits
-    app[AUTH] = Authenticator(api_keys)
+    app[AUTH] = Authenticator(api_keys, require_keys=require_keys)
     app[MODEL_INFO] = model_info
-    app[PULL] = pull
+    app[NAMES] = ModelNames.of(model_aliases)
+    app[DEBUG] = bool(debug_responses)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
@@ -119,15 +126,6 @@ def set_engine(app: web.Application, engine: Engine | None) -> None:
     app[ENGINE] = engine
     if engine is not None:
         app[ENGINE_SET].set()
-
-
-def served_name(engine: Engine, requested: str | None) -> str:
-    """Any model name resolves to the one model this mesh serves (as llama.cpp does).
-
-    Apps configured with another name (``gpt-4o-mini``, ``llama3``) keep
-    working; responses name the model actually served.
-    """
-    return engine.model_id
 
 
 # --------------------------------------------------------------------------- errors
@@ -261,6 +259,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     engine = await await_engine(request)
     req = oa.parse_chat_request(body, vocab_size=vocab_size(engine))
+    served_model(request, engine, req.model, ollama=False)
     prompt_ids = chat_prompt(engine, req.messages, req.tools)
     constrain_tool_calls(engine, req.params, req.tools, req.tool_choice, req.parallel_tool_calls)
     return await _serve(request, engine, "chat", prompt_ids, req.params, req.messages,
@@ -271,6 +270,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     engine = await await_engine(request)
     req = oa.parse_completion_request(body, vocab_size=vocab_size(engine))
+    served_model(request, engine, req.model, ollama=False)
     if isinstance(req.prompt, str):
         prompt_ids = list(engine.tokenizer.encode(req.prompt))
     else:
@@ -281,16 +281,21 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
+    """The served model, then each configured alias (clients pick from this list)."""
     engine = request.app[ENGINE]
-    return web.json_response(oa.models_list([engine.model_id] if engine else []))
+    return web.json_response(oa.models_list(request.app[NAMES].listed(engine.model_id) if engine else []))
 
 
 async def _model(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
+    asked = request.match_info["model_id"]
     if engine is None:
         raise oa.RequestError("no model is loaded yet", status=404, type="not_found_error",
                               param="model", code="model_not_found")
-    return web.json_response(oa.model_object(served_name(engine, request.match_info["model_id"])))
+    if not asked.strip() or not request.app[NAMES].known(engine.model_id, asked):
+        raise not_found(asked, engine.model_id, ollama=False)
+    return web.json_response(oa.model_object(asked if request.app[NAMES].is_alias(engine.model_id, asked)
+                                             else engine.model_id))
 
 
 async def _mesh_status(request: web.Request) -> web.Response:
@@ -306,7 +311,14 @@ async def _mesh_status(request: web.Request) -> web.Response:
             recent[k] = v
     status["recent"] = recent
     status.setdefault("api", dict(request.app[LISTENING]))
+    if not _on_unix_socket(request):  # file paths are for this machine's users only
+        status["api"] = {k: v for k, v in status["api"].items() if k != "socket"}
     return web.json_response(status)
+
+
+def _on_unix_socket(request: web.Request) -> bool:
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return isinstance(sockname, str)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -357,7 +369,7 @@ async def _serve(
     async with tracked(request, engine, gen, "openai", endpoint) as (events, run):
         if params.stream:
             return await _stream(request, engine, kind, rid, params, events, run, offered, parallel)
-        return await _collect(engine, kind, rid, events, run, offered, parallel)
+        return await _collect(request, engine, kind, rid, events, run, offered, parallel)
 
 
 def _calls(text: str, offered: list[str], parallel: bool) -> tuple[str, list[tl.ToolCall]]:
@@ -365,7 +377,7 @@ def _calls(text: str, offered: list[str], parallel: bool) -> tuple[str, list[tl.
     return content, (calls if parallel else calls[:1])
 
 
-async def _collect(engine: Engine, kind: str, rid: str, events, run, offered: list[str],
+async def _collect(request: web.Request, engine: Engine, kind: str, rid: str, events, run, offered: list[str],
                    parallel: bool) -> web.Response:
     parts: list[str] = []
     last: TokenEvent | None = None
@@ -375,7 +387,7 @@ async def _collect(engine: Engine, kind: str, rid: str, events, run, offered: li
         last = ev
     if last is None or last.usage is None:
         raise EngineError("the engine ended without a final event")
-    text, usage, created = "".join(parts), last.usage.to_dict(), oa.now()
+    text, usage, created = "".join(parts), public_usage(request, last.usage), oa.now()
     if kind == "chat":
         content, calls = _calls(text, offered, parallel)
         finish = "tool_calls" if calls else last.finish_reason
@@ -427,7 +439,7 @@ async def _stream(
                         "tool_calls": [c.openai(index=i) for i, c in enumerate(calls)]})))
                 await resp.write(chunk(finish=finish))
                 if params.include_usage and ev.usage is not None:
-                    usage = ev.usage.to_dict()
+                    usage = public_usage(request, ev.usage)
                     if kind == "chat":
                         tail_chunk = oa.chat_chunk(rid, created, model, usage=usage, no_choices=True)
                     else:
@@ -470,8 +482,9 @@ def parse_listen(spec: str, *, flag: str = "--api-listen", loopback_only: bool =
     """``127.0.0.1:8080`` / ``[::1]:8080`` / ``localhost:8080`` -> (host, port).
 
     ``--api-listen`` (``loopback_only``) serves this machine only and needs no
-    key. ``--http`` may name any address; listeners off loopback require an
-    API key on every request. Errors name the flag the user actually gave.
+    key (unless ``--require-keys``). ``--http`` may name any address; listeners
+    off loopback require an API key on every request. Errors name the flag the
+    user actually gave.
     """
     host, sep, port_s = spec.rpartition(":")
     if not sep or not host:
@@ -554,7 +567,20 @@ def _bind_tcp(host: str, port: int, spec: str, flag: str = "--api-listen") -> so
     try:
         return socket.create_server((host, port), family=family)
     except OSError as exc:
-        raise ApiStartError(f"cannot listen on {spec} ({flag}): {exc.strerror or exc}") from exc
+        raise ApiStartError(f"cannot listen on {spec} ({flag}): {bind_error(exc, flag, port)}") from exc
+
+
+OLLAMA_PORT = 11434
+
+
+def bind_error(exc: OSError, flag: str, port: int) -> str:
+    """Why an API port cannot be bound, and what to change: the API's own flag, not other ports."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    if exc.errno != errno.EADDRINUSE:
+        return reason
+    who = (" (an Ollama server listens there by default: stop it, e.g. 'systemctl stop ollama')"
+           if port == OLLAMA_PORT else "")
+    return f"{reason}: another program listens on that port{who}; stop it or give {flag} another port"
 
 
 async def start_api(
@@ -565,7 +591,8 @@ async def start_api(
     """Serve ``app`` on ``socket_path`` (0660), optionally ``listen`` and ``http`` (TCP).
 
     ``listen`` is loopback only, without keys. ``http`` may be any address; off
-    loopback every request needs an API key (and with ``tls_cert``/``tls_key``
+    loopback (and on every TCP listener when the app was made with
+    ``require_keys``) every request needs an API key (and with ``tls_cert``/``tls_key``
     it speaks HTTPS). All listeners share one connection cap and the limits
     given to :func:`create_app`. Returns the runner; ``await
     runner.cleanup()`` stops serving and removes the socket file (only if it
@@ -608,7 +635,7 @@ async def start_api(
         for name, spec, flag, (host, port) in tcp:
             s = _bind_tcp(host, port, spec, flag)
             tcp_socks.append(s)
-            keyed = name == "http" and not is_loopback(host)
+            keyed = app[AUTH].keyed(is_loopback(host))
             await _GatedSite(runner, s, gate, limits.backlog,
                              ssl_context=tls if name == "http" else None).start()
             bound = s.getsockname()[1]
@@ -620,8 +647,10 @@ async def start_api(
             if name == "http":
                 app[LISTENING]["http_url"] = f"{scheme}://{shown}:{bound}"
                 app[LISTENING]["http_auth"] = "api key" if keyed else "none (loopback)"
-                if keyed and app[AUTH].store is None:
-                    raise ApiStartError("--http on a LAN address needs the API key store")
+            elif keyed:
+                app[LISTENING]["tcp_auth"] = "api key"
+            if keyed and app[AUTH].store is None:
+                raise ApiStartError(f"{flag} {spec} needs API keys, and this server has no key store")
     except BaseException:
         await runner.cleanup()
         sock.close()
@@ -629,8 +658,8 @@ async def start_api(
             s.close()
         raise
     if app[AUTH].keyed_ports and app[AUTH].store is not None and not app[AUTH].store.keys():
-        log.warning("api_no_keys", hint="the LAN listener refuses every request until a key exists: "
-                    "run 'meshd apikey create NAME'")
+        log.warning("api_no_keys", hint="the keyed TCP listener refuses every request until a key "
+                    "exists: run 'meshd apikey create NAME'")
     log.info("api_listening", socket=str(path), tcp=app[LISTENING].get("tcp"),
              http=app[LISTENING].get("http_url"), http_auth=app[LISTENING].get("http_auth"),
              max_connections=limits.max_connections,

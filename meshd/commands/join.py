@@ -52,11 +52,15 @@ _FLAGS = [
     ("--heartbeat-interval", "heartbeat_interval_s", float, "seconds between heartbeats"),
     ("--suspect-after", "suspect_after_s", float, "silence before a member is suspect"),
     ("--gone-after", "gone_after_s", float, "silence before a member is gone"),
-    ("--api-listen", "api_listen", str, "also serve the API on loopback TCP (HOST:PORT), no key"),
+    ("--api-listen", "api_listen", str, "also serve the API on loopback TCP (HOST:PORT), no key unless "
+                                        "--require-keys"),
     ("--http", "http", str, "serve the API (OpenAI + Ollama) on TCP, e.g. 0.0.0.0:11434; "
                             "off loopback every request needs a key from 'meshd apikey create'"),
     ("--tls-cert", "tls_cert", str, "PEM certificate chain: --http speaks HTTPS"),
     ("--tls-key", "tls_key", str, "PEM private key for --tls-cert"),
+    ("--model-aliases", "model_aliases", str, "other model names requests may use, comma-separated "
+                                              "(e.g. llama3.2:3b,gpt-4o-mini; '*' accepts any); other "
+                                              "names get a 404 'model not found'"),
     ("--share-rate", "share_rate", str, "cap on lending/fetching model pieces (50mbit, 12.5MB/s; default none)"),
     ("--cloud-budget", "cloud_budget", float, "share of drafted chunks a paired cloud verifier checks, "
                                               "0..1 (default 0.2; 1 = every chunk: the big model's output)"),
@@ -82,6 +86,12 @@ def register(subparsers) -> None:
     for flag, dest, typ, help_text in _FLAGS:
         p.add_argument(flag, dest=f"cfg_{dest}", type=typ, default=None, help=help_text,
                        metavar=flag.strip("-").upper().replace("-", "_"))
+    p.add_argument("--require-keys", dest="cfg_require_keys", action="store_true", default=None,
+                   help="every TCP listener needs an API key, loopback ones (--api-listen, --http "
+                        "127.0.0.1:PORT) too, so a key can be tried on this machine; the unix socket "
+                        "needs none")
+    p.add_argument("--debug-responses", dest="cfg_debug_responses", action="store_true", default=None,
+                   help="replies carry internal notes (why speculation fell back; they may quote file paths)")
     # Own copies of the logging flags: a daemon logs to stdout and picks its format by
     # where that goes (auto), while other commands default to console lines on stderr.
     p.add_argument("--log-format", dest="cfg_log_format", choices=["auto", "json", "console", "journald"],
@@ -127,7 +137,7 @@ def check_can_listen(cfg) -> None:
     import errno
     import socket
 
-    from meshd.api.server import parse_listen
+    from meshd.api.server import bind_error, parse_listen
 
     wanted = [(cfg.listen, cfg.port, "--port"), (cfg.listen, cfg.pairing_port, "--pairing-port")]
     for spec, flag in ((cfg.api_listen, "--api-listen"), (cfg.http, "--http")):
@@ -141,11 +151,12 @@ def check_can_listen(cfg) -> None:
         try:
             socket.create_server((host, port), family=family).close()
         except OSError as exc:
-            hint = ""
-            if exc.errno == errno.EADDRINUSE:  # name the one flag in the way; the others are fine
-                hint = (f"; pick another {flag} port (or stop what holds it)" if flag in ("--http", "--api-listen")
-                        else f"; {SECOND_DAEMON_HINT}")
-            raise MeshdError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}{hint}; "
+            if flag in ("--api-listen", "--http"):
+                why = bind_error(exc, flag, port)
+            else:
+                hint = f"; {SECOND_DAEMON_HINT}" if exc.errno == errno.EADDRINUSE else ""
+                why = f"{os.strerror(exc.errno) if exc.errno else exc}{hint}"
+            raise MeshdError(f"cannot listen on {host}:{port} ({flag}): {why}; "
                              f"the invite token was not used") from None
     path = cfg.resolved_socket()
     if path.exists():

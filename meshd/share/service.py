@@ -647,6 +647,7 @@ class ShareService:
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
+        """What ``meshd status`` shows; no file paths (it reaches API clients; the log has them)."""
         h = self.holdings()
         m = self.manifest
         held = (m.size if h.complete else self.entry.held_bytes() if self.entry is not None else 0) if m else None
@@ -665,7 +666,6 @@ class ShareService:
             "rate_limit_mbit": round(self.rate * 8 / 1e6, 3) if self.rate else None,
             "model": self.identity or None, "sha256": m.sha256 if m else None,
             "size_bytes": m.size if m else None, "manifest": m.digest if m else None,
-            "path": str(self.local_path or (self.entry.path if self.entry else "")) or None,
             "holds": {"complete": h.complete, "header": h.header, "layers": to_runs(h.layers),
                       "tensors": sorted(h.tensors), "bytes": held,
                       "fraction": round(held / m.size, 4) if m and held is not None else None},
