@@ -175,7 +175,7 @@ class Daemon:
         self.incarnation = secrets.token_hex(6)  # peers see a restart as a new incarnation
         self.load_state = "loading" if config.model_enabled or config.engine else "none"
         self.excluded: dict[str, str] = {}  # ready members the last plan left out, and why
-        self._warned_model: tuple[str, str] | None = None  # (ours, the home's) once said to differ
+        self._warned_model = ""  # the home model this device was last warned it does not hold
         self._tasks: list[asyncio.Task] = []
         self._started_at = 0.0
         self.last_error = ""  # shown per member by `meshd status` (sent in heartbeats)
@@ -768,24 +768,44 @@ class Daemon:
         return not_planned(self.plan, self._model_facts(self.membership.ready_ids()))
 
     def _check_home_model(self) -> None:
-        """Say at once, once per pair, when this device holds another model than its home serves.
+        """Say at once, once per home model, when this device holds another model than its home serves.
 
         The home's model is the current plan's (else the one most ready members hold).
-        Such a device serves no layers and refuses requests (``meshd.pipeline``); the
-        warning tells whoever runs ``meshd join`` what to change.
+        While this device's model still loads, its file name already tells a different
+        model apart (an identity is "file name@sha256 prefix"), so ``meshd join`` warns as
+        soon as the first plan arrives, not after seconds of loading. Such a device serves
+        no layers and refuses requests (``meshd.pipeline``); the warning says what to change.
         """
-        own = self._model_identity()[0]
-        if self.load_state != "loaded" or not own or self.membership is None:
+        if self.membership is None:
+            return
+        own = self._model_identity()[0] if self.load_state == "loaded" else ""
+        name = own.rpartition("@")[0] if own else self._configured_model_file
+        if not name:
             return
         home = self.plan.model if self.plan is not None and self.plan.model else plannable_members(
             self._model_facts(self.membership.ready_ids()))[1]
-        if not home or home == own or self._warned_model == (own, home):
+        differs = home != own if own else home.rpartition("@")[0] not in ("", name)
+        if not home or not differs or self._warned_model == home:
             return
-        self._warned_model = (own, home)
-        log.warning("model_differs_from_home", holds=own, home_serves=home,
-                    hint=f"every member of a home holds the same model: restart this device with "
-                         f"--model {model_name(home)} (or move most of the home to {model_name(own)}); "
+        self._warned_model = home
+        from meshd.model_store import model_flag_for
+
+        log.warning("model_differs_from_home", holds=own or name, home_serves=home,
+                    hint=f"every member of a home holds the same model: restart this device "
+                         f"{model_flag_for(home)} (or move most of the home to {model_name(name)}); "
                          f"until then it serves no layers and refuses requests")
+
+    @functools.cached_property
+    def _configured_model_file(self) -> str:
+        """The file name of the model this daemon opens ("" when none, or not on this device yet)."""
+        if not self.config.model_enabled or self.config.engine:
+            return ""
+        from meshd.model_store import resolve_model
+
+        try:
+            return resolve_model(self.config.model or None).name
+        except Exception:  # noqa: BLE001 - not here (fetched from the home, or missing): the load says so
+            return ""
 
     def _maybe_replan(self) -> None:
         m = self.membership

@@ -72,6 +72,16 @@ def test_a_plan_carries_its_model_on_the_wire_and_older_plans_without_one_still_
     assert Plan.from_assignment(3, old).digest() == plan.digest()
 
 
+def test_the_warning_says_how_to_start_a_device_on_the_homes_model():
+    from meshd.model_store import CATALOG, DEFAULT_MODEL, model_flag_for
+
+    qwen = CATALOG["qwen2.5-coder-0.5b-instruct"]
+    assert model_flag_for(f"{qwen.file_name}@{qwen.sha256[:16]}") == "with --model qwen2.5-coder-0.5b-instruct"
+    assert model_flag_for(f"{DEFAULT_MODEL.name}@{DEFAULT_MODEL.sha256[:16]}") == \
+        "without --model (the embedded default)"
+    assert model_flag_for("my-finetune.gguf@0123") == "with --model set to a copy of my-finetune.gguf"
+
+
 # -- stages and coordinators refuse another model ---------------------------------------------------
 
 

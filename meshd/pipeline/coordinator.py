@@ -272,9 +272,11 @@ class PipelineCoordinator:
             route = self.route
             mismatch = model_mismatch(route.model, self.model) if route is not None else ""
             if mismatch:
-                raise ModelMismatch(f"this device {mismatch}, so it answers no requests: restart it with "
-                                    f"that model (every member of a home holds the same one) or send "
-                                    f"requests to another member")
+                from meshd.model_store import model_flag_for
+
+                raise ModelMismatch(f"this device {mismatch}, so it answers no requests: restart it "
+                                    f"{model_flag_for(route.model)} (every member of a home holds the same "
+                                    f"model) or send requests to another member")
             if route is None or not route.stages:
                 changed = self._route_changed
                 try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (a hang-up)
