@@ -12,9 +12,8 @@ import pytest
 
 from decoding.loader import open_model
 from decoding.sampling import SamplingParams
-from meshd.engine import BadTokenIds, WrongModel
 from meshd.pipeline.coordinator import BadTokens, ModelMismatch, PipelineCoordinator
-from meshd.pipeline.route import Route, StageEndpoint
+from meshd.pipeline.route import Route
 from meshd.plan import Plan, not_planned, plannable_members
 from partition.plan import StageAssignment as Stage
 from tests.test_api_openai import make_client
@@ -143,18 +142,4 @@ def test_a_prompt_the_vocabulary_cannot_hold_is_a_400_before_any_generation():
         assert eng.requests == []
         assert make_client(srv).chat.completions.create(
             model="fake-model", messages=[{"role": "user", "content": "cafe"}]).choices[0].message.content
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_device_holding_another_model_answers_409_model_mismatch(stream):
-    eng = FakeEngine()
-    eng.fail_before = WrongModel("this device holds qwen, the home serves smol, so it answers no requests")
-    with ServerThread(eng) as srv:
-        with pytest.raises(openai.APIStatusError) as info:
-            r = make_client(srv).chat.completions.create(
-                model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=stream)
-            list(r) if stream else None
-        assert info.value.status_code == 409
-        assert info.value.body["code"] == "model_mismatch"
-        assert "holds qwen, the home serves smol" in info.value.body["message"]
 
