@@ -834,9 +834,9 @@ class Daemon:
                 return
         cur = self.plan
         if cur is not None and cur.digest() == plan.digest() and cur.weights == plan.weights \
-                and cur.model == plan.model and cur.members == plan.members and cur.leader == self.node_id and version <= cur.version + 1 \
-                and not self.plan_conflict:
-            # Same assignment, mode and members: keep the version, so requests running on it
+                and cur.model == plan.model and cur.members == plan.members and cur.leader == self.node_id \
+                and version <= cur.version + 1 and not self.plan_conflict:
+            # Same assignment, mode, model and members: keep the version, so requests running on it
             # are not failed as stale and no stage reloads anything. (A member joining that the
             # planner leaves out still makes a new plan: status lists whom a plan was made over.)
             log.debug("replan_unchanged", version=cur.version)

@@ -158,7 +158,8 @@ class ServingRole:
             route = route_from_plan(plan, self.directory)
             self.model_mismatch = model_mismatch(route.model, str(getattr(self.source, "identity", "") or ""))
             if self.model_mismatch:
-                log.warning("plan_for_another_model", plan_version=route.plan_version, error=self.model_mismatch)
+                # (the daemon's model_differs_from_home warning says what to do about it)
+                log.info("plan_for_another_model", plan_version=route.plan_version, error=self.model_mismatch)
             # Requests running on the old plan pause now (they replay on this one once it
             # serves), rather than keep a vanished device's stage in their path.
             self.coordinator.set_route(None)
