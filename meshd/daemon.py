@@ -50,7 +50,7 @@ from meshd.log import get_logger
 from meshd.membership import Change, Debouncer, Membership, PeerState, affects_plan
 from meshd.pairing import PairingServer
 from meshd.peerlink import PeerLink, probe_interval_for
-from meshd.plan import MemberInput, Plan, make_plan, plannable_members
+from meshd.plan import MemberInput, Plan, make_plan, model_name, not_planned, plannable_members
 from meshd.sdnotify import Notifier
 from meshd.self_profile import describe as describe_profile
 from meshd.state import (RUNTIME_FILE, Home, Member, StateDir, atomic_write, json_digest, key_fingerprint,
@@ -176,6 +176,7 @@ class Daemon:
         self.incarnation = secrets.token_hex(6)  # peers see a restart as a new incarnation
         self.load_state = "loading" if config.model_enabled or config.engine else "none"
         self.excluded: dict[str, str] = {}  # ready members the last plan left out, and why
+        self._warned_model = ""  # the home model this device was last warned it does not hold
         self._tasks: list[asyncio.Task] = []
         self._started_at = 0.0
         self.last_error = ""  # shown per member by `meshd status` (sent in heartbeats)
@@ -287,6 +288,8 @@ class Daemon:
             warm = self.serving.warm if self.serving is not None else None
             if self.load_state in ("failed", "none") or (inner is not None and warm is None):
                 break
+            if self.serving is not None and getattr(self.serving, "model_mismatch", ""):
+                break  # another model than the home's: up as a control-plane member, saying why
             if warm is not None and warm.is_set():
                 break
             waiting = ("fetching the model from members of the home (none may hold it yet: "
@@ -372,6 +375,7 @@ class Daemon:
         log.info("model_ready", model=engine.model_id, identity=self._model_identity()[0])
         self._send_heartbeat()  # peers may plan with us now
         self.debounce.poke(self.clock())
+        self._check_home_model()
 
     @functools.cached_property
     def weights_mode(self) -> str:
@@ -754,14 +758,10 @@ class Daemon:
                 self.serving.coordinator.stage_restarted(node_id)
         if any(before.get(k) != info.get(k) for k in ("load_state", "model", "model_layers")):
             self.debounce.poke(self.clock())  # who can be planned over changed
+            self._check_home_model()
 
-    def _plannable(self, ready: list[str]) -> tuple[list[str], str, int, dict[str, str]]:
-        """The members a plan may use: model loaded, and the same model file as the home's.
-
-        The home's model is the one most loaded members run (ties: the lowest node
-        id's), so a device with another file is listed with its reason instead of
-        silently mixing layers of two models.
-        """
+    def _model_facts(self, ready: list[str]) -> dict[str, tuple[str, str, int]]:
+        """Per ready member: (load state, model identity, layer count), from heartbeats and ourselves."""
         facts: dict[str, tuple[str, str, int]] = {}
         for nid in ready:
             if nid == self.node_id:
@@ -771,8 +771,66 @@ class Daemon:
                 info = self.membership.peers[nid].info if nid in self.membership.peers else {}
                 facts[nid] = (str(info.get("load_state", "loading")), str(info.get("model", "")),
                               int(info.get("model_layers", 0) or 0))
-        members, model, layers, excluded = plannable_members(facts)
+        return facts
+
+    def _plannable(self, ready: list[str]) -> tuple[list[str], str, int, dict[str, str]]:
+        """The members a plan may use: model loaded, and the same model file as the home's.
+
+        The home's model is the one most loaded members hold (ties: the one the current
+        plan serves, then the lowest node id's; ``meshd.plan.plannable_members``), so a
+        device with another file is listed with its reason instead of silently mixing
+        layers of two models.
+        """
+        members, model, layers, excluded = plannable_members(
+            self._model_facts(ready), self.plan.model if self.plan is not None else "")
         return members, model, layers or self.config.plan_layers, excluded
+
+    def _not_planned(self) -> dict[str, str]:
+        """Why each ready member holds no layers of the current plan (on every member, not only
+        the leader: ``meshd.plan.not_planned``)."""
+        if self.membership is None:
+            return {}
+        return not_planned(self.plan, self._model_facts(self.membership.ready_ids()))
+
+    def _check_home_model(self) -> None:
+        """Say at once, once per home model, when this device holds another model than its home serves.
+
+        The home's model is the current plan's (else the one most ready members hold).
+        While this device's model still loads, its file name already tells a different
+        model apart (an identity is "file name@sha256 prefix"), so ``meshd join`` warns as
+        soon as the first plan arrives, not after seconds of loading. Such a device serves
+        no layers and refuses requests (``meshd.pipeline``); the warning says what to change.
+        """
+        if self.membership is None:
+            return
+        own = self._model_identity()[0] if self.load_state == "loaded" else ""
+        name = own.rpartition("@")[0] if own else self._configured_model_file
+        if not name:
+            return
+        home = self.plan.model if self.plan is not None and self.plan.model else plannable_members(
+            self._model_facts(self.membership.ready_ids()))[1]
+        differs = home != own if own else home.rpartition("@")[0] not in ("", name)
+        if not home or not differs or self._warned_model == home:
+            return
+        self._warned_model = home
+        from meshd.model_store import model_flag_for
+
+        log.warning("model_differs_from_home", holds=own or name, home_serves=home,
+                    hint=f"every member of a home holds the same model: restart this device "
+                         f"{model_flag_for(home)} (or move most of the home to {model_name(name)}); "
+                         f"until then it serves no layers and refuses requests")
+
+    @functools.cached_property
+    def _configured_model_file(self) -> str:
+        """The file name of the model this daemon opens ("" when none, or not on this device yet)."""
+        if not self.config.model_enabled or self.config.engine:
+            return ""
+        from meshd.model_store import resolve_model
+
+        try:
+            return resolve_model(self.config.model or None).name
+        except Exception:  # noqa: BLE001 - not here (fetched from the home, or missing): the load says so
+            return ""
 
     def _maybe_replan(self) -> None:
         m = self.membership
@@ -801,9 +859,9 @@ class Daemon:
                 return
         cur = self.plan
         if cur is not None and cur.digest() == plan.digest() and cur.weights == plan.weights \
-                and cur.members == plan.members and cur.leader == self.node_id and version <= cur.version + 1 \
-                and not self.plan_conflict:
-            # Same assignment, mode and members: keep the version, so requests running on it
+                and cur.model == plan.model and cur.members == plan.members and cur.leader == self.node_id \
+                and version <= cur.version + 1 and not self.plan_conflict:
+            # Same assignment, mode, model and members: keep the version, so requests running on it
             # are not failed as stale and no stage reloads anything. (A member joining that the
             # planner leaves out still makes a new plan: status lists whom a plan was made over.)
             log.debug("replan_unchanged", version=cur.version)
@@ -864,6 +922,7 @@ class Daemon:
         ready = len(self.membership.ready_ids()) if self.membership else 1
         self.notifier.status(f"home {self.home.name if self.home else '?'}: {ready} member(s) ready, "
                              f"plan v{plan.version}, layers {list(layers) if layers else 'none'} here")
+        self._check_home_model()
         for listener in self.plan_listeners:  # the pipeline engine redeploys layer ranges here
             try:
                 listener(plan)
@@ -977,7 +1036,8 @@ class Daemon:
             "load_state": self.load_state,
             "profile": self.profile_how,
             "ready": self._serving_ready(),
-            "not_planned": [{"node_id": n, "reason": r} for n, r in sorted(self.excluded.items())],
+            "not_planned": [{"node_id": n, "name": self.members[n].name if n in self.members else None,
+                             "reason": r} for n, r in sorted(self._not_planned().items())],
             "stage": self._stage_status(),
             "links": self._links_status(),
             "sharing": self.sharing.status() if self.sharing is not None else None,

@@ -103,6 +103,33 @@ class BadEngineRequest(EngineError):
     code = "unsupported"
 
 
+class BadTokenIds(EngineError):
+    """The prompt holds token ids the model has no embedding for (caught before any stage sees them)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_token_ids"
+
+
+class WrongModel(EngineError):
+    """This device holds another model than the one its home serves: it refuses to answer
+    (an answer would come from the wrong weights). Retrying does not help until it is restarted."""
+
+    http_status = 409
+    error_type = "conflict"
+    code = "model_mismatch"
+
+
+def out_of_vocab(ids: Sequence[int], vocab_size: int | None) -> str:
+    """Why ``ids`` cannot be fed to a model of ``vocab_size`` tokens ("" if they can; None/0: unknown)."""
+    if not vocab_size:
+        return ""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is None:
+        return ""
+    return f"token id {ids[bad]} at position {bad} is outside the model's vocabulary [0, {vocab_size})"
+
+
 class GenerationFailed(EngineError):
     """A generation broke half way (a device left, the runtime raised)."""
 
@@ -278,7 +305,12 @@ class Engine(abc.ABC):
         return frozenset(self.tokenizer.eos_ids or ())
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
-        """Raise :class:`PromptTooLong` if no token could be generated after it."""
+        """Raise :class:`BadTokenIds` for an id outside the vocabulary (whatever made it: a client's
+        token array, a tokenizer that does not match the weights), :class:`PromptTooLong` if no
+        token could be generated after it."""
+        bad = out_of_vocab(prompt_ids, getattr(self, "vocab_size", None))
+        if bad:
+            raise BadTokenIds(bad)
         if len(prompt_ids) >= self.context_length:
             raise PromptTooLong(
                 f"prompt is {len(prompt_ids)} tokens; the model's context is "

@@ -267,6 +267,18 @@ def resolve_model(path: str | os.PathLike | None) -> Path:
     return default_model_path()
 
 
+def model_flag_for(identity: str) -> str:
+    """How to start a daemon on the model ``identity`` ("file name@sha256 prefix"): the words of a hint,
+    e.g. "with --model qwen2.5-coder-0.5b-instruct" for a catalog model."""
+    name, _, digest = identity.partition("@")
+    if name == DEFAULT_MODEL.name and digest and DEFAULT_MODEL.sha256.startswith(digest):
+        return "without --model (the embedded default)"
+    for m in CATALOG.values():
+        if m.file_name == name and digest and m.sha256.startswith(digest):
+            return f"with --model {m.name}"
+    return f"with --model set to a copy of {name}"
+
+
 def open_model(path: str | os.PathLike | None = None):
     """Open a model for meshd: ``path``, or (None) the pulled embedded default.
 

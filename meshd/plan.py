@@ -50,6 +50,7 @@ class Plan(LayerAssignment):
     leader: NodeId = NodeId("")
     members: tuple[NodeId, ...] = ()  # the ready members it was planned over (some may get no layers)
     weights: str = ""  # the numeric mode every stage computes in (the leader's; "": each member its own)
+    model: str = ""  # identity of the model file every stage holds (name@sha256 prefix; "": not said)
 
     def to_assignment(self) -> dict[str, Any]:
         """The ``transport.messages.PlanUpdate.assignment`` form: node id -> stage.
@@ -62,6 +63,7 @@ class Plan(LayerAssignment):
                 "stage": i, "first": s.first, "last": s.end, "num_layers": self.num_layers,
                 "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
                 "leader": self.leader, "members": list(self.members), "weights": self.weights,
+                "model": self.model,
             }
             for i, s in enumerate(self.stages)
         }
@@ -79,7 +81,7 @@ class Plan(LayerAssignment):
                         None if bottleneck is None else float(bottleneck),
                         str(any_row.get("reason", "")), NodeId(str(any_row.get("leader", ""))),
                         tuple(NodeId(str(m)) for m in any_row.get("members", ())),
-                        str(any_row.get("weights", "") or ""))
+                        str(any_row.get("weights", "") or ""), str(any_row.get("model", "") or ""))
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed plan assignment: {exc}") from None
         plan.check()
@@ -90,8 +92,9 @@ class Plan(LayerAssignment):
 
         Heartbeats carry it beside the version, so two members holding different plans
         under one version (two leaders of a briefly split view) are found and re-planned
-        above, instead of each serving its own plan forever. The numeric mode is left out, so
-        daemons too old to carry one agree with newer ones on the digest of the same stages.
+        above, instead of each serving its own plan forever. The numeric mode and the model are
+        left out, so daemons too old to carry them agree with newer ones on the digest of the
+        same stages (the leader compares both itself before re-issuing a plan).
         """
         return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
 
@@ -109,6 +112,7 @@ class Plan(LayerAssignment):
             "leader": self.leader,
             "members": list(self.members),
             **({"weights": self.weights} if self.weights else {}),
+            **({"model": self.model} if self.model else {}),
         }
 
 
@@ -207,20 +211,39 @@ def make_plan(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
               weights: str = "", model: str = "") -> Plan:
     stages, bottleneck, reason = compute_stages(members, num_layers, weights, model)
     plan = Plan(version, tuple(stages), num_layers, bottleneck, reason, leader,
-                tuple(sorted(m.node_id for m in members)), weights)
+                tuple(sorted(m.node_id for m in members)), weights, model)
     plan.check()
     return plan
 
 
-def plannable_members(facts: dict[str, tuple[str, str, int]]) -> tuple[list[str], str, int, dict[str, str]]:
+def model_name(identity: str) -> str:
+    """What a person calls a model identity: the file name without its digest or ``.gguf``."""
+    name = identity.rpartition("@")[0] or identity
+    return name.removesuffix(".gguf")
+
+
+def other_model_reason(holds: str, serves: str) -> str:
+    """Why a member holding ``holds`` is not planned in a home serving ``serves`` (names, and the
+    full identities when the names alone do not tell the two files apart)."""
+    mine, home = model_name(holds), model_name(serves)
+    if mine == home:
+        mine, home = holds, serves
+    return f"holds {mine or 'no model'}, the home serves {home}"
+
+
+def plannable_members(facts: dict[str, tuple[str, str, int]], incumbent: str = ""
+                      ) -> tuple[list[str], str, int, dict[str, str]]:
     """Which ready members a plan may use, from each one's (load state, model identity, layers).
 
-    Only members whose model is loaded ("none": a control-plane-only member, planned
-    only with its like), and only those running the home's model: the identity most
-    of them run (a real model beats "none"; ties go to the lowest node id's). Everyone
-    else comes back in ``excluded`` with the reason ``meshd status`` shows, instead of
-    a plan silently mixing layers of two model files. Returns (members, model
-    identity, layer count, excluded).
+    One model per home: only members whose model is loaded ("none": a control-plane-only
+    member, planned only with its like), and only those holding the home's model. The
+    home's model is the identity most of them hold (a real model beats "none"); a tie goes
+    to ``incumbent`` (the model the current plan serves), then to the lowest node id's. So
+    one device restarted with another model (or a newcomer with the default one) is left
+    out, and the home moves to another model only as a whole: once most members hold it.
+    Everyone else comes back in ``excluded`` with the reason ``meshd status`` shows
+    ("holds X, the home serves Y"), instead of a plan mixing layers of two model files.
+    Returns (members, model identity, layer count, excluded).
     """
     excluded = {nid: f"model {st}" for nid, (st, _, _) in facts.items() if st not in ("loaded", "none")}
     eligible = sorted(nid for nid in facts if nid not in excluded)
@@ -232,9 +255,41 @@ def plannable_members(facts: dict[str, tuple[str, str, int]]) -> tuple[list[str]
         key = facts[nid][1:]
         counts[key] = counts.get(key, 0) + 1
         first_of.setdefault(key, i)
-    home = max(counts, key=lambda k: (bool(k[0]), counts[k], -first_of[k]))
+    home = max(counts, key=lambda k: (bool(k[0]), counts[k], bool(incumbent) and k[0] == incumbent,
+                                      -first_of[k]))
     members = [nid for nid in eligible if facts[nid][1:] == home]
     for nid in eligible:
         if facts[nid][1:] != home:
-            excluded[nid] = f"different model ({facts[nid][1] or 'none'}; the home runs {home[0] or 'none'})"
+            excluded[nid] = other_model_reason(facts[nid][1], home[0]) if home[0] else \
+                f"holds {model_name(facts[nid][1])}, the home runs no model"
     return members, home[0], home[1], excluded
+
+
+def not_planned(plan: Plan | None, facts: dict[str, tuple[str, str, int]]) -> dict[str, str]:
+    """Why each ready member (``facts`` as for :func:`plannable_members`) holds no layers of ``plan``.
+
+    Every member may answer this, not only the leader: the plan names the model it
+    serves, and heartbeats say what each member holds. A member the planner was given
+    but left without layers says so with the planner's reason; one the plan predates
+    waits for the next plan.
+    """
+    _, home, _, excluded = plannable_members(facts, plan.model if plan is not None else "")
+    serves = plan.model if plan is not None and plan.model else home
+    out: dict[str, str] = {}
+    for nid, (state, ident, _) in sorted(facts.items()):
+        if plan is not None and plan.layers_of(NodeId(nid)):
+            continue
+        if state not in ("loaded", "none"):
+            out[nid] = f"model {state}"
+        elif serves and ident != serves:
+            out[nid] = other_model_reason(ident, serves)
+        elif nid in excluded:
+            out[nid] = excluded[nid]
+        elif plan is None:
+            out[nid] = "no plan yet"
+        elif nid in plan.members:
+            out[nid] = f"the planner gave it no layers ({plan.reason})" if plan.reason else \
+                "the planner gave it no layers"
+        else:
+            out[nid] = f"not in plan v{plan.version} (made before it was ready); the next plan includes it"
+    return out

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from meshd.engine import GenerationFailed, NoPlan
+from meshd.engine import GenerationFailed, NoPlan, WrongModel
 from tests.test_api_support import REPLY, FakeEngine, ServerThread, engine, server  # noqa: F401
 
 
@@ -126,16 +126,21 @@ def test_prompt_over_the_context_is_413():
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_no_plan_is_503_before_any_token(stream):
+@pytest.mark.parametrize("error,status,code", [
+    (NoPlan("no partition of the model fits the 1 device in the mesh"), 503, "no_plan"),
+    # a device holding another model than its home's (tests/test_daemon_model_identity.py)
+    (WrongModel("this device holds qwen, the home serves smol, so it answers no requests"), 409, "model_mismatch"),
+])
+def test_a_refusal_before_any_token_keeps_its_status_code_and_message(stream, error, status, code):
     eng = FakeEngine()
-    eng.fail_before = NoPlan("no partition of the model fits the 1 device in the mesh")
+    eng.fail_before = error
     with ServerThread(eng) as srv:
         with pytest.raises(openai.APIStatusError) as info:
             r = make_client(srv).chat.completions.create(
                 model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=stream)
             list(r) if stream else None
-        assert info.value.status_code == 503
-        assert info.value.body["code"] == "no_plan"
+        assert info.value.status_code == status
+        assert info.value.body["code"] == code and info.value.body["message"] == str(error)
 
 
 def test_failure_mid_stream_is_sent_as_an_error_event():

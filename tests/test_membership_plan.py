@@ -139,7 +139,7 @@ def test_only_members_with_the_home_model_loaded_are_planned_and_the_rest_say_wh
              "d": ("loading", "", 0), "e": ("failed", "", 0)}
     members, model, layers, excluded = plannable_members(facts)
     assert (members, model, layers) == (["a", "b"], "smol.gguf@aa", 30)
-    assert excluded["c"].startswith("different model (qwen.gguf@bb")
+    assert excluded["c"] == "holds qwen, the home serves smol"
     assert excluded["d"] == "model loading" and excluded["e"] == "model failed"
 
 

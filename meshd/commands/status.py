@@ -171,6 +171,11 @@ def render_status(s: dict[str, Any]) -> str:
     if rows:
         lines += _table(["NAME", "STATE", "ADDRESS", "MEMORY", "LAYERS", "KV TOKENS", "UPTIME",
                          "VERSION", "MODEL", "LAST SEEN", "RTT"], rows)
+        by_id = {m.get("node_id"): _member_name(m, names) for m in members}
+        for n in s.get("not_planned") or []:
+            if isinstance(n, dict) and n.get("reason"):
+                who = by_id.get(n.get("node_id")) or _text(n.get("name") or n.get("node_id"))
+                lines.append(f"not planned: {who}: {n['reason']}")
         errors = [(_member_name(m, names), m["last_error"]) for m in members if m.get("last_error")]
         for name, err in errors:
             lines.append(f"last error on {name}: {err}")

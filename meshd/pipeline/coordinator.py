@@ -40,10 +40,11 @@ from decoding.speculative.adaptive import RoundCost
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.session import MedusaProposal, SpeculationSession
 from decoding.speculative.verify import Verdict
+from meshd.engine import out_of_vocab
 from meshd.errors import MeshdError
 from meshd.log import get_logger
 from meshd.pipeline.links import Directory, Links
-from meshd.pipeline.route import Route
+from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import SeqKey, SeqKeys
 from transport.errors import TransportError
 from transport.link import Request
@@ -64,6 +65,14 @@ class PipelineError(MeshdError):
 
 class NoRoute(PipelineError):
     pass
+
+
+class ModelMismatch(PipelineError):
+    """This device holds another model than the plan's: it cannot coordinate the home's requests."""
+
+
+class BadTokens(PipelineError):
+    """A prompt holds token ids outside the model's vocabulary (never sent to a stage)."""
 
 
 class PipelineBusy(PipelineError):
@@ -125,8 +134,13 @@ PREFILL_BUDGET_S_PER_TOKEN = 0.05
 class PipelineCoordinator:
     def __init__(self, node: TransportNode, node_id: str, directory: Directory,
                  token_timeout_s: float = 30.0, send_timeout_s: float = 10.0,
-                 activation_dtype: str | None = None, resume_timeout_s: float = 60.0):
+                 activation_dtype: str | None = None, resume_timeout_s: float = 60.0,
+                 model: str = "", vocab_size: int = 0):
+        """``model``: identity of this device's model file (a plan for another is refused at
+        once); ``vocab_size``: its vocabulary, which bounds every prompt's token ids (0: unchecked)."""
         self.node = node
+        self.model = model
+        self.vocab_size = vocab_size
         self.node_id = node_id
         self.directory = directory
         self.token_timeout_s = token_timeout_s
@@ -238,6 +252,8 @@ class PipelineCoordinator:
                         reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=2.0)
                         if reply.plan_version == route.plan_version:
                             break
+                        if not reply.accepted and reply.reason:  # it holds another model: it never will
+                            raise ModelMismatch(f"stage {st.node_id} {reply.reason}")
                     except (TransportError, KeyError) as exc:
                         log.debug("stage_not_ready", node=st.node_id, error=str(exc))
                     await asyncio.sleep(poll_s)
@@ -256,6 +272,13 @@ class PipelineCoordinator:
                        else "devices still joining, loading layers or re-planning")
                 raise NoRoute(f"no pipeline plan could serve within {timeout_s:g}s ({why}); retry")
             route = self.route
+            mismatch = model_mismatch(route.model, self.model) if route is not None else ""
+            if mismatch:
+                from meshd.model_store import model_flag_for
+
+                raise ModelMismatch(f"this device {mismatch}, so it answers no requests: restart it "
+                                    f"{model_flag_for(route.model)} (every member of a home holds the same "
+                                    f"model) or send requests to another member")
             if route is None or not route.stages:
                 changed = self._route_changed
                 try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (a hang-up)
@@ -305,6 +328,9 @@ class PipelineCoordinator:
             raise PipelineError("speculation cannot be combined with structured output or penalties")
         if request_id in self._requests:
             raise PipelineError(f"request id {request_id!r} is already running")
+        bad = out_of_vocab(prompt_ids, self.vocab_size)
+        if bad:
+            raise BadTokens(bad)
         if not sampling.greedy and sampling.seed is None:
             # We own the random stream: a replay must continue it, so it needs a known seed.
             sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
@@ -439,6 +465,9 @@ class PipelineCoordinator:
         """Draft through the mesh for a cloud verifier (see :class:`MeshDrafter`); close it when done."""
         if request_id in self._requests:
             raise PipelineError(f"request id {request_id!r} is already running")
+        bad = out_of_vocab(prompt_ids, self.vocab_size)
+        if bad:
+            raise BadTokens(bad)
         if not sampling.greedy and sampling.seed is None:
             sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
         self._requests.add(request_id)
@@ -544,6 +573,8 @@ class PipelineCoordinator:
                 raise item
             case ErrorReply() if item.code == "cache_full":
                 raise PipelineBusy(f"the mesh is busy: {item.message}; retry shortly")
+            case ErrorReply() if item.code == "model_mismatch":
+                raise ModelMismatch(f"stage {item.message}")
             case ErrorReply() if item.code in RESUMABLE_CODES:
                 raise _Interrupted(f"stage failed ({item.code}): {item.message}", item.message.split(":", 1)[0])
             case ErrorReply():

@@ -3,7 +3,8 @@
 The daemon that received a request coordinates it, on the coordinator of the
 daemon's serving role (``meshd.pipeline.serving``). Errors are mapped to the API's
 vocabulary: no plan within the wait → 503 with Retry-After, a full cache → 503
-busy, prompt over the context → 413, a request that could not be replayed after a
+busy, prompt over the context → 413, a plan for another model than this device
+holds → 409 ``model_mismatch``, token ids outside the vocabulary → 400, a request that could not be replayed after a
 device left → a clear error naming the device.
 """
 
@@ -17,10 +18,11 @@ from decoding.errors import DrafterError
 from decoding.offload.policy import GAMMA
 from decoding.sampling import SamplingParams
 from decoding.speculative.session import SpeculationSession
-from meshd.engine import (BadEngineRequest, Engine, EngineBusy, GenerationFailed, GenerationRequest, NoPlan,
-                          model_id_of)
+from meshd.engine import (BadEngineRequest, BadTokenIds, Engine, EngineBusy, GenerationFailed, GenerationRequest,
+                          NoPlan, WrongModel, model_id_of)
 from meshd.log import get_logger
-from meshd.pipeline.coordinator import NoRoute, PipelineBusy, PipelineCoordinator, PipelineError
+from meshd.pipeline.coordinator import (BadTokens, ModelMismatch, NoRoute, PipelineBusy, PipelineCoordinator,
+                                        PipelineError)
 from meshd.pipeline.outline import OutlineDecoder, OutlineStats
 from meshd.pipeline.outline_gate import OutlineDecision, decide as decide_outline
 from meshd.pipeline.outline_router import shipped as outline_router
@@ -68,6 +70,7 @@ class PipelineEngine(Engine):
         self.draft_model = draft_model
         self.tokenizer = source.tokenizer
         self.model_id = model_id_of(source)
+        self.vocab_size = source.config.vocab_size  # bounds every prompt's ids (Engine.check_prompt)
         self.context_length = source.config.max_position
         self.coordinator = coordinator
         self.cuts_for = cuts_for or (lambda n, route: default_cuts(n, len(route.stages)))
@@ -142,6 +145,10 @@ class PipelineEngine(Engine):
             raise NoPlan(str(exc), retry_after_s=5.0) from exc
         except PipelineBusy as exc:
             raise EngineBusy(str(exc), retry_after_s=exc.retry_after_s) from exc
+        except ModelMismatch as exc:
+            raise WrongModel(str(exc)) from exc
+        except BadTokens as exc:
+            raise BadTokenIds(str(exc)) from exc
         except PipelineError as exc:
             raise GenerationFailed(str(exc)) from exc
 

@@ -2,7 +2,9 @@
 
 A route is derived from the plan (layer ranges per node) and the membership
 directory (address and CURVE key per node). It is versioned with the plan so
-every message can be checked against it. Layer ranges are half-open
+every message can be checked against it, and names the plan's model, so a
+stage or coordinator holding another model file refuses it (plan versions are
+unique in a home: a message's version stands for that model too). Layer ranges are half-open
 ``[first, end)``, as in :class:`partition.plan.StageAssignment`.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshd.plan import other_model_reason
 from partition.ids import NodeId, PlanVersion
 
 
@@ -31,6 +34,7 @@ class Route:
     plan_version: PlanVersion
     stages: tuple[StageEndpoint, ...]
     weights: str = ""  # the plan's numeric mode ("": each stage its own)
+    model: str = ""  # identity of the model every stage of the plan holds ("": the plan does not say)
 
     def index_of(self, node_id: str) -> int | None:
         for i, s in enumerate(self.stages):
@@ -44,3 +48,15 @@ class Route:
     @property
     def layer_ranges(self) -> list[tuple[int, int]]:
         return [s.layers for s in self.stages]
+
+
+def model_mismatch(plan_model: str, own: str) -> str:
+    """Why a device holding the model ``own`` cannot take part in a plan for ``plan_model`` ("" if it can):
+    "holds X, the home serves Y".
+
+    Either side unknown ("": a plan from a daemon too old to name its model, an engine
+    without a model file) passes: the check is as strict as what both sides can say.
+    """
+    if not plan_model or not own or plan_model == own:
+        return ""
+    return other_model_reason(own, plan_model)

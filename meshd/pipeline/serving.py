@@ -19,7 +19,7 @@ from decoding.stage import EXACT_BLOCK
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import PipelineCoordinator
 from meshd.pipeline.engine import UNCUT_PROMPT, aligned_cuts, default_cuts
-from meshd.pipeline.route import Route
+from meshd.pipeline.route import Route, model_mismatch
 from partition.plan import LayerAssignment
 
 log = get_logger("meshd.serving")
@@ -71,7 +71,7 @@ def route_from_plan(plan: LayerAssignment, directory) -> Route:
         except KeyError:
             address, key = "", ""
         stages.append(StageEndpoint(s.node_id, address, key, s.first, s.end))
-    return Route(plan.version, tuple(stages), getattr(plan, "weights", "") or "")
+    return Route(plan.version, tuple(stages), getattr(plan, "weights", "") or "", getattr(plan, "model", "") or "")
 
 
 CUT_TABLE_MAX_SEQ = 2048
@@ -142,6 +142,7 @@ class ServingRole:
         self.cut_table_errors = 0
         self.warm = asyncio.Event()  # set once a plan has served a warm-up request end to end
         self.warm_version = 0
+        self.model_mismatch = ""  # why this device cannot serve the current plan's model ("": it can)
 
     def follow(self, plan) -> None:
         """A plan listener: adopt ``plan`` in the background (in order, see :meth:`adopt`)."""
@@ -155,6 +156,10 @@ class ServingRole:
                 log.info("plan_not_newer", plan_version=plan.version, deployed=self._deployed)
                 return
             route = route_from_plan(plan, self.directory)
+            self.model_mismatch = model_mismatch(route.model, str(getattr(self.source, "identity", "") or ""))
+            if self.model_mismatch:
+                # (the daemon's model_differs_from_home warning says what to do about it)
+                log.info("plan_for_another_model", plan_version=route.plan_version, error=self.model_mismatch)
             # Requests running on the old plan pause now (they replay on this one once it
             # serves), rather than keep a vanished device's stage in their path.
             self.coordinator.set_route(None)
@@ -178,7 +183,8 @@ class ServingRole:
                 return
             self._deployed = route.plan_version
             self.coordinator.set_route(route)
-        await self.warm_up(route)
+        if not self.model_mismatch:  # (requests here are refused at once: nothing to warm)
+            await self.warm_up(route)
 
     async def warm_up(self, route: Route) -> None:
         """One tiny greedy request through every stage of ``route`` (best effort)."""
@@ -244,7 +250,8 @@ async def start_serving(daemon) -> ServingRole:
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
     daemon.stage_port = int(address.rsplit(":", 1)[1])
-    coordinator = PipelineCoordinator(node, daemon.node_id, directory, resume_timeout_s=cfg.request_wait_s)
+    coordinator = PipelineCoordinator(node, daemon.node_id, directory, resume_timeout_s=cfg.request_wait_s,
+                                      model=source.identity, vocab_size=source.config.vocab_size)
     await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
 
     def profiles_for() -> dict[str, dict]:

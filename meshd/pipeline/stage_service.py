@@ -54,7 +54,7 @@ from decoding.stage import BatchItem, StageModel
 from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 from meshd.pipeline.links import Directory, Links
-from meshd.pipeline.route import Route
+from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import coordinator_of
 from transport.errors import TransportError
 from transport.link import Request, StageServer
@@ -176,6 +176,7 @@ class StageService:
         self._free_after_compute: set[str] = set()
         self._reaper: asyncio.Task | None = None
         self.vocab_size = int(getattr(getattr(model_source, "config", None), "vocab_size", 0) or 0)
+        self.model_mismatch = ""  # the current plan names another model than this stage's file holds
         # Medusa heads for the last stage: ``medusa(stage)`` -> MedusaSource (or raises DrafterError);
         # loaded on first use, the outcome (or the reason there are none) kept until the next deploy.
         self._medusa_factory = medusa
@@ -221,6 +222,11 @@ class StageService:
                 return
             idx = route.index_of(self.node_id)
             rng = route.stages[idx].layers if idx is not None else None
+            self.model_mismatch = model_mismatch(route.model, str(getattr(self.source, "identity", "") or "")) \
+                if route.model else ""
+            if self.model_mismatch and rng is not None:
+                log.warning("stage_model_mismatch", plan_version=route.plan_version, error=self.model_mismatch)
+                rng = None  # never load another model's layer range from this file
             if rng is None:
                 self.stage, self.kv = None, None
             elif (self.stage is None or (self.stage.first, self.stage.end) != rng
@@ -313,7 +319,8 @@ class StageService:
         try:
             match msg:
                 case Hello():  # readiness probe: which plan is loaded and serving here
-                    return HelloReply(self.node_id, self.serving_version, "")
+                    refused = self._refusal(msg.plan_version)
+                    return HelloReply(self.node_id, self.serving_version, "", accepted=not refused, reason=refused)
                 case StageForward():
                     reply = await self._forward(msg)  # errors are already reported (per message)
                     if reply is not None:
@@ -369,7 +376,22 @@ class StageService:
             self.kv.free(seq)
             log.debug("sequence_freed", seq=seq, why=why)
 
+    def _refusal(self, version: int) -> str:
+        """Why this stage will never serve plan ``version`` ("": it may): the plan names another model."""
+        if self.model_mismatch and self.route is not None and version == self.route.plan_version:
+            return self.model_mismatch
+        return ""
+
     def _check_plan(self, version: int) -> None:
+        """Work for ``version`` only, and only while this stage holds the model that plan names.
+
+        A plan version is unique in a home and names its model (``Route.model``), so this
+        check binds every message to the model it was computed for: a request of another
+        model is refused here with what each side holds, never run on the wrong weights.
+        """
+        refused = self._refusal(version)
+        if refused:
+            raise StageError("model_mismatch", refused)
         if self.route is None or self.stage is None:
             raise StageError("no_stage", "this device serves no stage in the current plan")
         if version != self.route.plan_version:
