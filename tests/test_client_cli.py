@@ -164,3 +164,13 @@ def test_a_wrong_flag_gets_the_subcommands_usage_not_the_top_level_one(argv, usa
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert usage in err and f"unrecognized arguments: {argv[-1] if argv[-1] != '0' else '--prot 0'}" in err
+
+
+def test_daemons_that_share_one_machine_are_named_so_their_memory_is_not_read_as_twice_the_ram():
+    gib = 6 * 2**30
+    text = render_status({"members": [
+        {"name": "a", "address": "127.0.0.1:40001", "memory_budget_bytes": gib, "self": True},
+        {"name": "b", "address": "127.0.0.1:40002", "memory_budget_bytes": gib},
+        {"name": "nas", "address": "192.168.1.9:7410", "memory_budget_bytes": gib}]})
+    [note] = [line for line in text.splitlines() if line.startswith("one machine:")]
+    assert "a *" not in note and "a, b run on 127.0.0.1" in note and "nas" not in note

@@ -179,6 +179,9 @@ def render_status(s: dict[str, Any]) -> str:
         errors = [(_member_name(m, names), m["last_error"]) for m in members if m.get("last_error")]
         for name, err in errors:
             lines.append(f"last error on {name}: {err}")
+        for host, sharing in _same_host(members, names).items():
+            lines.append(f"one machine: {', '.join(sharing)} run on {host}; each lends the memory shown from the "
+                         f"same RAM (give each --memory-budget-mb so together they fit)")
         speeds = [f"{_member_name(m, names)}: {m['profile']}" for m in members if m.get("profile")]
         if speeds:
             lines.append("planned with profiles: " + "; ".join(speeds))
@@ -275,6 +278,17 @@ def _bytes(v: Any) -> str:
         if abs(v) >= size:
             return f"{v / size:.1f} {unit}"
     return f"{int(v)} B"
+
+
+def _same_host(members: list[dict[str, Any]], names: list[Any]) -> dict[str, list[str]]:
+    """Hosts that several members' addresses share: daemons on one machine, each of which reports
+    the memory it lends as if the machine were its own."""
+    by_host: dict[str, list[str]] = {}
+    for m in members:
+        addr = m.get("address")
+        if isinstance(addr, str) and ":" in addr:
+            by_host.setdefault(addr.rsplit(":", 1)[0].strip("[]"), []).append(_member_name(m, names))
+    return {h: who for h, who in by_host.items() if len(who) > 1}
 
 
 def _layers(v: Any) -> str:
