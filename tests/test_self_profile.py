@@ -129,3 +129,23 @@ def test_the_real_one_layer_timing_gives_a_usable_profile(tmp_path, real_source)
     assert 0.05 < speed < 20, speed  # any machine that runs the suite, loaded or not
     pf.DeviceProfile.from_dict(got.profile)  # a valid profile the planner can read
     assert Path(got.path).name.startswith("self-")
+
+
+def _identities() -> list[str]:
+    from meshd.model_store import CATALOG, DEFAULT_MODEL
+
+    models = [(DEFAULT_MODEL.name, DEFAULT_MODEL.sha256)] + [(m.file_name, m.sha256) for m in CATALOG.values()]
+    return [f"{name}@{sha[:16]}" for name, sha in models]
+
+
+@pytest.mark.parametrize("identity", _identities())
+def test_every_model_meshd_can_pull_has_a_shipped_profile_in_the_cpu_default_mode(identity):
+    """Without one, a home of that model plans an equal split and no device can time itself
+    against a reference (the recommended Home Assistant model was such a case)."""
+    from meshd.plan import default_profile
+
+    found = reference_for(identity, [shipped_profiles_dir()], "packed")
+    assert found is not None, f"no profile of {identity} in profiles/: run `meshd profile --model ... --weights packed`"
+    data = json.loads(found.read_text())
+    assert data["dtype"] == "packed" and not data.get("scaled_from")
+    assert default_profile("packed", identity)["model"]["identity"] == identity

@@ -46,7 +46,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-class _Daemon:
+class DemoDaemon:
     def __init__(self, root: Path, name: str, core: int, model: str | None, extra: list[str]):
         self.name, self.dir = name, root / name
         self.dir.mkdir(parents=True)
@@ -104,7 +104,7 @@ def _wait(what: str, cond, timeout: float, quiet: bool):
     raise MeshdError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def _two_stage_plan(a: _Daemon, b: _Daemon):
+def two_stage_plan(a: DemoDaemon, b: DemoDaemon):
     """Both daemons agree on a plan that gives each of them layers, and both serve it warm."""
     sa, sb = a.status(), b.status()
     pa, pb = (sa or {}).get("plan") or {}, (sb or {}).get("plan") or {}
@@ -114,26 +114,34 @@ def _two_stage_plan(a: _Daemon, b: _Daemon):
     return None
 
 
+def start_home(root: Path, model: str, quiet: bool, daemons: list[DemoDaemon]) -> dict:
+    """Start demo-a (a new home) and demo-b (paired with an invite) under ``root``, appending each
+    to ``daemons`` as it starts (the caller stops them, also on failure); the status once both
+    serve one warm plan that splits the layers between them."""
+    a = DemoDaemon(root, "demo-a", 0, model, ["--new-home", "demo"])
+    daemons.append(a)
+    _wait("daemon demo-a to serve its API", a.status, 90, quiet)
+    invite = subprocess.run([sys.executable, "-m", "meshd", "invite", "--state-dir", str(a.state), "--json"],
+                            capture_output=True, text=True)
+    if invite.returncode != 0:
+        raise MeshdError(f"meshd invite failed: {invite.stderr.strip()}")
+    token = json.loads(invite.stdout.strip().splitlines()[-1])["token"]
+    b = DemoDaemon(root, "demo-b", 1, model, ["--token", token])
+    daemons.append(b)
+    _wait("daemon demo-b to pair and serve", b.status, 90, quiet)
+    return _wait("the plan to split the layers over both devices", lambda: two_stage_plan(a, b), 120, quiet)
+
+
 def run(args) -> int:
     from meshd.model_store import resolve_model
 
     model = str(resolve_model(args.model))  # fails early, with a clear message, if not pulled
     root = Path(tempfile.mkdtemp(prefix="meshd-demo-"))
     quiet = args.json
-    daemons: list[_Daemon] = []
+    daemons: list[DemoDaemon] = []
     try:
-        a = _Daemon(root, "demo-a", 0, model, ["--new-home", "demo"])
-        daemons.append(a)
-        _wait("daemon demo-a to serve its API", a.status, 90, quiet)
-        invite = subprocess.run([sys.executable, "-m", "meshd", "invite", "--state-dir", str(a.state), "--json"],
-                                capture_output=True, text=True)
-        if invite.returncode != 0:
-            raise MeshdError(f"meshd invite failed: {invite.stderr.strip()}")
-        token = json.loads(invite.stdout.strip().splitlines()[-1])["token"]
-        b = _Daemon(root, "demo-b", 1, model, ["--token", token])
-        daemons.append(b)
-        _wait("daemon demo-b to pair and serve", b.status, 90, quiet)
-        status = _wait("the plan to split the layers over both devices", lambda: _two_stage_plan(a, b), 120, quiet)
+        status = start_home(root, model, quiet, daemons)
+        a = daemons[0]
         names = {m["node_id"]: m["name"] for m in status.get("members", [])}
         devices = [{"device": names.get(s["node_id"], s["node_id"]), "node_id": s["node_id"],
                     "layers": s["layers"]} for s in status["plan"]["stages"]]
