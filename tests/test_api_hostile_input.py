@@ -13,11 +13,11 @@ import time
 import httpx
 import openai
 import pytest
-import structlog
 
 from meshd.api.server import LISTENING, ApiLimits
 from meshd.engine import EngineBusy, EngineUnavailable, GenerationFailed, NoPlan
 from tests.test_api_support import REPLY, FakeEngine, ServerThread, engine, server  # noqa: F401
+from tests.log_fixtures import all_log_events
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -275,7 +275,7 @@ def test_unexpected_exceptions_mid_stream_are_a_generic_in_band_error(engine, se
 
 
 def test_each_rejected_request_is_one_structured_log_line(server):
-    with structlog.testing.capture_logs() as logs, http(server) as c:
+    with all_log_events() as logs, http(server) as c:
         c.post(CHAT, json={"messages": HI, "top_k": -5})
     rejected = [e for e in logs if e["event"] == "api_request_rejected"]
     assert len(rejected) == 1

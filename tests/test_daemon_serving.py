@@ -302,10 +302,10 @@ def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_
     before = (a.status()["stage"]["outline"].get("declined") or {}).get("brevity", 0)
     attempts = _outline_attempts(a)
     answers = [_openai_over(a.socket).chat.completions.create(
-        model="any", messages=[{"role": "user", "content": question}], max_tokens=120, temperature=0,
+        model="meshd", messages=[{"role": "user", "content": question}], max_tokens=120, temperature=0,
         extra_body={"outline": "auto"}).choices[0].message.content]
     client = ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(a.socket)), timeout=240)
-    answers.append(client.chat(model="any", messages=[{"role": "user", "content": question}],
+    answers.append(client.chat(model="meshd", messages=[{"role": "user", "content": question}],
                                options={"num_predict": 120, "temperature": 0}).message.content)
     out = subprocess.run([sys.executable, "-m", "meshd", "chat", "--socket", str(a.socket), "--max-tokens", "120",
                           "--temperature", "0", question], capture_output=True, text=True, timeout=240, env=a.env)
@@ -319,12 +319,12 @@ def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_
     # A list question whose budget cannot hold an outline: plain under "auto", a 400 under "on".
     openai_client = _openai_over(a.socket)
     short = openai_client.chat.completions.create(
-        model="any", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
+        model="meshd", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
         max_tokens=40, temperature=0, extra_body={"outline": "auto"})
     assert short.choices[0].message.content.strip() and "outline" not in short.usage.model_dump()
     with pytest.raises(openai.BadRequestError, match="max_tokens of at least"):
         openai_client.chat.completions.create(
-            model="any", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
+            model="meshd", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
             max_tokens=40, temperature=0, extra_body={"outline": "on"})
     assert _outline_attempts(a) == attempts and a.status()["stage"]["outline"]["declined"]["budget"] >= 1
     wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")

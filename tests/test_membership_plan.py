@@ -9,6 +9,7 @@ import pytest
 from meshd import plan as plan_mod
 from meshd.plan import MemberInput, Plan, equal_split, make_plan
 from partition.plan import StageAssignment as Stage
+from tests.log_fixtures import all_log_events
 
 
 def test_equal_split_tiles_the_layers_in_node_id_order():
@@ -253,8 +254,7 @@ def test_members_holding_the_same_plan_see_no_conflict(tmp_path):
 
 def test_a_heartbeat_from_a_newer_member_with_fields_this_version_lacks_keeps_it_alive(tmp_path):
     import msgpack
-    import structlog
-
+    
     from meshd import control
     from transport.messages import decode, encode
 
@@ -265,7 +265,7 @@ def test_a_heartbeat_from_a_newer_member_with_fields_this_version_lacks_keeps_it
     header = msgpack.unpackb(frames[0])
     header["fields"]["from_the_future"] = [1, 2, 3]
     env = decode([msgpack.packb(header), *frames[1:]])
-    with structlog.testing.capture_logs() as logs:
+    with all_log_events() as logs:
         for _ in range(3):
             a._on_message("key-b", env)
     assert a.membership.peers["b"].info["uptime_s"] == 42.0  # the rest of it was taken

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import structlog
 
 from decoding.sampling import SamplingParams
 from meshd.commands.chat import summary_line
@@ -24,6 +23,7 @@ from meshd.pipeline.outline_gate import (BREVITY_CUES, MIN_ANSWER_TOKENS, SURE_A
 from meshd.pipeline.outline_router import shipped
 from tests.test_api_health_metrics import metrics
 from tests.test_api_support import STATUS, FakeEngine, ServerThread
+from tests.log_fixtures import all_log_events
 from tests.test_pipeline_inprocess import Mesh
 
 ONE_SENTENCE = "My living room is cold in the evening. What should I do, in one sentence?"
@@ -153,7 +153,7 @@ async def test_a_one_sentence_question_under_auto_is_answered_plainly_with_no_ou
     async with Mesh(real_mesh_source, 2) as mesh:
         engine = PipelineEngine(real_mesh_source, mesh.coord)
         req = _request(tok, "one", ONE_SENTENCE, 512)
-        with structlog.testing.capture_logs() as logs:
+        with all_log_events() as logs:
             text, _ = await _answer(engine, req, most=12)
         assert text.strip() and not text.lstrip().startswith("1."), text
         assert not [e for e in logs if e["event"] == "outline_attempt"], logs
@@ -176,7 +176,7 @@ async def test_a_budget_too_small_for_an_outline_is_decided_before_generating(re
             return real_steps(request_id, *a, **kw)
 
         mesh.coord.steps = steps
-        with structlog.testing.capture_logs() as logs:
+        with all_log_events() as logs:
             text, usage = await _answer(engine, _request(tok, "small", LIST_QUESTION, 40))
         assert asked_for == ["small"]  # one plain sequence: no outline segment was ever started
         assert not [e for e in logs if e["event"] in ("outline_attempt", "outline_fallback")], logs
@@ -196,7 +196,7 @@ async def test_an_attempt_that_falls_back_anyway_is_counted_logged_and_reported_
     async with Mesh(real_mesh_source, 2) as mesh:
         engine = PipelineEngine(real_mesh_source, mesh.coord)
         req = _request(tok, "fb", LIST_QUESTION, MIN_ANSWER_TOKENS, outline="on")
-        with structlog.testing.capture_logs() as logs:
+        with all_log_events() as logs:
             text, usage = await _answer(engine, req)
         events = {e["event"]: e for e in logs}
         assert events["outline_attempt"]["mode"] == "on"

@@ -10,12 +10,12 @@ import asyncio
 import threading
 
 import pytest
-import structlog
 import zmq
 
 from meshd.errors import MeshdError
 from meshd.pairing import PairingError, PairingServer, create_invite, join_with_token
 from meshd.state import Member, MemberConflict, StateDir, StateError
+from tests.log_fixtures import all_log_events
 
 
 def keypair():
@@ -53,7 +53,7 @@ async def test_an_impostor_with_a_members_node_id_is_refused_and_the_key_is_kept
     server, port = await serve(member, admitted)
     token, _ = create_invite(member, "m1", ["127.0.0.1"], port, ttl_s=60)
     evil_key = keypair()
-    with structlog.testing.capture_logs() as logs:
+    with all_log_events() as logs:
         with pytest.raises(PairingError, match="node id m1 already belongs to member 'laptop'") as err:
             await join_with_token(token, "m1", "evil", evil_key)
     assert "\n" not in str(err.value)  # the joiner prints it as one line

@@ -13,7 +13,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import structlog
 import torch
 
 from decoding.loader.gguf_source import GGUFSource
@@ -23,6 +22,7 @@ from meshd.share.service import ShareService
 from transport.errors import RemoteError
 from transport.node import TransportNode
 from tests.share_gguf import write_tiny_gguf
+from tests.log_fixtures import all_log_events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,7 +112,7 @@ async def test_a_member_without_the_model_fetches_its_layers_and_shuns_the_one_s
             await holder.obtain_source()
         await wait_until(lambda: honest.manifest is not None and evil.manifest is not None, what="manifests")
         newcomer = await shell(bus, tmp_path, "newcomer")
-        with structlog.testing.capture_logs() as logs:
+        with all_log_events() as logs:
             source = await asyncio.wait_for(newcomer.obtain_source(), 60)
             await asyncio.wait_for(newcomer.set_target(1, 3), 60)
             assert newcomer.state == "done" and not source.missing(1, 3)

@@ -8,7 +8,6 @@ import random
 
 import msgpack
 import pytest
-import structlog
 import torch
 import zmq
 import zmq.asyncio
@@ -27,6 +26,7 @@ from transport.messages import (
     encode,
 )
 from transport.wire import Limits
+from tests.log_fixtures import all_log_events
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -220,7 +220,7 @@ async def test_failing_one_way_message_still_reports_an_error_to_the_sender(ctx)
     seen = []
     server, peer = await _pair(ctx, Recorder(), peer_kw={"on_message": seen.append})
     try:
-        with structlog.testing.capture_logs() as logs:
+        with all_log_events() as logs:
             await peer.send(Truncate(1, "s2", 3))
             for _ in range(100):
                 if seen:

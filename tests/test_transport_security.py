@@ -7,7 +7,6 @@ import os
 import stat
 
 import pytest
-import structlog
 import zmq
 import zmq.asyncio
 
@@ -17,6 +16,7 @@ from transport.keys import AllowList, Keypair, fingerprint, load_or_create_keypa
 from transport.link import Peer, StageServer
 from transport.messages import Ack, FreeSequence, encode
 from transport.node import TransportNode
+from tests.log_fixtures import all_log_events
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,7 +128,7 @@ async def test_unknown_key_is_refused_logged_and_never_reaches_the_stage(home, c
     node, server, stage = home
     member, stranger = Keypair.generate(), Keypair.generate()
     node.admit(member.public)
-    with structlog.testing.capture_logs() as logs:
+    with all_log_events() as logs:
         bad = await _curve_peer(node.public_key, server.address, stranger, ctx, timeout=2)
         try:
             with pytest.raises((AuthenticationRefused, TransportTimeout)) as e:
@@ -154,7 +154,7 @@ async def test_plaintext_peer_cannot_get_a_frame_to_the_stage_and_is_logged(home
     node, server, stage = home
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    with structlog.testing.capture_logs() as logs:
+    with all_log_events() as logs:
         raw.connect(server.address)
         for i in range(3):
             await raw.send_multipart(encode(FreeSequence(1, f"s{i}"), request_id=i + 1))

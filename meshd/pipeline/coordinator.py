@@ -465,9 +465,6 @@ class PipelineCoordinator:
         """Draft through the mesh for a cloud verifier (see :class:`MeshDrafter`); close it when done."""
         if request_id in self._requests:
             raise PipelineError(f"request id {request_id!r} is already running")
-        bad = out_of_vocab(prompt_ids, self.vocab_size)
-        if bad:
-            raise BadTokens(bad)
         if not sampling.greedy and sampling.seed is None:
             sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
         self._requests.add(request_id)
@@ -648,6 +645,9 @@ class MeshDrafter:
 
     async def feed(self, tokens, at: int) -> DraftStep:
         tokens = [int(t) for t in tokens]
+        bad = out_of_vocab(tokens, self.coord.vocab_size)  # checked before any stage sees them
+        if bad:
+            raise BadTokens(bad)
         if not 0 <= at <= len(self.held):
             raise PipelineError(f"cannot feed at {at}: the drafter holds {len(self.held)} positions")
         for _ in range(3):  # a device leaving: re-prefill what we hold on the next plan and go on
