@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 reps each (about 2 minutes)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "outline_gate.json"))
     args = ap.parse_args()
     args.reps = args.reps or (2 if args.quick else 4)

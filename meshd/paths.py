@@ -62,15 +62,40 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
     2. ``$STATE_DIRECTORY`` — set by systemd from ``StateDirectory=``; the
        first of several.
     3. ``~/.local/state/meshd``.
+
+    In earlier releases ``$MESHD_HOME`` held only the model cache. A home created then lives in
+    ``~/.local/state/meshd``: while ``$MESHD_HOME`` holds no home and that one does, it
+    stays the state directory (``legacy_state_dir_note`` says so), so an upgrade never
+    turns a member into a stranger with a new node id.
     """
     env = os.environ if env is None else env
     home = env.get("MESHD_HOME")
     if home:
+        legacy = _user_state_dir(env)
+        if legacy_home_in_use(Path(home).expanduser(), legacy):
+            return legacy
         return Path(home).expanduser()
     state = env.get("STATE_DIRECTORY")
     if state:
         return Path(state.split(":")[0])
     return _user_state_dir(env)
+
+
+def legacy_home_in_use(meshd_home: Path, legacy: Path) -> bool:
+    """A home kept where earlier releases put it while ``$MESHD_HOME`` (then only the model cache) has none."""
+    return not (meshd_home / "home.json").exists() and (legacy / "home.json").exists()
+
+
+def legacy_state_dir_note(env: Mapping[str, str] | None = None) -> str | None:
+    """What to tell a user whose home is still where earlier releases put it (None when it is not)."""
+    env = os.environ if env is None else env
+    home = env.get("MESHD_HOME")
+    legacy = _user_state_dir(env)
+    if not home or not legacy_home_in_use(Path(home).expanduser(), legacy):
+        return None
+    return (f"this device's home is in {legacy} (where earlier releases kept it), not in $MESHD_HOME "
+            f"({home}), which now holds the state too: move it with `mv {legacy}/* {home}/` while the "
+            f"daemon is stopped, or keep passing --state-dir {legacy}")
 
 
 def _user_state_dir(env: Mapping[str, str]) -> Path:

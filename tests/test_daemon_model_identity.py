@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from decoding.generate import generate
@@ -92,3 +93,12 @@ def test_a_member_holding_another_model_is_left_out_with_its_reason_and_refuses_
                           capture_output=True, text=True, timeout=120, env=q.env, cwd=ROOT)
     assert chat.returncode != 0 and reason in chat.stderr, (chat.returncode, chat.stdout, chat.stderr)
     assert chat.stdout.strip() == ""
+
+    # Its health and a script waiting for it say why it will never serve, not "loading".
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(q.socket)), base_url="http://meshd") as h:
+        health = h.get("/health")
+    assert health.status_code == 503, health.text
+    assert "the home serves" in health.json()["reason"] and "restart it without --model" in health.json()["reason"]
+    waited = subprocess.run([sys.executable, "-m", "meshd", "status", "--socket", str(q.socket), "--wait", "1",
+                             "--ready"], capture_output=True, text=True, timeout=60, env=q.env, cwd=ROOT)
+    assert waited.returncode == 1 and "the home serves" in waited.stderr, waited.stderr

@@ -19,7 +19,7 @@ import pytest
 
 from meshd.apikeys import ApiKeyStore
 from meshd.config import load_config
-from meshd.paths import default_state_dir
+from meshd.paths import default_state_dir, legacy_state_dir_note
 from meshd.state import StateDir
 from tests.test_daemon_helpers import mesh, run_cli  # noqa: F401
 
@@ -50,6 +50,19 @@ def test_meshd_home_is_the_state_dir_before_systemds_and_the_users_default():
     # a flag or MESHD_STATE_DIR still names it outright
     assert load_config(None, {"MESHD_STATE_DIR": "/x", "MESHD_HOME": "/y"}).resolved_state_dir(
         {"MESHD_HOME": "/y"}) == Path("/x")
+
+
+def test_an_upgrade_keeps_a_home_that_earlier_releases_kept_in_the_users_state_dir(tmp_path, clean_env):
+    """Earlier releases read $MESHD_HOME as the model cache only: a home created then is in
+    ~/.local/state/meshd, and must not be abandoned for an empty $MESHD_HOME (a new node id)."""
+    env = {"MESHD_HOME": str(tmp_path / "cache"), "HOME": str(tmp_path / "user-home")}
+    (tmp_path / "cache" / "models").mkdir(parents=True)
+    assert default_state_dir(env) == tmp_path / "cache" and legacy_state_dir_note(env) is None
+    a_home(clean_env)
+    assert default_state_dir(env) == clean_env
+    assert "mv " in legacy_state_dir_note(env) and str(clean_env) in legacy_state_dir_note(env)
+    a_home(tmp_path / "cache")  # moved (or a home made in $MESHD_HOME): that one wins
+    assert default_state_dir(env) == tmp_path / "cache" and legacy_state_dir_note(env) is None
 
 
 def test_a_key_created_with_meshd_home_is_where_the_daemon_with_that_home_reads(tmp_path, clean_env,

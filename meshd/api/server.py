@@ -51,6 +51,7 @@ from meshd.apikeys import ApiKeyStore
 from meshd.engine import Engine, EngineError, TokenEvent
 from meshd.errors import MeshdError
 from meshd.paths import check_socket_path
+from meshd.readiness import not_ready_reason
 
 StatusProvider = Callable[[], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 MESH = web.AppKey("mesh_collector", MeshCollector)
@@ -338,10 +339,7 @@ async def _health(request: web.Request) -> web.Response:
     elif status.get("state") == "draining":
         reason = "shutting down"
     elif status and status.get("ready") is False:
-        plan = status.get("plan")
-        reason = ("waiting for a plan" if not plan else
-                  f"plan v{plan.get('version')} is loading its stages" if isinstance(plan, dict)
-                  else "planning")
+        reason = not_ready_reason(status)
     if reason is not None:
         return web.json_response({"status": "unavailable", "reason": reason}, status=503,
                                  headers={"Retry-After": "2"})

@@ -24,7 +24,7 @@ import structlog
 from meshd import log
 from meshd.config import load_config, placement_of
 from meshd.errors import MeshdError
-from meshd.paths import STATE_DIR_HELP
+from meshd.paths import STATE_DIR_HELP, legacy_state_dir_note
 from meshd.state import StateDir
 
 # flag -> Config field; every one defaults to None ("not given").
@@ -112,6 +112,8 @@ def run(args) -> int:
         placement_of(cfg)
     state = StateDir(cfg.resolved_state_dir()).ensure()
     structlog.contextvars.bind_contextvars(node=state.node_id())
+    if cfg.state_dir is None and (note := legacy_state_dir_note()):
+        log.get_logger("meshd.join").warning("state_dir_from_an_earlier_release", state_dir=str(state.root), hint=note)
     if args.token and not args.setup_only:
         check_can_listen(cfg)  # an invite token is single-use: never spend it on a daemon that cannot start
     prepare_home(state, cfg, new_home=args.new_home, token=args.token)

@@ -61,9 +61,11 @@ def wait_for_daemon(client: MeshdClient, timeout_s: float, ready: bool = False, 
             spans = len(plan.get("stages") or [])
             if (status.get("ready") or not ready) and spans >= stages:
                 return status
+            from meshd.readiness import not_ready_reason
+
             last = (f"model {status.get('load_state', '?')}, "
-                    + (f"plan v{plan.get('version')} over {spans} device(s)"
-                       + ("" if status.get("ready") else ", not warm yet") if plan else "no plan yet"))
+                    + (f"plan v{plan.get('version')} over {spans} device(s)" if status.get("ready")
+                       else not_ready_reason(status)))
         except MeshdError as exc:  # not listening yet: it may still be starting
             last = str(exc)
         if time.monotonic() >= deadline:

@@ -28,6 +28,10 @@ HEADER_TOKENS = 4  # what a point's header adds to its title: a line break, "k",
 MIN_ANSWER_TOKENS = MIN_POINTS * (HEADER_TOKENS + MIN_POINT_TOKENS)
 # From this on MIN_POINTS points fit however long their titles run, so "auto" never falls back for room.
 SURE_ANSWER_TOKENS = MIN_POINTS * (HEADER_TOKENS + TITLE_TOKENS + MIN_POINT_TOKENS)
+# "auto" outlines only with room where an outline was measured to pay: with 256 tokens outline answers
+# came 2.17x sooner end to end on suited questions (bench/RESULTS.md, issue #12); with 160 they took as
+# long as plain answers (bench/outline_gate.py) while their first token came 15x later.
+PAYING_ANSWER_TOKENS = max(SURE_ANSWER_TOKENS, 256)
 
 # Words in the last user message that ask for a short answer (case-insensitive, whole words): an
 # outline of several points is then the wrong answer, however list-like the question reads.
@@ -91,9 +95,9 @@ def decide(mode: str, messages: list[dict[str, Any]] | None, max_tokens: int, ro
                                    f"({MIN_POINTS} points of a header and {MIN_POINT_TOKENS} tokens each); "
                                    f"this request allows {max_tokens}")
         return OutlineDecision(True, "asked")
-    if max_tokens < SURE_ANSWER_TOKENS:
-        return OutlineDecision(False, "budget", f"{max_tokens} tokens may not hold {MIN_POINTS} points "
-                                                f"(auto needs {SURE_ANSWER_TOKENS})")
+    if max_tokens < PAYING_ANSWER_TOKENS:
+        return OutlineDecision(False, "budget", f"{max_tokens} tokens leave an outline too little to win back "
+                                                f"its time to first token (auto needs {PAYING_ANSWER_TOKENS})")
     cue = brevity_cue(last["content"])
     if cue is not None:
         return OutlineDecision(False, "brevity", f"the question asks for a short answer ({cue!r})")
