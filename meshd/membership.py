@@ -106,13 +106,20 @@ class Membership:
         return peer.state if peer else None
 
     def ready_ids(self) -> list[str]:
-        """Ready peers plus this node, sorted: the set the planner partitions over."""
-        ids = {n for n, p in self.peers.items() if p.state is PeerState.READY}
+        """Active peers (ready, or suspect: a missed heartbeat or two) plus this node, sorted: the set
+        the planner partitions over.
+
+        Suspect counts, as in :func:`affects_plan`: a member is out of the plan only once it is
+        gone. A re-plan that some other change triggers during a busy member's suspect blip
+        would otherwise leave it out, and its recovery (suspect -> ready changes nothing the
+        plan sees) would never bring it back: the home would serve on fewer devices for good.
+        """
+        ids = {n for n, p in self.peers.items() if p.state in _ACTIVE}
         ids.add(self.self_id)
         return sorted(ids)
 
     def leader(self) -> str:
-        """Deterministic coordinator: the lowest node id among ready members."""
+        """Deterministic coordinator: the lowest node id among active members."""
         return self.ready_ids()[0]
 
 

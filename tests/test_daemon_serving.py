@@ -297,17 +297,20 @@ def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_
     import ollama
     import openai
 
+    from meshd.pipeline.outline_gate import PAYING_ANSWER_TOKENS
+
     _, a, b, _ = home
     question = "My living room is cold in the evening. What should I do, in one sentence?"
+    BUDGET = PAYING_ANSWER_TOKENS  # room enough: the brevity cue, not the budget, is what declines
     before = (a.status()["stage"]["outline"].get("declined") or {}).get("brevity", 0)
     attempts = _outline_attempts(a)
     answers = [_openai_over(a.socket).chat.completions.create(
-        model="meshd", messages=[{"role": "user", "content": question}], max_tokens=120, temperature=0,
+        model="meshd", messages=[{"role": "user", "content": question}], max_tokens=BUDGET, temperature=0,
         extra_body={"outline": "auto"}).choices[0].message.content]
     client = ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(a.socket)), timeout=240)
     answers.append(client.chat(model="meshd", messages=[{"role": "user", "content": question}],
-                               options={"num_predict": 120, "temperature": 0}).message.content)
-    out = subprocess.run([sys.executable, "-m", "meshd", "chat", "--socket", str(a.socket), "--max-tokens", "120",
+                               options={"num_predict": BUDGET, "temperature": 0}).message.content)
+    out = subprocess.run([sys.executable, "-m", "meshd", "chat", "--socket", str(a.socket), "--max-tokens", str(BUDGET),
                           "--temperature", "0", question], capture_output=True, text=True, timeout=240, env=a.env)
     assert out.returncode == 0, out.stderr
     answers.append(out.stdout)

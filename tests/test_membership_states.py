@@ -60,6 +60,20 @@ def test_the_leader_is_the_lowest_ready_node_id():
     assert m.leader() == "b-self"
 
 
+def test_a_suspect_member_stays_in_the_planned_set_until_it_is_gone():
+    """A re-plan during a busy member's missed heartbeat must not drop it: its recovery would
+    not trigger another re-plan (found as a two-daemon home serving on one device under load)."""
+    m = make()
+    m.heartbeat("a", now=0.0)
+    m.heartbeat("c", now=0.0)
+    m.heartbeat("a", now=2.5)
+    m.tick(3.5)  # c missed its heartbeats: suspect, not gone
+    assert m.state_of("c") is PeerState.SUSPECT
+    assert m.ready_ids() == ["a", "b-self", "c"] and m.leader() == "a"
+    m.tick(7.0)  # gone now: out
+    assert "c" not in m.ready_ids()
+
+
 def test_only_entering_or_leaving_the_active_set_affects_the_plan():
     R, S, G, J = PeerState.READY, PeerState.SUSPECT, PeerState.GONE, PeerState.JOINING
     assert affects_plan([Change("a", J, R)])
