@@ -91,6 +91,7 @@ def test_a_hostile_sampler_never_gets_an_unparsed_call_or_a_tool_that_was_not_of
     spec = tool_spec(TOOLS, style, required=required, parallel=True)
     eos = tuple(tok.eos_ids)
     rng = random.Random(f"{style}{required}")
+    draws = torch.Generator().manual_seed(rng.getrandbits(63))  # the draws too: the same run every time
     boost = _boost_ids(tok, n)
     finished = 0
     for _ in range(12):
@@ -98,7 +99,7 @@ def test_a_hostile_sampler_never_gets_an_unparsed_call_or_a_tool_that_was_not_of
         out: list[int] = []
         for _ in range(160):
             logits = c.apply(_hostile_logits(n, rng, boost))
-            t = int(torch.multinomial(torch.softmax(logits, -1), 1))
+            t = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=draws))
             if t in eos or c.is_finished():
                 break
             c.advance(t)
