@@ -19,6 +19,7 @@ from typing import Any
 from meshd.client import MeshdClient
 from meshd.errors import MeshdError
 from meshd.paths import STATE_DIR_HELP
+from meshd.readiness import not_ready_reason
 
 DASH = "-"
 
@@ -61,8 +62,6 @@ def wait_for_daemon(client: MeshdClient, timeout_s: float, ready: bool = False, 
             spans = len(plan.get("stages") or [])
             if (status.get("ready") or not ready) and spans >= stages:
                 return status
-            from meshd.readiness import not_ready_reason
-
             last = (f"model {status.get('load_state', '?')}, "
                     + (f"plan v{plan.get('version')} over {spans} device(s)" if status.get("ready")
                        else not_ready_reason(status)))
