@@ -33,15 +33,22 @@ def _pack_cpu(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
 
 
-def _unpack_cpu(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """The codes [rows, cols] of ``_convert_weight_to_int4pack_for_cpu``'s layout (checked at import)."""
-    v = packed.view(rows // _ROW_TILE, cols // 4, 4, 32)
-    halves = torch.stack([v & 0x0F, v >> 4], 1)  # [row tiles, low/high 32 rows, cols/4, 4, 32]
-    return halves.permute(0, 1, 4, 2, 3).reshape(rows, cols)
+def _unpack_cpu(packed: torch.Tensor, rows: int, cols: int, block: int | None = None) -> torch.Tensor:
+    """The codes [rows, cols] of ``_convert_weight_to_int4pack_for_cpu``'s layout.
+
+    The kernel packs blocks of ``block`` output rows, one byte per input column for each pair of rows
+    ``block / 2`` apart (low nibble first). The block is 64 rows on AVX-512 CPUs and 32 on AVX2 ones;
+    which one this CPU uses is found once at import (:data:`_BLOCK`): a matrix widened or an
+    embedding looked up with the other layout is garbage, not an error.
+    """
+    block = block or _BLOCK
+    v = packed.view(rows // block, cols, block // 2)
+    halves = torch.stack([v & 0x0F, v >> 4], 1)  # [row blocks, low/high half of the block, cols, block / 2]
+    return halves.permute(0, 1, 3, 2).reshape(rows, cols)
 
 
-def _kernel_status() -> tuple[bool, bool, str]:
-    """(int4 kernel works, its layout is the one :func:`_unpack_cpu` reads, why not)."""
+def _kernel_status() -> tuple[bool, int, str]:
+    """(int4 kernel works, the row block of its layout — 0 if neither known one —, why not)."""
     try:
         gen = torch.Generator().manual_seed(0)
         codes = torch.randint(0, 16, (128, 64), generator=gen, dtype=torch.int32)
@@ -51,13 +58,17 @@ def _kernel_status() -> tuple[bool, bool, str]:
         x = torch.eye(64, dtype=torch.bfloat16)[:3]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)
         if not torch.equal(y.float(), (codes[:, :3].T - 8).float()):
-            return False, False, "int4 kernel disagrees with its documented formula"
+            return False, 0, "int4 kernel disagrees with its documented formula"
     except (RuntimeError, AttributeError, NotImplementedError) as exc:
-        return False, False, f"int4 kernel unavailable ({exc})"
-    return True, bool(torch.equal(_unpack_cpu(packed, 128, 64).int(), codes)), ""
+        return False, 0, f"int4 kernel unavailable ({exc})"
+    for block in (64, 32):  # AVX-512, AVX2
+        if torch.equal(_unpack_cpu(packed, 128, 64, block).int(), codes):
+            return True, block, ""
+    return False, 0, "int4 kernel packs in a layout meshd cannot read back (embeddings and prefill need it)"
 
 
-INT4_OK, _LAYOUT_OK, INT4_UNAVAILABLE = _kernel_status()
+INT4_OK, _BLOCK, INT4_UNAVAILABLE = _kernel_status()
+_LAYOUT_OK = bool(_BLOCK)
 
 
 class Scratch:
