@@ -19,8 +19,8 @@ import pytest
 from meshd.api.auth import FailureLimiter
 from meshd.api.common import AUTH, LISTENING
 from meshd.api.server import ApiStartError, parse_listen
-from tests.api_helpers import KeyedServer
-from tests.test_api_support import REPLY, FakeEngine
+from tests.support.api import KeyedServer
+from tests.support.api import REPLY, FakeEngine
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 needs_curl = pytest.mark.skipif(not shutil.which("curl"), reason="curl is not installed")

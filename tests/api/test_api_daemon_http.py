@@ -15,8 +15,9 @@ import ollama
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_api_support import REPLY, FakeEngine
-from tests.test_daemon_helpers import kill_hard, mesh, run_cli, summary, wait_for  # noqa: F401
+from tests.support.api import REPLY, FakeEngine
+from tests.support.daemons import kill_hard, run_cli, summary
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ def make_engine(daemon):
 
 
 def test_daemon_serves_ollama_and_openai_on_its_lan_listener_with_a_key(mesh):
-    d = mesh.spawn("hub", "--engine", "tests.test_api_daemon_http:make_engine", "--http", "0.0.0.0:0",
+    d = mesh.spawn("hub", "--engine", "tests.api.test_api_daemon_http:make_engine", "--http", "0.0.0.0:0",
                    new_home="flat")
     status = d.wait_serving()
     port = int(status["api"]["http"].rpartition(":")[2])
@@ -67,15 +68,15 @@ def test_daemon_serves_ollama_and_openai_on_its_lan_listener_with_a_key(mesh):
                     out.setdefault(smp.name, {})[smp.labels["peer"]] = smp.value
         return out
 
-    rtt = wait_for(lambda: link_samples().get("meshd_link_rtt_seconds", {}).get(b_id), 30,
+    rtt = wait_until(lambda: link_samples().get("meshd_link_rtt_seconds", {}).get(b_id), 30,
                    what="a link RTT sample for the second member", explain=lambda: summary(d, b))
     assert 0 < rtt < 5 and link_samples()["meshd_link_reachable"][b_id] == 1
     link = d.status()["links"][b_id]
     assert link["reachable"] and link["age_s"] is not None and link["rtt_s"] > 0
-    assert wait_for(lambda: (b.status()["links"].get(d.node_id()) or {}).get("rtt_s"), 30,
+    assert wait_until(lambda: (b.status()["links"].get(d.node_id()) or {}).get("rtt_s"), 30,
                     what="the second member's RTT to the first")
     kill_hard(b)
-    wait_for(lambda: link_samples().get("meshd_link_reachable", {}).get(b_id) == 0, 30,
+    wait_until(lambda: link_samples().get("meshd_link_reachable", {}).get(b_id) == 0, 30,
              what="the killed member's link reported unreachable", explain=lambda: d.status()["links"])
     assert b_id not in link_samples().get("meshd_link_rtt_seconds", {})
 

@@ -10,7 +10,7 @@ import pytest
 from meshd.engine import (
     GenerationRequest, IncrementalDetokenizer, PromptTooLong, StopMatcher, iterate_in_thread,
 )
-from tests.test_api_support import FakeEngine
+from tests.support.api import FakeEngine
 
 
 def run_stream(engine, **kw):

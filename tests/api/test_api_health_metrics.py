@@ -5,26 +5,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_api_support import STATUS, FakeEngine, ServerThread
-
-
-def get(srv, path: str) -> httpx.Response:
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path)),
-                      base_url="http://localhost") as h:
-        return h.get(path)
-
-
-def metrics(srv) -> dict[str, dict]:
-    """name -> {labels tuple: value} for every sample."""
-    r = get(srv, "/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    out: dict[str, dict] = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
+from tests.support.api import STATUS, FakeEngine, ServerThread
+from tests.support.clients import get, metrics
 
 
 def test_health_is_ok_when_serving():
@@ -102,7 +85,7 @@ def test_queue_depth_counts_requests_waiting_for_their_first_token():
         t = threading.Thread(target=lambda: client.chat.completions.create(
             model="fake-model", messages=[{"role": "user", "content": "hi"}]))
         t.start()
-        from tests.test_api_support import wait_until
+        from tests.support.waiting import wait_until
 
         assert wait_until(lambda: metrics(srv)["meshd_requests_in_flight"][()] == 1)
         t.join(30)

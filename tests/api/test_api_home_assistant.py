@@ -20,7 +20,9 @@ import httpx
 import ollama
 import pytest
 
-from tests.api_helpers import TOOL_MODEL, KeyedServer, local_engine
+from tests.support.api import KeyedServer
+
+from tests.support.local_engines import TOOL_MODEL, local_engine
 
 pytestmark = pytest.mark.slow
 

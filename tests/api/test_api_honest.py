@@ -3,7 +3,7 @@ carry no internal notes unless asked.
 
 Spoken to by the real ``ollama`` client and ``openai`` SDK (what Home Assistant and OpenAI apps use)
 against the API on a unix socket with a fake engine serving ``fake-model``; the same rules through a
-real daemon with the real model are in ``tests/test_api_honest_daemon.py``.
+real daemon with the real model are in ``tests/api/test_api_honest_daemon.py``.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import openai
 import pytest
 
 from meshd.config import load_config
-from tests.test_api_hostile_input import http as raw
-from tests.test_api_hostile_input import sdk as openai_client
-from tests.test_api_ollama import client as ollama_client
-from tests.test_api_ollama import srv  # noqa: F401 - a fixture
-from tests.test_api_support import REPLY, FakeEngine, ServerThread
+from tests.support.clients import http
+from tests.support.clients import sdk
+from tests.support.clients import ollama_client
+from tests.support.api import REPLY, FakeEngine, ServerThread
 
 HI = [{"role": "user", "content": "hi"}]
 NOT_FOUND = 'model "llama3.2:3b" not found, try pulling it first'  # Ollama's own words
@@ -41,7 +40,7 @@ def test_ollama_requests_for_a_model_the_home_does_not_serve_are_ollamas_404(srv
 
 
 def test_openai_requests_for_a_model_the_home_does_not_serve_are_model_not_found(srv):
-    c = openai_client(srv)
+    c = sdk(srv)
     for call in (lambda: c.chat.completions.create(model="gpt-4o-mini", messages=HI),
                  lambda: c.chat.completions.create(model="gpt-4o-mini", messages=HI, stream=True),
                  lambda: c.completions.create(model="gpt-4o-mini", prompt="Once upon"),
@@ -54,21 +53,21 @@ def test_openai_requests_for_a_model_the_home_does_not_serve_are_model_not_found
 
 
 def test_the_served_model_answers_to_its_name_with_or_without_tag_case_or_name(srv):
-    o, c = ollama_client(srv), openai_client(srv)
+    o, c = ollama_client(srv), sdk(srv)
     for name in ("fake-model", "fake-model:latest", "Fake-Model", "meshd"):
         r = o.chat(model=name, messages=HI, stream=False)
         assert r.message.content == REPLY and r.model == name  # Ollama echoes the name asked
         assert c.chat.completions.create(model=name, messages=HI).model == "fake-model"
     assert o.show("fake-model:latest").capabilities == ["completion"]
     assert c.models.retrieve("fake-model").id == "fake-model"
-    with raw(srv) as h:  # no name: the served model (meshd's own client sends none)
+    with http(srv) as h:  # no name: the served model (meshd's own client sends none)
         assert h.post("/v1/chat/completions", json={"messages": HI}).json()["model"] == "fake-model"
         assert h.post("/api/chat", json={"messages": HI, "stream": False}).json()["model"] == "fake-model:latest"
 
 
 def test_aliases_from_the_config_reach_the_served_model_and_are_listed():
     with ServerThread(FakeEngine(), model_aliases=["llama3.2:3b", "gpt-4o-mini"]) as s:
-        o, c = ollama_client(s), openai_client(s)
+        o, c = ollama_client(s), sdk(s)
         assert [m.model for m in o.list().models] == ["fake-model:latest", "llama3.2:3b", "gpt-4o-mini:latest"]
         assert [m.id for m in c.models.list().data] == ["fake-model", "llama3.2:3b", "gpt-4o-mini"]
         # Ollama clients match replies by the name they asked for; OpenAI replies say what served it.
@@ -83,7 +82,7 @@ def test_aliases_from_the_config_reach_the_served_model_and_are_listed():
 def test_the_wildcard_alias_accepts_any_name():
     with ServerThread(FakeEngine(), model_aliases=["*"]) as s:
         assert ollama_client(s).chat(model="anything:7b", messages=HI, stream=False).message.content == REPLY
-        assert [m.id for m in openai_client(s).models.list().data] == ["fake-model"]  # "*" is not a model
+        assert [m.id for m in sdk(s).models.list().data] == ["fake-model"]  # "*" is not a model
 
 
 def test_model_aliases_come_from_the_toml_file_the_environment_or_the_flag(tmp_path):
@@ -111,7 +110,7 @@ def test_pull_of_an_unknown_model_is_ollamas_pull_error_in_both_forms(srv):
     with pytest.raises(ollama.ResponseError) as info:
         list(ollama_client(srv).pull("llama3.2:3b", stream=True))  # an {"error"} line in the stream
     assert "file does not exist" in info.value.error and "fake-model" in info.value.error
-    with raw(srv) as h:
+    with http(srv) as h:
         r = h.post("/api/pull", json={"model": "llama3.2:3b", "stream": False})
     assert r.status_code == 500 and "llama3.2:3b" in r.json()["error"]  # the status Ollama answers with
     assert "success" not in r.text
@@ -146,7 +145,7 @@ class FellBack(FakeEngine):
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_fallback_notes_reach_replies_only_with_debug_responses(debug):
-    with ServerThread(FellBack(), debug_responses=debug) as s, raw(s) as h:
+    with ServerThread(FellBack(), debug_responses=debug) as s, http(s) as h:
         bodies = [
             h.post("/v1/chat/completions", json={"messages": HI}).text,
             h.post("/v1/chat/completions", json={"messages": HI, "stream": True,

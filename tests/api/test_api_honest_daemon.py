@@ -18,7 +18,8 @@ import pytest
 
 import meshd
 from meshd import model_store
-from tests.test_daemon_helpers import Mesh, meshd_status_json, run_cli, wait_for
+from tests.support.daemons import Mesh, meshd_status_json, run_cli
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ def daemon():
                        "--http", "127.0.0.1:0", "--require-keys", "--model-aliases", "llama3.2:1b",
                        new_home="honest",
                        env={"MESHD_MEDUSA_HEADS": str(missing_heads)})
-        wait_for(lambda: d.status().get("ready"), 180, what="the daemon to serve its model")
+        wait_until(lambda: d.status().get("ready"), 180, what="the daemon to serve its model")
         rc, out = run_cli("apikey", "create", "ha", "--state-dir", str(d.state_dir), "--json")
         assert rc == 0, out
         d.key = json.loads(out.strip().splitlines()[-1])["key"]
@@ -114,7 +115,7 @@ def test_no_response_body_names_the_install_the_state_or_the_model_file(daemon):
                     assert path not in r.text, f"{where} {label} ({r.status_code}) shows the {what}: {r.text[:400]}"
                 assert "\"fallback_reason\"" not in r.text, f"{where} {label}: {r.text[:400]}"
     # The reason is not lost: the daemon's log has it.
-    wait_for(lambda: any(e.get("event") in ("medusa_unavailable", "speculation_fallback")
+    wait_until(lambda: any(e.get("event") in ("medusa_unavailable", "speculation_fallback")
                          and str(daemon.state_dir) in json.dumps(e) for e in daemon.events()),
              30, what="the Medusa fallback and its reason in the daemon's log")
 

@@ -16,24 +16,15 @@ import pytest
 
 from meshd.api.server import LISTENING, ApiLimits
 from meshd.engine import EngineBusy, EngineUnavailable, GenerationFailed, NoPlan
-from tests.test_api_support import REPLY, FakeEngine, ServerThread, engine, server  # noqa: F401
-from tests.log_fixtures import all_log_events
+from tests.support.api import REPLY, FakeEngine, ServerThread
+from tests.support.logs import all_log_events
+from tests.support.clients import http, sdk
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
 HI_JSON = b'[{"role": "user", "content": "hi"}]'
 VOCAB = FakeEngine.vocab_size
-
-
-def http(srv: ServerThread, **kw) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path)),
-                        base_url="http://localhost", **kw)
-
-
-def sdk(srv: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(srv.socket_path))))
 
 
 def assert_openai_error(r: httpx.Response, status: int, param: str | None = None,

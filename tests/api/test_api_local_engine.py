@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from meshd.engine import LocalEngine
-from tests.test_api_support import ServerThread
+from tests.support.api import ServerThread
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def test_concurrent_requests_queue_and_a_hang_up_frees_the_cache(local_engine):
     import asyncio
 
     from meshd.client import AsyncMeshdClient
-    from tests.test_api_support import wait_until
+    from tests.support.waiting import wait_until
 
     with ServerThread(local_engine) as srv:
         async def main():

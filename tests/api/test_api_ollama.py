@@ -1,7 +1,7 @@
 """The Ollama API, spoken to by the real ``ollama`` Python client (the one Home Assistant uses).
 
 A fake engine keeps these fast; the real-model conversation (Qwen calling a
-tool) is in ``tests/test_api_home_assistant.py``.
+tool) is in ``tests/api/test_api_home_assistant.py``.
 """
 
 from __future__ import annotations
@@ -12,41 +12,8 @@ import httpx
 import ollama
 import pytest
 
-from tests.test_api_support import REPLY, CharTokenizer, FakeEngine, ServerThread
-
-
-class ToolTokenizer(CharTokenizer):
-    """A chat template that renders tools and tool results (like Qwen's), one char per token."""
-
-    supports_tools = True
-
-    def __init__(self):
-        self.rendered: list[str] = []
-
-    def apply_chat(self, messages, tools=None):
-        text = "".join(f"<{m['role']}>{m.get('content') or ''}"
-                       f"{json.dumps(m.get('tool_calls')) if m.get('tool_calls') else ''}\n"
-                       for m in messages)
-        if tools:
-            text = f"<tools>{json.dumps(tools)}</tools>\n" + text
-        self.rendered.append(text)
-        return self.encode(text + "<assistant>")
-
-
-class ToolEngine(FakeEngine):
-    """Answers with a tool call while the last message is the user's, then with text."""
-
-    CALL = '<tool_call>\n{"name": "HassTurnOn", "arguments": {"name": "kitchen light"}}\n</tool_call>'
-
-    def __init__(self):
-        super().__init__(reply=self.CALL)
-        self.tokenizer = ToolTokenizer()
-
-    async def token_ids(self, req):
-        rendered = self.tokenizer.rendered[-1] if self.tokenizer.rendered else ""
-        self.reply = "The kitchen light is on." if "<tool>" in rendered else self.CALL
-        async for t in super().token_ids(req):
-            yield t
+from tests.support.api import REPLY, FakeEngine, ServerThread, ToolEngine
+from tests.support.clients import ollama_client
 
 
 TOOLS = [{"type": "function", "function": {
@@ -55,23 +22,13 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture
-def srv():
-    with ServerThread(FakeEngine()) as s:
-        yield s
-
-
-@pytest.fixture
 def tool_srv():
     with ServerThread(ToolEngine()) as s:
         yield s
 
 
-def client(s: ServerThread) -> ollama.Client:
-    return ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(s.socket_path)))
-
-
 def test_list_show_ps_and_version_describe_the_served_model(srv):
-    c = client(srv)
+    c = ollama_client(srv)
     models = c.list().models
     assert [m.model for m in models] == ["fake-model:latest"]
     shown = c.show("fake-model")
@@ -84,7 +41,7 @@ def test_list_show_ps_and_version_describe_the_served_model(srv):
 
 
 def test_chat_streams_ndjson_and_ends_with_counts(srv):
-    parts = list(client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+    parts = list(ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}],
                                   stream=True, options={"temperature": 0}))
     assert "".join(p.message.content for p in parts) == REPLY
     assert len(parts) > 2 and not parts[0].done
@@ -95,12 +52,12 @@ def test_chat_streams_ndjson_and_ends_with_counts(srv):
 
 
 def test_chat_without_streaming_returns_one_message(srv):
-    r = client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False)
+    r = ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False)
     assert r.message.content == REPLY and r.done
 
 
 def test_options_map_to_sampling_and_limits(srv):
-    r = client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False,
+    r = ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False,
                          options={"temperature": 0.3, "top_k": 5, "top_p": 0.5, "seed": 9,
                                   "num_predict": 7, "num_ctx": 4096})
     req = srv.engine.requests[-1]
@@ -109,24 +66,24 @@ def test_options_map_to_sampling_and_limits(srv):
 
 
 def test_ollamas_sampling_defaults_apply_when_no_options_are_sent(srv):
-    client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False)
+    ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False)
     s = srv.engine.requests[-1].sampling
     assert (s.temperature, s.top_k, s.top_p) == (0.8, 40, 0.9)
 
 
 def test_generate_streams_and_returns_its_context(srv):
-    parts = list(client(srv).generate(model="fake-model", prompt="Once upon", stream=True))
+    parts = list(ollama_client(srv).generate(model="fake-model", prompt="Once upon", stream=True))
     assert "".join(p.response for p in parts) == REPLY
     assert parts[-1].done and parts[-1].context and len(parts[-1].context) > len(REPLY)
 
 
 def test_generate_raw_sends_the_prompt_as_is(srv):
-    client(srv).generate(model="fake-model", prompt="abc", raw=True, stream=False, options={"num_predict": 2})
+    ollama_client(srv).generate(model="fake-model", prompt="abc", raw=True, stream=False, options={"num_predict": 2})
     assert srv.engine.requests[-1].prompt_ids == [ord("a"), ord("b"), ord("c")]
 
 
 def test_empty_chat_and_generate_just_load_the_model(srv):
-    c = client(srv)
+    c = ollama_client(srv)
     assert c.generate(model="fake-model", prompt="").done_reason == "load"
     assert c.chat(model="fake-model", messages=[]).done_reason == "load"
 
@@ -143,13 +100,13 @@ def test_empty_chat_and_generate_just_load_the_model(srv):
 ])
 def test_what_cannot_be_honoured_is_a_400_in_ollamas_error_format(srv, kwargs, field):
     with pytest.raises(ollama.ResponseError) as info:
-        client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False, **kwargs)
+        ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False, **kwargs)
     assert info.value.status_code == 400
     assert field in info.value.error, info.value.error
 
 
 def test_load_time_options_and_keep_alive_are_accepted(srv):
-    r = client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False,
+    r = ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False,
                          keep_alive=-1, options={"num_gpu": 0, "num_thread": 2, "use_mmap": True,
                                                  "mirostat": 0, "min_p": 0.0})
     assert r.message.content == REPLY
@@ -157,13 +114,13 @@ def test_load_time_options_and_keep_alive_are_accepted(srv):
 
 def test_images_are_refused_clearly(srv):
     with pytest.raises(ollama.ResponseError) as info:
-        client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi", "images": ["aGk="]}])
+        ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi", "images": ["aGk="]}])
     assert info.value.status_code == 400 and "images" in info.value.error
 
 
 def test_tools_on_a_model_without_tool_support_are_a_400(srv):
     with pytest.raises(ollama.ResponseError) as info:
-        client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+        ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
     assert info.value.status_code == 400 and "tool" in info.value.error
 
 
@@ -181,7 +138,7 @@ def test_the_speculative_extension_is_accepted_at_the_top_level_and_in_options(s
 
 
 def test_tool_calls_come_back_as_message_tool_calls_and_results_go_back_into_the_prompt(tool_srv):
-    c = client(tool_srv)
+    c = ollama_client(tool_srv)
     msgs = [{"role": "user", "content": "turn on the kitchen light"}]
     parts = list(c.chat(model="fake-model", messages=msgs, tools=TOOLS, stream=True))
     calls = [tc for p in parts for tc in (p.message.tool_calls or [])]
@@ -198,7 +155,7 @@ def test_tool_calls_come_back_as_message_tool_calls_and_results_go_back_into_the
 
 
 def test_pull_of_the_served_model_succeeds_at_once(srv):
-    c = client(srv)
+    c = ollama_client(srv)
     assert c.pull("fake-model").status == "success"
     statuses = [p.status for p in c.pull("fake-model:latest", stream=True)]
     assert statuses[-1] == "success"
@@ -230,7 +187,7 @@ def test_speculation_stats_ride_in_the_final_message_and_in_openai_usage():
                                               "messages": [{"role": "user", "content": "hi"}]}).json()
             usage = h.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}]}).json()["usage"]
-        lines = [json.loads(x) for x in client(s)._client.post(
+        lines = [json.loads(x) for x in ollama_client(s)._client.post(
             "/api/chat", json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}).text.splitlines()]
     assert final["speculative"]["drafter"] == "lookup" and final["speculative"]["accepted"] == 6
     assert usage["speculative"]["rounds"] == 4

@@ -7,19 +7,12 @@ import openai
 import pytest
 
 from meshd.engine import GenerationFailed, NoPlan, WrongModel
-from tests.test_api_support import REPLY, FakeEngine, ServerThread, engine, server  # noqa: F401
-
-
-def make_client(srv: ServerThread) -> openai.OpenAI:
-    transport = httpx.HTTPTransport(uds=str(srv.socket_path))
-    return openai.OpenAI(
-        base_url="http://localhost/v1", api_key="unused",
-        http_client=httpx.Client(transport=transport), max_retries=0,
-    )
+from tests.support.api import REPLY, FakeEngine, ServerThread
+from tests.support.clients import sdk
 
 
 def test_openai_client_streams_a_chat_completion(server):
-    client = make_client(server)
+    client = sdk(server)
     stream = client.chat.completions.create(
         model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True,
     )
@@ -32,7 +25,7 @@ def test_openai_client_streams_a_chat_completion(server):
 
 
 def test_stream_usage_is_sent_when_asked(server):
-    client = make_client(server)
+    client = sdk(server)
     chunks = list(client.chat.completions.create(
         model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True,
         stream_options={"include_usage": True},
@@ -42,7 +35,7 @@ def test_stream_usage_is_sent_when_asked(server):
 
 
 def test_openai_client_gets_a_non_streamed_text_completion(server):
-    client = make_client(server)
+    client = sdk(server)
     resp = client.completions.create(model="fake-model", prompt="Once upon", max_tokens=5)
     assert resp.choices[0].text == REPLY[:5]
     assert resp.choices[0].finish_reason == "length"
@@ -51,13 +44,13 @@ def test_openai_client_gets_a_non_streamed_text_completion(server):
 
 
 def test_openai_client_streams_a_text_completion(server):
-    client = make_client(server)
+    client = sdk(server)
     chunks = list(client.completions.create(model="fake-model", prompt="x", stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == REPLY
 
 
 def test_non_streamed_chat_reports_usage_and_passes_sampling_fields(server, engine):
-    client = make_client(server)
+    client = sdk(server)
     resp = client.chat.completions.create(
         model="fake-model", messages=[{"role": "user", "content": "hi"}],
         temperature=0.0, top_p=0.5, seed=7, max_tokens=100,
@@ -73,13 +66,13 @@ def test_the_api_keeps_openais_default_temperature_of_one(server, engine):
     from decoding.sampling import SamplingParams
     from meshd.engine import GenerationRequest
 
-    make_client(server).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
+    sdk(server).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
     assert engine.requests[-1].sampling == SamplingParams(temperature=1.0)
     assert GenerationRequest("r", [1], 1).sampling == SamplingParams()  # the engine's own default: greedy
 
 
 def test_stop_string_ends_the_answer_and_is_never_emitted(server):
-    client = make_client(server)
+    client = sdk(server)
     chunks = list(client.chat.completions.create(
         model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True,
         stop=["fake mesh"],
@@ -90,8 +83,8 @@ def test_stop_string_ends_the_answer_and_is_never_emitted(server):
 
 
 def test_models_list_names_the_served_model(server):
-    assert [m.id for m in make_client(server).models.list()] == ["fake-model"]
-    assert make_client(server).models.retrieve("fake-model").id == "fake-model"
+    assert [m.id for m in sdk(server).models.list()] == ["fake-model"]
+    assert sdk(server).models.retrieve("fake-model").id == "fake-model"
 
 
 def test_malformed_json_gets_an_openai_error_and_the_server_keeps_serving(server):
@@ -111,7 +104,7 @@ def test_malformed_json_gets_an_openai_error_and_the_server_keeps_serving(server
 
 def test_openai_client_raises_bad_request_for_a_bad_field(server):
     with pytest.raises(openai.BadRequestError) as info:
-        make_client(server).chat.completions.create(
+        sdk(server).chat.completions.create(
             model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=-3)
     assert info.value.body["param"] == "max_tokens"
 
@@ -119,7 +112,7 @@ def test_openai_client_raises_bad_request_for_a_bad_field(server):
 def test_prompt_over_the_context_is_413():
     with ServerThread(FakeEngine(context_length=32)) as srv:
         with pytest.raises(openai.APIStatusError) as info:
-            make_client(srv).chat.completions.create(
+            sdk(srv).chat.completions.create(
                 model="fake-model", messages=[{"role": "user", "content": "x" * 100}], stream=True)
         assert info.value.status_code == 413
         assert info.value.body["code"] == "context_length_exceeded"
@@ -128,7 +121,7 @@ def test_prompt_over_the_context_is_413():
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("error,status,code", [
     (NoPlan("no partition of the model fits the 1 device in the mesh"), 503, "no_plan"),
-    # a device holding another model than its home's (tests/test_daemon_model_identity.py)
+    # a device holding another model than its home's (tests/mesh/test_daemon_model_identity.py)
     (WrongModel("this device holds qwen, the home serves smol, so it answers no requests"), 409, "model_mismatch"),
 ])
 def test_a_refusal_before_any_token_keeps_its_status_code_and_message(stream, error, status, code):
@@ -136,7 +129,7 @@ def test_a_refusal_before_any_token_keeps_its_status_code_and_message(stream, er
     eng.fail_before = error
     with ServerThread(eng) as srv:
         with pytest.raises(openai.APIStatusError) as info:
-            r = make_client(srv).chat.completions.create(
+            r = sdk(srv).chat.completions.create(
                 model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=stream)
             list(r) if stream else None
         assert info.value.status_code == status
@@ -147,11 +140,11 @@ def test_failure_mid_stream_is_sent_as_an_error_event():
     eng = FakeEngine()
     eng.fail_after = (5, GenerationFailed("device kitchen-pi left the mesh"))
     with ServerThread(eng) as srv:
-        stream = make_client(srv).chat.completions.create(
+        stream = sdk(srv).chat.completions.create(
             model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True)
         with pytest.raises(openai.APIError, match="kitchen-pi left"):
             list(stream)
         eng.fail_after = None  # the device came back: the next request is served
-        ok = make_client(srv).chat.completions.create(
+        ok = sdk(srv).chat.completions.create(
             model="fake-model", messages=[{"role": "user", "content": "hi"}])
         assert ok.choices[0].message.content.startswith("Hello")

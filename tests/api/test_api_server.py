@@ -14,9 +14,8 @@ import pytest
 
 from meshd.api.server import LISTENING, ApiStartError, create_app, parse_listen, start_api
 from meshd.engine import PromptTooLong
-from tests.test_api_support import (  # noqa: F401
-    REPLY, STATUS, FakeEngine, ServerThread, engine, server, short_tmp, wait_until,
-)
+from tests.support.api import REPLY, STATUS, FakeEngine, ServerThread
+from tests.support.waiting import wait_until
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from decoding.constrained import BadConstraint, TokenConstraint, validate_spec
-from tests.api_helpers import local_engine
-from tests.test_api_support import FakeEngine, ServerThread
+from tests.support.local_engines import local_engine
+from tests.support.api import FakeEngine, ServerThread
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},

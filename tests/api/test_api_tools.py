@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from meshd.api.tools import ToolStreamFilter, parse_tool_calls
-from tests.api_helpers import TOOL_MODEL, local_engine
-from tests.test_api_support import ServerThread
+from tests.support.local_engines import TOOL_MODEL, local_engine
+from tests.support.api import ServerThread
 
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -120,7 +120,7 @@ def test_a_model_whose_template_has_no_tools_is_a_clear_400(smol):
 
 
 def test_bad_tool_definitions_are_a_400_naming_the_field():
-    from tests.test_api_ollama import ToolEngine
+    from tests.support.api import ToolEngine
 
     with ServerThread(ToolEngine()) as srv:
         c = sdk(srv)
@@ -142,7 +142,7 @@ def test_bad_tool_definitions_are_a_400_naming_the_field():
 
 
 def test_parallel_tool_calls_false_returns_one_call():
-    from tests.test_api_ollama import ToolEngine
+    from tests.support.api import ToolEngine
 
     engine = ToolEngine()
     two = ToolEngine.CALL + "\n" + ToolEngine.CALL.replace("kitchen light", "hall light")

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from meshd.api import openai_schema as oa
 from meshd.api.validation import RequestError, param_of, validate
-from tests.test_api_support import REPLY, engine, server, short_tmp  # noqa: F401
+from tests.support.api import REPLY
 
 HI = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"

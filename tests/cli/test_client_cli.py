@@ -9,7 +9,7 @@ import pytest
 from meshd.cli import main
 from meshd.commands.chat import summary_line
 from meshd.commands.status import render_status
-from tests.test_api_support import REPLY, STATUS, engine, server, short_tmp  # noqa: F401
+from tests.support.api import REPLY
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from meshd.client import ApiError, AsyncMeshdClient, DaemonNotRunning, MeshdClient
-from tests.test_api_support import REPLY, engine, server, short_tmp  # noqa: F401
+from tests.support.api import REPLY
 
 
 def test_chat_stream_yields_text_pieces_then_knows_usage_and_finish(server):
@@ -56,7 +56,7 @@ def test_stale_socket_is_daemon_not_running(short_tmp):
 
 
 def test_closing_a_stream_early_stops_the_generation(engine, server):
-    from tests.test_api_support import wait_until
+    from tests.support.waiting import wait_until
 
     engine.reply = "z" * 400
     engine.delay_s = 0.01

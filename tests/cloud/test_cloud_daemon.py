@@ -17,8 +17,10 @@ import pytest
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.state import StateDir
-from tests.test_daemon_helpers import HALF_THE_MODEL, ROOT, Mesh, run_cli, wait_for
-from tests.test_daemon_serving import _openai_over
+from tests.support.daemons import HALF_THE_MODEL, Mesh, run_cli
+from tests.support.repo import ROOT
+from tests.support.waiting import wait_until
+from tests.support.clients import sdk
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +53,7 @@ def _mesh_with_verifier(real_source):
 
 def _pair(mesh, cloud_dir, member_state_dir) -> dict:
     """`meshd cloud invite` at the verifier, then `meshd cloud pair` on a member; the verifier's ports."""
-    info = wait_for(lambda: json.loads((cloud_dir / "verifier.json").read_text()), 120,
+    info = wait_until(lambda: json.loads((cloud_dir / "verifier.json").read_text()), 120,
                     what="the verifier to listen", explain=lambda: (mesh.root / "verifier.log").read_text()[-2000:])
     rc, out = run_cli("cloud", "invite", "--state-dir", str(cloud_dir), "--json")
     assert rc == 0, out
@@ -72,9 +74,9 @@ def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_
         StateDir(a.state_dir).ensure().create_home("cloud-home")
         _pair(mesh, cloud_dir, a.state_dir)
         a.start()
-        wait_for(lambda: a.status().get("ready"), 120, what="alpha to serve", explain=a.log_tail)
+        wait_until(lambda: a.status().get("ready"), 120, what="alpha to serve", explain=a.log_tail)
 
-        client = _openai_over(a.socket)
+        client = sdk(a.socket, timeout=240)
         resp = client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": question}],
                                               max_tokens=24, temperature=0, extra_body={"cloud": 1.0})
         assert resp.choices[0].message.content == want
@@ -94,7 +96,7 @@ def test_a_paired_home_answers_with_the_verifiers_tokens_and_carries_on_without_
         assert usage["cloud"]["local_fallbacks"] >= 1
         link = a.status()["stage"]["cloud"]["link"]
         assert link["state"] != "connected" and link["last_error"]
-        wait_for(lambda: (a.status().get("stage") or {}).get("kv_tokens_in_use") == 0, 30, what="every sequence freed")
+        wait_until(lambda: (a.status().get("stage") or {}).get("kv_tokens_in_use") == 0, 30, what="every sequence freed")
 
 
 def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later_is_admitted(real_source,
@@ -104,8 +106,8 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
     `meshd cloud unpair` on beta unpairs alpha too. No daemon is restarted."""
     import openai
 
-    from tests.test_daemon_serving import both_ready
-    from tests.test_daemon_helpers import summary
+    from tests.support.daemons import both_ready
+    from tests.support.daemons import summary
     from transport.keys import AllowList
 
     question = "Name two colours of the rainbow."
@@ -115,23 +117,23 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
         a = mesh.spawn("alpha", "--model", model, "--cloud-min-timeout", "15", *HALF_THE_MODEL,
                        new_home="shared-cloud")
         a.wait_serving(60)
-        wait_for(lambda: a.status().get("ready"), 120, what="alpha to serve", explain=a.log_tail)
+        wait_until(lambda: a.status().get("ready"), 120, what="alpha to serve", explain=a.log_tail)
         info = _pair(mesh, cloud_dir, a.state_dir)  # while alpha runs
         cloud_of = lambda p: ((p.status().get("stage") or {}).get("cloud") or {})  # noqa: E731
         # "idle": a CloudHome is connected and its link has not been used yet ("not connected" otherwise).
         using = lambda p: cloud_of(p).get("link", {}).get("state") in ("idle", "connected")  # noqa: E731
-        wait_for(lambda: using(a) and cloud_of(a)["link"]["address"] == f"tcp://127.0.0.1:{info['port']}", 60,
+        wait_until(lambda: using(a) and cloud_of(a)["link"]["address"] == f"tcp://127.0.0.1:{info['port']}", 60,
                  what="alpha to pick the pairing up without a restart", explain=a.log_tail)
 
         b = mesh.spawn("beta", "--model", model, "--cloud-min-timeout", "15", *HALF_THE_MODEL, token=mesh.invite(a))
         b.wait_serving(60)
-        wait_for(lambda: both_ready(a, b), 120, what="a two-member plan", explain=lambda: summary(a, b))
+        wait_until(lambda: both_ready(a, b), 120, what="a two-member plan", explain=lambda: summary(a, b))
         beta_key = StateDir(b.state_dir).keypair().public
-        wait_for(lambda: beta_key in AllowList.for_state_dir(cloud_dir), 60,
+        wait_until(lambda: beta_key in AllowList.for_state_dir(cloud_dir), 60,
                  what="alpha to vouch for beta at the verifier", explain=a.log_tail)
-        wait_for(lambda: using(b), 60, what="beta to learn the pairing and connect", explain=b.log_tail)
+        wait_until(lambda: using(b), 60, what="beta to learn the pairing and connect", explain=b.log_tail)
 
-        client = _openai_over(b.socket)
+        client = sdk(b.socket, timeout=240)
         resp = client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": question}],
                                               max_tokens=16, temperature=0, extra_body={"cloud": 1.0})
         assert resp.choices[0].message.content == want
@@ -140,8 +142,8 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
 
         rc, out = run_cli("cloud", "unpair", "--state-dir", str(b.state_dir))
         assert rc == 0 and "unpaired" in out, out
-        wait_for(lambda: not cloud_of(a), 60, what="alpha to learn of the unpairing", explain=a.log_tail)
+        wait_until(lambda: not cloud_of(a), 60, what="alpha to learn of the unpairing", explain=a.log_tail)
         with pytest.raises(openai.BadRequestError, match="not paired"):
-            _openai_over(a.socket).chat.completions.create(
+            sdk(a.socket, timeout=240).chat.completions.create(
                 model="meshd", messages=[{"role": "user", "content": question}], max_tokens=4,
                 extra_body={"cloud": 1.0})

@@ -12,9 +12,10 @@ from decoding.offload.policy import OffloadPolicy
 from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingParams
 from meshd.cloud.verifier import Verifier
-from tests.model_fixtures import build_tiny_checkpoint
-from tests.test_cloud_offload import InProcess
-from tests.test_pipeline_inprocess import Mesh, eventually
+from tests.support.models import build_tiny_checkpoint
+from tests.support.cloud import InProcess
+from tests.support.inprocess import Mesh
+from tests.support.waiting import eventually
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 The verifier here is the real one (``meshd.cloud.verifier``) called in-process, with tiny
 random-weight models of one vocabulary as the small and the big model, so the statistics
-run in seconds; ``tests/test_cloud_service.py`` runs the same loop over CURVE sockets.
+run in seconds; ``tests/cloud/test_cloud_service.py`` runs the same loop over CURVE sockets.
 """
 
 import asyncio
@@ -15,16 +15,15 @@ import torch
 from decoding.generate import generate
 from decoding.loader import open_model
 from decoding.offload.local import LocalDrafter
-from decoding.offload.loop import (OffloadDecoder, VerifierEvicted, VerifierUnavailable, VerifyResult,
-                                   draft_step)
+from decoding.offload.loop import (OffloadDecoder, VerifierUnavailable, draft_step)
 from decoding.offload.policy import OffloadPolicy, chunk_importance, p_conf, p_imp
 from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingParams, filtered_probs
 from meshd.cloud.home import draft_seed
-from meshd.cloud.link import to_message
 from meshd.cloud.verifier import Verifier, VerifierRefusal
-from tests.model_fixtures import build_tiny_checkpoint
-from tests.test_speculative_core import chi2_p_value
+from tests.support.models import build_tiny_checkpoint
+from tests.support.stats import chi2_p_value
+from tests.support.cloud import InProcess
 
 
 @pytest.fixture(scope="module")
@@ -35,31 +34,6 @@ def pair(tmp_path_factory):
     build_tiny_checkpoint(big_dir, "llama", seed=4)
     small, big = open_model(small_dir), open_model(big_dir)
     return (small.load_stage(0, small.config.num_layers), big.load_stage(0, big.config.num_layers))
-
-
-class InProcess:
-    """The real verifier, called directly; its refusals mapped as the CURVE link maps them."""
-
-    available = True
-
-    def __init__(self, verifier: Verifier, home: str = "home-a", turns: asyncio.Lock | None = None):
-        self.v, self.home, self.sent, self.turns = verifier, home, [], turns
-
-    async def verify(self, req, timeout_s=None):
-        msg = to_message(req)
-        self.sent.append(msg)
-        try:
-            if self.turns is not None:  # homes taking turns: a session is idle whenever another opens
-                async with self.turns:
-                    r = await self.v.submit(self.home, msg)
-            else:
-                r = await self.v.submit(self.home, msg)
-        except VerifierRefusal as exc:
-            raise (VerifierEvicted if exc.code == "evicted" else VerifierUnavailable)(str(exc)) from None
-        return VerifyResult(r.accepted, r.token, r.draws)
-
-    async def close_session(self, session):
-        self.v.close_session(self.home, session)
 
 
 def run(coro):

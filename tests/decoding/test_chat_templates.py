@@ -17,7 +17,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from decoding.loader.tokenizer import repair_template
-from tests.api_helpers import TOOL_MODEL
+from tests.support.local_engines import TOOL_MODEL
 
 TOOLS = [{"type": "function", "function": {
     "name": "HassTurnOn", "description": "Turns on/opens/presses a device or entity",

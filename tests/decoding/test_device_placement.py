@@ -38,6 +38,7 @@ from decoding.speculative.generate import MedusaSource, speculative_generate
 from decoding.speculative.tree import DraftTree
 from decoding.speculative.verify import verify_sampled
 from decoding.stage import BatchItem, StageModel
+from tests.support.repo import ROOT as REPO_ROOT
 
 # Functions that create a tensor from nothing: without device= they make it on the CPU.
 # (``*_like`` and ``Tensor.new_*`` inherit their input's device and are not listed.)
@@ -47,7 +48,7 @@ FACTORIES = {
     torch.triu_indices, torch.empty_strided, torch.scalar_tensor, torch.as_tensor,
 }
 MOVES = {torch.Tensor.cpu, torch.Tensor.cuda}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 RUNTIME = os.path.join(ROOT, "decoding") + os.sep
 TESTS = os.path.join(ROOT, "tests") + os.sep
 REPO = tuple(os.path.join(ROOT, d) + os.sep for d in ("decoding", "meshd", "partition", "transport", "tests"))
@@ -122,7 +123,7 @@ def test_the_recorder_catches_the_bugs_it_is_for():
         torch.ones(2, device="cpu").to(torch.float32)  # a dtype cast is no move ...
         torch.ones(2, device="cpu").to("cpu")  # ... a device is
     assert [u.split(" ")[0] for u in rec.undevised] == ["arange", "empty", "tensor"], rec.undevised
-    assert all("tests/test_device_placement.py:" in u for u in rec.undevised)
+    assert all("tests/decoding/test_device_placement.py:" in u for u in rec.undevised)
     assert len(rec.moves) == 1
 
 

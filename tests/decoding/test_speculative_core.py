@@ -21,29 +21,8 @@ from decoding.speculative.session import MedusaProposal, SpeculationSession
 from decoding.speculative.tree import DraftTree
 from decoding.speculative.verify import (verify_chain_rejection, verify_greedy, verify_sampled,
                                          verify_typical)
-
-
-def chi2_p_value(observed: list[int], expected_probs: list[float]) -> float:
-    """Pearson χ² goodness of fit; rare categories pooled so every expected count is >= 5."""
-    total = sum(observed)
-    pairs = sorted(zip(expected_probs, observed), reverse=True)
-    cells, acc_e, acc_o = [], 0.0, 0
-    for p, o in pairs:
-        acc_e += p * total
-        acc_o += o
-        if acc_e >= 5:
-            cells.append((acc_e, acc_o))
-            acc_e, acc_o = 0.0, 0
-    if acc_e > 0 or acc_o > 0:
-        if cells:
-            e, o = cells.pop()
-            cells.append((e + acc_e, o + acc_o))
-        else:
-            cells.append((acc_e, acc_o))
-    stat = sum((o - e) ** 2 / e for e, o in cells)
-    dof = max(1, len(cells) - 1)
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+from tests.support.stats import chi2_p_value
+from tests.support.repo import ROOT
 
 
 # ------------------------------------------------------------------ trees
@@ -329,15 +308,13 @@ def test_stats_report_tokens_per_round():
 
 
 def test_the_profiles_price_a_verify_round_and_observations_then_take_over():
-    from pathlib import Path
-
     from partition.link import parse_link
     from partition.plan import StageAssignment
     from partition.planner import stage_timings
     from partition.profile import load
     from partition.sequence import round_cost_slope
 
-    prof = load(Path(__file__).resolve().parents[1] / "profiles" / "x86_64-2core-1thread.json")
+    prof = load(ROOT / "profiles" / "x86_64-2core-1thread.json")
     stages = stage_timings((StageAssignment("a", 0, 15), StageAssignment("b", 15, prof.num_layers)),
                            {"a": prof, "b": prof}, parse_link("1gbit,1ms"))
     slope = round_cost_slope(stages, context=256, m=8)

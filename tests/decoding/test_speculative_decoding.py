@@ -17,29 +17,12 @@ from decoding.sampling import SamplingParams
 from decoding.speculative.draft_model import ModelDrafter, check_same_tokenizer
 from decoding.speculative.generate import MedusaSource, speculative_generate
 from decoding.speculative.tree import DraftTree
-
-
-class MirrorHeads:
-    """A stand-in for trained Medusa heads: every head guesses with the model's own LM head.
-
-    Poor guesses on purpose — parity must hold whatever the heads propose.
-    """
-
-    num_heads = 3
-    tree = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
-    meta = {"topk_accuracy": [[0.5, 0.2], [0.3, 0.1], [0.2]]}
-
-    def head_logits(self, hidden, lm_head):
-        base = torch.nn.functional.linear(hidden, lm_head)
-        return torch.stack([base.roll(k, -1) for k in range(self.num_heads)])
+from tests.support.speculative import PROMPTS, MirrorHeads
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
     return open_model(tiny_llama[0])
-
-
-PROMPTS = [list(range(7, 40)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(60, 64)) * 5]
 
 
 def _drafters(pipe, source):
@@ -157,7 +140,7 @@ def test_speculative_sampling_on_a_model_keeps_its_next_token_distribution(tiny)
     and the second follows its conditional one, whatever the tree proposed."""
     from decoding.sampling import Sampler, filtered_probs
     from decoding.speculative.verify import verify_sampled
-    from tests.test_speculative_core import chi2_p_value
+    from tests.support.stats import chi2_p_value
 
     params = SamplingParams(temperature=1.3, top_k=8)
     stage = tiny.load_stage(0, tiny.config.num_layers)

@@ -16,7 +16,8 @@ import zmq.auth
 from meshd.client import MeshdClient
 from meshd.engine import Engine, GenerationRequest
 from meshd.errors import MeshdError
-from tests.test_daemon_helpers import mesh, run_cli, summary, wait_for  # noqa: F401
+from tests.support.daemons import run_cli, summary
+from tests.support.waiting import wait_until
 from transport.keys import AllowList, Keypair
 from transport.wire import encode_frames
 
@@ -87,7 +88,7 @@ def test_sigterm_during_a_request_refuses_new_ones_fails_it_clearly_and_leaves_n
     browser = threading.Thread(target=_browse_loopback, args=(seen, stop_browsing), daemon=True)
     browser.start()
     try:
-        d = mesh.spawn("solo", "--engine", "tests.test_daemon_lifecycle:make_slow_engine",
+        d = mesh.spawn("solo", "--engine", "tests.mesh.test_daemon_lifecycle:make_slow_engine",
                        new_home="flat",
                        env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "2000000",
                             "MESHD_DRAIN_TIMEOUT_S": "2"})
@@ -96,7 +97,7 @@ def test_sigterm_during_a_request_refuses_new_ones_fails_it_clearly_and_leaves_n
         assert b"WATCHDOG=1" in first or notify.recv(200) == b"WATCHDOG=1"
         d.wait_serving()
         instance = f"meshd-{d.node_id()}._meshd._tcp.local."
-        wait_for(lambda: "Added" in seen.get(instance, []), 10, what="the daemon's mDNS record")
+        wait_until(lambda: "Added" in seen.get(instance, []), 10, what="the daemon's mDNS record")
 
         stream = MeshdClient(d.socket, timeout=30).chat("hi", stream=True, max_tokens=100_000)
         pieces, error = [], []
@@ -110,7 +111,7 @@ def test_sigterm_during_a_request_refuses_new_ones_fails_it_clearly_and_leaves_n
 
         reader = threading.Thread(target=consume)
         reader.start()
-        wait_for(lambda: pieces, 10, interval=0.05, what="the first token")
+        wait_until(lambda: pieces, 10, what="the first token")
         d.signal(signal.SIGTERM)
 
         def new_request_refused():
@@ -121,7 +122,7 @@ def test_sigterm_during_a_request_refuses_new_ones_fails_it_clearly_and_leaves_n
             return False
 
         # while the running request drains (2 s), new ones are refused clearly
-        wait_for(new_request_refused, 2, interval=0.05, what="a new request refused while draining")
+        wait_until(new_request_refused, 2, what="a new request refused while draining")
         assert d.wait(30) == 0
         reader.join(10)
 
@@ -136,7 +137,7 @@ def test_sigterm_during_a_request_refuses_new_ones_fails_it_clearly_and_leaves_n
             except TimeoutError:
                 break
         assert b"STOPPING=1" in msgs
-        wait_for(lambda: "Removed" in seen.get(instance, []), 5, what="the mDNS goodbye")
+        wait_until(lambda: "Removed" in seen.get(instance, []), 5, what="the mDNS goodbye")
         events = [e["event"] for e in d.events()]
         assert events.index("mdns_unregistered") < events.index("daemon_stopped")
     finally:
@@ -146,7 +147,7 @@ def test_sigterm_during_a_request_refuses_new_ones_fails_it_clearly_and_leaves_n
 
 @pytest.mark.slow
 def test_malformed_frames_and_unknown_types_from_a_member_are_logged_and_serving_goes_on(mesh):
-    d = mesh.spawn("solo", "--engine", "tests.test_daemon_lifecycle:make_slow_engine", new_home="flat")
+    d = mesh.spawn("solo", "--engine", "tests.mesh.test_daemon_lifecycle:make_slow_engine", new_home="flat")
     d.wait_serving()
     port = d.status()["ports"]["transport"]
 
@@ -169,7 +170,7 @@ def test_malformed_frames_and_unknown_types_from_a_member_are_logged_and_serving
         errors = [e for e in d.events() if e["event"] == "protocol_error"]
         return len(errors) >= 2 and any("NoSuchMessage" in e["error"] for e in errors)
 
-    wait_for(logged_protocol_error, 10, what="a logged protocol error")
+    wait_until(logged_protocol_error, 10, what="a logged protocol error")
     out = MeshdClient(d.socket, timeout=30).chat("hi", max_tokens=3)  # still serving
     assert out.text == "xxx"
 
@@ -214,5 +215,5 @@ def test_an_invite_minted_before_a_restart_on_pairing_port_0_still_pairs(mesh):
     a.wait_serving(60)
     assert json.loads((a.state_dir / "daemon.json").read_text())["pairing_port"] == port_before
     b = mesh.spawn("b", token=token)
-    wait_for(lambda: len(a.status().get("members", [])) == 2, 60, what="the new member to be admitted",
+    wait_until(lambda: len(a.status().get("members", [])) == 2, 60, what="the new member to be admitted",
              explain=lambda: summary(a, b))

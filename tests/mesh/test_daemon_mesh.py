@@ -6,26 +6,12 @@ import pytest
 
 from meshd.state import StateDir
 
-from tests.test_daemon_helpers import (  # noqa: F401
-    kill_hard, mesh, meshd_status_json, states, summary, wait_for,
-)
+from tests.support.daemons import kill_hard, meshd_status_json, states, summary
+
+from tests.support.waiting import wait_until
+from tests.support.daemons import READY_WITHIN_S, all_ready
 
 pytestmark = pytest.mark.slow
-
-READY_WITHIN_S = 10.0  # the bound, counted from when all three serve their API
-
-
-def all_ready(procs, names):
-    def check():
-        for p in procs:
-            s = p.status()
-            if states(s) != {n: "ready" for n in names}:
-                return False
-            plan = s.get("plan") or {}
-            if plan.get("members") != sorted(q.node_id() for q in procs):
-                return False
-        return True
-    return check
 
 
 def test_three_paired_daemons_become_ready_and_a_killed_one_is_gone_and_replanned(mesh):
@@ -36,7 +22,7 @@ def test_three_paired_daemons_become_ready_and_a_killed_one_is_gone_and_replanne
     for p in (b, c):
         p.wait_serving()
     names = ["a", "b", "c"]
-    wait_for(all_ready([a, b, c], names), READY_WITHIN_S, what="a, b and c ready on every daemon",
+    wait_until(all_ready([a, b, c], names), READY_WITHIN_S, what="a, b and c ready on every daemon",
              explain=lambda: summary(a, b, c))
 
     # The real CLI, as a user runs it, lists all three on each daemon.
@@ -70,7 +56,7 @@ def test_three_paired_daemons_become_ready_and_a_killed_one_is_gone_and_replanne
         return a.status()["plan"] == b.status()["plan"]  # one plan, from one coordinator
 
     # gone_after (2 s) + debounce (0.5 s) + heartbeat periods of slack (both cores may be busy)
-    wait_for(c_gone_and_replanned, 2.0 + 0.5 + 6.0, what="c gone and re-planned without it",
+    wait_until(c_gone_and_replanned, 2.0 + 0.5 + 6.0, what="c gone and re-planned without it",
              explain=lambda: summary(a, b))
     events = [e["event"] for e in a.events()]
     assert "replan" in events or "replan" in [e["event"] for e in b.events()]

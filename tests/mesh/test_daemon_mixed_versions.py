@@ -11,14 +11,15 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.test_daemon_helpers import mesh, summary, wait_for  # noqa: F401
-from tests.test_daemon_mesh import READY_WITHIN_S, all_ready
+from tests.support.daemons import summary
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.waiting import wait_until
+from tests.support.daemons import READY_WITHIN_S, all_ready
+from tests.support.repo import ROOT
+
 LAST_STRICT = "bd9841b"  # meshd 0.1.0: heartbeats refuse fields they lack
 
 
@@ -39,7 +40,7 @@ def test_a_member_upgraded_first_and_one_not_yet_upgraded_see_each_other_and_sha
     old.wait_serving()
     new = mesh.spawn("new", token=mesh.invite(old))
     new.wait_serving()
-    wait_for(all_ready([old, new], ["old", "new"]), READY_WITHIN_S, what="old and new ready on both",
+    wait_until(all_ready([old, new], ["old", "new"]), READY_WITHIN_S, what="old and new ready on both",
              explain=lambda: summary(old, new))
     versions = {m["name"]: m["version"] for m in new.status()["members"]}
     assert versions["old"] == "0.1.0" and versions["new"] != "0.1.0"

@@ -19,7 +19,9 @@ from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import ApiError, MeshdClient
 from meshd.plan import model_name
-from tests.test_daemon_helpers import ROOT, mesh, run_cli, summary, wait_for  # noqa: F401 - fixture
+from tests.support.daemons import run_cli, summary
+from tests.support.repo import ROOT
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +64,7 @@ def test_a_member_holding_another_model_is_left_out_with_its_reason_and_refuses_
                 return False
         return True
 
-    wait_for(settled, 90, what="a plan over the two SmolLM2 members, the Qwen one left out with its reason",
+    wait_until(settled, 90, what="a plan over the two SmolLM2 members, the Qwen one left out with its reason",
              explain=lambda: summary(*procs) + "".join(f"\n{p.name}: {p.status().get('not_planned')}"
                                                        for p in procs))
     assert q.node_id() not in {s["node_id"] for s in a.status()["plan"]["stages"]}

@@ -15,7 +15,9 @@ import subprocess
 
 import pytest
 
-from tests.test_daemon_helpers import kill_hard, mesh, states, summary, wait_for  # noqa: F401
+from tests.support.daemons import kill_hard, states, summary
+
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -78,11 +80,11 @@ def test_daemons_in_three_namespaces_discover_each_other_over_a_bridge(mesh):
         def all_ready():
             return all(states(p.status()) == {"a": "ready", "b": "ready", "c": "ready"} for p in procs)
 
-        wait_for(all_ready, 10, what="a, b, c ready across namespaces", explain=lambda: summary(*procs))
+        wait_until(all_ready, 10, what="a, b, c ready across namespaces", explain=lambda: summary(*procs))
         for p in procs:  # each reaches the others at their namespace's address
             addrs = {m["name"]: m["address"] for m in p.status()["members"]}
             assert all(v and v.startswith(f"10.") for v in addrs.values()), addrs
 
         kill_hard(c)
-        wait_for(lambda: all(states(p.status())["c"] == "gone" for p in (a, b)), 2.0 + 3.0,
+        wait_until(lambda: all(states(p.status())["c"] == "gone" for p in (a, b)), 2.0 + 3.0,
                  what="c gone on a and b", explain=lambda: summary(a, b))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from meshd.state import StateDir
-from tests.test_daemon_helpers import mesh, states, wait_for  # noqa: F401
+from tests.support.daemons import states
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +31,9 @@ def test_an_unpaired_device_is_discovered_but_never_admitted(mesh):
         na = {d["node_id"]: d["reason"] for d in a.status()["not_admitted"]}
         return na.get(rogue_id) == "unpaired key" and na.get(other_id) == "another home"
 
-    wait_for(a_explains_both, 10, what="a to list rogue (unpaired) and other (another home)")
+    wait_until(a_explains_both, 10, what="a to list rogue (unpaired) and other (another home)")
     # ...and the transport refused rogue's key when it tried to talk to a.
-    wait_for(lambda: any(e["event"] == "peer_refused" for e in a.events()), 10,
+    wait_until(lambda: any(e["event"] == "peer_refused" for e in a.events()), 10,
              what="a's transport refusing rogue's key")
     s = a.status()
     assert [m["name"] for m in s["members"]] == ["a"]

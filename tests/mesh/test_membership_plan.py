@@ -9,7 +9,7 @@ import pytest
 from meshd import plan as plan_mod
 from meshd.plan import MemberInput, Plan, equal_split, make_plan
 from partition.plan import StageAssignment as Stage
-from tests.log_fixtures import all_log_events
+from tests.support.logs import all_log_events
 
 
 def test_equal_split_tiles_the_layers_in_node_id_order():

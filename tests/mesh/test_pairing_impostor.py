@@ -15,7 +15,7 @@ import zmq
 from meshd.errors import MeshdError
 from meshd.pairing import PairingError, PairingServer, create_invite, join_with_token
 from meshd.state import Member, MemberConflict, StateDir, StateError
-from tests.log_fixtures import all_log_events
+from tests.support.logs import all_log_events
 
 
 def keypair():
@@ -118,7 +118,7 @@ async def test_a_malformed_key_is_refused_with_a_reply(member):
 
 
 def test_meshd_join_token_as_an_impostor_prints_one_line_and_fails(member, tmp_path, capsys):
-    from tests.test_daemon_helpers import run_cli
+    from tests.support.daemons import run_cli
 
     loop = asyncio.new_event_loop()
     server = PairingServer(member, lambda m: None)

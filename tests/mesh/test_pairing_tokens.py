@@ -125,7 +125,7 @@ def test_a_device_without_a_home_cannot_invite(tmp_path):
 
 
 def test_invite_without_a_running_daemon_uses_the_configured_port(tmp_path):
-    from tests.test_daemon_helpers import run_cli
+    from tests.support.daemons import run_cli
 
     state = StateDir(tmp_path / "s").ensure()
     state.create_home("flat")
@@ -139,7 +139,7 @@ def test_invite_without_a_running_daemon_uses_the_configured_port(tmp_path):
 
 
 def test_invite_prefers_the_running_daemons_ports_and_addresses(tmp_path):
-    from tests.test_daemon_helpers import run_cli
+    from tests.support.daemons import run_cli
 
     state = StateDir(tmp_path / "s").ensure()
     state.create_home("flat")

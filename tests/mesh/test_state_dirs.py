@@ -21,7 +21,7 @@ from meshd.apikeys import ApiKeyStore
 from meshd.config import load_config
 from meshd.paths import default_state_dir, legacy_state_dir_note
 from meshd.state import StateDir
-from tests.test_daemon_helpers import mesh, run_cli  # noqa: F401
+from tests.support.daemons import run_cli
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@ import pytest
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import MeshdClient
-from tests.test_daemon_helpers import HALF_THE_MODEL, mesh, summary, wait_for  # noqa: F401 - fixture
+from tests.support.daemons import HALF_THE_MODEL, summary
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ def two_daemon_mesh(mesh, model: str, home: str):
     a.wait_serving(60)
     b = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL, token=mesh.invite(a))
     b.wait_serving(60)
-    wait_for(lambda: len(plan_stages(a)) == 2 and len(plan_stages(b)) == 2, 90,
+    wait_until(lambda: len(plan_stages(a)) == 2 and len(plan_stages(b)) == 2, 90,
              what="a two-stage plan", explain=lambda: summary(a, b))
     return a, b
 
@@ -44,7 +45,7 @@ def test_an_answer_survives_a_daemon_killed_mid_request(mesh, real_source, serve
     """The coordinator replays the request on the survivor: a pause, the same greedy answer."""
     import signal
 
-    from tests.test_daemon_serving import StreamInBackground
+    from tests.support.daemons import StreamInBackground
 
     a, b = two_daemon_mesh(mesh, str(real_source.path), "pipeline-kill")
     question = "Write a long story about a lighthouse keeper."
@@ -57,7 +58,7 @@ def test_an_answer_survives_a_daemon_killed_mid_request(mesh, real_source, serve
     outcome = answer.result(170)
     assert "error" not in outcome, outcome
     assert outcome["text"] == want, summary(a)
-    wait_for(lambda: [s["node_id"] for s in plan_stages(a)] == [a.node_id()], 60,
+    wait_until(lambda: [s["node_id"] for s in plan_stages(a)] == [a.node_id()], 60,
              what="a re-plan onto the surviving daemon", explain=lambda: summary(a))
     assert (a.status().get("stage") or {}).get("requests_replayed", 0) >= 1
 
@@ -80,13 +81,13 @@ def test_daemons_time_themselves_once_and_are_planned_with_what_they_measured(me
                 and all("one-layer estimate" in (m.get("profile") or "") for m in s["members"]))
 
     for proc in (a, b):
-        wait_for(lambda proc=proc: both_measured(proc), 120, what="both members planned by their own timing",
+        wait_until(lambda proc=proc: both_measured(proc), 120, what="both members planned by their own timing",
                  explain=lambda: summary(a, b))
     assert len(list((a.state_dir / "profiles").glob("self-*.json"))) == 1
 
     a.signal(signal.SIGTERM)
     assert a.wait(60) == 0
     a.start()
-    wait_for(lambda: a.status().get("load_state") == "loaded", 90, what="alpha to load again")
+    wait_until(lambda: a.status().get("load_state") == "loaded", 90, what="alpha to load again")
     assert a.status()["profile"] == "reused"
     assert sum(e.get("event") == "self_profile_measured" for e in a.events()) == 1

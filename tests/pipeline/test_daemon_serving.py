@@ -17,7 +17,9 @@ import pytest
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import MeshdClient
-from tests.test_daemon_helpers import HALF_THE_MODEL, Mesh, summary, wait_for
+from tests.support.clients import sdk
+from tests.support.daemons import StreamInBackground, both_ready, plan_nodes, HALF_THE_MODEL, Mesh, summary
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -25,48 +27,8 @@ QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbo
              "How many legs does a spider have?"]
 
 
-def plan_nodes(proc) -> list[str]:
-    return [s["node_id"] for s in ((proc.status().get("plan") or {}).get("stages") or [])]
-
-
 def kv_in_use(proc) -> int:
     return int((proc.status().get("stage") or {}).get("kv_tokens_in_use", -1))
-
-
-def both_ready(a, b) -> bool:
-    sa, sb = a.status(), b.status()
-    va, vb = (sa.get("plan") or {}).get("version"), (sb.get("plan") or {}).get("version")
-    return (len(plan_nodes(a)) == 2 and va == vb and bool(sa.get("ready")) and bool(sb.get("ready")))
-
-
-class StreamInBackground:
-    """Stream one greedy answer on a thread; ``started`` is set after ``after`` text deltas."""
-
-    def __init__(self, proc, question: str, max_tokens: int, after: int = 3):
-        self.started, self.outcome = threading.Event(), {}
-        self._args = (proc, question, max_tokens, after)
-        self.thread = threading.Thread(target=self._run)
-        self.thread.start()
-
-    def _run(self):
-        proc, question, max_tokens, after = self._args
-        try:
-            parts = []
-            for delta in MeshdClient(proc.socket, timeout=240).chat(question, stream=True, max_tokens=max_tokens,
-                                                                    temperature=0):
-                parts.append(delta)
-                if len(parts) >= after:
-                    self.started.set()
-            self.outcome["text"] = "".join(parts)
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            self.outcome["error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.started.set()
-
-    def result(self, timeout: float) -> dict:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the request hung"
-        return self.outcome
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +59,7 @@ def home(real_source):
         a.wait_serving(60)
         b = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL, token=mesh.invite(a))
         b.wait_serving(60)
-        wait_for(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
+        wait_until(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
         yield [mesh, a, b, model]
     finally:
         mesh.cleanup()
@@ -124,7 +86,7 @@ def test_two_people_asking_two_devices_at_once_both_get_the_reference_answer(hom
     assert not errors, errors
     for (name, i), text in results.items():
         assert text == reference(QUESTIONS[i % len(QUESTIONS)]), (name, i)
-    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+    wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
 
 def _hang_up_during_prefill(sock_path, prompt: str, after_s: float) -> None:
@@ -145,7 +107,7 @@ def test_clients_hanging_up_during_prefill_leave_no_cache_behind(home, reference
     long_prompt = "Summarise this: " + " ".join(f"item{i}" for i in range(450))
     for i in range(10):
         _hang_up_during_prefill((a, b)[i % 2].socket, long_prompt, rng.uniform(0.2, 0.6))
-    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 90, what="the hung-up requests' caches freed",
+    wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 90, what="the hung-up requests' caches freed",
              explain=lambda: f"{summary(a, b)}\nstages: {a.status().get('stage')} {b.status().get('stage')}")
     got = MeshdClient(a.socket, timeout=240).chat(QUESTIONS[0], max_tokens=16, temperature=0).text
     assert got == reference(QUESTIONS[0])
@@ -160,7 +122,7 @@ def test_a_member_restarting_on_a_new_port_is_found_and_used_again(home, referen
     b.wait(30)
     b2 = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL)  # same state dir: same node id, a new port
     home[2] = b2
-    wait_for(lambda: both_ready(a, b2) and b2.status()["ports"]["transport"] != old_port, 120,
+    wait_until(lambda: both_ready(a, b2) and b2.status()["ports"]["transport"] != old_port, 120,
              what="the restarted member back in a warm plan", explain=lambda: summary(a, b2))
     for proc in (a, b2):
         got = MeshdClient(proc.socket, timeout=240).chat(QUESTIONS[1], max_tokens=16, temperature=0).text
@@ -171,7 +133,7 @@ def test_a_request_sent_while_the_daemon_starts_waits_and_is_answered(real_sourc
     mesh = Mesh()
     try:
         a = mesh.spawn("solo", "--model", str(real_source.path), new_home="startup-test")
-        wait_for(lambda: a.socket.exists(), 60, what="the API socket")
+        wait_until(lambda: a.socket.exists(), 60, what="the API socket")
         # The model is still loading: the request waits (bounded) instead of a 503.
         got = MeshdClient(a.socket, timeout=240).chat(QUESTIONS[2], max_tokens=16, temperature=0).text
         assert got == reference(QUESTIONS[2])
@@ -191,7 +153,7 @@ def test_sigterm_finishes_the_stage_work_it_does_for_another_daemons_request(rea
         b = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL, token=mesh.invite(a),
                        env={"MESHD_DRAIN_TIMEOUT_S": "120"})
         b.wait_serving(60)
-        wait_for(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
+        wait_until(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
         replayed_before = (a.status().get("stage") or {}).get("requests_replayed", 0)
         answer = StreamInBackground(a, QUESTIONS[0], 48)
         assert answer.started.wait(120)
@@ -206,21 +168,13 @@ def test_sigterm_finishes_the_stage_work_it_does_for_another_daemons_request(rea
         mesh.cleanup()
 
 
-def _openai_over(sock):
-    import httpx
-    import openai
-
-    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=240))
-
-
 def test_speculative_decoding_through_two_daemons_changes_nothing_and_is_reported(home, reference):
     """The openai SDK asks with the `speculative` extension; the text equals plain decoding and
     usage says how many tokens each verify round committed."""
     import openai
 
     _, a, b, _ = home
-    client = _openai_over(a.socket)
+    client = sdk(a.socket, timeout=240)
     question = "Repeat exactly: red green blue, red green blue, red green blue, red green blue."
     answers = {}
     for spec in ("off", {"drafter": "lookup"}, "auto"):
@@ -243,13 +197,13 @@ def test_speculative_decoding_through_two_daemons_changes_nothing_and_is_reporte
     with pytest.raises(openai.BadRequestError, match="speculative"):
         client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        extra_body={"speculative": {"drafter": "magic"}})
-    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+    wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
 
 def test_structured_output_through_two_daemons_always_parses(home):
     """Home Assistant asks for JSON through the mesh engine: the last stage's grammar mask holds."""
     _, a, b, _ = home
-    client = _openai_over(a.socket)
+    client = sdk(a.socket, timeout=240)
     schema = {"type": "object", "properties": {"room": {"type": "string"}, "on": {"type": "boolean"}},
               "required": ["room", "on"], "additionalProperties": False}
     for seed in (1, 2):
@@ -259,14 +213,14 @@ def test_structured_output_through_two_daemons_always_parses(home):
             response_format={"type": "json_schema", "json_schema": {"name": "light", "schema": schema}})
         obj = json.loads(resp.choices[0].message.content)
         assert set(obj) == {"room", "on"} and isinstance(obj["on"], bool)
-    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+    wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
 
 def test_outline_decoding_through_two_daemons_answers_point_by_point_and_is_counted(home):
     """The openai SDK asks for outline mode: the answer is numbered points, streamed in order;
     `meshd status` counts it; a coding question under "auto" is left to plain decoding."""
     _, a, b, _ = home
-    client = _openai_over(a.socket)
+    client = sdk(a.socket, timeout=240)
     stream = client.chat.completions.create(
         model="meshd", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
         max_tokens=120, temperature=0, stream=True, extra_body={"outline": "on"})
@@ -282,7 +236,7 @@ def test_outline_decoding_through_two_daemons_answers_point_by_point_and_is_coun
                          capture_output=True, text=True, timeout=60, env=a.env)
     assert "outline decoding: used by" in out.stdout, out.stdout
     assert any(e.get("event") == "outline_attempt" and e.get("mode") == "on" for e in a.events())
-    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+    wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
 
 def _outline_attempts(proc) -> int:
@@ -304,7 +258,7 @@ def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_
     BUDGET = PAYING_ANSWER_TOKENS  # room enough: the brevity cue, not the budget, is what declines
     before = (a.status()["stage"]["outline"].get("declined") or {}).get("brevity", 0)
     attempts = _outline_attempts(a)
-    answers = [_openai_over(a.socket).chat.completions.create(
+    answers = [sdk(a.socket, timeout=240).chat.completions.create(
         model="meshd", messages=[{"role": "user", "content": question}], max_tokens=BUDGET, temperature=0,
         extra_body={"outline": "auto"}).choices[0].message.content]
     client = ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(a.socket)), timeout=240)
@@ -320,7 +274,7 @@ def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_
     assert _outline_attempts(a) == attempts, "an outline was attempted"
     assert a.status()["stage"]["outline"]["declined"]["brevity"] == before + 3
     # A list question whose budget cannot hold an outline: plain under "auto", a 400 under "on".
-    openai_client = _openai_over(a.socket)
+    openai_client = sdk(a.socket, timeout=240)
     short = openai_client.chat.completions.create(
         model="meshd", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
         max_tokens=40, temperature=0, extra_body={"outline": "auto"})
@@ -330,7 +284,7 @@ def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_
             model="meshd", messages=[{"role": "user", "content": "What are good ways to save energy at home?"}],
             max_tokens=40, temperature=0, extra_body={"outline": "on"})
     assert _outline_attempts(a) == attempts and a.status()["stage"]["outline"]["declined"]["budget"] >= 1
-    wait_for(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+    wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
 
 def _link_samples(proc) -> dict[str, dict[str, float]]:
@@ -353,7 +307,7 @@ def test_metrics_show_the_round_trip_and_the_activation_bytes_to_the_other_daemo
     _, a, b, _ = home
     MeshdClient(a.socket, timeout=240).chat(QUESTIONS[0], max_tokens=4, temperature=0)
     for proc, other in ((a, b), (b, a)):
-        rtt = wait_for(lambda p=proc, o=other: _link_samples(p).get("meshd_link_rtt_seconds", {}).get(o.node_id()),
+        rtt = wait_until(lambda p=proc, o=other: _link_samples(p).get("meshd_link_rtt_seconds", {}).get(o.node_id()),
                        30, what=f"{proc.name}'s link RTT to {other.name}", explain=lambda: summary(a, b))
         assert 0 < rtt < 5
         assert _link_samples(proc)["meshd_link_reachable"][other.node_id()] == 1

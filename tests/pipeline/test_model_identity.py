@@ -2,7 +2,7 @@
 checked against the vocabulary before any stage sees them.
 
 The daemons' side (a mixed-model home, its status and its answers) is in
-tests/test_daemon_model_identity.py; here are the pure rules and the in-process pipeline.
+tests/mesh/test_daemon_model_identity.py; here are the pure rules and the in-process pipeline.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from meshd.pipeline.coordinator import BadTokens, ModelMismatch, PipelineCoordin
 from meshd.pipeline.route import Route
 from meshd.plan import Plan, not_planned, plannable_members
 from partition.plan import StageAssignment as Stage
-from tests.test_api_openai import make_client
-from tests.test_api_support import FakeEngine, ServerThread
-from tests.test_pipeline_inprocess import Mesh
+from tests.support.clients import sdk
+from tests.support.api import FakeEngine, ServerThread
+from tests.support.inprocess import Mesh
 
 SMOL, QWEN = ("SmolLM2-135M-Instruct.Q4_1.gguf@aa", 30), ("qwen2.5-coder-0.5b-instruct.gguf@bb", 24)
 
@@ -135,11 +135,11 @@ def test_a_prompt_the_vocabulary_cannot_hold_is_a_400_before_any_generation():
     eng = AsciiEngine()
     with ServerThread(eng) as srv:
         with pytest.raises(openai.BadRequestError) as info:
-            make_client(srv).chat.completions.create(
+            sdk(srv).chat.completions.create(
                 model="fake-model", messages=[{"role": "user", "content": "café"}])
         assert info.value.body["code"] == "invalid_token_ids"
         assert "token id 233" in info.value.body["message"] and "[0, 128)" in info.value.body["message"]
         assert eng.requests == []
-        assert make_client(srv).chat.completions.create(
+        assert sdk(srv).chat.completions.create(
             model="fake-model", messages=[{"role": "user", "content": "cafe"}]).choices[0].message.content
 

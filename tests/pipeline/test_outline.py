@@ -22,8 +22,8 @@ from meshd.api.validation import RequestError
 from meshd.pipeline import outline_router
 from meshd.pipeline.coordinator import PipelineError, SharedPrefix
 from meshd.pipeline.outline import OutlineDecoder, OutlineStats, _title_end
-from tests.test_api_support import engine, server, short_tmp  # noqa: F401
-from tests.test_pipeline_inprocess import Mesh, eventually
+from tests.support.inprocess import Mesh
+from tests.support.waiting import eventually
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ from meshd.engine import BadEngineRequest, GenerationRequest
 from meshd.pipeline.outline_gate import (BREVITY_CUES, MIN_ANSWER_TOKENS, PAYING_ANSWER_TOKENS, brevity_cue,
                                          decide)
 from meshd.pipeline.outline_router import shipped
-from tests.test_api_health_metrics import metrics
-from tests.test_api_support import STATUS, FakeEngine, ServerThread
-from tests.log_fixtures import all_log_events
-from tests.test_pipeline_inprocess import Mesh
+from tests.support.clients import metrics
+from tests.support.api import STATUS, FakeEngine, ServerThread
+from tests.support.logs import all_log_events
+from tests.support.inprocess import Mesh
 
 ONE_SENTENCE = "My living room is cold in the evening. What should I do, in one sentence?"
 LIST_QUESTION = "What are good ways to save energy at home?"

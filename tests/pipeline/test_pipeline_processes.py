@@ -1,20 +1,19 @@
 """Stages in separate OS processes, CURVE on, each pinned to a core: output equals the reference."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from decoding.generate import generate
-from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline, even_split
 from decoding.sampling import SamplingParams
 from meshd.pipeline.proc_mesh import ProcessMesh
+from tests.support.repo import ROOT
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [json.loads(line) for line in
-           (Path(__file__).parent.parent / "bench" / "prompts" / "home.jsonl").read_text().splitlines()]
+           (ROOT / "bench" / "prompts" / "home.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])

@@ -14,7 +14,7 @@ import pytest
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams
 from meshd.engine import GenerationRequest, LocalEngine
-from tests.test_pipeline_inprocess import Mesh
+from tests.support.inprocess import Mesh
 
 pytestmark = pytest.mark.slow
 

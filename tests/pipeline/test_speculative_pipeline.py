@@ -21,8 +21,9 @@ from decoding.speculative.adaptive import RoundCost
 from decoding.speculative.draft_model import ModelDrafter
 from decoding.speculative.generate import MedusaSource
 from decoding.speculative.session import SpeculationSession
-from tests.test_pipeline_inprocess import Mesh, eventually
-from tests.test_speculative_decoding import PROMPTS, MirrorHeads
+from tests.support.inprocess import Mesh
+from tests.support.waiting import eventually
+from tests.support.speculative import PROMPTS, MirrorHeads
 from transport.messages import ErrorReply, StageForward
 
 

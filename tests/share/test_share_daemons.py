@@ -15,7 +15,8 @@ from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import MeshdClient
 from meshd.share import manifest as mf
-from tests.test_daemon_helpers import HALF_THE_MODEL, kill_hard, mesh, run_cli, summary, wait_for  # noqa: F401
+from tests.support.daemons import HALF_THE_MODEL, kill_hard, run_cli, summary
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +83,7 @@ def test_two_devices_without_the_model_get_their_layers_from_the_home_and_answer
     homes = {n: mesh.root / f"{n}-meshd-home" for n in ("beta", "gamma")}
     b = mesh.spawn("beta", "--model", "", *HALF_THE_MODEL, token=mesh.invite(a), env=no_index_env(homes["beta"]))
     c = mesh.spawn("gamma", "--model", "", *HALF_THE_MODEL, token=mesh.invite(a), env=no_index_env(homes["gamma"]))
-    wait_for(lambda: warm_plan_over([a, b, c], 3), 240, what="a warm three-stage plan",
+    wait_until(lambda: warm_plan_over([a, b, c], 3), 240, what="a warm three-stage plan",
              explain=lambda: summary(a, b, c) + "\n" + json.dumps([sharing(p).get("fetch") for p in (b, c)]))
     for proc in (b, c):
         sh = sharing(proc)
@@ -113,13 +114,13 @@ def test_a_fetch_killed_halfway_resumes_where_it_stopped_and_the_cache_is_listed
     def progress():
         f = sharing(b).get("fetch") or {}
         return f.get("target") and f.get("state") == "fetching" and f.get("progress", 0) >= 0.3
-    wait_for(progress, 180, what="beta's fetch a third done", explain=lambda: json.dumps(sharing(b).get("fetch")))
+    wait_until(progress, 180, what="beta's fetch a third done", explain=lambda: json.dumps(sharing(b).get("fetch")))
     kill_hard(b)  # SIGKILL: no clean shutdown, no last flush
     state = json.loads(next((b.state_dir / "models").glob("*/share-state.json")).read_text())
     assert state["have"] and not state["complete"]
 
     b = mesh.spawn("beta", "--model", "", *HALF_THE_MODEL, env=no_index_env(home))  # same state dir, no rate cap now
-    wait_for(lambda: warm_plan_over([a, b], 2), 180, what="a warm two-stage plan after the restart",
+    wait_until(lambda: warm_plan_over([a, b], 2), 180, what="a warm two-stage plan after the restart",
              explain=lambda: summary(a, b) + "\n" + json.dumps(sharing(b).get("fetch")))
     sh = sharing(b)
     first, end = layers_of(a, b.node_id())

@@ -15,7 +15,7 @@ from meshd.share import manifest as mf
 from meshd.share.gate import Holdings, gate_plan, holdings_of
 from meshd.share.runs import from_runs, to_runs
 from meshd.share.throttle import RateError, TokenBucket, parse_rate
-from tests.share_gguf import write_tiny_gguf
+from tests.support.gguf import write_tiny_gguf
 
 # ------------------------------------------------------------------ regions and pieces tile the file
 

@@ -15,7 +15,7 @@ from meshd.share import manifest as mf
 from meshd.share.fetch import Fetch, Holder, NoHolder
 from meshd.share.source import PartialGGUFSource
 from meshd.share.store import CachedModel, ModelCache
-from tests.share_gguf import write_tiny_gguf
+from tests.support.gguf import write_tiny_gguf
 
 LAYERS = 5
 

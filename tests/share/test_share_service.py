@@ -21,8 +21,8 @@ from meshd.share.messages import ManifestRequest, PieceRequest
 from meshd.share.service import ShareService
 from transport.errors import RemoteError
 from transport.node import TransportNode
-from tests.share_gguf import write_tiny_gguf
-from tests.log_fixtures import all_log_events
+from tests.support.gguf import write_tiny_gguf
+from tests.support.logs import all_log_events
 
 pytestmark = pytest.mark.timeout(120)
 

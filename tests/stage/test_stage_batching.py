@@ -17,7 +17,8 @@ from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingParams
 from decoding.speculative.session import SpeculationSession
 from transport.messages import StageForward
-from tests.test_pipeline_inprocess import Mesh, eventually
+from tests.support.inprocess import Mesh
+from tests.support.waiting import eventually
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,15 @@
-"""Shared fakes for the client-API tests: a deterministic engine and a server thread.
+"""Shared fakes for the client-API tests: a deterministic engine and servers on their own threads.
 
 The fake engine tokenises one character per token, so stop strings always
 span several tokens and the byte-level corner cases are exercised for free.
+The ``engine``/``server``/``short_tmp`` fixtures built on these are in tests/conftest.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import sys
 import tempfile
@@ -15,10 +17,9 @@ import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
-
 from meshd import log
 from meshd.api.server import ApiLimits, create_app, start_api
+from meshd.apikeys import ApiKeyStore
 from meshd.engine import Engine, GenerationRequest
 
 EOS = 0
@@ -91,7 +92,7 @@ class FakeEngine(Engine):
             for i, tid in enumerate([*self.tokenizer.encode(self.reply), EOS]):
                 if self.fail_after is not None and i == self.fail_after[0]:
                     raise self.fail_after[1]
-                await asyncio.sleep(self.delay_s)
+                await asyncio.sleep(self.delay_s)  # sleep-ok: delay_s (0 unless a test sets it) simulates a slow engine
                 yield tid
             done = True
         finally:
@@ -144,31 +145,69 @@ class ServerThread:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
+class KeyedServer(ServerThread):
+    """The API on a unix socket plus ``--http 0.0.0.0:0`` (a LAN listener: keys required)."""
+
+    def __init__(self, engine, *, http: str = "0.0.0.0:0", listen: str | None = None,
+                 tls: tuple[Path, Path] | None = None, status: dict | None = None, **app_options):
+        super().__init__(engine, status=status, listen=listen)
+        self.keys = ApiKeyStore(Path(tempfile.mkdtemp(prefix="meshd-keys-", dir=str(self.dir))))
+        self.app = create_app(engine, lambda: self.status, api_keys=self.keys, **app_options)
+        self.http, self.tls = http, tls
+
+    def __enter__(self) -> KeyedServer:
+        log.configure("console", "info", stream=sys.__stderr__)
+        self._thread.start()
+        cert, key = self.tls if self.tls else (None, None)
+        self.runner = self.call(start_api(self.app, self.socket_path, self.listen, http=self.http,
+                                          tls_cert=cert, tls_key=key))
+        return self
+
+    @property
+    def port(self) -> int:
+        from meshd.api.common import LISTENING
+
+        return int(self.app[LISTENING]["http"].rpartition(":")[2])
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
 
-@pytest.fixture
-def server(engine):
-    with ServerThread(engine) as srv:
-        yield srv
+def status_of(name: str = "desk-pc") -> dict:
+    return {**STATUS, "name": name}
 
 
-@pytest.fixture
-def short_tmp():
-    d = Path(tempfile.mkdtemp(prefix="meshd-t-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+class ToolTokenizer(CharTokenizer):
+    """A chat template that renders tools and tool results (like Qwen's), one char per token."""
+
+    supports_tools = True
+
+    def __init__(self):
+        self.rendered: list[str] = []
+
+    def apply_chat(self, messages, tools=None):
+        text = "".join(f"<{m['role']}>{m.get('content') or ''}"
+                       f"{json.dumps(m.get('tool_calls')) if m.get('tool_calls') else ''}\n"
+                       for m in messages)
+        if tools:
+            text = f"<tools>{json.dumps(tools)}</tools>\n" + text
+        self.rendered.append(text)
+        return self.encode(text + "<assistant>")
 
 
-def wait_until(pred, timeout: float = 10.0) -> bool:
-    """Poll ``pred`` (for effects in the server thread); no wall-clock assertions."""
-    import time
+class ToolEngine(FakeEngine):
+    """Answers with a tool call while the last message is the user's, then with text."""
 
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
+    CALL = '<tool_call>\n{"name": "HassTurnOn", "arguments": {"name": "kitchen light"}}\n</tool_call>'
+
+    def __init__(self):
+        super().__init__(reply=self.CALL)
+        self.tokenizer = ToolTokenizer()
+
+    async def token_ids(self, req):
+        rendered = self.tokenizer.rendered[-1] if self.tokenizer.rendered else ""
+        self.reply = "The kitchen light is on." if "<tool>" in rendered else self.CALL
+        async for t in super().token_ids(req):
+            yield t

@@ -1,6 +1,7 @@
 """Helpers for the daemon tests: spawn real ``meshd join`` processes and always clean up.
 
-No tests here; the mesh, pairing and lifecycle tests import these. Every
+The mesh, pairing, lifecycle, serving and sharing tests use these (the ``mesh`` fixture is in
+tests/conftest.py). Every
 daemon is a separate process with its own state directory, API socket and
 ephemeral ports, talking mDNS on loopback (or inside a network namespace).
 """
@@ -16,15 +17,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from pathlib import Path
 
-import pytest
-
 from meshd.client import MeshdClient
-from meshd.errors import MeshdError
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.repo import ROOT
+from tests.support.waiting import wait_until
 
 # Fast timings so membership changes show within a few seconds.
 FAST = ["--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--gone-after", "2.0"]
@@ -32,33 +30,8 @@ FAST = ["--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--gone-after",
 # home of two splits it only when neither can hold it all: 154 MiB with a 2048-token cache.
 HALF_THE_MODEL = ("--memory-budget-mb", "120")
 # Self-profiling is off unless a test turns it on: two daemons timing themselves on one loaded
-# test machine would get different plans from run to run (tests/test_self_profile.py covers it).
+# test machine would get different plans from run to run (tests/mesh/test_self_profile.py covers it).
 FAST_ENV = {"MESHD_REPLAN_DEBOUNCE_S": "0.5", "MESHD_DRAIN_TIMEOUT_S": "0.5", "MESHD_SELF_PROFILE": "off"}
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition", explain=None):
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` on timeout.
-
-    ``explain()`` (optional) returns text added to the failure (e.g. the daemons' status).
-    """
-    deadline = time.monotonic() + timeout
-    last_exc = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (MeshdError, OSError, KeyError, TypeError) as exc:
-            last_exc = exc
-        time.sleep(interval)
-    detail = ""
-    if explain is not None:
-        try:
-            detail = "\n" + str(explain())
-        except Exception as exc:  # noqa: BLE001 - diagnostics only
-            detail = f"\n(explain failed: {exc})"
-    raise AssertionError(f"timed out waiting for {what}"
-                         + (f" (last error: {last_exc})" if last_exc else "") + detail)
 
 
 class DaemonProc:
@@ -87,7 +60,7 @@ class DaemonProc:
         return MeshdClient(self.socket, timeout=5.0).status()
 
     def wait_serving(self, timeout: float = 30.0) -> dict:
-        return wait_for(self.status, timeout, what=f"daemon {self.name} to serve its API")
+        return wait_until(self.status, timeout, what=f"daemon {self.name} to serve its API")
 
     def node_id(self) -> str:
         return (self.state_dir / "node_id").read_text().strip()
@@ -166,15 +139,6 @@ class Mesh:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-@pytest.fixture
-def mesh():
-    m = Mesh()
-    try:
-        yield m
-    finally:
-        m.cleanup()
-
-
 def summary(*procs: DaemonProc) -> str:
     """One line per daemon: members' states and the plan, for failure messages."""
     lines = []
@@ -219,3 +183,61 @@ def meshd_status_json(p: DaemonProc) -> dict:
 def kill_hard(p: DaemonProc) -> None:
     p.signal(signal.SIGKILL)
     p.wait(10)
+
+
+READY_WITHIN_S = 10.0  # the bound for a home to be ready, counted from when all its daemons serve their API
+
+
+def all_ready(procs, names):
+    """A predicate: every daemon sees exactly ``names``, all ready, and a plan over all of them."""
+    def check():
+        for p in procs:
+            s = p.status()
+            if states(s) != {n: "ready" for n in names}:
+                return False
+            plan = s.get("plan") or {}
+            if plan.get("members") != sorted(q.node_id() for q in procs):
+                return False
+        return True
+    return check
+
+
+def plan_nodes(proc) -> list[str]:
+    return [s["node_id"] for s in ((proc.status().get("plan") or {}).get("stages") or [])]
+
+
+def both_ready(a, b) -> bool:
+    """Both daemons ready, on one plan version, and the plan spans two stages."""
+    sa, sb = a.status(), b.status()
+    va, vb = (sa.get("plan") or {}).get("version"), (sb.get("plan") or {}).get("version")
+    return (len(plan_nodes(a)) == 2 and va == vb and bool(sa.get("ready")) and bool(sb.get("ready")))
+
+
+class StreamInBackground:
+    """Stream one greedy answer on a thread; ``started`` is set after ``after`` text deltas."""
+
+    def __init__(self, proc, question: str, max_tokens: int, after: int = 3):
+        self.started, self.outcome = threading.Event(), {}
+        self._args = (proc, question, max_tokens, after)
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self):
+        proc, question, max_tokens, after = self._args
+        try:
+            parts = []
+            for delta in MeshdClient(proc.socket, timeout=240).chat(question, stream=True, max_tokens=max_tokens,
+                                                                    temperature=0):
+                parts.append(delta)
+                if len(parts) >= after:
+                    self.started.set()
+            self.outcome["text"] = "".join(parts)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.outcome["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.started.set()
+
+    def result(self, timeout: float) -> dict:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the request hung"
+        return self.outcome

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
 import structlog
 
 from meshd import log
@@ -21,10 +20,4 @@ def all_log_events():
     """``structlog.testing.capture_logs`` with every level let through (debug up)."""
     log.configure("console", "debug")
     with structlog.testing.capture_logs() as events:
-        yield events
-
-
-@pytest.fixture
-def log_events():
-    with all_log_events() as events:
         yield events

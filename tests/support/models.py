@@ -1,8 +1,8 @@
-"""Model fixtures: tiny random-weight checkpoints for fast exactness tests, and the real embedded model."""
+"""Tiny random-weight checkpoints for fast exactness tests (the session fixtures built on them are in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 
@@ -28,50 +28,3 @@ def build_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, **overrides)
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     return model
-
-
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model = build_tiny_checkpoint(path, "llama")
-    return path, model
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    model = build_tiny_checkpoint(path, "qwen2", seed=1, tie_word_embeddings=True)
-    return path, model
-
-
-@pytest.fixture(scope="session")
-def real_source():
-    """The embedded SmolLM2-135M-Instruct (pulled by the set-up script)."""
-    from meshd import model_store
-
-    if not model_store.is_pulled():
-        model_store.pull(quiet=True)
-    return model_store.open_model(None)
-
-
-@pytest.fixture(scope="session")
-def real_stage(real_source):
-    """The whole embedded model as one stage (loaded once per test session)."""
-    return real_source.load_stage(0, real_source.config.num_layers)
-
-
-@pytest.fixture(scope="session")
-def served_stage(real_source):
-    """The whole embedded model as one stage in the numeric mode a daemon serves in by default
-    (``--weights auto``: packed on a CPU with torch's int4 kernel): the reference a mesh must equal."""
-    from decoding.device import Placement
-
-    p = Placement.resolve("cpu")
-    stage = real_source.load_stage(0, real_source.config.num_layers, p.dtype, packed=p.packed)
-    # Like a daemon (which answers a warm-up request before it serves): a process's very first
-    # packed forward has been seen to differ from all later ones in the last bits, with two torch
-    # threads (bench/RESULTS.md, issue #30's notes); every later forward is the same.
-    kv = stage.new_cache(64)
-    kv.create("warm-up", 8)
-    stage.forward(kv, "warm-up", torch.tensor([1, 2, 3]))
-    return stage

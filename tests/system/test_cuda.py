@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from decoding.device import Placement
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingParams
+from tests.support.repo import ROOT
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")]
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow,
 GPU = torch.device("cuda", 0)
 LOGIT_ATOL = 1e-3
 PROMPTS = [json.loads(line) for line in
-           (Path(__file__).parent.parent / "bench" / "prompts" / "home.jsonl").read_text().splitlines() if line.strip()]
+           (ROOT / "bench" / "prompts" / "home.jsonl").read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(autouse=True)
@@ -145,7 +145,7 @@ def test_speculative_rounds_on_the_gpu_give_the_plain_greedy_tokens(real_source,
 async def test_a_mesh_with_a_gpu_stage_and_a_cpu_stage_equals_the_reference(real_source, cpu_pipe):
     """Stage services: host tensors on the wire, the GPU stage moving them in and its results out."""
     from meshd.pipeline.route import Route
-    from tests.test_pipeline_inprocess import Mesh
+    from tests.support.inprocess import Mesh
 
     async with Mesh(real_source, 2) as mesh:
         gpu_svc = mesh.services[0]

@@ -3,28 +3,16 @@
 from __future__ import annotations
 
 import configparser
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.support.systemd import systemd_analyze
+from tests.support.repo import ROOT
 
-UNIT = Path(__file__).resolve().parents[1] / "systemd" / "meshd.service"
-
-
-def _systemd_analyze() -> str | None:
-    """Find systemd-analyze, installing Debian's systemd package if we can (CI runs as root)."""
-    found = shutil.which("systemd-analyze")
-    if found:
-        return found
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "systemd"],
-                       env=env, capture_output=True, timeout=900)
-    return shutil.which("systemd-analyze")
+UNIT = ROOT / "systemd" / "meshd.service"
 
 
 def _unit() -> configparser.ConfigParser:
@@ -35,7 +23,7 @@ def _unit() -> configparser.ConfigParser:
 
 
 def test_the_unit_passes_systemd_analyze_verify(tmp_path):
-    tool = _systemd_analyze()
+    tool = systemd_analyze()
     if tool is None:
         pytest.skip("systemd-analyze is absent and could not be installed")
     # verify checks that ExecStart exists: point it at this environment's meshd.

@@ -10,11 +10,10 @@ import hidden inside a function, a conditional or ``TYPE_CHECKING`` counts too.
 import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from tests.support.repo import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 LOWER = ("transport", "partition", "decoding")
 FORBIDDEN = "meshd"
 
@@ -93,7 +92,7 @@ def test_meshd_treats_every_layers_base_error_as_user_facing():
 
 
 def test_the_cli_prints_a_lower_layer_error_as_one_line(tmp_path, capsys):
-    from tests.test_daemon_helpers import run_cli
+    from tests.support.daemons import run_cli
 
     bad = tmp_path / "weights.bin"
     bad.write_bytes(b"PK\x03\x04 not a model")

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from meshd.cli import build_parser
+from tests.support.repo import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "systemd" / "README.md"]
 
 _FENCE = re.compile(r"^```[a-z]*\n(.*?)^```", re.S | re.M)

@@ -37,12 +37,13 @@ import pytest
 from meshd.apikeys import ApiKeyStore
 from meshd.client import MeshdClient
 from meshd.config import load_config
-from tests.test_daemon_helpers import FAST, FAST_ENV, wait_for
-from tests.test_daemon_systemd import _systemd_analyze
+from tests.support.daemons import FAST, FAST_ENV
+from tests.support.waiting import wait_until
+from tests.support.systemd import systemd_analyze
+from tests.support.repo import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 SYSTEMD = ROOT / "systemd"
 SCRIPT = SYSTEMD / "install.sh"
 DOCS = SYSTEMD / "README.md"
@@ -178,7 +179,7 @@ def test_the_key_models_and_home_land_where_the_service_reads_them(installed):
 def test_the_installed_unit_and_its_gpu_drop_in_pass_systemd_analyze_verify(installed):
     drop_in = installed.unit.parent / "meshd.service.d/gpu.conf"
     assert drop_in.read_text() == (SYSTEMD / "meshd.service.d/gpu.conf").read_text()
-    tool = _systemd_analyze()
+    tool = systemd_analyze()
     if tool is None:
         pytest.skip("systemd-analyze is absent and could not be installed")
     out = subprocess.run([tool, "verify", str(installed.unit)], capture_output=True, text=True, timeout=120)
@@ -215,7 +216,7 @@ class Service:
         return any(what(line) if callable(what) else line == what for line in self.received)
 
     def wait_said(self, what, timeout: float, running: bool = True) -> None:
-        wait_for(lambda: self.said(what, running), timeout, interval=0, what=f"{what} from the installed service",
+        wait_until(lambda: self.said(what, running), timeout, what=f"{what} from the installed service",
                  explain=lambda: f"{self.received}\n{(self.run / 'daemon.log').read_text()}")
 
     def stop(self) -> int:

@@ -26,7 +26,7 @@ from transport.messages import (
     encode,
 )
 from transport.wire import Limits
-from tests.log_fixtures import all_log_events
+from tests.support.logs import all_log_events
 
 pytestmark = pytest.mark.timeout(60)
 

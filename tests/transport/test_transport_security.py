@@ -16,7 +16,8 @@ from transport.keys import AllowList, Keypair, fingerprint, load_or_create_keypa
 from transport.link import Peer, StageServer
 from transport.messages import Ack, FreeSequence, encode
 from transport.node import TransportNode
-from tests.log_fixtures import all_log_events
+from tests.support.logs import all_log_events
+from tests.support.repo import ROOT
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -247,7 +248,7 @@ def test_allocator_tuning_is_applied_in_its_own_process():
          "from meshd import log; log.configure(); "
          "from transport.tuning import tune_allocator_for_large_messages as t; print(t())"],
         capture_output=True, text=True, timeout=60,
-        cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent),
+        cwd=str(ROOT),
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("True", "False")
