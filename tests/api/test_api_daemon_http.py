@@ -69,15 +69,15 @@ def test_daemon_serves_ollama_and_openai_on_its_lan_listener_with_a_key(mesh):
         return out
 
     rtt = wait_until(lambda: link_samples().get("meshd_link_rtt_seconds", {}).get(b_id), 30,
-                   what="a link RTT sample for the second member", explain=lambda: summary(d, b))
+                     what="a link RTT sample for the second member", explain=lambda: summary(d, b))
     assert 0 < rtt < 5 and link_samples()["meshd_link_reachable"][b_id] == 1
     link = d.status()["links"][b_id]
     assert link["reachable"] and link["age_s"] is not None and link["rtt_s"] > 0
     assert wait_until(lambda: (b.status()["links"].get(d.node_id()) or {}).get("rtt_s"), 30,
-                    what="the second member's RTT to the first")
+                      what="the second member's RTT to the first")
     kill_hard(b)
     wait_until(lambda: link_samples().get("meshd_link_reachable", {}).get(b_id) == 0, 30,
-             what="the killed member's link reported unreachable", explain=lambda: d.status()["links"])
+               what="the killed member's link reported unreachable", explain=lambda: d.status()["links"])
     assert b_id not in link_samples().get("meshd_link_rtt_seconds", {})
 
     rc, _ = run_cli("apikey", "revoke", "ha", "--state-dir", str(d.state_dir))

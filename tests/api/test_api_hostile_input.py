@@ -19,6 +19,7 @@ from meshd.engine import EngineBusy, EngineUnavailable, GenerationFailed, NoPlan
 from tests.support.api import REPLY, FakeEngine, ServerThread
 from tests.support.logs import all_log_events
 from tests.support.clients import http, sdk
+from tests.support.waiting import wait_until
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -419,10 +420,7 @@ def test_a_burst_of_connections_is_queued_and_answered_past_the_cap(engine):
             for s in socks:
                 s.close()
         with http(srv) as c:  # slots come back once the clients are gone
-            end = time.monotonic() + 15
-            while c.get("/v1/models").status_code != 200 and time.monotonic() < end:
-                time.sleep(0.05)
-            assert c.get("/v1/models").status_code == 200
+            wait_until(lambda: c.get("/v1/models").status_code == 200, 15, "a connection slot to come back")
 
 
 def test_the_cap_is_shared_by_the_unix_socket_and_tcp(engine):

@@ -54,7 +54,7 @@ def _mesh_with_verifier(real_source):
 def _pair(mesh, cloud_dir, member_state_dir) -> dict:
     """`meshd cloud invite` at the verifier, then `meshd cloud pair` on a member; the verifier's ports."""
     info = wait_until(lambda: json.loads((cloud_dir / "verifier.json").read_text()), 120,
-                    what="the verifier to listen", explain=lambda: (mesh.root / "verifier.log").read_text()[-2000:])
+                      what="the verifier to listen", explain=lambda: (mesh.root / "verifier.log").read_text()[-2000:])
     rc, out = run_cli("cloud", "invite", "--state-dir", str(cloud_dir), "--json")
     assert rc == 0, out
     token = json.loads(out.strip().splitlines()[-1])["token"]
@@ -123,14 +123,14 @@ def test_pairing_one_member_pairs_the_running_home_and_a_device_that_joins_later
         # "idle": a CloudHome is connected and its link has not been used yet ("not connected" otherwise).
         using = lambda p: cloud_of(p).get("link", {}).get("state") in ("idle", "connected")  # noqa: E731
         wait_until(lambda: using(a) and cloud_of(a)["link"]["address"] == f"tcp://127.0.0.1:{info['port']}", 60,
-                 what="alpha to pick the pairing up without a restart", explain=a.log_tail)
+                   what="alpha to pick the pairing up without a restart", explain=a.log_tail)
 
         b = mesh.spawn("beta", "--model", model, "--cloud-min-timeout", "15", *HALF_THE_MODEL, token=mesh.invite(a))
         b.wait_serving(60)
         wait_until(lambda: both_ready(a, b), 120, what="a two-member plan", explain=lambda: summary(a, b))
         beta_key = StateDir(b.state_dir).keypair().public
         wait_until(lambda: beta_key in AllowList.for_state_dir(cloud_dir), 60,
-                 what="alpha to vouch for beta at the verifier", explain=a.log_tail)
+                   what="alpha to vouch for beta at the verifier", explain=a.log_tail)
         wait_until(lambda: using(b), 60, what="beta to learn the pairing and connect", explain=b.log_tail)
 
         client = sdk(b.socket, timeout=240)

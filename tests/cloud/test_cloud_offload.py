@@ -24,6 +24,7 @@ from meshd.cloud.verifier import Verifier, VerifierRefusal
 from tests.support.models import build_tiny_checkpoint
 from tests.support.stats import chi2_p_value
 from tests.support.cloud import InProcess
+from tests.support.waiting import eventually
 
 
 @pytest.fixture(scope="module")
@@ -288,11 +289,8 @@ def test_a_session_reopened_or_closed_while_its_pass_runs_is_freed_once_the_pass
         try:
             long = asyncio.create_task(v.submit("h", CloudVerify(1, 0, pk(list(range(3, 200))), 2,
                                                                  open={"capacity": 256})))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 30
-            while not any(s.busy for s in v._sessions.values()):  # its first pass is running
-                assert loop.time() < deadline, "the fill never started"
-                await asyncio.sleep(0.001)
+            await eventually(lambda: any(s.busy for s in v._sessions.values()), 30,  # a pass is running
+                             "the long prompt's fill to start", longest_interval_s=0.001)
             again = await v.submit("h", CloudVerify(1, 0, pk([5, 6, 7]), 1, open={}))  # the home resends
             with pytest.raises(VerifierRefusal, match="newer request"):
                 await long

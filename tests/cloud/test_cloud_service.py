@@ -23,6 +23,7 @@ from meshd.state import StateDir
 from transport.errors import AuthenticationRefused, RemoteError, TransportTimeout
 from transport.messages import CloudVerify
 from transport.node import TransportNode
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -222,11 +223,7 @@ def test_the_verifier_dying_mid_answer_leaves_a_complete_answer_and_the_link_com
             down = link.status()
             # It restarts (same state, same port); once the backoff has passed the link finds it again.
             svc = await _serve(real_source, real_stage, tmp_path, port=port)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 60
-            while not link.available:
-                assert loop.time() < deadline, "the link never retried"
-                await asyncio.sleep(0.05)
+            await eventually(lambda: link.available, 60, "the link to retry and find the cloud again")
             dec2 = OffloadDecoder(drafter, link, OffloadPolicy(1.0), 10, eos_ids=frozenset(), seed=0)
             again = [t async for t in dec2.run(prompt, 16)]
             return out, dec.stats, down, again, dec2.stats, link.status()

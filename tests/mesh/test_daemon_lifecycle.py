@@ -46,7 +46,7 @@ class SlowEngine(Engine):
 
     async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         for _ in range(req.max_tokens):
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # sleep-ok: a slow engine, so a request is surely in flight
             yield ord("x")
 
 
@@ -216,4 +216,4 @@ def test_an_invite_minted_before_a_restart_on_pairing_port_0_still_pairs(mesh):
     assert json.loads((a.state_dir / "daemon.json").read_text())["pairing_port"] == port_before
     b = mesh.spawn("b", token=token)
     wait_until(lambda: len(a.status().get("members", [])) == 2, 60, what="the new member to be admitted",
-             explain=lambda: summary(a, b))
+               explain=lambda: summary(a, b))

@@ -23,7 +23,7 @@ def test_three_paired_daemons_become_ready_and_a_killed_one_is_gone_and_replanne
         p.wait_serving()
     names = ["a", "b", "c"]
     wait_until(all_ready([a, b, c], names), READY_WITHIN_S, what="a, b and c ready on every daemon",
-             explain=lambda: summary(a, b, c))
+               explain=lambda: summary(a, b, c))
 
     # The real CLI, as a user runs it, lists all three on each daemon.
     for p in (a, b, c):
@@ -57,7 +57,7 @@ def test_three_paired_daemons_become_ready_and_a_killed_one_is_gone_and_replanne
 
     # gone_after (2 s) + debounce (0.5 s) + heartbeat periods of slack (both cores may be busy)
     wait_until(c_gone_and_replanned, 2.0 + 0.5 + 6.0, what="c gone and re-planned without it",
-             explain=lambda: summary(a, b))
+               explain=lambda: summary(a, b))
     events = [e["event"] for e in a.events()]
     assert "replan" in events or "replan" in [e["event"] for e in b.events()]
     # every daemon log line is JSON and names the node

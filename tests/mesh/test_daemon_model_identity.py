@@ -65,7 +65,7 @@ def test_a_member_holding_another_model_is_left_out_with_its_reason_and_refuses_
         return True
 
     wait_until(settled, 90, what="a plan over the two SmolLM2 members, the Qwen one left out with its reason",
-             explain=lambda: summary(*procs) + "".join(f"\n{p.name}: {p.status().get('not_planned')}"
+               explain=lambda: summary(*procs) + "".join(f"\n{p.name}: {p.status().get('not_planned')}"
                                                        for p in procs))
     assert q.node_id() not in {s["node_id"] for s in a.status()["plan"]["stages"]}
     rc, out = run_cli("status", "--socket", str(q.socket))

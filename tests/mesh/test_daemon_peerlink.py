@@ -7,18 +7,13 @@ import asyncio
 from meshd import control
 from meshd.peerlink import PeerLink
 from meshd.state import Member, StateDir
+from tests.support.logs import all_log_events
+from tests.support.waiting import eventually
 
 
 def _state(tmp_path, name):
     st = StateDir(tmp_path / name).ensure()
     return st, st.keypair().public.decode()
-
-
-async def _until(pred, timeout=10.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not pred():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_sender_refused_before_its_key_was_known_gets_through_once_it_is(tmp_path):
@@ -37,13 +32,14 @@ async def test_a_sender_refused_before_its_key_was_known_gets_through_once_it_is
         async def keep_sending():
             while True:
                 b.send("a", bye)
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # sleep-ok: a member resending, as gossip does
 
-        sender = asyncio.create_task(keep_sending())
-        await asyncio.sleep(1.0)
-        assert got == []  # refused by ZAP: b's key is not on a's allow-list
-        a_state.add_members([Member("b", "b", b_key)])  # the key arrives (e.g. by gossip)
-        await _until(lambda: got)
+        with all_log_events() as logs:
+            sender = asyncio.create_task(keep_sending())
+            await eventually(lambda: any(e["event"] == "peer_refused" for e in logs), 10, "a to refuse b's key")
+            assert got == []  # refused by ZAP: b's key is not on a's allow-list
+            a_state.add_members([Member("b", "b", b_key)])  # the key arrives (e.g. by gossip)
+            await eventually(lambda: got, 10, "b's message through once its key is known")
         sender.cancel()
         key, msg = got[0]
         assert key == b_key  # the sender is the key ZAP vouched for
@@ -134,7 +130,7 @@ async def test_peerlinks_measure_the_round_trip_and_a_stopped_peer_turns_unreach
             a.probe_due()
             return (a.link_status().get("b") or {}).get("rtt_s") is not None
 
-        await _until(measured)
+        await eventually(measured, 10, "a to measure its round trip to b")
         s = a.link_status()["b"]
         assert 0 < s["rtt_s"] < 1.0 and s["reachable"] and s["age_s"] < 1.0
         assert passed_on == []  # probes are answered by the link; the daemon never sees them
@@ -144,7 +140,7 @@ async def test_peerlinks_measure_the_round_trip_and_a_stopped_peer_turns_unreach
             a.probe_due()
             return a.link_status()["b"]["reachable"] is False
 
-        await _until(unreachable)
+        await eventually(unreachable, 10, "b, stopped, to turn unreachable")
         s = a.link_status()["b"]
         assert s["rtt_s"] is None and s["failures"] >= 2
         await a.disconnect("b")

@@ -87,4 +87,4 @@ def test_daemons_in_three_namespaces_discover_each_other_over_a_bridge(mesh):
 
         kill_hard(c)
         wait_until(lambda: all(states(p.status())["c"] == "gone" for p in (a, b)), 2.0 + 3.0,
-                 what="c gone on a and b", explain=lambda: summary(a, b))
+                   what="c gone on a and b", explain=lambda: summary(a, b))

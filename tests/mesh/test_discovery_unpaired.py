@@ -34,7 +34,7 @@ def test_an_unpaired_device_is_discovered_but_never_admitted(mesh):
     wait_until(a_explains_both, 10, what="a to list rogue (unpaired) and other (another home)")
     # ...and the transport refused rogue's key when it tried to talk to a.
     wait_until(lambda: any(e["event"] == "peer_refused" for e in a.events()), 10,
-             what="a's transport refusing rogue's key")
+               what="a's transport refusing rogue's key")
     s = a.status()
     assert [m["name"] for m in s["members"]] == ["a"]
     assert rogue_id not in {st["node_id"] for st in s["plan"]["stages"]}

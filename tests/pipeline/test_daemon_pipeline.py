@@ -22,7 +22,7 @@ def two_daemon_mesh(mesh, model: str, home: str):
     b = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL, token=mesh.invite(a))
     b.wait_serving(60)
     wait_until(lambda: len(plan_stages(a)) == 2 and len(plan_stages(b)) == 2, 90,
-             what="a two-stage plan", explain=lambda: summary(a, b))
+               what="a two-stage plan", explain=lambda: summary(a, b))
     return a, b
 
 
@@ -59,7 +59,7 @@ def test_an_answer_survives_a_daemon_killed_mid_request(mesh, real_source, serve
     assert "error" not in outcome, outcome
     assert outcome["text"] == want, summary(a)
     wait_until(lambda: [s["node_id"] for s in plan_stages(a)] == [a.node_id()], 60,
-             what="a re-plan onto the surviving daemon", explain=lambda: summary(a))
+               what="a re-plan onto the surviving daemon", explain=lambda: summary(a))
     assert (a.status().get("stage") or {}).get("requests_replayed", 0) >= 1
 
 
@@ -82,7 +82,7 @@ def test_daemons_time_themselves_once_and_are_planned_with_what_they_measured(me
 
     for proc in (a, b):
         wait_until(lambda proc=proc: both_measured(proc), 120, what="both members planned by their own timing",
-                 explain=lambda: summary(a, b))
+                   explain=lambda: summary(a, b))
     assert len(list((a.state_dir / "profiles").glob("self-*.json"))) == 1
 
     a.signal(signal.SIGTERM)

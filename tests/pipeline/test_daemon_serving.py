@@ -97,7 +97,7 @@ def _hang_up_during_prefill(sock_path, prompt: str, after_s: float) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(sock_path))
         s.sendall(head + body)
-        time.sleep(after_s)
+        time.sleep(after_s)  # sleep-ok: the client hangs up this far into its prompt's prefill
 
 
 def test_clients_hanging_up_during_prefill_leave_no_cache_behind(home, reference):
@@ -108,7 +108,7 @@ def test_clients_hanging_up_during_prefill_leave_no_cache_behind(home, reference
     for i in range(10):
         _hang_up_during_prefill((a, b)[i % 2].socket, long_prompt, rng.uniform(0.2, 0.6))
     wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 90, what="the hung-up requests' caches freed",
-             explain=lambda: f"{summary(a, b)}\nstages: {a.status().get('stage')} {b.status().get('stage')}")
+               explain=lambda: f"{summary(a, b)}\nstages: {a.status().get('stage')} {b.status().get('stage')}")
     got = MeshdClient(a.socket, timeout=240).chat(QUESTIONS[0], max_tokens=16, temperature=0).text
     assert got == reference(QUESTIONS[0])
 
@@ -123,7 +123,7 @@ def test_a_member_restarting_on_a_new_port_is_found_and_used_again(home, referen
     b2 = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL)  # same state dir: same node id, a new port
     home[2] = b2
     wait_until(lambda: both_ready(a, b2) and b2.status()["ports"]["transport"] != old_port, 120,
-             what="the restarted member back in a warm plan", explain=lambda: summary(a, b2))
+               what="the restarted member back in a warm plan", explain=lambda: summary(a, b2))
     for proc in (a, b2):
         got = MeshdClient(proc.socket, timeout=240).chat(QUESTIONS[1], max_tokens=16, temperature=0).text
         assert got == reference(QUESTIONS[1]), summary(a, b2)
@@ -308,7 +308,7 @@ def test_metrics_show_the_round_trip_and_the_activation_bytes_to_the_other_daemo
     MeshdClient(a.socket, timeout=240).chat(QUESTIONS[0], max_tokens=4, temperature=0)
     for proc, other in ((a, b), (b, a)):
         rtt = wait_until(lambda p=proc, o=other: _link_samples(p).get("meshd_link_rtt_seconds", {}).get(o.node_id()),
-                       30, what=f"{proc.name}'s link RTT to {other.name}", explain=lambda: summary(a, b))
+                         30, what=f"{proc.name}'s link RTT to {other.name}", explain=lambda: summary(a, b))
         assert 0 < rtt < 5
         assert _link_samples(proc)["meshd_link_reachable"][other.node_id()] == 1
     first, second = plan_nodes(a)

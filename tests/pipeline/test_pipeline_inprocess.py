@@ -115,7 +115,7 @@ async def test_hanging_up_during_prefill_leaks_nothing_even_when_frees_overtake_
         for i in range(12):  # more hang-ups than the cache could hold leaked sequences
             agen = mesh.coord.generate(f"h{i}", list(range(3, 400)), 200, SamplingParams(), chunks=8)
             task = asyncio.ensure_future(agen.__anext__())
-            await asyncio.sleep(0.005 * (i % 4))
+            await asyncio.sleep(0.005 * (i % 4))  # sleep-ok: hang-ups at different points of the prompt
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await agen.aclose()
@@ -166,7 +166,8 @@ async def test_a_request_replays_on_the_new_plan_when_stages_move_under_it(tiny)
         for s in mesh.services:
             await s.deploy(new)
         running = asyncio.create_task(mesh.run(prompt, 6))
-        await asyncio.sleep(0.3)
+        await eventually(lambda: mesh.coord.waiting_on == "dev0", 10,
+                         "the request waiting for its first stage to serve plan 1")
         assert not running.done()  # paused, not failed
         mesh.coord.set_route(new)
         assert await asyncio.wait_for(running, 30) == ref
@@ -274,7 +275,7 @@ async def test_waiting_for_a_stage_that_never_loads_ends_when_the_mesh_replans(t
         stale = Route(2, mesh.route.stages)
         mesh.coord.set_route(stale)
         waiting = asyncio.create_task(mesh.coord.wait_ready(stale, timeout_s=60))
-        await asyncio.sleep(0.5)
+        await eventually(lambda: mesh.coord.waiting_on == "dev1", 10, "the wait to reach the gone stage")
         mesh.coord.set_route(Route(3, mesh.route.stages))  # membership noticed and re-planned
         with pytest.raises(Exception, match="re-planned"):
             await asyncio.wait_for(waiting, 10)
@@ -311,7 +312,7 @@ async def test_a_prompt_slower_than_the_token_timeout_is_waited_for_not_replayed
 
         def slow(kv, items, probes):
             if sum(w.tokens for w in items) > 1:
-                _time.sleep(0.8)  # a prompt chunk on a slow device; decode steps stay fast
+                _time.sleep(0.8)  # sleep-ok: a prompt chunk on a slow device; decode steps stay fast
             return real(kv, items, probes)
 
         stage.forward_batch = slow

@@ -84,7 +84,7 @@ def test_two_devices_without_the_model_get_their_layers_from_the_home_and_answer
     b = mesh.spawn("beta", "--model", "", *HALF_THE_MODEL, token=mesh.invite(a), env=no_index_env(homes["beta"]))
     c = mesh.spawn("gamma", "--model", "", *HALF_THE_MODEL, token=mesh.invite(a), env=no_index_env(homes["gamma"]))
     wait_until(lambda: warm_plan_over([a, b, c], 3), 240, what="a warm three-stage plan",
-             explain=lambda: summary(a, b, c) + "\n" + json.dumps([sharing(p).get("fetch") for p in (b, c)]))
+               explain=lambda: summary(a, b, c) + "\n" + json.dumps([sharing(p).get("fetch") for p in (b, c)]))
     for proc in (b, c):
         sh = sharing(proc)
         first, end = layers_of(a, proc.node_id())
@@ -121,7 +121,7 @@ def test_a_fetch_killed_halfway_resumes_where_it_stopped_and_the_cache_is_listed
 
     b = mesh.spawn("beta", "--model", "", *HALF_THE_MODEL, env=no_index_env(home))  # same state dir, no rate cap now
     wait_until(lambda: warm_plan_over([a, b], 2), 180, what="a warm two-stage plan after the restart",
-             explain=lambda: summary(a, b) + "\n" + json.dumps(sharing(b).get("fetch")))
+               explain=lambda: summary(a, b) + "\n" + json.dumps(sharing(b).get("fetch")))
     sh = sharing(b)
     first, end = layers_of(a, b.node_id())
     needed = mf.needed_tensors(manifest.tensor_names, 30, first, end)

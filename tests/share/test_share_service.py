@@ -23,6 +23,7 @@ from transport.errors import RemoteError
 from transport.node import TransportNode
 from tests.support.gguf import write_tiny_gguf
 from tests.support.logs import all_log_events
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,13 +86,6 @@ async def close_all(bus: Bus):
         await svc.d.link.node.close()
 
 
-async def wait_until(pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 @pytest.fixture
 def tiny(tmp_path):
     return write_tiny_gguf(tmp_path / "tiny.gguf", layers=5)
@@ -110,7 +104,7 @@ async def test_a_member_without_the_model_fetches_its_layers_and_shuns_the_one_s
         evil = await shell(bus, tmp_path, "evil", model=str(tiny), cls=EvilShare)
         for holder in (honest, evil):
             await holder.obtain_source()
-        await wait_until(lambda: honest.manifest is not None and evil.manifest is not None, what="manifests")
+        await eventually(lambda: honest.manifest is not None and evil.manifest is not None, timeout_s=30, what="manifests")
         newcomer = await shell(bus, tmp_path, "newcomer")
         with all_log_events() as logs:
             source = await asyncio.wait_for(newcomer.obtain_source(), 60)
@@ -125,8 +119,8 @@ async def test_a_member_without_the_model_fetches_its_layers_and_shuns_the_one_s
             assert torch.equal(a.qkv, b.qkv) and torch.equal(a.down, b.down)
         assert source.identity == GGUFSource(tiny).identity
         # the newcomer now lends what it holds to the next one, and nobody asks the evil member again
-        await wait_until(lambda: "newcomer" in honest.peers and honest.peers["newcomer"].holdings.layers,
-                         what="the newcomer's advert")
+        await eventually(lambda: "newcomer" in honest.peers and honest.peers["newcomer"].holdings.layers,
+                         timeout_s=30, what="the newcomer's advert")
         assert honest.peers["newcomer"].holdings.layers == frozenset({1, 2})
     finally:
         await close_all(bus)
@@ -138,7 +132,7 @@ async def test_bad_share_requests_get_clear_refusals(tmp_path, tiny):
         holder = await shell(bus, tmp_path, "holder", model=str(tiny))
         asker = await shell(bus, tmp_path, "asker")
         await holder.obtain_source()
-        await wait_until(lambda: holder.manifest is not None, what="the manifest")
+        await eventually(lambda: holder.manifest is not None, timeout_s=30, what="the manifest")
         peer = await asker.d.link.node.connect(f"tcp://127.0.0.1:{holder.port}",
                                                server_key=holder.d.link.node.public_key, timeout=10)
         sha = holder.manifest.sha256

@@ -217,7 +217,7 @@ class Service:
 
     def wait_said(self, what, timeout: float, running: bool = True) -> None:
         wait_until(lambda: self.said(what, running), timeout, what=f"{what} from the installed service",
-                 explain=lambda: f"{self.received}\n{(self.run / 'daemon.log').read_text()}")
+                   explain=lambda: f"{self.received}\n{(self.run / 'daemon.log').read_text()}")
 
     def stop(self) -> int:
         """SIGTERM, as ``systemctl stop`` sends it; the exit code, after STOPPING=1."""

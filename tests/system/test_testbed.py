@@ -21,6 +21,7 @@ import pytest
 from bench.testbed import FALLBACK_LINE, DelayProxy, LinkSpec, LinkSpecError, Testbed
 from bench.testbed import netns as tbnetns
 from meshd.errors import MeshdError
+from tests.support.waiting import wait_until
 
 PY = sys.executable
 
@@ -163,7 +164,7 @@ async def test_delay_proxy_pipelines_chunks_so_the_delay_does_not_cap_throughput
             writer.write(b"z" * 4096)
             total += 4096
             await writer.drain()
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # sleep-ok: yields to the proxy between writes, as separate sends do
         writer.write_eof()
         got = 0
         while data := await reader.read(1 << 16):
@@ -268,7 +269,7 @@ def test_loopback_mode_runs_pinned_processes_on_distinct_loopback_addresses_and_
 def test_teardown_kills_whole_process_groups_even_when_they_ignore_sigterm():
     with Testbed(1, mode="loopback") as tb:
         p = tb.host(0).popen(["sh", "-c", "trap '' TERM; sleep 100 & wait"])
-        time.sleep(0.2)
+        wait_until(lambda: len(_live_group_members(p.pid)) >= 2, 10, "sh (ignoring TERM) and its sleep running")
     assert p.poll() is not None
     assert _live_group_members(p.pid) == []  # the backgrounded sleep is gone too
 

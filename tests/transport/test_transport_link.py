@@ -27,6 +27,7 @@ from transport.messages import (
 )
 from transport.wire import Limits
 from tests.support.logs import all_log_events
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,7 +50,7 @@ class Recorder:
         self.calls.append((msg, req))
         d = self.delay()
         if d:
-            await asyncio.sleep(d)
+            await asyncio.sleep(d)  # sleep-ok: a handler taking a little while, so replies overtake each other
         if isinstance(msg, StageForward):
             ids = msg.token_ids if msg.token_ids is not None else torch.tensor([int(msg.seq_id[1:])])
             return TokenResult(msg.request_id, msg.plan_version, msg.seq_id, ids)
@@ -123,20 +124,22 @@ async def test_handler_exception_comes_back_as_remote_error_and_server_keeps_ser
 
 
 async def test_timeout_raises_transport_timeout_and_forgets_the_request(ctx):
-    slow = {"on": True}
+    answer_late = asyncio.Event()
 
     async def handler(msg, req):
-        if slow["on"]:
-            await asyncio.sleep(0.5)
+        if msg.seq_id == "s1":
+            await answer_late.wait()  # answers only after the caller gave up
         return None
 
     server, peer = await _pair(ctx, handler)
     try:
-        with pytest.raises(TransportTimeout, match="no reply to FreeSequence"):
-            await peer.request(FreeSequence(1, f"s{1}"), timeout=0.05)
-        assert peer.in_flight == 0
-        slow["on"] = False
-        await asyncio.sleep(0.6)  # the late reply arrives and is dropped quietly
+        with all_log_events() as logs:
+            with pytest.raises(TransportTimeout, match="no reply to FreeSequence"):
+                await peer.request(FreeSequence(1, f"s{1}"), timeout=0.05)
+            assert peer.in_flight == 0
+            answer_late.set()
+            await eventually(lambda: any(e["event"] == "late_reply_dropped" for e in logs), 10,
+                             "the late reply to arrive and be dropped quietly")
         assert isinstance(await peer.request(FreeSequence(1, f"s{2}")), Ack)
     finally:
         await peer.close()
@@ -148,7 +151,7 @@ async def test_cancelled_request_removes_its_pending_future(ctx):
 
     async def handler(msg, req):
         started.set()
-        await asyncio.sleep(10)
+        await asyncio.Event().wait()  # never answers
 
     server, peer = await _pair(ctx, handler)
     try:
@@ -169,7 +172,7 @@ async def test_close_fails_pending_requests_with_transport_closed(ctx):
 
     async def handler(msg, req):
         started.set()
-        await asyncio.sleep(10)
+        await asyncio.Event().wait()  # never answers
 
     server, peer = await _pair(ctx, handler)
     try:
@@ -203,14 +206,12 @@ async def test_one_way_send_reaches_the_handler_without_a_reply(ctx):
     try:
         for i in range(5):
             await peer.send(_fwd(i))
-        for _ in range(100):
-            if len(h.calls) == 5:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: len(h.calls) == 5, 10, "the five one-way messages handled")
         assert [m.seq_id for m, _ in h.calls] == [f"s{i}" for i in range(5)]
         assert all(r.one_way for _, r in h.calls)
-        await asyncio.sleep(0.05)
-        assert seen == [] and server.stats["replied"] == 0
+        # A round trip after them: a reply to any of the five would have reached us before its Ack.
+        assert isinstance(await peer.request(FreeSequence(1, "s9")), Ack)
+        assert seen == [] and server.stats["replied"] == 1
     finally:
         await peer.close()
         await server.close()
@@ -222,10 +223,7 @@ async def test_failing_one_way_message_still_reports_an_error_to_the_sender(ctx)
     try:
         with all_log_events() as logs:
             await peer.send(Truncate(1, "s2", 3))
-            for _ in range(100):
-                if seen:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: seen, 10, "the error reply to the one-way message")
         assert isinstance(seen[0].message, ErrorReply) and seen[0].message.code == "handler"
         assert any(e["event"] == "remote_error" for e in logs)
     finally:
@@ -239,7 +237,7 @@ async def test_ordered_server_handles_one_message_at_a_time_in_arrival_order(ctx
     async def handler(msg, req):
         active[0] += 1
         peak[0] = max(peak[0], active[0])
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.001)  # sleep-ok: lets another handler interleave, were the server not ordered
         order.append(msg.seq_id)
         active[0] -= 1
 
@@ -254,10 +252,11 @@ async def test_ordered_server_handles_one_message_at_a_time_in_arrival_order(ctx
 
 async def test_urgent_messages_overtake_the_ordered_queue_which_keeps_its_order(ctx):
     """A free must not wait behind the chunks it cancels (each may take seconds to compute)."""
-    order, gate = [], asyncio.Event()
+    order, computing, gate = [], [], asyncio.Event()
 
     async def handler(msg, req):
         if isinstance(msg, StageForward):
+            computing.append(msg.seq_id)
             await gate.wait()  # a long forward
         order.append(msg.seq_id)
 
@@ -265,7 +264,7 @@ async def test_urgent_messages_overtake_the_ordered_queue_which_keeps_its_order(
         "ordered": True, "urgent": lambda m: isinstance(m, FreeSequence)})
     try:
         chunks = [asyncio.create_task(peer.request(_fwd(i))) for i in range(3)]
-        await asyncio.sleep(0.05)
+        await eventually(lambda: computing == ["s0"], 10, "s0 computing, s1 and s2 queued behind it")
         await asyncio.wait_for(peer.request(FreeSequence(1, "s9")), 5)  # handled while s0 computes
         assert order == ["s9"]
         gate.set()
@@ -293,9 +292,9 @@ async def test_a_batch_handler_gets_everything_queued_behind_a_running_message_a
         "ordered": True, "urgent": lambda m: isinstance(m, FreeSequence), "batch_handler": batch})
     try:
         first = asyncio.create_task(peer.request(_fwd(0)))
-        await _until(lambda: calls == [["s0"]])
+        await eventually(lambda: calls == [["s0"]], 5, "s0's batch running")
         rest = [asyncio.create_task(peer.request(_fwd(i))) for i in range(1, 4)]
-        await _until(lambda: server._queue.qsize() == 3)
+        await eventually(lambda: server._queue.qsize() == 3, 5, "s1..s3 queued behind it")
         gate.set()
         replies = await asyncio.gather(first, *rest, return_exceptions=True)
         assert calls == [["s0"], ["s1", "s2", "s3"]]
@@ -303,14 +302,6 @@ async def test_a_batch_handler_gets_everything_queued_behind_a_running_message_a
     finally:
         await peer.close()
         await server.close()
-
-
-async def _until(cond, timeout=5.0):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 # ------------------------------------------------------------ malformed input
@@ -449,7 +440,10 @@ async def test_a_send_waiting_on_a_link_that_gets_closed_fails_as_a_closed_link_
     await peer.connect("tcp://127.0.0.1:1")  # nobody listens: sends wait for a connection
     try:
         sending = asyncio.create_task(peer.send(FreeSequence(1, "s1"), timeout=30))
-        await asyncio.sleep(0.1)
+        # The send's first step runs at once (event-loop order, not time); with nobody listening it
+        # then waits for good, so this only bounds how long the check takes.
+        done, _ = await asyncio.wait({sending}, timeout=0.1)
+        assert not done, "with nobody listening the send should wait"
         await peer.close()
         with pytest.raises(TransportClosed):
             await asyncio.wait_for(sending, 5)

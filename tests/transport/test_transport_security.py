@@ -17,6 +17,7 @@ from transport.link import Peer, StageServer
 from transport.messages import Ack, FreeSequence, encode
 from transport.node import TransportNode
 from tests.support.logs import all_log_events
+from tests.support.waiting import eventually
 from tests.support.repo import ROOT
 
 pytestmark = pytest.mark.timeout(60)
@@ -159,10 +160,8 @@ async def test_plaintext_peer_cannot_get_a_frame_to_the_stage_and_is_logged(home
         raw.connect(server.address)
         for i in range(3):
             await raw.send_multipart(encode(FreeSequence(1, f"s{i}"), request_id=i + 1))
-        for _ in range(50):  # let the handshake fail and be logged
-            if any(e["event"] == "handshake_failed" for e in logs):
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: any(e["event"] == "handshake_failed" for e in logs), 10,
+                         "the plaintext handshake to fail and be logged")
         assert await raw.poll(200) == 0  # no reply either
     raw.close(linger=0)
     failed = [e for e in logs if e["event"] == "handshake_failed" and e["role"] == "server"]
@@ -200,7 +199,7 @@ async def test_member_admitted_while_running_gets_in_without_restart(home, ctx):
             except (AuthenticationRefused, TransportTimeout):
                 if asyncio.get_running_loop().time() > deadline:
                     pytest.fail("newcomer never admitted")
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # sleep-ok: the retry interval of a loop with a deadline
         assert len(stage.calls) == 1
     finally:
         await peer.close()
