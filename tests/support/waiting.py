@@ -12,17 +12,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from meshd.errors import MeshdError
+
 T = TypeVar("T")
 
 # What a poll may raise while the thing it watches is still coming up (a daemon's socket not yet
 # there, a status without the key yet): retried until the deadline, then reported.
-TRANSIENT = (OSError, KeyError, TypeError, LookupError)
-
-
-def _transient() -> tuple[type[BaseException], ...]:
-    from meshd.errors import MeshdError
-
-    return (*TRANSIENT, MeshdError)
+TRANSIENT = (OSError, LookupError, TypeError, MeshdError)
 
 
 def _failure(what: str, timeout_s: float, last_exc: BaseException | None,
@@ -53,7 +49,6 @@ def wait_until(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = 
     ``timeout_s`` passes first; so ``assert wait_until(...)`` and a bare ``wait_until(...)`` both
     check the claim.
     """
-    transient = _transient()
     deadline = time.monotonic() + timeout_s
     last_exc: BaseException | None = None
     for interval in _intervals(longest_interval_s):
@@ -61,11 +56,12 @@ def wait_until(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = 
             value = predicate()
             if value:
                 return value
-        except transient as exc:
+        except TRANSIENT as exc:
             last_exc = exc
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise _failure(what, timeout_s, last_exc, explain)
-        time.sleep(interval)  # sleep-ok: the poll interval of a wait with a deadline
+        time.sleep(min(interval, left))  # sleep-ok: the poll interval of a wait with a deadline
 
 
 async def eventually(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "condition", *,
@@ -77,6 +73,7 @@ async def eventually(predicate: Callable[[], T], timeout_s: float = 10.0, what: 
         value = predicate()
         if value:
             return value
-        if loop.time() >= deadline:
+        left = deadline - loop.time()
+        if left <= 0:
             raise _failure(what, timeout_s, None, None)
-        await asyncio.sleep(interval)  # sleep-ok: the poll interval of a wait with a deadline
+        await asyncio.sleep(min(interval, left))  # sleep-ok: the poll interval of a wait with a deadline
