@@ -178,19 +178,19 @@ def test_a_stale_socket_file_is_replaced(short_tmp):
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(str(path))
     dead.close()  # file stays, nobody listens
-    stale_inode = path.stat().st_ino
+    with socket.socket(socket.AF_UNIX) as probe, pytest.raises(ConnectionRefusedError):
+        probe.connect(str(path))
 
     async def main():
         runner = await start_api(create_app(FakeEngine()), path)
         try:
             async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(path)),
                                          base_url="http://localhost") as c:
-                return path.stat().st_ino, (await c.get("/v1/models")).status_code
+                return (await c.get("/v1/models")).status_code
         finally:
             await runner.cleanup()
 
-    inode, status = asyncio.run(main())
-    assert inode != stale_inode and status == 200  # a new socket in its place, and it answers
+    assert asyncio.run(main()) == 200  # a live socket in its place answers
 
 
 def test_a_live_daemon_socket_is_not_taken_over(server):
