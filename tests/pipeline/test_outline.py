@@ -123,7 +123,7 @@ async def test_an_outline_answer_is_its_points_in_order_and_frees_everything(rea
         starts = [text.find(f"{i}. ") for i in range(1, stats.points + 1)]
         assert starts[0] == 0 and starts == sorted(starts) and -1 not in starts, text
         assert sum(stats.point_tokens) > 0
-        assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services), timeout=10)
+        assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services), timeout_s=10)
         assert any(k > 1 for svc in mesh.services for k in svc.stats.batches)  # the points shared passes
 
 
@@ -148,7 +148,7 @@ async def test_a_point_that_fails_fails_the_request_and_frees_everything(real_me
         with pytest.raises(PipelineError, match="point 2 of the outline failed: device dev1 left"):
             async for _ in stream:
                 pass
-        assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services), timeout=10)
+        assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services), timeout_s=10)
 
 
 # --------------------------------------------------------------------------- the router

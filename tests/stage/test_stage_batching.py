@@ -79,12 +79,12 @@ async def test_a_client_hanging_up_mid_batch_frees_only_its_sequence(tiny):
         victim = asyncio.create_task(victim_run())
         survivors = asyncio.gather(*(mesh.run(p, 40, rid=f"r{i}", chunks=2) for i, p in enumerate(prompts)))
         assert await eventually(lambda: got_any.is_set() and any(_batched_passes(s) for s in mesh.services),
-                                timeout=60)
+                                timeout_s=60)
         victim.cancel()
         got = await survivors
         with pytest.raises(asyncio.CancelledError):
             await victim
-        assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services), timeout=10)
+        assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services), timeout_s=10)
     assert got == refs
 
 
