@@ -22,6 +22,6 @@ step() {  # name, limit_s, command...
   "$py" -c "import torch,sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'python', sys.version.split()[0])"
   nproc; } 2>&1 | tee "$out/machine.txt"
 step cuda_tests 200 "$py" -m pytest -q -p no:cacheprovider -o addopts="" --timeout 150 \
-    tests/test_cuda.py tests/test_device_placement.py
+    tests/system/test_cuda.py tests/decoding/test_device_placement.py
 step stage_runtime_cuda 170 "$py" bench/stage_runtime.py --device cuda --quick --threads 1 --rounds 1 --json
 step decode_cuda 200 "$py" bench/decode.py --device cuda --quick --json --out "$out/decode_cuda.json"

@@ -73,7 +73,7 @@ _FLOAT16_MAX = 65504.0
 REDUCED_PRECISION_ERROR = {
     # Round-to-nearest-even conversion from float32. Bounds hold for every
     # finite value in range; measured figures are in bench/RESULTS.md
-    # ("Transport") and checked by tests/test_transport_wire.py.
+    # ("Transport") and checked by tests/transport/test_transport_wire.py.
     "float16": {
         "max_rel_error": 2.0**-11,  # 4.88e-4 for |x| >= 6.1e-5 (normal range)
         "max_abs_error_subnormal": 2.0**-25,  # 2.98e-8 for |x| < 6.1e-5
