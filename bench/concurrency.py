@@ -47,13 +47,13 @@ def chat_prompts(tok, n: int) -> list[list[int]]:
 
 
 async def run_level(coord, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingSpec
 
     stamps: list[float] = []
     outs: list[list[int]] = [[] for _ in prompts]
 
     async def one(i, ids):
-        async for t in coord.generate(f"c{i}-{time.monotonic_ns()}", ids, tokens, SamplingParams(), ()):
+        async for t in coord.generate(f"c{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), ()):
             stamps.append(time.perf_counter())
             outs[i].append(t)
 

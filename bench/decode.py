@@ -46,7 +46,7 @@ async def run(args) -> dict:
     import torch
 
     from decoding.pipeline_local import even_split
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingSpec
     from decoding.speculative.session import SpeculationSession
     from meshd.model_store import open_model
     from meshd.pipeline.proc_mesh import ProcessMesh
@@ -67,7 +67,7 @@ async def run(args) -> dict:
                            device=args.device, weights=args.weights) as mesh:
         coord = mesh.coord
         ids0 = tok.apply_chat([{"role": "user", "content": "Hello"}])
-        async for _ in coord.steps("warm", ids0, 4, SamplingParams()):
+        async for _ in coord.steps("warm", ids0, 4, SamplingSpec()):
             pass
         for pi, p in enumerate(prompts):
             ids = tok.apply_chat([{"role": "user", "content": p["prompt"]}])
@@ -77,7 +77,7 @@ async def run(args) -> dict:
                 session = None if method == "naive" else SpeculationSession(method, list(ids), cost=coord.round_cost)
                 t0 = time.perf_counter()
                 t_first, toks = None, []
-                async for step in coord.steps(f"{pi}-{method}", ids, max_tokens, SamplingParams(), tok.eos_ids,
+                async for step in coord.steps(f"{pi}-{method}", ids, max_tokens, SamplingSpec(), tok.eos_ids,
                                               speculation=session):
                     if t_first is None:
                         t_first = time.perf_counter()

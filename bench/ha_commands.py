@@ -187,7 +187,7 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
     import torch
 
     from decoding.constrained import make_constraint, warm
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingParams, SamplingSpec
     from meshd.api import openai_schema as oa
     from meshd.api.common import constrain_tool_calls
     from meshd.engine import GenerationRequest, LocalEngine
@@ -200,11 +200,10 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
         for k, cmd in enumerate(commands):
             ids = tok.apply_chat(messages_for(cmd), tools=TOOLS)
             for mode in ("without", "with"):
-                p = oa.RequestParams(sampling=SamplingParams(temperature=0))
+                p = oa.RequestParams(sampling=SamplingSpec(SamplingParams(temperature=0)))
                 if mode == "with":
                     constrain_tool_calls(engine, p, TOOLS)
-                req = GenerationRequest(request_id=f"o{k}{mode}", prompt_ids=ids, max_tokens=96, sampling=p.sampling,
-                                        constraint=p.constraint)
+                req = GenerationRequest(request_id=f"o{k}{mode}", prompt_ids=ids, max_tokens=96, sampling=p.sampling)
                 t, first, got = time.perf_counter(), None, []
                 async for ev in engine.stream(req):
                     if ev.token_id is not None:
@@ -214,7 +213,7 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
                 row = {"total_s": end - t, "ttft_s": first - t, "tokens": len(got),
                        "decode_s_per_token": (end - first) / max(1, len(got) - 1)}
                 if mode == "with":
-                    row["grammar_s"] = _replay(make_constraint, p.constraint, tok, engine.vocab_size, got)
+                    row["grammar_s"] = _replay(make_constraint, p.sampling.constraint, tok, engine.vocab_size, got)
                     row["grammar_frac"] = row["grammar_s"] / row["total_s"]
                 out[mode].append(row)
     finally:

@@ -69,7 +69,7 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
     import torch
 
     from decoding.pipeline_local import even_split
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingSpec
     from decoding.speculative.session import SpeculationSession
     from meshd.model_store import open_model
     from meshd.pipeline.outline import OutlineDecoder, OutlineStats
@@ -86,17 +86,17 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
     async with ProcessMesh(even_split(source.config.num_layers, 2), threads=1, cores=[[0], [1]]) as mesh:
         coord = mesh.coord
         await _timed(coord.generate("warm", tok.apply_chat([{"role": "user", "content": "Hi"}]), 4,
-                                    SamplingParams(), eos))
+                                    SamplingSpec(), eos))
 
         async def plain(rid, ids):
-            return [t async for t in coord.generate(rid, ids, max_tokens, SamplingParams(), eos) if t not in eos]
+            return [t async for t in coord.generate(rid, ids, max_tokens, SamplingSpec(), eos) if t not in eos]
 
         async def outlined(rid, msgs, spec: bool):
             stats = OutlineStats()
             factory = (lambda ids: SpeculationSession("auto", list(ids), cost=coord.round_cost)) if spec else None
             dec = OutlineDecoder(coord, tok, eos, speculation=factory)
             t0 = time.perf_counter()
-            stream = await dec.run(rid, msgs, max_tokens, SamplingParams(), stats)
+            stream = await dec.run(rid, msgs, max_tokens, SamplingSpec(), stats)
             if stream is None:
                 return None, time.perf_counter() - t0, stats
             ids = [t async for t in stream]

@@ -180,7 +180,7 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
     from decoding.generate import generate
     from decoding.loader import open_model
     from decoding.pipeline_local import LocalPipeline, even_split
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingSpec
     from decoding.stage import EXACT_BLOCK
     from meshd.pipeline.engine import aligned_cuts, default_cuts
     from meshd.pipeline.proc_mesh import ProcessMesh
@@ -193,7 +193,7 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
         ids = tok.encode("Once upon a time")
         for r in range(reps + 1):
             stamps = []
-            async for _ in mesh.coord.generate(f"d{r}", ids, 1 + decode, SamplingParams(), ()):
+            async for _ in mesh.coord.generate(f"d{r}", ids, 1 + decode, SamplingSpec(), ()):
                 stamps.append(time.perf_counter())
             if r and len(stamps) > 1:
                 rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
@@ -201,7 +201,7 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
         for i, p in enumerate(prompts):
             ids = prompt_ids(tok, p)
             cuts = aligned_cuts(default_cuts(len(ids), 2), len(ids), EXACT_BLOCK) if mode.startswith("packed") else None
-            got = [t async for t in mesh.coord.generate(f"p{i}", ids, 32, SamplingParams(), tok.eos_ids, cuts=cuts)]
+            got = [t async for t in mesh.coord.generate(f"p{i}", ids, 32, SamplingSpec(), tok.eos_ids, cuts=cuts)]
             mesh_tokens[p] = [t for t in got if t not in tok.eos_ids]
     torch.set_num_threads(1)
     dtype, packing = resolve_weights(mode, torch.device("cpu"))

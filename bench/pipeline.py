@@ -109,7 +109,7 @@ def overhead_fit(rows: list[dict]) -> dict | None:
 
 
 async def measure(mesh, ids, cuts, decode_tokens: int, reps: int) -> dict:
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingSpec
 
     ttfts, decode_rates = [], []
     for r in range(reps):
@@ -117,7 +117,7 @@ async def measure(mesh, ids, cuts, decode_tokens: int, reps: int) -> dict:
         t_first = None
         n = 0
         async for _ in mesh.coord.generate(f"m{time.monotonic_ns()}", ids, 1 + decode_tokens,
-                                           SamplingParams(), (), cuts=list(cuts)):
+                                           SamplingSpec(), (), cuts=list(cuts)):
             n += 1
             if t_first is None:
                 t_first = time.perf_counter()
@@ -131,12 +131,12 @@ async def measure(mesh, ids, cuts, decode_tokens: int, reps: int) -> dict:
 
 async def concurrent_decode(mesh, ids, n_requests: int, tokens: int) -> float:
     """Aggregate decode tokens/s with ``n_requests`` generating at once (prompt ``ids`` each)."""
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingSpec
 
     stamps: list[float] = []
 
     async def one(i):
-        async for _ in mesh.coord.generate(f"c{i}-{time.monotonic_ns()}", ids, tokens, SamplingParams(), ()):
+        async for _ in mesh.coord.generate(f"c{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), ()):
             stamps.append(time.perf_counter())
 
     await asyncio.gather(*(one(i) for i in range(n_requests)))
@@ -148,7 +148,7 @@ async def concurrent_decode(mesh, ids, n_requests: int, tokens: int) -> float:
 async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingSpec
     from meshd.model_store import open_model
 
     src = open_model(None)
@@ -157,7 +157,7 @@ async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
     for p in prompts:
         ids = tok.apply_chat([{"role": "user", "content": p["prompt"]}])
         want = generate(ref, ids, max_tokens, eos_ids=tok.eos_ids).token_ids
-        got = [t async for t in mesh.coord.generate(f"p-{p['id']}", ids, max_tokens, SamplingParams(),
+        got = [t async for t in mesh.coord.generate(f"p-{p['id']}", ids, max_tokens, SamplingSpec(),
                                                      tok.eos_ids, cuts=list(cuts_for(len(ids))))]
         got = [t for t in got if t not in tok.eos_ids]
         if got != want:

@@ -61,7 +61,7 @@ async def run(args) -> dict:
     from decoding.generate import generate
     from decoding.loader import open_model
     from decoding.pipeline_local import LocalPipeline, even_split
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingSpec
     from meshd.pipeline.proc_mesh import ProcessMesh
 
     torch.set_num_threads(1)
@@ -93,14 +93,14 @@ async def run(args) -> dict:
     async with ProcessMesh([(0, src.config.num_layers)], model=str(path), cores=[[0]], threads=1) as mesh:
         for n in lens:
             row("single", n, (), await measure(mesh, prompts[n], (), args.decode_tokens, args.reps))
-            single_tokens[n] = [t async for t in mesh.coord.generate(f"s{n}", prompts[n], 8, SamplingParams(), ())]
+            single_tokens[n] = [t async for t in mesh.coord.generate(f"s{n}", prompts[n], 8, SamplingSpec(), ())]
     parity = True
     async with ProcessMesh(ranges, model=str(path), cores=[[i % (os.cpu_count() or 1)] for i in range(len(ranges))],
                            threads=1) as mesh:
         for n in lens:
             for method, cuts in (("naive", ()), ("equal", equal_cuts(n, args.chunks))):
                 row(method, n, cuts, await measure(mesh, prompts[n], cuts, args.decode_tokens, args.reps))
-            got = [t async for t in mesh.coord.generate(f"p{n}", prompts[n], 8, SamplingParams(), (),
+            got = [t async for t in mesh.coord.generate(f"p{n}", prompts[n], 8, SamplingSpec(), (),
                                                          cuts=list(equal_cuts(n, args.chunks)))]
             parity = parity and got == single_tokens[n]
     by = {(r["method"], r["prompt_len"]): r for r in runs}

@@ -15,8 +15,9 @@ penalty looks back into the prompt, as llama.cpp does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 
@@ -31,6 +32,25 @@ class Penalties:
     @property
     def active(self) -> bool:
         return self.presence != 0.0 or self.frequency != 0.0 or self.repeat != 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Penalties:
+        """The penalties a peer sent; anything but known numeric fields is a ``ValueError``
+        (a hostile message must fail at the door, not in the middle of a forward)."""
+        kinds = {f.name: f.type for f in fields(cls)}
+        unknown = set(d) - set(kinds)
+        if unknown:
+            raise ValueError(f"unknown penalty field(s) {', '.join(sorted(map(str, unknown)))}")
+        out: dict[str, Any] = {}
+        for name, value in d.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    (kinds[name] == "int" and not isinstance(value, int)):
+                raise ValueError(f"penalty {name!r} must be a number, got {type(value).__name__}")
+            out[name] = int(value) if kinds[name] == "int" else float(value)
+        return cls(**out)
 
     def apply(self, logits: torch.Tensor, prompt_ids: Sequence[int],
               generated_ids: Sequence[int]) -> torch.Tensor:

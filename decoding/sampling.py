@@ -13,11 +13,14 @@ the same probabilities, and ``searchsorted`` never sees tensors on two devices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from decoding.errors import DecodingError
+from decoding.penalties import Penalties
 
 
 class BadSamplingParams(DecodingError):
@@ -45,6 +48,62 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """The inverse of :meth:`to_dict`, for values a peer sent: a wrong type is
+        :class:`BadSamplingParams` too (absent keys take the defaults)."""
+        try:
+            seed = d.get("seed")
+            return cls(float(d.get("temperature", 0.0)), int(d.get("top_k", 0)), float(d.get("top_p", 1.0)),
+                       None if seed is None else int(seed))
+        except (TypeError, ValueError) as exc:
+            raise BadSamplingParams(f"bad sampling parameters: {exc}") from None
+
+    def with_seed(self, seed: int | None) -> SamplingParams:
+        return replace(self, seed=seed)
+
+
+ConstraintSpec = dict[str, Any]
+"""A structured-output grammar spec as :mod:`decoding.constrained` reads it
+(``{"type": "json_schema", "schema": ...}``); compiled only where tokens are chosen."""
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How a request wants its tokens chosen: the one value that travels from the API's
+    parsers through the engine and the coordinator to the sampler of the last stage.
+
+    Three parts because three different things act on the logits, in this order:
+    ``penalties`` (repetition), ``constraint`` (a grammar mask), ``params`` (the draw).
+    :class:`decoding.selector.TokenSelector` applies all three; the speculative and
+    cloud verifiers need the draw only, and refuse a shaped spec. The constraint is
+    a plain spec, not a compiled grammar: compiling needs the tokenizer, which only
+    the stage that samples holds. Treat it as read-only.
+    """
+
+    params: SamplingParams = field(default_factory=SamplingParams)
+    penalties: Penalties = field(default_factory=Penalties)
+    constraint: ConstraintSpec | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    @property
+    def shaped(self) -> bool:
+        """Penalties or a grammar change the model's distribution: speculation cannot verify it."""
+        return self.constraint is not None or self.penalties.active
+
+    def with_seed(self, seed: int | None) -> SamplingSpec:
+        return replace(self, params=self.params.with_seed(seed))
+
+    def with_constraint(self, constraint: ConstraintSpec | None) -> SamplingSpec:
+        return replace(self, constraint=constraint)
+
+    def unshaped(self) -> SamplingSpec:
+        """The draw alone: what a message carries once the shaping has reached the sampler."""
+        return self if not self.shaped else SamplingSpec(self.params)
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from decoding.penalties import Penalties
-from decoding.sampling import Sampler, SamplingParams
+from decoding.sampling import Sampler, SamplingParams, SamplingSpec
 
 
 class TokenSelector:
@@ -31,6 +31,21 @@ class TokenSelector:
         self.generated: list[int] = []
         for t in history:
             self._accept(int(t))
+
+    @classmethod
+    def for_spec(cls, spec: SamplingSpec, *, tokenizer=None, vocab_size: int = 0, prompt_tail: Sequence[int] = (),
+                 history: Sequence[int] = (), skip: int | None = None) -> TokenSelector:
+        """The selector ``spec`` asks for. Its grammar, if any, is compiled here against
+        ``tokenizer`` (its ``tokenizer.json`` ``path`` and ``eos_ids``): only the place that
+        samples holds one."""
+        constraint, eos = None, ()
+        if spec.constraint is not None:
+            from decoding.constrained import make_constraint
+
+            eos = tuple(tokenizer.eos_ids)
+            constraint = make_constraint(spec.constraint, tokenizer.path, vocab_size, eos)
+        return cls(spec.params, penalties=spec.penalties, constraint=constraint, prompt_tail=prompt_tail,
+                   eos_ids=eos, history=history, skip=skip)
 
     @property
     def plain(self) -> bool:

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from decoding.detok import IncrementalDetokenizer  # re-exported: the API layer streams with it
-from decoding.penalties import Penalties
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingSpec
 from decoding.speculative.params import SpeculativeParams, SpeculativeStats
 from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
+from partition.ids import RequestId
 
 log = get_logger("meshd.engine")
 
@@ -175,26 +175,24 @@ class GenerationRequest:
     ``prompt_ids`` is authoritative; ``messages`` is kept for engines that want
     the conversation (e.g. to log it, or to forward it to a cloud helper).
     ``max_tokens`` is the resolved budget (the API clips it to the context).
-    ``sampling`` is the one typed :class:`decoding.sampling.SamplingParams`;
-    its default is greedy (the API maps OpenAI's default temperature of 1.0
-    itself, in ``meshd.api.openai_schema``).
+    ``sampling`` is the one :class:`decoding.sampling.SamplingSpec` (the draw,
+    penalties, a grammar) that reaches the sampler unchanged; its default is
+    greedy (the API maps OpenAI's default temperature of 1.0 itself, in
+    ``meshd.api.openai_schema``). The API sends a grammar only to engines with
+    ``supports_constraints`` and active penalties only to those with
+    ``supports_penalties``.
     """
 
-    request_id: str
+    request_id: RequestId
     prompt_ids: list[int]
     max_tokens: int
     messages: list[dict[str, Any]] | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
     # Filled in by the engine as it runs: how speculation went (reported in usage).
     speculative_stats: SpeculativeStats | None = None
-    # Structured output: a decoding.constrained spec ({"type": "json_schema", ...}); the
-    # API sends one only to engines with ``supports_constraints``.
-    constraint: dict[str, Any] | None = None
-    # Repetition penalties; the API sends active ones only to engines with ``supports_penalties``.
-    penalties: Penalties = field(default_factory=Penalties)
     # Tools were offered (their calls may be parsed from free text even without a constraint).
     tools_offered: bool = False
     # Outline-based parallel decoding: "auto" (meshd.pipeline.outline_gate decides), "on" or "off";
@@ -287,8 +285,8 @@ class Engine(abc.ABC):
     tokenizer: Tokenizer
     # What the engine honours beyond plain sampling. The API answers 400 to a request
     # that needs a capability its engine lacks, instead of silently ignoring it.
-    supports_constraints: bool = False  # GenerationRequest.constraint (structured output)
-    supports_penalties: bool = False  # GenerationRequest.penalties
+    supports_constraints: bool = False  # GenerationRequest.sampling.constraint (structured output)
+    supports_penalties: bool = False  # GenerationRequest.sampling.penalties
 
     @abc.abstractmethod
     def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
@@ -482,8 +480,8 @@ class LocalEngine(Engine):
         from decoding.selector import TokenSelector
 
         eos = self.eos_ids
-        select = TokenSelector(req.sampling, penalties=req.penalties, constraint=self._constraint(req),
-                               prompt_tail=req.prompt_ids, eos_ids=eos)
+        select = TokenSelector.for_spec(req.sampling, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                                        prompt_tail=req.prompt_ids)
         pipe, seq = self._pipeline, req.request_id
         pipe.create(seq, len(req.prompt_ids) + req.max_tokens)
         try:
@@ -500,14 +498,6 @@ class LocalEngine(Engine):
                     logits = pipe.forward(seq, torch.tensor([tok], dtype=torch.long))
         finally:
             pipe.free(seq)
-
-    def _constraint(self, req: GenerationRequest):
-        if req.constraint is None:
-            return None
-        from decoding.constrained import make_constraint
-
-        return make_constraint(req.constraint, self.tokenizer.path, self.vocab_size,
-                               tuple(self.tokenizer.eos_ids))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -19,3 +19,17 @@ PlanVersion = NewType("PlanVersion", int)
 SeqKey = NewType("SeqKey", str)
 """A home-wide sequence key ``<coordinator node id>/<incarnation>/<n>`` (minted by
 :class:`meshd.pipeline.seqkey.SeqKeys`)."""
+
+RequestId = NewType("RequestId", str)
+"""One generation a client asked for, named by the API that took it (``chatcmpl-…``,
+``cmpl-…``, ``ollama-…``; an outline point adds ``/p<k>``). It is the OpenAI response's
+``id`` too, and follows the request through the engine, the coordinator and every
+stage's log lines; a replay on a new plan keeps it (its sequences change)."""
+
+CallId = NewType("CallId", int)
+"""One call on one link (``transport.messages.Envelope.request_id``): matches a reply to
+the message that asked for it; 0 means one-way. Nothing above the link ever sees it."""
+
+CloudSession = NewType("CloudSession", int)
+"""One answer a home drafts for a cloud verifier (``CloudVerify.session``), numbered by
+the home; the verifier keys its cache by (home key, session) so homes never collide."""

@@ -10,12 +10,16 @@ the registry maps the class name (the wire ``type``) to the class.
 ``Envelope`` carries what belongs to the link rather than to the message:
 the link-level request id used to match replies (0 = one-way, no reply
 expected), the sender's sequence number and node id. Note the difference with
-``StageForward.request_id``: that one names a *generation* request and is
+``StageForward.request_id`` (a ``RequestId``): that one names a *generation* request and is
 a string chosen by the client API.
 
 Fields marked with ``activation()`` are float32 hidden states that may be sent
 at reduced precision (``encode(..., activation_dtype="float16")``); see
 ``transport.wire.REDUCED_PRECISION_ERROR`` for the error that adds.
+
+Fields marked with ``flattened(part)`` hold a typed value (a frozen dataclass)
+that travels as several plain header fields: the wire stays the one older peers
+read, the code sees one value.
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence, Union, get_args, get_origin
+from typing import Any, Literal, NewType, Sequence, Union, get_args, get_origin
 
 import numpy as np
 import torch
 
+from decoding.penalties import Penalties
+from decoding.sampling import SamplingParams, SamplingSpec
+from partition.ids import CallId, CloudSession, RequestId, SeqKey
 from transport import wire
 from transport.errors import ProtocolError
 from transport.wire import DEFAULT_LIMITS, Limits
@@ -38,6 +46,8 @@ __all__ = [
     "Envelope",
     "message",
     "activation",
+    "flattened",
+    "WirePart",
     "registry",
     "encode",
     "decode",
@@ -75,19 +85,53 @@ class _FieldSpec:
 
 
 @dataclass(frozen=True)
+class WirePart:
+    """How one typed field travels as plain header fields.
+
+    ``fields``: wire name -> plain type hint (checked on decode like any field);
+    ``to_wire`` gives every one of them, ``from_wire`` gets every one of them
+    (absent ones at the default's wire value) and raises ``ValueError`` (or the
+    type's own error) for values it refuses.
+    """
+
+    fields: dict[str, Any]
+    to_wire: Callable[[Any], dict[str, Any]]
+    from_wire: Callable[[dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class _PartSpec:
+    name: str  # the dataclass field
+    part: WirePart
+
+
+@dataclass(frozen=True)
 class _ClassSpec:
     type_name: str
     cls: type
-    fields: tuple[_FieldSpec, ...]
+    fields: tuple[_FieldSpec, ...]  # as on the wire: a flattened field's parts, not the field
     by_name: dict[str, _FieldSpec]
     compact: bool = False
     extensible: bool = False
+    parts: tuple[_PartSpec, ...] = ()
 
 
 def activation(**kwargs: Any) -> Any:
     """A float32 tensor field that may travel at reduced precision."""
     kwargs.setdefault("default", None)
     return field(metadata={"activation": True}, **kwargs)
+
+
+def flattened(part: WirePart, **kwargs: Any) -> Any:
+    """A typed field that travels as ``part``'s plain header fields (see :class:`WirePart`)."""
+    return field(metadata={"wire_part": part}, **kwargs)
+
+
+def _plain(hint: Any) -> Any:
+    """A ``NewType`` id travels as its base type."""
+    while isinstance(hint, NewType):
+        hint = hint.__supertype__
+    return hint
 
 
 def _tensor_kind(hint: Any) -> str | None:
@@ -144,9 +188,24 @@ def message(cls: type | None = None, *, name: str | None = None, compact: bool =
         if type_name in _REGISTRY and _REGISTRY[type_name] is not c:
             raise TypeError(f"message type {type_name!r} is already registered")
         hints = typing.get_type_hints(c)
-        specs = []
+        specs, parts = [], []
         for f in dataclasses.fields(c):
-            hint = hints[f.name]
+            part = f.metadata.get("wire_part")
+            if part is not None:
+                if compact:
+                    raise TypeError(f"{type_name}.{f.name}: a compact message cannot flatten fields")
+                if f.default_factory is not dataclasses.MISSING:
+                    default = part.to_wire(f.default_factory())
+                elif f.default is not dataclasses.MISSING:
+                    default = part.to_wire(f.default)
+                else:
+                    raise TypeError(f"{type_name}.{f.name}: a flattened field needs a default")
+                for wname, whint in part.fields.items():
+                    _check_hint(whint)
+                    specs.append(_FieldSpec(wname, whint, None, False, False, default[wname]))
+                parts.append(_PartSpec(f.name, part))
+                continue
+            hint = _plain(hints[f.name])
             kind = _tensor_kind(hint)
             if kind is None:
                 _check_hint(hint)
@@ -158,7 +217,10 @@ def message(cls: type | None = None, *, name: str | None = None, compact: bool =
                 raise TypeError(f"{type_name}.{f.name}: a compact message cannot carry tensors")
             specs.append(_FieldSpec(f.name, hint, kind, act, required, f.default))
         _REGISTRY[type_name] = c
-        _SPECS[c] = _ClassSpec(type_name, c, tuple(specs), {s.name: s for s in specs}, compact, extensible)
+        by_name = {s.name: s for s in specs}
+        if len(by_name) != len(specs):
+            raise TypeError(f"{type_name}: a flattened field's wire names clash with another field")
+        _SPECS[c] = _ClassSpec(type_name, c, tuple(specs), by_name, compact, extensible, tuple(parts))
         return c
 
     return wrap(cls) if cls is not None else wrap
@@ -250,7 +312,7 @@ class Envelope:
     """A message plus what the link needs to route it and match its reply."""
 
     message: Any
-    request_id: int = 0  # link-level; 0 means one-way (no reply expected)
+    request_id: CallId = CallId(0)  # link-level; 0 means one-way (no reply expected)
     seq: int = 0  # sender's running message counter
     sender: str = ""  # sender's node id
     unknown_fields: tuple[str, ...] = ()  # an extensible message's fields this code does not know
@@ -282,8 +344,9 @@ def encode(
         return wire.encode_compact(spec.type_name, values, request_id=request_id)
     fields: dict[str, Any] = {}
     tensors: list[tuple[str, Any, str | None]] = []
+    flat = _flat_values(msg, spec)
     for f in spec.fields:
-        value = getattr(msg, f.name)
+        value = flat[f.name] if f.name in flat else getattr(msg, f.name)
         if f.tensor_kind is None:
             if spec.extensible and not f.required and _same(value, f.default):
                 continue
@@ -293,6 +356,22 @@ def encode(
     return wire.encode_frames(
         spec.type_name, fields, tensors, request_id=request_id, seq=seq, sender=sender
     )
+
+
+def _flat_values(msg: Any, spec: _ClassSpec) -> dict[str, Any]:
+    """The wire values of ``msg``'s flattened fields, by wire name."""
+    out: dict[str, Any] = {}
+    for p in spec.parts:
+        out.update(p.part.to_wire(getattr(msg, p.name)))
+    return out
+
+
+def header_values(msg: Any) -> dict[str, Any]:
+    """``msg``'s header fields as they travel (a flattened field as its parts), by wire name."""
+    spec = _SPECS[type(msg)]
+    flat = _flat_values(msg, spec)
+    return {f.name: flat[f.name] if f.name in flat else getattr(msg, f.name)
+            for f in spec.fields if f.tensor_kind is None}
 
 
 def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelope:
@@ -354,8 +433,11 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelop
     if missing:
         raise ProtocolError(f"{header.type} is missing field(s) {', '.join(missing)}", request_id=rid)
     try:
+        for p in spec.parts:
+            wire_values = {name: kwargs.pop(name, spec.by_name[name].default) for name in p.part.fields}
+            kwargs[p.name] = p.part.from_wire(wire_values)
         msg = cls(**kwargs)
-    except Exception as e:  # a __post_init__ refusing the values
+    except Exception as e:  # a __post_init__ (or a flattened field) refusing the values
         raise ProtocolError(f"invalid {header.type}: {e}", request_id=rid) from None
     return Envelope(msg, rid, header.seq, header.sender, _named(unknown))
 
@@ -419,6 +501,26 @@ class HeartbeatAck:
     timestamp: float
 
 
+def _sampling_to_wire(s: SamplingSpec) -> dict[str, Any]:
+    p = s.params
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed,
+            "constraint": s.constraint, "penalties": s.penalties.to_dict() if s.penalties.active else None}
+
+
+def _sampling_from_wire(d: dict[str, Any]) -> SamplingSpec:
+    params = SamplingParams(d["temperature"], d["top_k"], d["top_p"], d["seed"])
+    return SamplingSpec(params, Penalties.from_dict(d["penalties"]) if d["penalties"] else Penalties(),
+                        d["constraint"])
+
+
+#: A :class:`decoding.sampling.SamplingSpec` as StageForward has carried it since 0.2: flat
+#: fields, the penalties as a dict (None when inactive). Members on 0.2 read and send exactly these.
+SAMPLING_WIRE = WirePart(
+    {"temperature": float, "top_k": int, "top_p": float, "seed": int | None,
+     "constraint": dict | None, "penalties": dict | None},
+    _sampling_to_wire, _sampling_from_wire)
+
+
 @message
 @dataclass
 class StageForward:
@@ -430,7 +532,11 @@ class StageForward:
 
     ``seq_id`` is the home-wide sequence key (coordinator node id + its own
     counter), never a bare per-coordinator number: two daemons coordinating at
-    once must never touch each other's caches. Sampling travels as typed fields;
+    once must never touch each other's caches. ``sampling`` is the request's one
+    :class:`~decoding.sampling.SamplingSpec` (flat fields on the wire, see
+    ``SAMPLING_WIRE``); its shaping (penalties, grammar) rides only on a
+    sequence's last prompt chunk, with ``prompt_tail`` and ``history``: the last
+    stage builds the sequence's selector from that one and keeps it.
     ``sample_step`` is how many tokens this request has already sampled, so a
     request replayed on a new plan continues the same seeded random stream.
 
@@ -448,9 +554,9 @@ class StageForward:
     typical acceptance.
     """
 
-    request_id: str
+    request_id: RequestId
     plan_version: int
-    seq_id: str
+    seq_id: SeqKey
     position_offset: int
     chunk_index: int = 0
     hidden: torch.Tensor | None = activation()
@@ -459,10 +565,7 @@ class StageForward:
     reply_to: str = ""
     is_last_chunk: bool = True
     capacity: int = 0  # KV positions the whole request may need (prompt + max tokens)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingSpec = flattened(SAMPLING_WIRE, default_factory=SamplingSpec)
     sample_step: int = 0
     return_topk: int = 0
     verify: bool = False
@@ -471,11 +574,8 @@ class StageForward:
     commit_keep: list[int] | None = None
     medusa_paths: int = 0
     typical: bool = False
-    # How the last stage turns logits into tokens beyond sampling (sent with a sequence's last
-    # prompt chunk): a structured-output grammar spec, repetition penalties, the prompt's tail
-    # they look back into, and the tokens generated so far (a replay rebuilds that state).
-    constraint: dict | None = None
-    penalties: dict | None = None
+    # With a shaped ``sampling`` (a sequence's last prompt chunk): the prompt's tail the
+    # penalties look back into, and the tokens generated so far (a replay rebuilds that state).
     prompt_tail: list[int] | None = None
     history: list[int] | None = None
     # Edge drafting for a cloud verifier: the last stage also reports the final layer's
@@ -492,9 +592,9 @@ class TokenResult:
     when asked, the Medusa ``proposals`` for the next round (one token sequence per tree path);
     ``note`` says why proposals are missing (e.g. the heads could not be loaded)."""
 
-    request_id: str
+    request_id: RequestId
     plan_version: int
-    seq_id: str
+    seq_id: SeqKey
     token_ids: torch.Tensor
     topk_ids: torch.Tensor | None = None
     topk_probs: torch.Tensor | None = None
@@ -514,7 +614,7 @@ class Truncate:
     """Cut a sequence's KV cache back to ``new_length`` (rejected drafts)."""
 
     plan_version: int
-    seq_id: str
+    seq_id: SeqKey
     new_length: int
 
 
@@ -525,7 +625,7 @@ class FreeSequence:
     so prompt chunks still queued upstream cannot re-create it after the free."""
 
     plan_version: int
-    seq_id: str
+    seq_id: SeqKey
 
 
 @message
@@ -534,8 +634,8 @@ class ForkSequence:
     """Start ``seq_id`` sharing the first ``prefix_length`` KV entries of ``parent_id``."""
 
     plan_version: int
-    seq_id: str
-    parent_id: str
+    seq_id: SeqKey
+    parent_id: SeqKey
     prefix_length: int
 
 
@@ -559,7 +659,7 @@ class ErrorReply:
 
     code: str
     message: str
-    request_id: str = ""  # the generation request concerned, if any
+    request_id: RequestId = RequestId("")  # the generation request concerned, if any
 
 
 @message
@@ -590,11 +690,12 @@ class CloudVerify:
     sampler's support as (uint32 id, float32 prob) pairs; absent for greedy requests,
     and for drafts sent as plain candidates (the verifier then samples its own token
     and accepts a draft that matches it — lossless too, for any drafter).
-    ``open`` starts (or restarts after an eviction) the session: sampling
-    (temperature, top_k, top_p, seed, draws already spent) and ``capacity`` positions.
+    ``open`` starts (or restarts after an eviction) the session: its sampling as
+    ``SamplingParams.to_dict()`` (temperature, top_k, top_p, seed), ``draws`` already
+    spent and ``capacity`` positions.
     """
 
-    session: int
+    session: CloudSession
     start: int
     tokens: bytes
     drafts: int
@@ -609,7 +710,7 @@ class CloudVerdict:
     ``draws`` is how many uniform draws the session's random stream has spent (a resent
     session continues it)."""
 
-    session: int
+    session: CloudSession
     accepted: int
     token: int
     draws: int = 0
@@ -620,7 +721,7 @@ class CloudVerdict:
 class CloudClose:
     """The answer is done (or abandoned): free the session's cache now."""
 
-    session: int
+    session: CloudSession
 
 
 @message(compact=True)

@@ -38,6 +38,7 @@ from typing import Protocol
 
 from decoding.offload.policy import GAMMA, OffloadPolicy, chunk_confidence, chunk_importance
 from decoding.sampling import SamplingParams
+from partition.ids import CloudSession
 
 SUPPORT_MAX = 64  # largest sampler support sent as a sparse distribution (else drafts go as candidates)
 AHEAD = 2 * GAMMA  # tokens drafted past an in-flight chunk, at most
@@ -81,7 +82,7 @@ class Drafter(Protocol):
 
 @dataclass(frozen=True)
 class VerifyRequest:
-    session: int
+    session: CloudSession
     start: int  # positions the verifier confirmed holding
     tokens: tuple[int, ...]  # uncached committed tokens (the root last), then the drafts
     drafts: int
@@ -110,7 +111,7 @@ class Verifier(Protocol):
 
     async def verify(self, request: VerifyRequest, timeout_s: float | None = None) -> VerifyResult: ...
 
-    async def close_session(self, session: int) -> None: ...
+    async def close_session(self, session: CloudSession) -> None: ...
 
 
 @dataclass
@@ -150,7 +151,7 @@ class OffloadDecoder:
     drafter: Drafter
     verifier: Verifier | None
     policy: OffloadPolicy
-    session: int
+    session: CloudSession
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_ids: frozenset[int] = frozenset()
     gamma: int = GAMMA
@@ -256,9 +257,7 @@ class OffloadDecoder:
             q = tuple((d.step.ids, d.step.probs) for d in chunk)
         opened = None
         if not self._opened:
-            s = self.sampling
-            opened = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-                      "seed": s.seed, "draws": self._draws,
+            opened = {**self.sampling.to_dict(), "draws": self._draws,
                       "capacity": len(self._ctx) + (self._max - self._generated) + 2 * self.gamma + 2}
         return VerifyRequest(self.session, self._cloud_has, tuple(self._ctx[self._cloud_has:]) + drafts,
                              len(drafts), q, opened)

@@ -23,6 +23,7 @@ from meshd.api.metrics import ApiMetrics
 from meshd.engine import Engine, EngineUnavailable, GenerationRequest, TokenEvent
 from meshd.log import get_logger
 from meshd.model_store import RECOMMENDED_FOR_HOME_ASSISTANT
+from partition.ids import RequestId
 
 log = get_logger("meshd.api")
 
@@ -183,7 +184,7 @@ def constrain_tool_calls(engine: Engine, params: oa.RequestParams, tools: list[d
     ``params.tools_offered`` records that calls may come (outline mode stays away).
     """
     params.tools_offered = bool(tools) and choice != "none"
-    if not tools or choice == "none" or params.constraint is not None:
+    if not tools or choice == "none" or params.sampling.constraint is not None:
         return
     forced = choice is not None
     if not forced and not getattr(engine, "supports_constraints", False):
@@ -191,11 +192,11 @@ def constrain_tool_calls(engine: Engine, params: oa.RequestParams, tools: list[d
     meta = getattr(getattr(engine, "tokenizer", None), "meta", None)
     spec = tool_spec(tools, style_of(getattr(meta, "chat_template", None)), required=choice == "required",
                      parallel=parallel, only=choice if forced and choice != "required" else None)
-    params.constraint = oa.checked_constraint(spec, "tools")
+    params.sampling = params.sampling.with_constraint(oa.checked_constraint(spec, "tools"))
     params.constraint_param = "tool_choice" if forced else "tools"
 
 
-def generation_request(engine: Engine, rid: str, prompt_ids: list[int], params: oa.RequestParams,
+def generation_request(engine: Engine, rid: RequestId, prompt_ids: list[int], params: oa.RequestParams,
                        messages: list[dict] | None, *, context_limit: int | None = None,
                        penalty_param: str = "presence_penalty") -> GenerationRequest:
     """The engine request, or a 400 when it needs something the engine cannot do.
@@ -203,11 +204,11 @@ def generation_request(engine: Engine, rid: str, prompt_ids: list[int], params: 
     ``context_limit`` (Ollama's ``num_ctx``) narrows the engine's context for
     this request.
     """
-    if params.constraint is not None and not getattr(engine, "supports_constraints", False):
+    if params.sampling.constraint is not None and not getattr(engine, "supports_constraints", False):
         raise oa.RequestError("structured output is not supported by this engine (yet): it cannot "
                               "constrain the tokens it samples", param=params.constraint_param,
                               code="unsupported_parameter")
-    if params.penalties.active and not getattr(engine, "supports_penalties", False):
+    if params.sampling.penalties.active and not getattr(engine, "supports_penalties", False):
         raise oa.RequestError("repetition penalties are not supported by this engine (yet); send "
                               "them at their defaults", param=penalty_param, code="unsupported_parameter")
     if params.outline == "on" and not getattr(engine, "supports_outline", False):
@@ -228,7 +229,7 @@ def generation_request(engine: Engine, rid: str, prompt_ids: list[int], params: 
     return GenerationRequest(
         request_id=rid, prompt_ids=prompt_ids, max_tokens=min(params.max_tokens or room, room),
         messages=messages, sampling=params.sampling, stop=params.stop, stream=params.stream,
-        speculative=params.speculative, constraint=params.constraint, penalties=params.penalties,
+        speculative=params.speculative,
         outline=params.outline, tools_offered=params.tools_offered, cloud=params.cloud,
     )
 

@@ -47,7 +47,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from decoding.penalties import Penalties
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.api import openai_schema as oa
 from meshd.api import tools as tl
 from meshd.api.common import (
@@ -413,25 +413,42 @@ def _line(obj: dict[str, Any]) -> bytes:
 # --------------------------------------------------------------------------- generation
 
 
-def _params(body: _Common, vocab: int | None) -> tuple[oa.RequestParams, int | None]:
-    """Ollama's options and fields -> (our request params, num_ctx)."""
+def _sampling_spec(body: _Common, vocab: int | None) -> SamplingSpec:
+    """Ollama's options and ``format`` -> the request's sampling, penalties and grammar."""
     o = body.options or Options()
     temperature = DEFAULTS["temperature"] if o.temperature is None else o.temperature
     top_k = DEFAULTS["top_k"] if o.top_k is None else o.top_k
     if vocab and top_k > vocab:
         raise oa.RequestError(f"'options.top_k' must be at most the vocabulary size {vocab}",
                               param="options.top_k", code="invalid_value")
-    sampling = SamplingParams(temperature=temperature, top_k=top_k,
-                              top_p=DEFAULTS["top_p"] if o.top_p is None else o.top_p, seed=o.seed)
-    p = oa.RequestParams(sampling=sampling, stream=body.stream)
+    params = SamplingParams(temperature=temperature, top_k=top_k,
+                            top_p=DEFAULTS["top_p"] if o.top_p is None else o.top_p, seed=o.seed)
+    penalties = Penalties(presence=o.presence_penalty or 0.0, frequency=o.frequency_penalty or 0.0,
+                          repeat=1.0 if o.repeat_penalty is None else o.repeat_penalty,
+                          repeat_last_n=64 if o.repeat_last_n is None else o.repeat_last_n)
+    constraint = None
+    if body.format not in (None, ""):
+        if body.format == "json":
+            constraint = {"type": "json_object"}
+        elif isinstance(body.format, dict):
+            constraint = oa.checked_constraint({"type": "json_schema", "schema": body.format}, "format")
+        else:
+            raise oa.RequestError("'format' must be \"json\" or a JSON schema object", param="format",
+                                  code="invalid_value")
+    return SamplingSpec(params, penalties, constraint)
+
+
+def _params(body: _Common, vocab: int | None) -> tuple[oa.RequestParams, int | None]:
+    """Ollama's options and fields -> (our request params, num_ctx)."""
+    o = body.options or Options()
+    sampling = _sampling_spec(body, vocab)
+    p = oa.RequestParams(sampling=sampling, stream=body.stream,
+                         constraint_param="format" if sampling.constraint is not None else None)
     p.max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else None
     if o.num_predict == 0:
         raise oa.RequestError("'options.num_predict' 0 generates nothing; use -1 for no limit",
                               param="options.num_predict", code="invalid_value")
     p.stop = [s for s in (o.stop or []) if s]
-    p.penalties = Penalties(presence=o.presence_penalty or 0.0, frequency=o.frequency_penalty or 0.0,
-                            repeat=1.0 if o.repeat_penalty is None else o.repeat_penalty,
-                            repeat_last_n=64 if o.repeat_last_n is None else o.repeat_last_n)
     if body.speculative is not None and o.speculative is not None:
         raise oa.RequestError("'speculative' given both at the top level and in options",
                               param="speculative", code="invalid_value")
@@ -441,15 +458,6 @@ def _params(body: _Common, vocab: int | None) -> tuple[oa.RequestParams, int | N
     p.outline = getattr(body, "outline", None) or "auto"
     cloud = getattr(body, "cloud", None)
     p.cloud = "auto" if cloud is None else (cloud if isinstance(cloud, str) else float(cloud))
-    if body.format not in (None, ""):
-        if body.format == "json":
-            p.constraint = {"type": "json_object"}
-        elif isinstance(body.format, dict):
-            p.constraint = oa.checked_constraint({"type": "json_schema", "schema": body.format}, "format")
-        else:
-            raise oa.RequestError("'format' must be \"json\" or a JSON schema object", param="format",
-                                  code="invalid_value")
-        p.constraint_param = "format"
     return p, o.num_ctx
 
 

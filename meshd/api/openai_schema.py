@@ -35,12 +35,13 @@ from pydantic import (
 from decoding.constrained import BadConstraint, validate_spec
 from decoding.errors import BadSpeculativeParams
 from decoding.penalties import Penalties
-from decoding.sampling import BadSamplingParams, SamplingParams
+from decoding.sampling import BadSamplingParams, SamplingParams, SamplingSpec
 from decoding.speculative.params import SpeculativeParams
 from meshd.api import tools as tl
 from meshd.api.validation import (  # noqa: F401 - RequestError and error_body are used as oa.* too
     RequestError, described, error_body, invalid, json_type, validate,
 )
+from partition.ids import RequestId
 
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -62,19 +63,19 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 class RequestParams:
     """What a request asks of the generation besides its prompt.
 
-    ``sampling`` is the one typed :class:`decoding.sampling.SamplingParams`
-    every engine samples with; the rest is handled by the API and
+    ``sampling`` is the one :class:`decoding.sampling.SamplingSpec` (the draw,
+    penalties, a grammar) that goes on to the engine unchanged; each API makes
+    it in one function (``_Params.sampling_spec`` here, ``ollama._sampling_spec``)
+    and offered tools may add their grammar. The rest is handled by the API and
     :meth:`meshd.engine.Engine.stream`.
     """
 
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0))
+    sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(SamplingParams(temperature=1.0)))
     max_tokens: int | None = None  # None: as many as the context allows
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
-    constraint: dict[str, Any] | None = None  # a decoding.constrained spec (structured output)
-    constraint_param: str | None = None  # the request field that asked for it, for errors
-    penalties: Penalties = field(default_factory=Penalties)
+    constraint_param: str | None = None  # the request field that asked for sampling.constraint, for errors
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
     outline: str = "auto"  # meshd's extension: outline-based parallel decoding ("auto" | "on" | "off")
     tools_offered: bool = False  # the prompt offers tools (set where tools meet the params)
@@ -297,20 +298,26 @@ class _Params(BaseModel):
         except BadSpeculativeParams as exc:
             raise invalid(str(exc), whole=True) from None
 
-    def params(self) -> RequestParams:
+    def sampling_spec(self, constraint: dict[str, Any] | None = None) -> SamplingSpec:
+        """The request's sampling, penalties and grammar (``constraint``: from ``response_format``)."""
         try:
-            sampling = SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
-                                      top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
-                                      seed=self.seed)
+            params = SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                                    top_k=self.top_k or 0, top_p=1.0 if self.top_p is None else self.top_p,
+                                    seed=self.seed)
         except BadSamplingParams as exc:  # our bounds are tighter; kept as a safety net
             raise RequestError(str(exc), code="invalid_value") from None
+        penalties = Penalties(presence=self.presence_penalty or 0.0, frequency=self.frequency_penalty or 0.0)
+        return SamplingSpec(params, penalties, constraint)
+
+    def params(self, constraint: dict[str, Any] | None = None, constraint_param: str | None = None
+               ) -> RequestParams:
         return RequestParams(
-            sampling=sampling,
+            sampling=self.sampling_spec(constraint),
+            constraint_param=constraint_param,
             max_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
             stop=[s for s in self.stop or [] if s],
             stream=bool(self.stream),
             include_usage=bool(self.stream_options and self.stream_options.include_usage),
-            penalties=Penalties(presence=self.presence_penalty or 0.0, frequency=self.frequency_penalty or 0.0),
             speculative=self.speculative if self.speculative is not None else SpeculativeParams(),
             outline=self.outline or "auto",
             cloud="auto" if self.cloud is None else (float(self.cloud) if not isinstance(self.cloud, str)
@@ -445,17 +452,15 @@ class ChatBody(_Params):
         return handler(v)
 
     def request(self) -> ChatRequest:
-        params = self.params()
+        fmt = self.response_format
+        params = self.params(fmt.constraint(), "response_format") if fmt is not None else self.params()
         try:
             messages = [m.history(f"messages[{i}]") for i, m in enumerate(self.messages)]
             tools = tl.parse_tools(self.tools)
             choice = tl.parse_tool_choice(self.tool_choice, tools)
         except tl.ToolError as exc:
             raise RequestError(str(exc), param=exc.param, code="invalid_value") from None
-        if self.response_format is not None:
-            params.constraint = self.response_format.constraint()
-            params.constraint_param = "response_format"
-        if choice not in (None, "none") and params.constraint is not None:
+        if choice not in (None, "none") and params.sampling.constraint is not None:
             raise RequestError("'tool_choice' that forces a call cannot be combined with "
                                "'response_format'", param="tool_choice", code="invalid_value")
         return ChatRequest(self.model, messages, params, tools if choice != "none" else [], choice,
@@ -526,8 +531,9 @@ def parse_speculative(value: Any, param: str) -> SpeculativeParams:
 # --------------------------------------------------------------------------- responses
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str) -> RequestId:
+    """A request's id, which its response carries as ``id`` too."""
+    return RequestId(f"{prefix}-{uuid.uuid4().hex[:24]}")
 
 
 def now() -> int:

@@ -14,8 +14,10 @@ import secrets
 
 from decoding.offload.loop import OffloadDecoder, OffloadStats
 from decoding.offload.policy import OffloadPolicy
+from decoding.sampling import SamplingParams
 from meshd.cloud.link import CloudLink
 from meshd.log import get_logger
+from partition.ids import CloudSession
 from transport.messages import Ack, CloudMembers
 
 log = get_logger("meshd.cloud.home")
@@ -57,9 +59,9 @@ class CloudHome:
             self._policies[b] = OffloadPolicy(b)
         return self._policies[b]
 
-    def decoder(self, drafter, sampling, eos_ids, budget: float | None = None) -> OffloadDecoder:
+    def decoder(self, drafter, sampling: SamplingParams, eos_ids, budget: float | None = None) -> OffloadDecoder:
         self.totals["requests"] += 1
-        return OffloadDecoder(drafter, self.link, self.policy(budget), next(self._sessions) % (1 << 31),
+        return OffloadDecoder(drafter, self.link, self.policy(budget), CloudSession(next(self._sessions) % (1 << 31)),
                               sampling=sampling, eos_ids=frozenset(eos_ids), seed=sampling.seed)
 
     def record(self, stats: OffloadStats, tokens: int) -> None:

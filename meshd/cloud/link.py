@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from decoding.offload.loop import VerifierEvicted, VerifierUnavailable, VerifyRequest, VerifyResult
 from meshd.log import get_logger
+from partition.ids import CloudSession
 from transport.errors import RemoteError, TransportError
 from transport.messages import CloudClose, CloudVerdict, CloudVerify, encode
 
@@ -101,7 +102,7 @@ class CloudLink:
         self._observe(time.monotonic() - t0, msg, reply, req)
         return VerifyResult(reply.accepted, reply.token, reply.draws)
 
-    async def close_session(self, session: int) -> None:
+    async def close_session(self, session: CloudSession) -> None:
         try:
             await self.peer.send(CloudClose(session), timeout=1.0)
         except (TransportError, OSError):

@@ -40,6 +40,7 @@ from decoding.speculative.verify import dense_draft_probs, verify_offloaded
 from decoding.stage import BatchItem, StageModel
 from meshd.errors import MeshdError
 from meshd.log import get_logger
+from partition.ids import CloudSession
 from transport.messages import CloudVerdict, CloudVerify
 
 log = get_logger("meshd.cloud.verifier")
@@ -188,7 +189,7 @@ class Verifier:
                 self._queue.remove(job)
             raise
 
-    def close_session(self, home: str, session: int) -> None:
+    def close_session(self, home: str, session: CloudSession) -> None:
         s = self._sessions.pop((home, int(session)), None)
         if s is not None:
             self._supersede_queued(s)
@@ -248,15 +249,13 @@ class Verifier:
 
     def _open(self, key: tuple[str, int], msg: CloudVerify) -> _Session:
         spec = msg.open or {}
-        unknown = set(spec) - {"temperature", "top_k", "top_p", "seed", "draws", "capacity"}
+        unknown = set(spec) - {*SamplingParams().to_dict(), "draws", "capacity"}
         if unknown:
             raise VerifierRefusal("bad_request", f"open: unknown field(s) {sorted(unknown)}")
         if msg.start != 0:
             raise VerifierRefusal("bad_request", "a session opens at position 0")
         try:
-            params = SamplingParams(float(spec.get("temperature", 0.0)), int(spec.get("top_k", 0)),
-                                    float(spec.get("top_p", 1.0)),
-                                    None if spec.get("seed") is None else int(spec["seed"]))
+            params = SamplingParams.from_dict(spec)
             draws = int(spec.get("draws", 0))
             cap = int(spec.get("capacity", DEFAULT_CAPACITY))
         except (TypeError, ValueError, BadSamplingParams) as exc:

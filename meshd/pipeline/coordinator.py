@@ -35,7 +35,7 @@ import torch
 from decoding.offload.loop import SUPPORT_MAX, DraftStep, draft_step
 from decoding.offload.policy import GAMMA
 from decoding.pipeline_local import chunk_bounds
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingParams, SamplingSpec
 from decoding.speculative.adaptive import RoundCost
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.session import MedusaProposal, SpeculationSession
@@ -46,6 +46,7 @@ from meshd.log import get_logger
 from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import SeqKey, SeqKeys
+from partition.ids import RequestId
 from transport.errors import TransportError
 from transport.link import Request
 from transport.messages import Ack, ErrorReply, ForkSequence, FreeSequence, Hello, StageForward, TokenResult
@@ -111,7 +112,7 @@ class SharedPrefix:
     owner frees it (:meth:`PipelineCoordinator.release`) when the last child is done.
     """
 
-    request_id: str
+    request_id: RequestId
     route: Route | None = None
     seq: SeqKey | None = None
     length: int = 0
@@ -119,7 +120,7 @@ class SharedPrefix:
 
 @dataclass
 class _Flight:
-    request_id: str
+    request_id: RequestId
     route: Route
     seq: SeqKey
     queue: asyncio.Queue
@@ -150,8 +151,8 @@ class PipelineCoordinator:
         self.route: Route | None = None
         self.address: str | None = None
         self._server = None
-        self._flights: dict[str, _Flight] = {}  # by sequence key
-        self._requests: set[str] = set()
+        self._flights: dict[SeqKey, _Flight] = {}
+        self._requests: set[RequestId] = set()
         self.keys = SeqKeys(node_id)
         self.links = Links(node, directory)
         self._ready_version = 0
@@ -294,19 +295,19 @@ class PipelineCoordinator:
                 continue
 
     # -- the request loop ------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                       sampling: SamplingParams, eos_ids=(), cuts: Cuts = None,
+    async def generate(self, request_id: RequestId, prompt_ids: list[int], max_tokens: int,
+                       sampling: SamplingSpec, eos_ids=(), cuts: Cuts = None,
                        chunks: int | None = None) -> AsyncIterator[int]:
         """Yield sampled token ids (EOS included, as the last one) for one request."""
         async for step in self.steps(request_id, prompt_ids, max_tokens, sampling, eos_ids, cuts, chunks):
             yield step.token
 
-    async def steps(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-                    sampling: SamplingParams, eos_ids=(), cuts: Cuts = None,
+    async def steps(self, request_id: RequestId, prompt_ids: list[int], max_tokens: int,
+                    sampling: SamplingSpec, eos_ids=(), cuts: Cuts = None,
                     chunks: int | None = None, return_topk: int = 0,
                     wait_s: float | None = None, speculation: SpeculationSession | None = None,
                     typical: bool = False, context_limit: int | None = None,
-                    constraint: dict | None = None, penalties=None, keep: SharedPrefix | None = None,
+                    keep: SharedPrefix | None = None,
                     fork: SharedPrefix | None = None) -> AsyncIterator[TokenStep]:
         """Like :meth:`generate`, with each step's top-k probabilities when ``return_topk`` > 0.
 
@@ -315,8 +316,8 @@ class PipelineCoordinator:
         asked again whenever the request is replayed on a new route.
         ``speculation``: decode in verify rounds drafted by this session (its context is the
         prompt); its stats say how it went. ``context_limit`` bounds a round's KV positions.
-        ``constraint`` (a structured-output spec) and ``penalties`` (decoding.penalties.Penalties)
-        shape the last stage's sampling; they exclude speculation.
+        ``sampling`` is the request's one spec; its shaping (penalties, a grammar)
+        excludes speculation.
         ``keep``: leave the sequence in the stages' caches when the request ends — or
         when the caller stops iterating after a step — and describe it there (for
         children to fork from; free it with :meth:`release`). Plain decoding only.
@@ -324,17 +325,16 @@ class PipelineCoordinator:
         its positions, which are read in place, never re-computed. Neither can be
         replayed on another plan: a device leaving fails such a request clearly.
         """
-        if speculation is not None and (constraint is not None or (penalties is not None and penalties.active)):
+        if speculation is not None and sampling.shaped:
             raise PipelineError("speculation cannot be combined with structured output or penalties")
         if request_id in self._requests:
             raise PipelineError(f"request id {request_id!r} is already running")
         bad = out_of_vocab(prompt_ids, self.vocab_size)
         if bad:
             raise BadTokens(bad)
-        if not sampling.greedy and sampling.seed is None:
+        if not sampling.greedy and sampling.params.seed is None:
             # We own the random stream: a replay must continue it, so it needs a known seed.
-            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
-                                      secrets.randbits(63))
+            sampling = sampling.with_seed(secrets.randbits(63))
         self._requests.add(request_id)
         generated: list[int] = []
         first_wait = self.resume_timeout_s if wait_s is None else wait_s
@@ -345,7 +345,7 @@ class PipelineCoordinator:
                     async for step in self._attempt(request_id, route, prompt_ids, generated, max_tokens,
                                                     sampling, eos_ids, cuts, chunks, return_topk,
                                                     speculation, typical, context_limit,
-                                                    self._shaping(prompt_ids, constraint, penalties),
+                                                    self._shaping(prompt_ids, sampling),
                                                     keep=keep, fork=fork):
                         generated.append(step.token)
                         yield step
@@ -367,15 +367,14 @@ class PipelineCoordinator:
             self._requests.discard(request_id)
 
     @staticmethod
-    def _shaping(prompt_ids: list[int], constraint: dict | None, penalties) -> dict:
-        """Header fields that make the last stage build a grammar / penalty state for the sequence."""
-        out: dict = {}
-        if constraint is not None:
-            out["constraint"] = constraint
-        if penalties is not None and penalties.active:
-            out["penalties"] = {"presence": penalties.presence, "frequency": penalties.frequency,
-                                "repeat": penalties.repeat, "repeat_last_n": penalties.repeat_last_n}
-            n = penalties.repeat_last_n
+    def _shaping(prompt_ids: list[int], sampling: SamplingSpec) -> dict:
+        """Fields of a last prompt chunk that make the last stage build a grammar / penalty
+        state for the sequence (every other message carries the spec unshaped)."""
+        if not sampling.shaped:
+            return {}
+        out: dict = {"sampling": sampling}
+        if sampling.penalties.active:
+            n = sampling.penalties.repeat_last_n
             out["prompt_tail"] = list(prompt_ids if n < 0 else prompt_ids[len(prompt_ids) - n:] if n else [])
         return out
 
@@ -386,8 +385,8 @@ class PipelineCoordinator:
         return (f"{'device ' + who if who else 'a device'} of plan {route.plan_version} "
                 f"({exc}) and no plan could serve within {self.resume_timeout_s:g}s; retry the request")
 
-    async def _attempt(self, request_id: str, route: Route, prompt_ids: list[int], generated: list[int],
-                       max_tokens: int, sampling: SamplingParams, eos_ids, cuts: Cuts, chunks: int | None,
+    async def _attempt(self, request_id: RequestId, route: Route, prompt_ids: list[int], generated: list[int],
+                       max_tokens: int, sampling: SamplingSpec, eos_ids, cuts: Cuts, chunks: int | None,
                        return_topk: int, speculation: SpeculationSession | None = None, typical: bool = False,
                        context_limit: int | None = None, shaping: dict | None = None,
                        keep: SharedPrefix | None = None, fork: SharedPrefix | None = None
@@ -405,9 +404,8 @@ class PipelineCoordinator:
         if context_limit:
             capacity = min(capacity, context_limit)
         fields = dict(request_id=request_id, plan_version=route.plan_version, seq_id=seq,
-                      reply_to=self.reply_to, capacity=capacity,
-                      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                      seed=sampling.seed, return_topk=int(return_topk))
+                      reply_to=self.reply_to, capacity=capacity, sampling=sampling.unshaped(),
+                      return_topk=int(return_topk))
         medusa_paths = self.medusa_paths if speculation is not None and speculation.uses_medusa else 0
         try:
             if fork is not None:
@@ -424,7 +422,7 @@ class PipelineCoordinator:
                 await self._send(first, StageForward(
                     position_offset=base + a, chunk_index=j, token_ids=torch.tensor(ids[a:b], dtype=torch.long),
                     is_last_chunk=last, sample_step=len(generated),
-                    medusa_paths=medusa_paths if last else 0, **shape, **fields))
+                    medusa_paths=medusa_paths if last else 0, **{**fields, **shape}))
             pos = base + len(ids)
             if speculation is not None:
                 async for step in self._speculate(flight, speculation, ids, generated, max_tokens, eos_ids,
@@ -460,13 +458,13 @@ class PipelineCoordinator:
                     keep.seq = None
                 await self._free_surely(route, seq)
 
-    def drafter(self, request_id: str, capacity: int, sampling: SamplingParams, cuts: Cuts = None,
+    def drafter(self, request_id: RequestId, capacity: int, sampling: SamplingParams, cuts: Cuts = None,
                 wait_s: float | None = None) -> "MeshDrafter":
         """Draft through the mesh for a cloud verifier (see :class:`MeshDrafter`); close it when done."""
         if request_id in self._requests:
             raise PipelineError(f"request id {request_id!r} is already running")
         if not sampling.greedy and sampling.seed is None:
-            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
+            sampling = sampling.with_seed(secrets.randbits(63))
         self._requests.add(request_id)
         return MeshDrafter(self, request_id, capacity, sampling, cuts,
                            self.resume_timeout_s if wait_s is None else wait_s)
@@ -580,7 +578,7 @@ class PipelineCoordinator:
                 raise item
         raise PipelineError(f"unexpected item in a request's queue: {type(item).__name__}")
 
-    async def _free_surely(self, route: Route, seq: str) -> None:
+    async def _free_surely(self, route: Route, seq: SeqKey) -> None:
         """Free even when the caller is being cancelled (a client hanging up is cancelled
         by the HTTP server, sometimes more than once): the free runs as its own task."""
         task = asyncio.get_running_loop().create_task(self._free(route, seq))
@@ -593,7 +591,7 @@ class PipelineCoordinator:
                 log.debug("free_continues_after_cancel", seq=seq)
             raise
 
-    async def _free(self, route: Route, seq: str) -> None:
+    async def _free(self, route: Route, seq: SeqKey) -> None:
         """Release the sequence's cache on every stage (directly: the chain may be broken)."""
         async def one(node_id):
             try:
@@ -616,7 +614,7 @@ class MeshDrafter:
     that on the next plan and carries on: the answer is not failed for it.
     """
 
-    def __init__(self, coord: PipelineCoordinator, request_id: str, capacity: int, sampling: SamplingParams,
+    def __init__(self, coord: PipelineCoordinator, request_id: RequestId, capacity: int, sampling: SamplingParams,
                  cuts: Cuts, wait_s: float):
         self.coord = coord
         self.request_id = request_id
@@ -638,10 +636,9 @@ class MeshDrafter:
         return flight
 
     def _fields(self, flight: _Flight) -> dict:
-        s = self.sampling
         return dict(request_id=self.request_id, plan_version=flight.route.plan_version, seq_id=flight.seq,
-                    reply_to=self.coord.reply_to, capacity=self.capacity, temperature=s.temperature, top_k=s.top_k,
-                    top_p=s.top_p, seed=s.seed, return_topk=SUPPORT_MAX + 1, attention_tail=GAMMA)
+                    reply_to=self.coord.reply_to, capacity=self.capacity, sampling=SamplingSpec(self.sampling),
+                    return_topk=SUPPORT_MAX + 1, attention_tail=GAMMA)
 
     async def feed(self, tokens, at: int) -> DraftStep:
         tokens = [int(t) for t in tokens]

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 
 from decoding.errors import DrafterError
 from decoding.offload.policy import GAMMA
-from decoding.sampling import SamplingParams
 from decoding.speculative.session import SpeculationSession
 from meshd.engine import (BadEngineRequest, BadTokenIds, Engine, EngineBusy, GenerationFailed, GenerationRequest,
                           NoPlan, WrongModel, model_id_of)
@@ -95,7 +94,7 @@ class PipelineEngine(Engine):
         spec = req.speculative
         if not spec.enabled:
             return None
-        if req.constraint is not None or req.penalties.active:
+        if req.sampling.shaped:
             if spec.mode == "on":
                 raise BadEngineRequest("speculative decoding cannot be combined with structured output or "
                                        "repetition penalties; use speculative \"auto\" or \"off\"")
@@ -120,7 +119,8 @@ class PipelineEngine(Engine):
         """Whether to answer in outline mode, decided before any token (``meshd.pipeline.outline_gate``);
         a declined "auto" is counted by its reason."""
         decision = decide_outline(req.outline, req.messages, req.max_tokens, outline_router(),
-                                  constrained=req.constraint is not None, penalties=req.penalties.active,
+                                  constrained=req.sampling.constraint is not None,
+                                  penalties=req.sampling.penalties.active,
                                   tools=req.tools_offered)
         if not decision.use and decision.reason != "off":
             declined = self.coordinator.outline_totals["declined"]
@@ -164,8 +164,7 @@ class PipelineEngine(Engine):
                 raise BadEngineRequest("this device is not paired with a cloud verifier "
                                        "(run 'meshd cloud pair ADDRESS TOKEN')")
             return False
-        shaped = req.constraint is not None or req.penalties.active
-        if shaped:
+        if req.sampling.shaped:
             if req.cloud not in ("auto", None):
                 raise BadEngineRequest("cloud verification cannot be combined with structured output or "
                                        "repetition penalties")
@@ -176,11 +175,10 @@ class PipelineEngine(Engine):
     async def _cloud_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
         from meshd.cloud.home import draft_seed
 
-        sampling = req.sampling
+        sampling = req.sampling.params  # unshaped: a cloud-verified answer has no penalties or grammar
         if not sampling.greedy and sampling.seed is None:
-            sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, secrets.randbits(63))
-        draft_sampling = sampling if sampling.greedy else SamplingParams(
-            sampling.temperature, sampling.top_k, sampling.top_p, draft_seed(sampling.seed))
+            sampling = sampling.with_seed(secrets.randbits(63))
+        draft_sampling = sampling if sampling.greedy else sampling.with_seed(draft_seed(sampling.seed))
         capacity = min(len(req.prompt_ids) + req.max_tokens + 3 * GAMMA + 2, self.context_length)
         drafter = self.coordinator.drafter(req.request_id, capacity, draft_sampling, cuts=self.cuts_for,
                                            wait_s=self.wait_s)
@@ -233,8 +231,7 @@ class PipelineEngine(Engine):
                                                      req.sampling, self.eos_ids, cuts=self.cuts_for,
                                                      wait_s=self.wait_s, speculation=session,
                                                      typical=req.speculative.typical,
-                                                     context_limit=self.context_length,
-                                                     constraint=req.constraint, penalties=req.penalties):
+                                                     context_limit=self.context_length):
                 yield step.token
         finally:
             if session is not None:

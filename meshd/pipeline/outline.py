@@ -26,8 +26,9 @@ import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingSpec
 from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError, SharedPrefix
+from partition.ids import RequestId
 
 
 MIN_POINTS = 3  # fewer points than this: a plain answer (nothing to parallelise)
@@ -115,7 +116,7 @@ class OutlineDecoder:
                                 "outline mode cannot share the outline's cache with this model")
         return self.tok.encode(whole[len(before):] + point_header(i, title), add_bos=False)
 
-    async def run(self, request_id: str, messages: list[dict], max_tokens: int, sampling: SamplingParams,
+    async def run(self, request_id: RequestId, messages: list[dict], max_tokens: int, sampling: SamplingSpec,
                   stats: OutlineStats, cuts=None) -> AsyncIterator[int] | None:
         """Write the outline; returns the answer's token stream, or None (``stats.fallback`` says why).
 
@@ -179,7 +180,7 @@ class OutlineDecoder:
         the part of it before the delimiter — its head — goes with the next feed.
         """
         text, toks, last = "", 0, ""
-        steps = self.coord.steps(keep.request_id, feed, TITLE_TOKENS, SamplingParams(), self.eos_ids,
+        steps = self.coord.steps(keep.request_id, feed, TITLE_TOKENS, SamplingSpec(), self.eos_ids,
                                  cuts=cuts, wait_s=self.wait_s, keep=keep, fork=parent)
         async with contextlib.aclosing(steps):
             async for step in steps:
@@ -216,8 +217,8 @@ class OutlineDecoder:
         for seg in reversed(segments):
             await self.coord.release(seg)
 
-    async def _expand(self, request_id: str, segments: list[SharedPrefix], prefix: SharedPrefix,
-                      titles: list[str], suffixes: list[list[int]], budget: int, sampling: SamplingParams,
+    async def _expand(self, request_id: RequestId, segments: list[SharedPrefix], prefix: SharedPrefix,
+                      titles: list[str], suffixes: list[list[int]], budget: int, sampling: SamplingSpec,
                       stats: OutlineStats) -> AsyncIterator[int]:
         queues = [asyncio.Queue() for _ in suffixes]
         done = object()
@@ -229,10 +230,10 @@ class OutlineDecoder:
                 for t in self._header_ids(k, titles[k]):
                     q.put_nowait(t)
                 text = ""
-                point_sampling = sampling if sampling.greedy or sampling.seed is None else SamplingParams(
-                    sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + k)
+                seed = sampling.params.seed
+                point_sampling = sampling if sampling.greedy or seed is None else sampling.with_seed(seed + k)
                 session = self.speculation(suffixes[k]) if self.speculation is not None else None
-                steps = self.coord.steps(f"{request_id}/p{k + 1}", suffixes[k], budget, point_sampling,
+                steps = self.coord.steps(RequestId(f"{request_id}/p{k + 1}"), suffixes[k], budget, point_sampling,
                                          self.eos_ids, wait_s=self.wait_s, fork=prefix, speculation=session)
                 async with contextlib.aclosing(steps):
                     async for step in steps:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingSpec
 from decoding.stage import EXACT_BLOCK
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import PipelineCoordinator
@@ -191,7 +191,7 @@ class ServingRole:
         ids = list(self.source.tokenizer.encode("Hello"))[:4] or [0]
         try:
             async for _ in self.coordinator.steps(f"warmup-{route.plan_version}-{id(self)}", ids, 2,
-                                                  SamplingParams(), cuts=None, wait_s=self.wait_s):
+                                                  SamplingSpec(), cuts=None, wait_s=self.wait_s):
                 pass
         except Exception as exc:  # a newer plan, a device leaving: the next plan warms up again
             log.info("warm_up_skipped", plan_version=route.plan_version, error=str(exc))

@@ -44,8 +44,7 @@ import torch
 from decoding.device import CPU, DeviceError, default_dtype, dtype_name, resolve_weights, to_host
 from decoding.memory import release_free_memory
 from decoding.errors import CacheFull, DecodingError
-from decoding.penalties import Penalties
-from decoding.sampling import SamplingParams, filtered_probs
+from decoding.sampling import filtered_probs
 from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
 from decoding.speculative.params import MAX_CANDIDATES
@@ -661,27 +660,14 @@ class StageService:
             kv.keep(seq, start, keep)
 
     def _selector_for(self, msg: StageForward) -> TokenSelector:
+        """The sequence's selector, built from the message's spec the first time (its last prompt chunk)."""
         sel = self.samplers.get(msg.seq_id)
         if sel is None:
-            params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=msg.seed)
-            constraint = None
-            tok = None
-            if msg.constraint is not None:
-                from decoding.constrained import make_constraint
-
-                tok = self.source.tokenizer
-                constraint = make_constraint(msg.constraint, tok.path, self.stage.config.vocab_size,
-                                             tuple(tok.eos_ids))
-            penalties = None
-            if msg.penalties:
-                try:
-                    penalties = Penalties(**msg.penalties)
-                except TypeError as exc:
-                    raise StageError("bad_input", f"bad penalties: {exc}") from None
-            eos = tuple(tok.eos_ids) if tok is not None else ()
-            sel = self.samplers[msg.seq_id] = TokenSelector(
-                params, penalties=penalties, constraint=constraint, prompt_tail=msg.prompt_tail or (),
-                eos_ids=eos, history=msg.history or (), skip=msg.sample_step)
+            spec = msg.sampling
+            sel = self.samplers[msg.seq_id] = TokenSelector.for_spec(
+                spec, tokenizer=self.source.tokenizer if spec.constraint is not None else None,
+                vocab_size=self.stage.config.vocab_size, prompt_tail=msg.prompt_tail or (),
+                history=msg.history or (), skip=msg.sample_step)
         return sel
 
     def _verify(self, msg: StageForward, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor

@@ -61,13 +61,14 @@ def test_options_map_to_sampling_and_limits(srv):
                          options={"temperature": 0.3, "top_k": 5, "top_p": 0.5, "seed": 9,
                                   "num_predict": 7, "num_ctx": 4096})
     req = srv.engine.requests[-1]
-    assert (req.sampling.temperature, req.sampling.top_k, req.sampling.top_p, req.sampling.seed) == (0.3, 5, 0.5, 9)
+    s = req.sampling.params
+    assert (s.temperature, s.top_k, s.top_p, s.seed) == (0.3, 5, 0.5, 9)
     assert req.max_tokens == 7 and r.eval_count == 7 and r.done_reason == "length"
 
 
 def test_ollamas_sampling_defaults_apply_when_no_options_are_sent(srv):
     ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False)
-    s = srv.engine.requests[-1].sampling
+    s = srv.engine.requests[-1].sampling.params
     assert (s.temperature, s.top_k, s.top_p) == (0.8, 40, 0.9)
 
 

@@ -59,16 +59,17 @@ def test_non_streamed_chat_reports_usage_and_passes_sampling_fields(server, engi
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage.completion_tokens == len(REPLY)
     req = engine.requests[-1]
-    assert (req.sampling.temperature, req.sampling.top_p, req.sampling.seed, req.max_tokens) == (0.0, 0.5, 7, 100)
+    assert (req.sampling.params.temperature, req.sampling.params.top_p, req.sampling.params.seed, req.max_tokens) == \
+        (0.0, 0.5, 7, 100)
 
 
 def test_the_api_keeps_openais_default_temperature_of_one(server, engine):
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingParams, SamplingSpec
     from meshd.engine import GenerationRequest
 
     sdk(server).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
-    assert engine.requests[-1].sampling == SamplingParams(temperature=1.0)
-    assert GenerationRequest("r", [1], 1).sampling == SamplingParams()  # the engine's own default: greedy
+    assert engine.requests[-1].sampling == SamplingSpec(SamplingParams(temperature=1.0))
+    assert GenerationRequest("r", [1], 1).sampling == SamplingSpec()  # the engine's own default: greedy
 
 
 def test_stop_string_ends_the_answer_and_is_never_emitted(server):

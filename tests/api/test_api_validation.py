@@ -60,8 +60,8 @@ def test_a_huge_max_tokens_is_valid_and_left_for_the_server_to_clip():
 def test_top_k_is_bounded_by_the_engines_vocabulary_when_it_is_known():
     assert chat_error({"messages": HI, "top_k": 1001}).message == (
         "'top_k' must be an integer from 0 to 1000 (0 disables it) (got 1001)")
-    assert oa.parse_chat_request({"messages": HI, "top_k": 1000}, vocab_size=1000).params.sampling.top_k == 1000
-    assert oa.parse_chat_request({"messages": HI, "top_k": 5000}, vocab_size=None).params.sampling.top_k == 5000
+    assert oa.parse_chat_request({"messages": HI, "top_k": 1000}, vocab_size=1000).params.sampling.params.top_k == 1000
+    assert oa.parse_chat_request({"messages": HI, "top_k": 5000}, vocab_size=None).params.sampling.params.top_k == 5000
 
 
 def test_messages_say_what_to_send_and_what_came():
@@ -98,7 +98,7 @@ def test_wrong_types_are_not_coerced(extra, param):
 
 def test_whole_number_floats_are_fine_where_a_number_is_asked():
     p = oa.parse_chat_request({"messages": HI, "temperature": 1, "top_p": 1, "presence_penalty": 0}).params
-    assert (p.sampling.temperature, p.sampling.top_p, p.penalties.presence) == (1.0, 1.0, 0.0)
+    assert (p.sampling.params.temperature, p.sampling.params.top_p, p.sampling.penalties.presence) == (1.0, 1.0, 0.0)
 
 
 # --------------------------------------------------------------------------- unknown and unsupported fields
@@ -229,23 +229,27 @@ def test_offered_tools_put_the_answer_under_their_grammar():
                              req.parallel_tool_calls)
         return req.params
 
+    def grammar(choice, **kw):
+        return spec(choice, **kw).sampling.constraint
+
     auto = spec(None)
-    assert auto.constraint["type"] == "tool_calls" and auto.constraint["style"] == "hermes"
-    assert not auto.constraint["required"] and auto.constraint_param == "tools"
-    assert [t["name"] for t in auto.constraint["tools"]] == ["g", "h"]
+    g = auto.sampling.constraint
+    assert g["type"] == "tool_calls" and g["style"] == "hermes"
+    assert not g["required"] and auto.constraint_param == "tools"
+    assert [t["name"] for t in g["tools"]] == ["g", "h"]
     required = spec("required", parallel=False)
-    assert required.constraint["required"] and not required.constraint["parallel"]
+    assert required.sampling.constraint["required"] and not required.sampling.constraint["parallel"]
     assert required.constraint_param == "tool_choice"
-    named = spec({"type": "function", "function": {"name": "h"}})
-    assert named.constraint["required"] and [t["name"] for t in named.constraint["tools"]] == ["h"]
-    assert spec("none").constraint is None
-    assert spec(None, engine=_GrammarEngine(supports=False)).constraint is None  # parsed from text only
-    assert spec("required", engine=_GrammarEngine(supports=False)).constraint is not None  # then a 400
+    named = grammar({"type": "function", "function": {"name": "h"}})
+    assert named["required"] and [t["name"] for t in named["tools"]] == ["h"]
+    assert grammar("none") is None
+    assert grammar(None, engine=_GrammarEngine(supports=False)) is None  # parsed from text only
+    assert grammar("required", engine=_GrammarEngine(supports=False)) is not None  # then a 400
 
 
 def test_response_formats_become_constraints():
     def constraint(rf):
-        return oa.parse_chat_request({"messages": HI, "response_format": rf}).params.constraint
+        return oa.parse_chat_request({"messages": HI, "response_format": rf}).params.sampling.constraint
 
     schema = {"type": "object", "properties": {"on": {"type": "boolean"}}}
     assert constraint({"type": "text"}) is None

@@ -116,7 +116,7 @@ def test_the_real_embedded_model_sampled_hot_only_writes_calls_that_parse(real_s
     """The embedded model has no tool template; a Hermes-style prompt and grammar still hold."""
     import asyncio
 
-    from decoding.sampling import SamplingParams
+    from decoding.sampling import SamplingParams, SamplingSpec
     from meshd.engine import GenerationRequest, LocalEngine
 
     engine = LocalEngine(real_source)
@@ -127,8 +127,8 @@ def test_the_real_embedded_model_sampled_hot_only_writes_calls_that_parse(real_s
     spec = tool_spec(TOOLS, "hermes", required=False, parallel=True)
 
     async def answer(seed: int, **kw) -> tuple[str, str]:
-        req = GenerationRequest(request_id=f"hot{seed}", prompt_ids=prompt, max_tokens=64, constraint=spec,
-                                sampling=SamplingParams(temperature=1.3, seed=seed), **kw)
+        req = GenerationRequest(request_id=f"hot{seed}", prompt_ids=prompt, max_tokens=64,
+                                sampling=SamplingSpec(SamplingParams(temperature=1.3, seed=seed), constraint=spec), **kw)
         parts, finish = [], None
         async for ev in engine.stream(req):
             parts.append(ev.text)

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from decoding.loader import open_model
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingSpec
 from meshd.pipeline.coordinator import BadTokens, ModelMismatch, PipelineCoordinator
 from meshd.pipeline.route import Route
 from meshd.plan import Plan, not_planned, plannable_members
@@ -108,7 +108,7 @@ async def test_a_coordinator_holding_another_model_than_the_plan_refuses_at_once
         mesh.coord.set_route(None)
         coord.set_route(Route(1, mesh.route.stages, model="theirs.gguf@2"))
         with pytest.raises(ModelMismatch, match="this device holds mine, the home serves theirs"):
-            async for _ in coord.generate("r", [5, 6, 7], 4, SamplingParams()):
+            async for _ in coord.generate("r", [5, 6, 7], 4, SamplingSpec()):
                 pass
         assert sum(s.stats.forwards for s in mesh.services) == 0
 

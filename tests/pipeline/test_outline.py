@@ -16,7 +16,7 @@ import pytest
 from decoding.generate import generate
 from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingSpec
 from meshd.api import openai_schema as oa
 from meshd.api.validation import RequestError
 from meshd.pipeline import outline_router
@@ -51,11 +51,11 @@ async def test_children_forked_from_a_kept_prefix_equal_whole_prompt_requests(ti
     suffixes = [[50, 51, 52], [60], [70, 71, 72, 73, 74]]
     async with Mesh(tiny, 2) as mesh:
         prefix = SharedPrefix("parent")
-        got = await _take(mesh.coord.steps("parent", prompt, 8, SamplingParams(), keep=prefix), stop_after)
+        got = await _take(mesh.coord.steps("parent", prompt, 8, SamplingSpec(), keep=prefix), stop_after)
         held = prompt + got[:-1]  # the last sampled token is never fed
         assert prefix.seq is not None and prefix.length == len(held)
         children = await asyncio.gather(*(
-            _take(mesh.coord.steps(f"child{i}", s, 12, SamplingParams(), fork=prefix)) for i, s in enumerate(suffixes)))
+            _take(mesh.coord.steps(f"child{i}", s, 12, SamplingSpec(), fork=prefix)) for i, s in enumerate(suffixes)))
         for s, child in zip(suffixes, children):
             assert child == generate(ref, held + s, 12).token_ids
         assert all(svc.kv_tokens_in_use() > 0 for svc in mesh.services)  # the prefix is still kept
@@ -66,12 +66,12 @@ async def test_children_forked_from_a_kept_prefix_equal_whole_prompt_requests(ti
 async def test_a_fork_of_a_released_prefix_fails_clearly_instead_of_hanging(tiny):
     async with Mesh(tiny, 2) as mesh:
         prefix = SharedPrefix("parent")
-        await _take(mesh.coord.steps("parent", list(range(10, 30)), 4, SamplingParams(), keep=prefix))
+        await _take(mesh.coord.steps("parent", list(range(10, 30)), 4, SamplingSpec(), keep=prefix))
         stale = SharedPrefix("parent", prefix.route, prefix.seq, prefix.length)
         await mesh.coord.release(prefix)
         assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services))
         with pytest.raises(PipelineError, match="interrupted|gone|unknown"):
-            await _take(mesh.coord.steps("child", [5, 6], 4, SamplingParams(), fork=stale))
+            await _take(mesh.coord.steps("child", [5, 6], 4, SamplingSpec(), fork=stale))
 
 
 async def test_a_fork_that_arrives_after_its_free_creates_nothing(tiny):
@@ -115,7 +115,7 @@ async def test_an_outline_answer_is_its_points_in_order_and_frees_everything(rea
         stats = OutlineStats()
         dec = OutlineDecoder(mesh.coord, tok, tok.eos_ids)
         stream = await dec.run("q", [{"role": "user", "content": "What are good ways to save energy at home?"}],
-                               160, SamplingParams(), stats)
+                               160, SamplingSpec(), stats)
         assert stream is not None, stats.fallback
         ids = [t async for t in stream]
         text = tok.decode(ids)
@@ -143,7 +143,7 @@ async def test_a_point_that_fails_fails_the_request_and_frees_everything(real_me
         monkeypatch.setattr(mesh.coord, "steps", steps)
         dec = OutlineDecoder(mesh.coord, tok, tok.eos_ids)
         stream = await dec.run("q", [{"role": "user", "content": "What are good ways to save energy at home?"}],
-                               120, SamplingParams(), OutlineStats())
+                               120, SamplingSpec(), OutlineStats())
         assert stream is not None
         with pytest.raises(PipelineError, match="point 2 of the outline failed: device dev1 left"):
             async for _ in stream:

@@ -14,7 +14,7 @@ import contextlib
 
 import pytest
 
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingSpec
 from meshd.commands.chat import summary_line
 from meshd.commands.status import _outline
 from meshd.engine import BadEngineRequest, GenerationRequest
@@ -148,7 +148,7 @@ async def _answer(engine, req: GenerationRequest, most: int | None = None):
 def _request(tok, rid, question, max_tokens, outline="auto"):
     msgs = user(question)
     return GenerationRequest(rid, tok.apply_chat(msgs), max_tokens, messages=msgs,
-                             sampling=SamplingParams(), outline=outline)
+                             sampling=SamplingSpec(), outline=outline)
 
 
 async def test_a_one_sentence_question_under_auto_is_answered_plainly_with_no_outline_attempt(real_mesh_source):

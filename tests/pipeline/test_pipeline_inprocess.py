@@ -8,7 +8,7 @@ import torch
 from decoding.generate import generate
 from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError
 from meshd.pipeline.route import Route, StageEndpoint
 from meshd.pipeline.stage_service import StageService
@@ -94,7 +94,7 @@ async def test_two_coordinators_at_once_never_touch_each_others_sequences(tiny):
             for _ in range(3):
                 got = await asyncio.gather(
                     mesh.run(prompts[0], 16, chunks=3),
-                    _collect(other.generate("r1", prompts[1], 16, SamplingParams(), chunks=3)))
+                    _collect(other.generate("r1", prompts[1], 16, SamplingSpec(), chunks=3)))
                 assert got == refs
         finally:
             await other.close()
@@ -113,7 +113,7 @@ async def test_hanging_up_during_prefill_leaks_nothing_even_when_frees_overtake_
     """
     async with Mesh(tiny, 3, max_kv_tokens=4096) as mesh:
         for i in range(12):  # more hang-ups than the cache could hold leaked sequences
-            agen = mesh.coord.generate(f"h{i}", list(range(3, 400)), 200, SamplingParams(), chunks=8)
+            agen = mesh.coord.generate(f"h{i}", list(range(3, 400)), 200, SamplingSpec(), chunks=8)
             task = asyncio.ensure_future(agen.__anext__())
             await asyncio.sleep(0.005 * (i % 4))  # sleep-ok: hang-ups at different points of the prompt
             task.cancel()
@@ -185,7 +185,7 @@ async def test_an_answer_survives_a_device_leaving_mid_decode(tiny, sampling):
     ref = generate(LocalPipeline.from_source(tiny, 1), prompt, 24, sampling).token_ids
     async with Mesh(tiny, 3) as mesh:
         got = []
-        async for tok in mesh.coord.generate("r", prompt, 24, sampling, chunks=2):
+        async for tok in mesh.coord.generate("r", prompt, 24, SamplingSpec(sampling), chunks=2):
             got.append(tok)
             if len(got) == 5:  # dev1 leaves; the leader re-plans over dev0 and dev2
                 await mesh.drop_middle()
@@ -235,7 +235,7 @@ async def test_engine_streams_text_through_the_mesh_and_maps_errors(tiny):
     tiny.__dict__["tokenizer"] = Tok()
     async with Mesh(tiny, 2) as mesh:
         engine = PipelineEngine(tiny, mesh.coord)
-        req = GenerationRequest("q1", list(range(5, 45)), max_tokens=12, sampling=SamplingParams(temperature=0.0))
+        req = GenerationRequest("q1", list(range(5, 45)), max_tokens=12, sampling=SamplingSpec(SamplingParams(temperature=0.0)))
         ids = [t async for t in engine.token_ids(req)]
         assert ids == generate(LocalPipeline.from_source(tiny, 1), list(range(5, 45)), 12).token_ids
         mesh.coord.set_route(None)
@@ -261,8 +261,8 @@ async def test_last_stage_returns_only_the_requested_top_k_distribution(tiny):
     logits = ref.prefill("r", prompt)[-1]
     want = torch.topk(torch.softmax(logits, -1), 5)
     async with Mesh(tiny, 2) as mesh:
-        steps = [s async for s in mesh.coord.steps("k", prompt, 3, SamplingParams(), return_topk=5)]
-        plain = [s async for s in mesh.coord.steps("n", prompt, 1, SamplingParams())]
+        steps = [s async for s in mesh.coord.steps("k", prompt, 3, SamplingSpec(), return_topk=5)]
+        plain = [s async for s in mesh.coord.steps("n", prompt, 1, SamplingSpec())]
     assert steps[0].topk_ids == want.indices.tolist()
     assert steps[0].topk_probs == pytest.approx(want.values.tolist(), abs=1e-5)
     assert steps[0].token == steps[0].topk_ids[0]  # greedy picks the most likely

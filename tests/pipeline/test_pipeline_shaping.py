@@ -12,7 +12,7 @@ import json
 import pytest
 
 from decoding.penalties import Penalties
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.engine import GenerationRequest, LocalEngine
 from tests.support.inprocess import Mesh
 
@@ -29,14 +29,13 @@ def local(real_source):
 
 
 async def _local_tokens(engine, ids, max_tokens, sampling, constraint=None, penalties=Penalties()):
-    req = GenerationRequest("ref", list(ids), max_tokens, sampling=sampling, constraint=constraint,
-                            penalties=penalties)
+    req = GenerationRequest("ref", list(ids), max_tokens, sampling=SamplingSpec(sampling, penalties, constraint))
     return [t async for t in engine.token_ids(req)]
 
 
-async def _mesh_tokens(mesh, ids, max_tokens, sampling, eos, rid, constraint=None, penalties=None):
-    return [s.token async for s in mesh.coord.steps(rid, ids, max_tokens, sampling, eos, constraint=constraint,
-                                                    penalties=penalties)]
+async def _mesh_tokens(mesh, ids, max_tokens, sampling, eos, rid, constraint=None, penalties=Penalties()):
+    spec = SamplingSpec(sampling, penalties, constraint)
+    return [s.token async for s in mesh.coord.steps(rid, ids, max_tokens, spec, eos)]
 
 
 async def test_schema_constrained_answers_match_the_local_engine_and_parse(real_source, local):
@@ -98,7 +97,7 @@ async def test_a_constrained_answer_survives_a_device_leaving_mid_answer(real_so
     ref = await _local_tokens(local, ids, 40, p, SCHEMA)
     async with Mesh(real_source, 3) as mesh:
         got = []
-        async for step in mesh.coord.steps("r", ids, 40, p, eos, constraint=SCHEMA):
+        async for step in mesh.coord.steps("r", ids, 40, SamplingSpec(p, constraint=SCHEMA), eos):
             got.append(step.token)
             if len(got) == 4:
                 await mesh.drop_middle()  # dev1 leaves; the mesh re-plans over dev0 and dev2

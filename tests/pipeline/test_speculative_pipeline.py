@@ -16,7 +16,7 @@ from decoding.errors import DrafterError
 from decoding.generate import generate
 from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingParams, SamplingSpec
 from decoding.speculative.adaptive import RoundCost
 from decoding.speculative.draft_model import ModelDrafter
 from decoding.speculative.generate import MedusaSource
@@ -41,7 +41,8 @@ def tiny(tiny_llama):
 
 
 async def _run(mesh, prompt, max_tokens, session, sampling=SamplingParams(), rid="r", eos=()):
-    return [s.token async for s in mesh.coord.steps(rid, prompt, max_tokens, sampling, eos, speculation=session)]
+    return [s.token async for s in mesh.coord.steps(rid, prompt, max_tokens, SamplingSpec(sampling), eos,
+                                                    speculation=session)]
 
 
 def _session(mesh, drafter, prompt, source=None, fixed=None):
@@ -154,7 +155,7 @@ async def test_a_speculative_answer_survives_a_device_leaving_mid_round(tiny, sa
     async with Mesh(tiny, 3, medusa=mirror_medusa) as mesh:
         got = []
         session = _session(mesh, "auto", prompt)
-        async for step in mesh.coord.steps("r", prompt, 40, sampling, speculation=session):
+        async for step in mesh.coord.steps("r", prompt, 40, SamplingSpec(sampling), speculation=session):
             got.append(step.token)
             if len(got) == 6:
                 await mesh.drop_middle()  # dev1 leaves; the mesh re-plans over dev0 and dev2

@@ -14,7 +14,7 @@ import torch
 from decoding.generate import generate
 from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingParams, SamplingSpec
 from decoding.speculative.session import SpeculationSession
 from transport.messages import StageForward
 from tests.support.inprocess import Mesh
@@ -60,7 +60,7 @@ async def test_speculative_and_plain_requests_share_passes_losslessly(tiny):
     async with Mesh(tiny, 2) as mesh:
         spec = SpeculationSession("lookup", list(prompt), cost=mesh.coord.round_cost)
         got = await asyncio.gather(
-            _collect(mesh.coord.steps("spec", prompt, 20, SamplingParams(), speculation=spec)),
+            _collect(mesh.coord.steps("spec", prompt, 20, SamplingSpec(), speculation=spec)),
             *(mesh.run(p, 20, rid=f"p{i}") for i, p in enumerate(others)))
     assert [s.token for s in got[0]] == ref
     assert got[1:] == other_refs
@@ -73,7 +73,7 @@ async def test_a_client_hanging_up_mid_batch_frees_only_its_sequence(tiny):
         got_any = asyncio.Event()
 
         async def victim_run():  # runs until cancelled: it would take 440 tokens to end by itself
-            async for _ in mesh.coord.generate("victim", list(range(150, 210)), 440, SamplingParams()):
+            async for _ in mesh.coord.generate("victim", list(range(150, 210)), 440, SamplingSpec()):
                 got_any.set()
 
         victim = asyncio.create_task(victim_run())

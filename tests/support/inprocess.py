@@ -4,7 +4,7 @@ The pipeline, stage, cloud, outline and CUDA tests run their requests through th
 """
 
 from decoding.pipeline_local import even_split
-from decoding.sampling import SamplingParams
+from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.pipeline.coordinator import PipelineCoordinator
 from meshd.pipeline.route import Route, StageEndpoint
 from meshd.pipeline.stage_service import StageService
@@ -58,4 +58,4 @@ class Mesh:
         self.route = new
 
     async def run(self, prompt, max_tokens, sampling=SamplingParams(), rid="r1", **kw):
-        return [t async for t in self.coord.generate(rid, prompt, max_tokens, sampling, **kw)]
+        return [t async for t in self.coord.generate(rid, prompt, max_tokens, SamplingSpec(sampling), **kw)]

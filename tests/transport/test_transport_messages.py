@@ -15,6 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from decoding.penalties import Penalties
+from decoding.sampling import SamplingParams, SamplingSpec
 from transport import messages as M
 from transport.errors import ProtocolError
 from transport.messages import Envelope, decode, encode, message, registry
@@ -34,8 +36,13 @@ EXAMPLES = [
     M.StageForward(
         "req-1", 3, "kitchen/ab12/17", 128, chunk_index=2, hidden=torch.randn(64, 576),
         tree_mask=torch.tril(torch.ones(4, 4, dtype=torch.bool)),
-        temperature=0.7, top_p=0.9, seed=42, sample_step=3, capacity=512,
+        sampling=SamplingSpec(SamplingParams(temperature=0.7, top_p=0.9, seed=42)), sample_step=3, capacity=512,
         reply_to="tcp://10.0.0.1:5710", is_last_chunk=False,
+    ),
+    M.StageForward(
+        "req-3", 3, "kitchen/ab12/19", 0, token_ids=torch.arange(4), prompt_tail=[1, 2], history=[],
+        sampling=SamplingSpec(SamplingParams(0.9, 40, seed=7), Penalties(presence=0.5, repeat=1.2),
+                              {"type": "json_object"}),
     ),
     M.StageForward("req-2", 3, "kitchen/ab12/18", 0, token_ids=torch.arange(32)),
     M.TokenResult(
@@ -90,8 +97,10 @@ def test_envelope_and_keyword_forms_encode_the_same():
 
 
 def test_numpy_scalars_in_header_fields_travel_as_python_values():
-    got = decode(encode(M.StageForward("r", 1, "n/x/0", 0, temperature=np.float32(0.5), top_k=np.int64(3))))
-    assert (got.message.temperature, got.message.top_k) == (0.5, 3)
+    spec = SamplingSpec(SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3)))
+    got = decode(encode(M.StageForward("r", 1, "n/x/0", 0, sampling=spec)))
+    p = got.message.sampling.params
+    assert (p.temperature, p.top_k) == (0.5, 3) and (type(p.temperature), type(p.top_k)) == (float, int)
 
 
 def test_unregistered_objects_cannot_be_encoded():
@@ -271,8 +280,9 @@ def _assert_valid_or_protocol_error(frames):
         return
     cls = type(env.message)
     assert cls in registry().values()
+    header = M.header_values(env.message)
     for f in M._SPECS[cls].fields:
-        value = getattr(env.message, f.name)
+        value = header[f.name] if f.tensor_kind is None else getattr(env.message, f.name)
         if f.tensor_kind is None:
             assert M._coerce(value, f.hint) is not M._BAD, (f.name, value)
         else:
@@ -407,3 +417,33 @@ def test_decoder_never_crashes_on_mutated_compact_headers(which, pos, value, inn
     else:
         target.append(value)
     _assert_valid_or_protocol_error([msgpack.packb(h, use_bin_type=True)])
+
+
+_FLAT_SAMPLING = ("temperature", "top_k", "top_p", "seed", "constraint", "penalties")
+
+
+def test_a_stage_forwards_sampling_spec_travels_as_the_flat_fields_members_on_0_2_read():
+    spec = SamplingSpec(SamplingParams(0.8, 40, 0.95, 7), Penalties(presence=0.5, repeat=1.2, repeat_last_n=16),
+                        {"type": "json_object"})
+    h = msgpack.unpackb(encode(M.StageForward("r", 1, "n/x/0", 0, sampling=spec))[0], strict_map_key=False)
+    assert "sampling" not in h["fields"]
+    assert {k: h["fields"][k] for k in _FLAT_SAMPLING} == {
+        "temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7, "constraint": {"type": "json_object"},
+        "penalties": {"presence": 0.5, "frequency": 0.0, "repeat": 1.2, "repeat_last_n": 16}}
+    plain = msgpack.unpackb(encode(M.StageForward("r", 1, "n/x/0", 0))[0], strict_map_key=False)["fields"]
+    assert (plain["constraint"], plain["penalties"]) == (None, None)  # inactive penalties: None, as 0.2 sends
+    # ... and what a 0.2 member sends (the same flat fields, some left out) decodes into the spec.
+    h["fields"] = {k: v for k, v in h["fields"].items() if k not in ("constraint", "seed")}
+    got = decode([msgpack.packb(h, use_bin_type=True)]).message.sampling
+    assert got == SamplingSpec(SamplingParams(0.8, 40, 0.95), spec.penalties)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("penalties", {"presence": "lots"}), ("penalties", {"bogus": 1.0}), ("penalties", {"repeat_last_n": 1.5}),
+    ("temperature", -1.0), ("top_p", 0.0), ("top_k", -3),
+])
+def test_hostile_sampling_fields_are_refused_when_decoded(field, value):
+    h = msgpack.unpackb(encode(M.StageForward("r", 1, "n/x/0", 0))[0], strict_map_key=False)
+    h["fields"][field] = value
+    with pytest.raises(ProtocolError, match="invalid StageForward"):
+        decode([msgpack.packb(h, use_bin_type=True)])
