@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from decoding.errors import CacheFull
 from meshd.errors import USER_ERRORS, MeshdError
+from partition.ids import NodeId
 from transport.errors import TransportError
 
 __all__ = ["StageError", "HopUnreachable", "error_code", "failed_node", "names_failed_node", "ERROR_NODE_SINCE"]
@@ -26,7 +27,7 @@ class StageError(MeshdError):
 class HopUnreachable(StageError):
     """The next stage could not be sent to: that node failed, not this one."""
 
-    def __init__(self, node: str, cause: TransportError):
+    def __init__(self, node: NodeId, cause: TransportError):
         super().__init__("link", str(cause))
         self.node = node
 
@@ -43,7 +44,7 @@ def error_code(exc: BaseException) -> str:
     return "internal"
 
 
-def failed_node(exc: BaseException, own: str) -> str:
+def failed_node(exc: BaseException, own: NodeId) -> NodeId:
     """The node a failure belongs to: the unreachable next hop, else this stage."""
     return exc.node if isinstance(exc, HopUnreachable) else own
 

@@ -34,6 +34,7 @@ from typing import Any
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.selector import TokenSelector
 from meshd.log import get_logger
+from partition.ids import SeqKey
 from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.stats import StageStats
 from transport.messages import StageForward
@@ -58,7 +59,7 @@ class SeqState(enum.Enum):
 class SeqSlot:
     """One sequence held here: its state, when it was last active, and its last-stage sampling state."""
 
-    seq: str
+    seq: SeqKey
     touched: float
     state: SeqState = SeqState.PREFILLING
     stepped: float | None = None  # when it last ran a decode step or verify round here
@@ -81,12 +82,12 @@ class StageScheduler:
         self.idle_seq_timeout_s = idle_seq_timeout_s
         self._kv = None
         self._depth = 1  # stages in the plan served
-        self._slots: dict[str, SeqSlot] = {}
-        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._slots: dict[SeqKey, SeqSlot] = {}
+        self._tombstones: OrderedDict[SeqKey, None] = OrderedDict()
         # Lingering for stragglers (see linger): the last pass's duration, and how often lingering
         # caught someone lately.
         self._last_pass_s = 0.0
-        self._waiting_for: set[str] | None = None
+        self._waiting_for: set[SeqKey] | None = None
         self._linger_pays = 1.0
         self._passes = 0
 
@@ -105,10 +106,10 @@ class StageScheduler:
     def tokens_in_use(self) -> int:
         return int(self._kv.reserved_tokens) if self._kv is not None else 0
 
-    def sequences(self) -> list[str]:
+    def sequences(self) -> list[SeqKey]:
         return list(self._kv.sequences()) if self._kv is not None else []
 
-    def is_freed(self, seq: str) -> bool:
+    def is_freed(self, seq: SeqKey) -> bool:
         return seq in self._tombstones
 
     def admit(self, msg: StageForward, rows: int) -> SeqSlot:
@@ -136,7 +137,7 @@ class StageScheduler:
         if msg.is_last_chunk and rows <= MAX_CANDIDATES + 1:  # a decode step or a verify round
             slot.stepped = slot.touched
 
-    def _commit(self, seq: str, start: int, keep: list[int]) -> None:
+    def _commit(self, seq: SeqKey, start: int, keep: list[int]) -> None:
         """Keep the verified nodes written at ``start`` (in order); roll the rest back."""
         kv = self._kv
         if start + len(keep) > kv.length(seq) or start < 0 or any(not 0 <= k < kv.length(seq) - start for k in keep):
@@ -147,21 +148,21 @@ class StageScheduler:
         else:
             kv.keep(seq, start, keep)
 
-    def truncate(self, seq: str, length: int) -> None:
+    def truncate(self, seq: SeqKey, length: int) -> None:
         self._kv.truncate(seq, length)
 
-    def fork(self, parent: str, child: str, prefix_length: int) -> None:
+    def fork(self, parent: SeqKey, child: SeqKey, prefix_length: int) -> None:
         """``child`` reads ``parent``'s first ``prefix_length`` positions in place."""
         self._kv.fork(parent, child, prefix_length)
         self._slot(child)
 
-    def _slot(self, seq: str) -> SeqSlot:
+    def _slot(self, seq: SeqKey) -> SeqSlot:
         slot = self._slots.get(seq)
         if slot is None:
             slot = self._slots[seq] = SeqSlot(seq, time.monotonic())
         return slot
 
-    def free(self, seq: str, why: str) -> None:
+    def free(self, seq: SeqKey, why: str) -> None:
         """Forget ``seq`` for good (tombstoned); its cache goes now, or when the pass using it ends."""
         self._tombstones[seq] = None
         self._tombstones.move_to_end(seq)
@@ -258,14 +259,14 @@ class StageScheduler:
             self._waiting_for = missing
         return min(MAX_LINGER_S, 0.1 * self._last_pass_s)
 
-    def _recently_stepping(self) -> set[str]:
+    def _recently_stepping(self) -> set[SeqKey]:
         """Sequences decoding through this stage now (a step or verify round within the last few passes)."""
         now = time.monotonic()
         recent = max(0.05, 3 * self._last_pass_s)
         return {s.seq for s in self._slots.values()
                 if s.stepped is not None and s.state is not SeqState.FINISHED and now - s.stepped < recent}
 
-    def _steps_per_pass(self, stepping: set[str]) -> int:
+    def _steps_per_pass(self, stepping: set[SeqKey]) -> int:
         """How many decoding sequences one pass should take: enough to share the weights' reads, few
         enough that the pipeline keeps as many groups in flight as it has stages — merging two
         sequences that alternate between two stages would leave each stage idle half the time."""

@@ -39,7 +39,8 @@ from meshd.pipeline.stage.errors import HopUnreachable, StageError, error_code, 
 from meshd.pipeline.stage.sampler import StageSampler, tree_of
 from meshd.pipeline.stage.scheduler import MAX_BATCH_TOKENS, StageScheduler
 from meshd.pipeline.stage.stats import StageStats
-from meshd.pipeline.stage.worker import Work, StageWorker
+from meshd.pipeline.stage.worker import StageWorker, Work
+from partition.ids import NodeId, SeqKey
 from transport.errors import TransportError
 from transport.link import Request, StageServer
 from transport.messages import (Ack, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply, StageForward,
@@ -52,12 +53,12 @@ __all__ = ["StageService"]
 
 
 class StageService:
-    def __init__(self, node: TransportNode, node_id: str, model_source, directory: Directory,
+    def __init__(self, node: TransportNode, node_id: NodeId, model_source, directory: Directory,
                  dtype: torch.dtype | None = None, max_kv_tokens: int = 1 << 16,
                  activation_dtype: str | None = None, send_timeout_s: float = 5.0,
                  idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS,
                  device: torch.device | None = None, packed: str = "",
-                 peer_version: Callable[[str], str] | None = None):
+                 peer_version: Callable[[NodeId], str] | None = None):
         """``device``/``dtype``/``packed``: see :class:`StageWorker`; ``medusa``: see :class:`StageSampler`.
         ``peer_version``: the meshd version a member announced ("": unknown), so an error names the failed
         node only to coordinators that decode it (None: every peer runs this code)."""
@@ -152,7 +153,7 @@ class StageService:
     def kv_tokens_in_use(self) -> int:
         return self.scheduler.tokens_in_use()
 
-    def sequences(self) -> list[str]:
+    def sequences(self) -> list[SeqKey]:
         return self.scheduler.sequences()
 
     def foreign_sequences(self) -> int:
@@ -234,7 +235,7 @@ class StageService:
             await self._report(reply_to, reply)
         return reply
 
-    def _decodes_node(self, node_id: str) -> bool:
+    def _decodes_node(self, node_id: NodeId) -> bool:
         """Whether ``node_id`` accepts ``ErrorReply.node`` (a member on 0.2 refuses the whole reply)."""
         if self._peer_version is None or node_id == self.node_id:
             return True
@@ -335,7 +336,7 @@ class StageService:
         if self.route.next_after(self.index) is not None:
             await self._send_next(msg)
 
-    async def _send_next(self, msg) -> str:
+    async def _send_next(self, msg) -> NodeId:
         """Send ``msg`` to the next stage; returns its node id (``HopUnreachable`` names it when that fails)."""
         nxt = self.route.next_after(self.index)
         try:
