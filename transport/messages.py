@@ -648,18 +648,26 @@ class Ack:
     detail: str = ""
 
 
-@message
+@message(extensible=True)
 @dataclass
 class ErrorReply:
     """The receiver could not handle a message; the client raises ``RemoteError``.
 
     ``code``: "protocol" (malformed message), "handler" (the handler raised),
     "unknown_type" (no handler for that message), "stale_plan", ...
+
+    ``node``: the node that failed — the stage reporting, or the next stage it
+    could not reach — so a coordinator knows whom to suspect without reading
+    ``message``. Members on 0.2 neither send it (it decodes to "") nor accept
+    it (their ErrorReply is strict): a sender sets it only for peers that do.
+    Extensible, and fields at their default stay off the wire, so a reply
+    without a node is the one 0.2 sends.
     """
 
     code: str
     message: str
     request_id: RequestId = RequestId("")  # the generation request concerned, if any
+    node: str = ""  # the node that failed ("": not said)
 
 
 @message

@@ -571,7 +571,9 @@ class PipelineCoordinator:
             case ErrorReply() if item.code == "model_mismatch":
                 raise ModelMismatch(f"stage {item.message}")
             case ErrorReply() if item.code in RESUMABLE_CODES:
-                raise _Interrupted(f"stage failed ({item.code}): {item.message}", item.message.split(":", 1)[0])
+                # the failed node: said by the stage, or (a 0.2 stage) the "node: text" it reports
+                raise _Interrupted(f"stage failed ({item.code}): {item.message}",
+                                   item.node or item.message.split(":", 1)[0])
             case ErrorReply():
                 raise PipelineError(f"stage failed ({item.code}): {item.message}")
             case Exception():

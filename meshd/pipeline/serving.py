@@ -59,6 +59,12 @@ class DaemonDirectory:
             return "", member.public_key
         return f"tcp://{d.addresses[node_id][0]}:{port}", member.public_key
 
+    def version_of(self, node_id: str) -> str:
+        """The meshd version ``node_id`` announced in its heartbeats ("": not known)."""
+        d = self.daemon
+        peer = d.membership.peers.get(node_id) if d.membership else None
+        return str((peer.info if peer else {}).get("version") or "")
+
 
 def route_from_plan(plan: LayerAssignment, directory) -> Route:
     """The plan's stages (same ``[first, end)`` ranges) with each node's address and key."""
@@ -229,7 +235,7 @@ async def start_serving(daemon) -> ServingRole:
     from meshd.config import placement_of
     from meshd.drafting import medusa_factory
     from meshd.model_store import open_model
-    from meshd.pipeline.stage_service import StageService
+    from meshd.pipeline.stage import StageService
     from meshd.plan import DEFAULT_LINK, default_profile
 
     cfg = daemon.config
@@ -246,7 +252,8 @@ async def start_serving(daemon) -> ServingRole:
     stage = StageService(node, daemon.node_id, source, directory, dtype=placement.dtype, device=placement.device,
                          packed=placement.packed,
                          activation_dtype=None if wire == "float32" else wire,
-                         medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)))
+                         medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)),
+                         peer_version=directory.version_of)
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
     daemon.stage_port = int(address.rsplit(":", 1)[1])

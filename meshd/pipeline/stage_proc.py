@@ -41,7 +41,7 @@ def load_route(path: str):
 async def serve(args) -> int:
     from meshd.drafting import medusa_factory
     from meshd.model_store import open_model
-    from meshd.pipeline.stage_service import StageService
+    from meshd.pipeline.stage import StageService
     from transport.node import TransportNode
 
     placement = args.placement

@@ -11,7 +11,7 @@ from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError
 from meshd.pipeline.route import Route, StageEndpoint
-from meshd.pipeline.stage_service import StageService
+from meshd.pipeline.stage import StageService
 from transport.node import TransportNode
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually

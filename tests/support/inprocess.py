@@ -7,7 +7,7 @@ from decoding.pipeline_local import even_split
 from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.pipeline.coordinator import PipelineCoordinator
 from meshd.pipeline.route import Route, StageEndpoint
-from meshd.pipeline.stage_service import StageService
+from meshd.pipeline.stage import StageService
 from transport.node import TransportNode
 
 

@@ -149,7 +149,8 @@ async def test_a_mesh_with_a_gpu_stage_and_a_cpu_stage_equals_the_reference(real
 
     async with Mesh(real_source, 2) as mesh:
         gpu_svc = mesh.services[0]
-        gpu_svc.device, gpu_svc.dtype, gpu_svc.stage = GPU, torch.float32, None  # reload there on the next plan
+        worker = gpu_svc.worker
+        worker.device, worker.dtype, worker.stage = GPU, torch.float32, None  # reload there on the next plan
         new = Route(2, mesh.route.stages)
         for svc in mesh.services:
             await svc.deploy(new)

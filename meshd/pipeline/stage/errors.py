@@ -1,0 +1,62 @@
+"""What a stage's failures are called on the wire, and which node failed.
+
+Every failure a stage reports becomes one ``ErrorReply`` whose ``code`` tells
+the coordinator what to do next (replay, back off, give up) and whose ``node``
+says which device failed: the stage itself, or the next stage it could not
+reach. The coordinator suspects that device instead of parsing error text.
+"""
+
+from __future__ import annotations
+
+from decoding.errors import CacheFull
+from meshd.errors import USER_ERRORS, MeshdError
+from partition.ids import NodeId
+from transport.errors import TransportError
+
+__all__ = ["StageError", "HopUnreachable", "error_code", "failed_node", "names_failed_node", "ERROR_NODE_SINCE"]
+
+
+class StageError(MeshdError):
+    """A message this stage will not run; ``code`` travels in the ``ErrorReply``."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class HopUnreachable(StageError):
+    """The next stage could not be sent to: that node failed, not this one."""
+
+    def __init__(self, node: NodeId, cause: TransportError):
+        super().__init__("link", str(cause))
+        self.node = node
+
+
+def error_code(exc: BaseException) -> str:
+    if isinstance(exc, CacheFull):
+        return "cache_full"
+    if isinstance(exc, StageError):
+        return exc.code
+    if isinstance(exc, TransportError):
+        return "link"
+    if isinstance(exc, USER_ERRORS):  # also decoding's (a bad cache op, a context overflow)
+        return "stage"
+    return "internal"
+
+
+def failed_node(exc: BaseException, own: NodeId) -> NodeId:
+    """The node a failure belongs to: the unreachable next hop, else this stage."""
+    return exc.node if isinstance(exc, HopUnreachable) else own
+
+
+#: the first meshd whose ErrorReply carries ``node`` (0.2's refuses a field it lacks, so the whole reply)
+ERROR_NODE_SINCE = (0, 3, 0)
+
+
+def names_failed_node(version: str) -> bool:
+    """Whether a member announcing meshd ``version`` decodes ``ErrorReply.node`` ("" unknown: no)."""
+    try:
+        parts = tuple(int(x) for x in version.split("+")[0].split("."))
+    except ValueError:
+        return False
+    return parts >= ERROR_NODE_SINCE

@@ -1,0 +1,356 @@
+"""Serve this device's pipeline stage over the transport.
+
+One service per daemon, and a thin one: it receives messages, checks them
+against the plan it deployed, and hands them to the stage's three parts — the
+:class:`~meshd.pipeline.stage.scheduler.StageScheduler` (slots, the KV cache,
+batching), the :class:`~meshd.pipeline.stage.worker.StageWorker` (the forward in
+the compute thread) and the :class:`~meshd.pipeline.stage.sampler.StageSampler`
+(the last stage's tokens) — then passes the result on to the next stage or back
+to the coordinator.
+
+Messages are handled strictly in arrival order: chunk j+1 of a prompt needs
+chunk j's keys/values in the cache, and a rollback must land before the next
+forward. While the compute thread works on one pass, the next messages queue in
+ZeroMQ, and the previous result is already travelling to the next stage — that
+overlap is the intra-sequence pipeline.
+
+**One error path.** Whatever a message raises — a stale plan, a full cache, a
+malformed tensor, an unreachable next stage, a bug — the coordinator named in it
+gets an ``ErrorReply`` at once, naming the node that failed, and the sequence is
+freed (and tombstoned) here: a request that failed on one stage is dead everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Callable
+
+import torch
+
+from decoding.device import dtype_name
+from decoding.stage import StageModel
+from meshd.log import get_logger
+from meshd.pipeline.links import Directory, Links
+from meshd.pipeline.route import Route, model_mismatch
+from meshd.pipeline.seqkey import coordinator_of
+from meshd.pipeline.stage.errors import HopUnreachable, StageError, error_code, failed_node, names_failed_node
+from meshd.pipeline.stage.sampler import StageSampler, tree_of
+from meshd.pipeline.stage.scheduler import MAX_BATCH_TOKENS, StageScheduler
+from meshd.pipeline.stage.stats import StageStats
+from meshd.pipeline.stage.worker import StageWorker, Work
+from partition.ids import NodeId, SeqKey
+from transport.errors import TransportError
+from transport.link import Request, StageServer
+from transport.messages import (Ack, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply, StageForward,
+                                Truncate)
+from transport.node import TransportNode
+
+log = get_logger("meshd.stage")
+
+__all__ = ["StageService"]
+
+
+class StageService:
+    def __init__(self, node: TransportNode, node_id: NodeId, model_source, directory: Directory,
+                 dtype: torch.dtype | None = None, max_kv_tokens: int = 1 << 16,
+                 activation_dtype: str | None = None, send_timeout_s: float = 5.0,
+                 idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS,
+                 device: torch.device | None = None, packed: str = "",
+                 peer_version: Callable[[NodeId], str] | None = None):
+        """``device``/``dtype``/``packed``: see :class:`StageWorker`; ``medusa``: see :class:`StageSampler`.
+        ``peer_version``: the meshd version a member announced ("": unknown), so an error names the failed
+        node only to coordinators that decode it (None: every peer runs this code)."""
+        self.node = node
+        self.node_id = node_id
+        self.source = model_source
+        self.directory = directory
+        self.activation_dtype = activation_dtype
+        self.send_timeout_s = send_timeout_s
+        self.stats = StageStats()
+        self.scheduler = StageScheduler(self.stats, max_kv_tokens, max_batch_tokens, idle_seq_timeout_s)
+        self.worker = StageWorker(model_source, device, dtype, packed)
+        self.sampler = StageSampler(model_source, medusa)
+        self.route: Route | None = None
+        self.index: int | None = None
+        self.model_mismatch = ""  # the current plan names another model than this stage's file holds
+        self.server: StageServer | None = None
+        self.links = Links(node, directory)
+        self._peer_version = peer_version
+        self._deploy_lock = asyncio.Lock()
+        self._reaper: asyncio.Task | None = None
+
+    # -- lifecycle --------------------------------------------------------------
+    async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
+        # Frees and readiness probes overtake queued chunks: a hung-up request stops
+        # costing compute at once, and a probe is not stuck behind a long prefill.
+        batching = self.scheduler.max_batch_tokens > 1
+        self.server = await self.node.serve(self.handle, address, ordered=True,
+                                            urgent=lambda m: isinstance(m, (FreeSequence, Hello)),
+                                            batch_handler=self.handle_batch if batching else None,
+                                            batch_linger=self.scheduler.linger if batching else None)
+        self._reaper = asyncio.create_task(self.scheduler.reap_forever(), name="stage-reaper")
+        return self.server.address
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        await self.links.close()
+        if self.server is not None:
+            await self.server.close()
+        self.worker.close()
+
+    @property
+    def serving_version(self) -> int:
+        """The plan version whose layers are loaded and served here (0: none)."""
+        return self.route.plan_version if self.route is not None and self.stage is not None else 0
+
+    async def deploy(self, route: Route) -> None:
+        """Adopt a new plan: load this node's layer range (reusing weights if unchanged).
+
+        Every plan change drops all sequences: their caches were built under the
+        old partition; their coordinators replay them on the new plan.
+        """
+        async with self._deploy_lock:
+            if self.route is not None and route.plan_version <= self.route.plan_version:
+                log.info("stage_plan_ignored", plan_version=route.plan_version,
+                         serving=self.route.plan_version)
+                return
+            idx = route.index_of(self.node_id)
+            rng = route.stages[idx].layers if idx is not None else None
+            self.model_mismatch = model_mismatch(route.model, str(getattr(self.source, "identity", "") or "")) \
+                if route.model else ""
+            if self.model_mismatch and rng is not None:
+                log.warning("stage_model_mismatch", plan_version=route.plan_version, error=self.model_mismatch)
+                rng = None  # never load another model's layer range from this file
+            if rng is None:
+                self.worker.unload()
+            elif not self.worker.holds(rng, route):
+                stage = await self.worker.load(rng, route)
+                if stage.lm_head is not None:
+                    self.sampler.warm_grammar(stage)
+            self.scheduler.reset(self.worker.stage, len(route.stages))
+            self.sampler.reset()
+            self.route, self.index = route, idx
+
+    # -- what the daemon, status and tests read ----------------------------------------
+    @property
+    def stage(self) -> StageModel | None:
+        """The layers served here (None: none in the current plan, or loading)."""
+        return self.worker.stage
+
+    @property
+    def kv(self):
+        return self.scheduler.kv
+
+    @property
+    def mode(self) -> str:
+        """The numeric mode this stage computes in now."""
+        return self.worker.mode
+
+    def kv_tokens_in_use(self) -> int:
+        return self.scheduler.tokens_in_use()
+
+    def sequences(self) -> list[SeqKey]:
+        return self.scheduler.sequences()
+
+    def foreign_sequences(self) -> int:
+        """Sequences other daemons coordinate through this stage (SIGTERM drains them)."""
+        return sum(1 for s in self.sequences() if coordinator_of(s) != self.node_id)
+
+    def status(self) -> dict[str, Any]:
+        stage = self.stage
+        return {"plan_version": self.serving_version,
+                "layers": [stage.first, stage.end] if stage is not None else None,
+                "sequences": len(self.sequences()), "kv_tokens_in_use": self.kv_tokens_in_use(),
+                "kv_tokens_max": self.scheduler.max_kv_tokens, "device": str(self.worker.device),
+                "dtype": dtype_name(self.worker.dtype), "weights": self.mode,
+                **self.stats.to_dict()}
+
+    # -- message handling ------------------------------------------------------------
+    async def handle(self, msg: Any, req: Request) -> Any:
+        try:
+            match msg:
+                case Hello():  # readiness probe: which plan is loaded and serving here
+                    refused = self._refusal(msg.plan_version)
+                    return HelloReply(self.node_id, self.serving_version, "", accepted=not refused, reason=refused)
+                case StageForward():
+                    reply = (await self._forward_group([msg]))[0]  # errors are already reported (per message)
+                    if reply is not None:
+                        return reply
+                case FreeSequence():
+                    # Frees come straight from the coordinator to every stage, whatever the plan.
+                    self.scheduler.free(msg.seq_id, "freed")
+                case ForkSequence() if self.scheduler.is_freed(msg.seq_id):
+                    # freed (its request ended) while the fork was queued: creating it now would leak it
+                    self.stats.late_dropped += 1
+                    log.debug("late_fork_dropped", seq=msg.seq_id, parent=msg.parent_id)
+                case Truncate():
+                    self._check_plan(msg.plan_version)
+                    self.scheduler.truncate(msg.seq_id, msg.new_length)
+                    await self._pass_on(msg)
+                case ForkSequence():
+                    self._check_plan(msg.plan_version)
+                    self.scheduler.fork(msg.parent_id, msg.seq_id, msg.prefix_length)
+                    await self._pass_on(msg)
+                case _:
+                    raise StageError("unknown_type", f"a stage does not handle {type(msg).__name__}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the one error path: report at once, free the sequence, keep serving
+            return await self._fail(msg, exc)
+        return Ack(self.serving_version)
+
+    async def handle_batch(self, msgs: list, reqs: list) -> list:
+        """Everything queued at once: forwards of different sequences share one pass (see
+        :meth:`StageScheduler.runs`); control messages run between passes, where they arrived."""
+        replies: list = [None] * len(msgs)
+        for run in self.scheduler.runs(msgs):
+            if isinstance(msgs[run[0]], StageForward):
+                for i, r in zip(run, await self._forward_group([msgs[i] for i in run])):
+                    replies[i] = r
+            else:
+                replies[run[0]] = await self.handle(msgs[run[0]], reqs[run[0]])
+        return [Ack(self.serving_version) if r is None else r for r in replies]
+
+    async def _fail(self, msg: Any, exc: Exception) -> ErrorReply:
+        self.stats.errors += 1
+        code = error_code(exc)
+        rid = getattr(msg, "request_id", "")
+        seq = getattr(msg, "seq_id", None)
+        text = str(exc) if code != "internal" else f"{type(exc).__name__}: {exc}"
+        failed = failed_node(exc, self.node_id)
+        log.warning("stage_error", code=code, error=text, request_id=rid, seq=seq, failed_node=failed,
+                    message_type=type(msg).__name__, exc_info=code == "internal")
+        reply_to = getattr(msg, "reply_to", "")
+        told = reply_to.partition("|")[0] if reply_to else coordinator_of(seq) if isinstance(seq, str) else ""
+        reply = ErrorReply(code, f"{self.node_id}: {text}", rid if isinstance(rid, str) else "",
+                           node=failed if self._decodes_node(told) else "")
+        if isinstance(seq, str) and seq and not isinstance(msg, ForkSequence):
+            # (a failed fork created nothing: the child's first chunk then fails as unknown, reported)
+            self.scheduler.free(seq, "failed")
+        if reply_to:
+            await self._report(reply_to, reply)
+        return reply
+
+    def _decodes_node(self, node_id: NodeId) -> bool:
+        """Whether ``node_id`` accepts ``ErrorReply.node`` (a member on 0.2 refuses the whole reply)."""
+        if self._peer_version is None or node_id == self.node_id:
+            return True
+        return names_failed_node(self._peer_version(node_id) if node_id else "")
+
+    def _refusal(self, version: int) -> str:
+        """Why this stage will never serve plan ``version`` ("": it may): the plan names another model."""
+        if self.model_mismatch and self.route is not None and version == self.route.plan_version:
+            return self.model_mismatch
+        return ""
+
+    def _check_plan(self, version: int) -> None:
+        """Work for ``version`` only, and only while this stage holds the model that plan names.
+
+        A plan version is unique in a home and names its model (``Route.model``), so this
+        check binds every message to the model it was computed for: a request of another
+        model is refused here with what each side holds, never run on the wrong weights.
+        """
+        refused = self._refusal(version)
+        if refused:
+            raise StageError("model_mismatch", refused)
+        if self.route is None or self.stage is None:
+            raise StageError("no_stage", "this device serves no stage in the current plan")
+        if version != self.route.plan_version:
+            raise StageError("stale_plan",
+                             f"message for plan {version}, this stage runs plan {self.route.plan_version}")
+
+    # -- forwards ---------------------------------------------------------------------------
+    async def _forward_group(self, msgs: list[StageForward]) -> list:
+        """One forward pass for these messages (distinct sequences); one reply per message.
+
+        A message that fails its checks fails alone (its coordinator is told,
+        its sequence freed); the others still run.
+        """
+        replies: list = [None] * len(msgs)
+        works: list[Work] = []
+        for i, msg in enumerate(msgs):
+            try:
+                w = self._prepare(msg)
+            except Exception as exc:  # noqa: BLE001 - the one error path, per message
+                replies[i] = await self._fail(msg, exc)
+                continue
+            if w is not None:
+                w.index = i
+                works.append(w)
+        if not works:
+            return replies
+        stage, kv = self.stage, self.kv
+        slots = [w.slot for w in works]
+        self.scheduler.begin_pass(slots)
+        t = time.perf_counter()
+        try:
+            outcomes = await self.worker.run(stage, kv, works, self.sampler.answer)
+        finally:
+            self.scheduler.end_pass(slots)
+        self.scheduler.count_pass(len(works), time.perf_counter() - t)
+        for w, (out, exc) in zip(works, outcomes):
+            msg = w.msg
+            if exc is not None:
+                replies[w.index] = await self._fail(msg, exc)
+                continue
+            self.stats.tokens += w.rows
+            if self.scheduler.is_freed(msg.seq_id):  # freed while computing: do not pass stale work on
+                continue
+            try:
+                await self._finish(msg, stage, out, w.want_logits)
+            except Exception as exc:  # noqa: BLE001
+                replies[w.index] = await self._fail(msg, exc)
+        return replies
+
+    def _prepare(self, msg: StageForward) -> Work | None:
+        """Checks and cache bookkeeping before a forward (event loop; None: a late chunk, dropped)."""
+        if self.scheduler.is_freed(msg.seq_id):  # freed (hang-up, failure) while this chunk was queued upstream
+            self.stats.late_dropped += 1
+            log.debug("late_chunk_dropped", seq=msg.seq_id, offset=msg.position_offset)
+            return None
+        self._check_plan(msg.plan_version)
+        x = self.worker.input_of(msg)
+        rows = int(x.shape[0])
+        slot = self.scheduler.admit(msg, rows)
+        tree = tree_of(msg, x) if msg.verify else None
+        self.scheduler.place(slot, msg, rows)
+        return self.worker.work_for(msg, slot, x, tree)
+
+    async def _finish(self, msg: StageForward, stage: StageModel, out, want_logits: bool) -> None:
+        if not stage.is_last:
+            # Everything travels on (sampling, verify tree, commit, shaping); only the payload changes:
+            # our activations, and token ids only where the last stage needs them (a verify round).
+            nxt = dataclasses.replace(msg, hidden=out, token_ids=msg.token_ids if msg.verify else None)
+            to = await self._send_next(nxt)
+            elem = 2 if self.activation_dtype in ("float16", "bfloat16") else out.element_size()
+            self.stats.count_sent(to, out.numel() * elem)
+        elif want_logits and out is not None:
+            await self._report(msg.reply_to, out)
+
+    # -- links ----------------------------------------------------------------------------
+    async def _pass_on(self, msg) -> None:
+        if self.route.next_after(self.index) is not None:
+            await self._send_next(msg)
+
+    async def _send_next(self, msg) -> NodeId:
+        """Send ``msg`` to the next stage; returns its node id (``HopUnreachable`` names it when that fails)."""
+        nxt = self.route.next_after(self.index)
+        try:
+            peer = await self.links.to(nxt.node_id)
+            await peer.send(msg, timeout=self.send_timeout_s, activation_dtype=self.activation_dtype)
+        except TransportError as exc:
+            raise HopUnreachable(nxt.node_id, exc) from exc
+        return nxt.node_id
+
+    async def _report(self, reply_to: str, msg) -> None:
+        """Send to a coordinator; ``reply_to`` is "node_id|address" (its key comes from the directory)."""
+        node_id, _, address = reply_to.partition("|")
+        try:
+            peer = await self.links.to(node_id, address)
+            await peer.send(msg, timeout=self.send_timeout_s)
+        except (TransportError, KeyError) as exc:
+            log.warning("report_failed", to=reply_to, error=str(exc), message_type=type(msg).__name__)

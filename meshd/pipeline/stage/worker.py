@@ -1,0 +1,170 @@
+"""The stage's worker: its layers, and the one compute thread that runs them.
+
+The forward of a group of sequences is one batched pass in the compute thread;
+on the last stage the sampler turns its logits into tokens in the same hop, so
+the event loop never waits on the model. On a GPU (``device``) the weights and
+the KV cache live there; messages arrive and leave as host tensors: a
+message's input moves to the device inside the forward, and :meth:`StageWorker.run`
+moves its results back, once per message, so the event loop, the sampler and
+the transport see only host tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from decoding.device import CPU, DeviceError, default_dtype, dtype_name, resolve_weights, to_host
+from decoding.memory import release_free_memory
+from decoding.speculative.tree import DraftTree
+from decoding.stage import BatchItem, StageModel
+from meshd.log import get_logger
+from meshd.pipeline.route import Route
+from meshd.pipeline.stage.errors import StageError
+from meshd.pipeline.stage.scheduler import SeqSlot
+from transport.messages import StageForward
+
+log = get_logger("meshd.stage")
+
+__all__ = ["Work", "StageWorker"]
+
+Outcome = tuple[Any, Exception | None]  # (activations or a TokenResult, None) or (None, what failed)
+
+
+@dataclass
+class Work:
+    """One message's share of a pass."""
+
+    msg: StageForward
+    slot: SeqSlot
+    item: BatchItem
+    tree: DraftTree | None  # a verify round's token tree
+    want_logits: bool  # the last stage answers this one
+    normed: bool  # ...and needs the final hidden states too (verification, Medusa heads)
+    index: int = 0  # the message's place in its group
+
+    @property
+    def rows(self) -> int:
+        return self.item.tokens
+
+
+class StageWorker:
+    def __init__(self, source, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 packed: str = ""):
+        """``device``: where the stage computes (default the CPU); ``dtype`` None: that device's default;
+        ``packed``: the packing of this device's own numeric mode ("" dense). A plan that names a mode
+        (:attr:`Route.weights`) overrides both, so every member computes alike."""
+        self.source = source
+        self.device = CPU if device is None else torch.device(device)
+        self.dtype = dtype if dtype is not None else default_dtype(self.device)
+        self.packed = packed
+        self.own_mode = packed or dtype_name(self.dtype)
+        self.stage: StageModel | None = None
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+
+    def close(self) -> None:
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+    # -- the layers ----------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        """The numeric mode this stage computes in now."""
+        return self.packed or dtype_name(self.dtype)
+
+    def mode_for(self, route: Route) -> str:
+        """The mode a plan asks for, if this device can compute in it; else this device's own (logged)."""
+        wanted = route.weights or self.own_mode
+        try:
+            resolve_weights(wanted, self.device)
+        except DeviceError as exc:
+            log.warning("stage_mode_unavailable", wanted=wanted, using=self.own_mode, error=str(exc))
+            return self.own_mode
+        return wanted
+
+    def holds(self, layers: tuple[int, int], route: Route) -> bool:
+        """Whether the loaded layers already are ``layers`` in the mode ``route`` asks for."""
+        return (self.stage is not None and (self.stage.first, self.stage.end) == tuple(layers)
+                and self.mode_for(route) == self.mode)
+
+    async def load(self, layers: tuple[int, int], route: Route) -> StageModel:
+        """Load ``layers`` in the plan's mode, in the compute thread; nothing is served meanwhile."""
+        mode = self.mode_for(route)
+        if mode != self.mode:
+            self.dtype, self.packed = resolve_weights(mode, self.device)
+        self.stage = None  # not serving while the new range loads
+        first, end = layers
+        log.info("stage_loading", plan_version=route.plan_version, first=first, end=end, weights=self.mode)
+        t = time.perf_counter()
+        dtype, packed, device = self.dtype, self.packed, self.device
+        stage = await asyncio.get_running_loop().run_in_executor(
+            self._compute, lambda: self.source.load_stage(first, end, dtype, device, packed))
+        release_free_memory()  # what reading and repacking the tensors left behind
+        log.info("stage_loaded", first=first, end=end, seconds=round(time.perf_counter() - t, 2),
+                 weight_mb=round(stage.weight_bytes() / 1e6, 1), weights=self.mode)
+        self.stage = stage
+        return stage
+
+    def unload(self) -> None:
+        self.stage = None
+
+    # -- one pass -------------------------------------------------------------------------------
+    def input_of(self, msg: StageForward) -> torch.Tensor:
+        """The message's payload, checked against this stage: token ids first, hidden states after."""
+        stage = self.stage
+        if stage.is_first:
+            ids = msg.token_ids
+            if ids is None or ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point():
+                raise StageError("bad_input", "the first stage needs a non-empty 1-d tensor of token ids")
+            ids = ids.to(torch.long)
+            vocab = stage.config.vocab_size
+            if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+                raise StageError("bad_input", f"token ids must be in [0, {vocab})")
+            return ids
+        h = msg.hidden
+        if h is None or h.ndim != 2 or h.shape[1] != stage.config.hidden_size or h.shape[0] == 0:
+            raise StageError("bad_input", f"expected hidden states [n, {stage.config.hidden_size}]")
+        return h
+
+    def work_for(self, msg: StageForward, slot: SeqSlot, x: torch.Tensor, tree: DraftTree | None) -> Work:
+        want_logits = self.stage.is_last and msg.is_last_chunk
+        mask = tree.mask() if tree is not None else msg.tree_mask
+        normed = want_logits and (msg.verify or msg.medusa_paths > 0)
+        item = BatchItem(slot.seq, x, mask, all_logits=msg.verify, head=want_logits, return_normed=normed,
+                         attention_tail=max(0, min(int(msg.attention_tail), 64)) if want_logits else 0)
+        return Work(msg, slot, item, tree, want_logits, normed)
+
+    async def run(self, stage: StageModel, kv, works: list[Work],
+                  answer: Callable[[StageModel, Work, Any, torch.Tensor | None], Any]) -> list[Outcome]:
+        """One forward for ``works`` in the compute thread; ``answer`` turns a last-stage output into a
+        result there too (the sampler)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._compute, self._compute_group, stage, kv, works, answer)
+
+    def _compute_group(self, stage: StageModel, kv, works: list[Work], answer) -> list[Outcome]:
+        """The forward, and on the last stage sampling / acceptance / drafting, in one hop (compute thread).
+
+        Should the pass itself fail, each message is retried alone, so one
+        sequence's problem stays that sequence's.
+        """
+        probes: dict[int, torch.Tensor] = {}
+        try:
+            outs = stage.forward_batch(kv, [w.item for w in works], probes)
+            if stage.device.type != "cpu":  # results to the host here, once per message, off the event loop
+                outs = [to_host(o) for o in outs]
+        except Exception as exc:  # noqa: BLE001
+            if len(works) == 1:
+                return [(None, exc)]
+            log.warning("batch_failed_retrying_alone", sequences=len(works), error=f"{type(exc).__name__}: {exc}")
+            return [self._compute_group(stage, kv, [w], answer)[0] for w in works]
+        results: list[Outcome] = []
+        for i, (w, out) in enumerate(zip(works, outs)):
+            try:
+                results.append((answer(stage, w, out, probes.get(i)) if w.want_logits else out, None))
+            except Exception as exc:  # noqa: BLE001 - reported per message by the caller
+                results.append((None, exc))
+        return results
