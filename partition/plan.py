@@ -1,26 +1,81 @@
-"""The plan: who runs which layers, and how to chunk prompts — one vocabulary for the code base.
+"""The plan: who runs which layers, and how to chunk prompts — one type for the code base.
 
-Plain frozen dataclasses with a versioned JSON form. Layer ranges are half-open
-everywhere: a :class:`StageAssignment` runs decoder layers ``[first, end)``,
-exactly what ``ModelSource.load_stage(first, end)`` takes. ``Plan.version`` is
-the daemon's monotonic plan counter (peers ignore older plans);
-``schema_version`` is the format of this object.
+One frozen :class:`Plan` serves the offline planner (``meshd plan``, the benchmarks)
+and the daemon (versioned, with its leader and members, broadcast as
+``transport.messages.PlanUpdate``). Layer ranges are half-open everywhere: a
+:class:`StageAssignment` runs decoder layers ``[first, end)``, exactly what
+``ModelSource.load_stage(first, end)`` takes. ``Plan.version`` is the daemon's
+monotonic plan counter (peers ignore older plans); ``schema_version`` is the
+format of the JSON file form.
 
-The daemon's own plan (``meshd.plan.Plan``: version, leader, members) is made
-of the same :class:`StageAssignment` and shares :class:`LayerAssignment`.
+Two serialised forms, for two readers: the JSON file (``to_dict``, what ``meshd
+plan --out`` writes) and the wire's assignment (``to_assignment``: node id ->
+its stage row, what members of every meshd version read). Layer ranges on the
+wire go through :func:`range_to_wire` / :func:`range_from_wire` only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from partition.errors import PartitionError
 from partition.ids import NodeId, PlanVersion
 from partition.link import LinkModel
+from partition.log import get_logger
+
+log = get_logger("partition.plan")
 
 PLAN_SCHEMA_VERSION = 2  # 2: stages say "end_layer" (exclusive); 1 said "last_layer" (inclusive)
+
+# What a home plans for (the daemon's planner and every member's status agree on these)
+PLAN_SEQ_LEN = 512  # prompt length the layer split is balanced for
+PLAN_MAX_SEQ = 2048  # KV capacity every stage must fit; the cut table covers prompts up to it
+DEFAULT_LINK = "100mbit,2ms"  # a typical home Wi-Fi hop
+
+#: the wire key of a stage's half-open layer range ``[start, stop)``, since meshd 0.3
+RANGE_KEY = "layers_v2"
+
+
+def range_to_wire(start: int, stop: int) -> dict[str, Any]:
+    """The wire keys of the half-open layer range ``[start, stop)``.
+
+    ``layers_v2`` names it explicitly; ``first``/``last`` are what members on
+    meshd 0.1 and 0.2 read (their ``last`` is the exclusive end, unlike the
+    inclusive ``last_layer`` of plan files of schema 1), so a mixed home agrees.
+    """
+    return {RANGE_KEY: [start, stop], "first": start, "last": stop}
+
+
+def range_from_wire(row: dict[str, Any]) -> tuple[int, int]:
+    """``[start, stop)`` from any spelling a plan row has had, newest first.
+
+    ``layers_v2: [start, stop]``; the wire's ``first``/``last`` (exclusive, meshd
+    0.1/0.2); the file's ``first_layer``/``end_layer`` (schema 2) or
+    ``first_layer``/``last_layer`` (inclusive, schema 1). KeyError/TypeError/
+    ValueError on none of these.
+    """
+    if RANGE_KEY in row:
+        start, stop = row[RANGE_KEY]
+        return int(start), int(stop)
+    if "first" in row:
+        return int(row["first"]), int(row["last"])
+    if "end_layer" in row:
+        return int(row["first_layer"]), int(row["end_layer"])
+    return int(row["first_layer"]), int(row["last_layer"]) + 1
+
+
+def json_digest(obj: Any) -> str:
+    """A short digest of a JSON-able value (keys sorted), compared in heartbeats.
+
+    Byte-for-byte the digest meshd has always sent (``meshd.state.json_digest``):
+    members of older versions compare it with theirs.
+    """
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class PromptTooLongError(PartitionError):
@@ -80,8 +135,8 @@ class StageAssignment:
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageAssignment":
-        end = int(d["end_layer"]) if "end_layer" in d else int(d["last_layer"]) + 1  # schema 1
-        return cls(NodeId(d["device"]), int(d["first_layer"]), end, float(d.get("compute_s", 0)),
+        first, end = range_from_wire(d)
+        return cls(NodeId(d["device"]), first, end, float(d.get("compute_s", 0)),
                    float(d.get("transfer_s", 0)), int(d.get("memory_bytes", 0)),
                    int(d.get("memory_budget_bytes", 0)))
 
@@ -98,28 +153,6 @@ def check_tiling(stages: Iterable[StageAssignment], num_layers: int) -> None:
         pos = s.end
     if pos != num_layers or len({s.node_id for s in stages}) != len(stages):
         raise ValueError(f"plan does not cover {num_layers} layers once: {stages}")
-
-
-class LayerAssignment:
-    """What every plan is: ``stages`` (a tuple of :class:`StageAssignment`) over ``num_layers``."""
-
-    stages: tuple[StageAssignment, ...]
-    num_layers: int
-
-    def layers_of(self, node_id: str) -> tuple[int, int] | None:
-        """``[first, end)`` of ``node_id``'s stage, or None when it runs no layers."""
-        for s in self.stages:
-            if s.node_id == node_id:
-                return s.layers
-        return None
-
-    @property
-    def layer_ranges(self) -> list[tuple[int, int]]:
-        return [s.layers for s in self.stages]
-
-    def check(self) -> None:
-        """Stages must tile [0, num_layers) contiguously, one range per node (else ValueError)."""
-        check_tiling(self.stages, self.num_layers)
 
 
 @dataclass(frozen=True)
@@ -164,47 +197,208 @@ class CutTable:
                    tuple(tuple(int(v) for v in c) for c in d["cuts"]),
                    tuple(float(v) for v in d["latency_s"]))
 
+    def to_wire(self) -> dict[str, Any]:
+        """The compact form a plan ships in (``Plan.to_assignment``).
+
+        Messages' headers are capped at 64 KiB and the plain lists take 50 KiB and
+        more. A row's cuts barely change from one prompt length to the next, so
+        row-to-row deltas of the padded ``[count, cut...]`` matrix compress to a
+        few KiB; the latencies travel as float64, so the table arrives exact.
+        """
+        import numpy as np  # (here: the daemon's CLI imports this module at start)
+
+        n, width = len(self.cuts), max((len(c) for c in self.cuts), default=0)
+        rows = np.zeros((n, width + 1), dtype="<i4")
+        for y, c in enumerate(self.cuts):
+            rows[y, 0] = len(c)
+            rows[y, 1:1 + len(c)] = c
+        deltas = np.diff(rows, axis=0, prepend=np.zeros((1, width + 1), dtype="<i4"))
+        return {"max_seq": self.max_seq, "k_max": self.k_max, "min_chunk": self.min_chunk, "width": width,
+                "cuts": zlib.compress(deltas.astype("<i4").tobytes(), 6),
+                "latency_s": zlib.compress(np.asarray(self.latency_s, dtype="<f8").tobytes(), 6)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "CutTable":
+        """Inverse of :meth:`to_wire`; ValueError on anything that is not a valid table."""
+        import numpy as np
+
+        try:
+            max_seq, k_max, width = int(d["max_seq"]), int(d["k_max"]), int(d["width"])
+            min_chunk = int(d["min_chunk"])
+            if not (0 <= max_seq <= MAX_WIRE_SEQ and 0 <= width < k_max <= MAX_WIRE_CHUNKS):
+                raise ValueError(f"cut table of {max_seq} tokens and {k_max} chunks is out of range")
+            n = max_seq + 1
+            deltas = _inflate(d["cuts"], n * (width + 1) * 4)
+            latency = np.frombuffer(_inflate(d["latency_s"], n * 8), dtype="<f8")
+        except (KeyError, TypeError, zlib.error) as exc:
+            raise ValueError(f"malformed cut table: {exc!r}") from None
+        rows = np.cumsum(np.frombuffer(deltas, dtype="<i4").reshape(n, width + 1), axis=0)
+        cuts = []
+        for y, row in enumerate(rows.tolist()):
+            c = tuple(row[1:1 + row[0]]) if 0 <= row[0] <= width else None
+            if c is None or any(not 0 < a < b for a, b in zip(c, (*c[1:], y))):
+                raise ValueError(f"cut table row {y} is not a valid cutting of a {y}-token prompt")
+            cuts.append(c)
+        return cls(max_seq, k_max, min_chunk, tuple(cuts), tuple(latency.tolist()))
+
+
+MAX_WIRE_SEQ = 1 << 16  # bounds what a received cut table may make us allocate
+MAX_WIRE_CHUNKS = 1024
+
+
+def _inflate(data: bytes, size: int) -> bytes:
+    """``data`` decompressed, which must be exactly ``size`` bytes (never more is inflated)."""
+    inflater = zlib.decompressobj()
+    out = inflater.decompress(bytes(data), size + 1)
+    if len(out) != size or inflater.unconsumed_tail:
+        raise ValueError(f"cut table field holds {len(out)} bytes, expected {size}")
+    return out
+
 
 @dataclass(frozen=True)
-class Plan(LayerAssignment):
-    """The planner's full answer: the stages, why the bottleneck is where it is, the cut table."""
+class Plan:
+    """Who runs which layers: the stages over ``num_layers``, why, and how to chunk prompts.
 
-    model_identity: str
-    num_layers: int
+    The first fields are what every member holds (they travel in ``PlanUpdate``):
+    the version, the stages, the predicted bottleneck and the reason in words, who
+    planned it over whom, the numeric mode (``weights``) and model identity every
+    stage computes with ("": not said), and the cut table, which the leader
+    computes once so members need not. The rest is the planner's account
+    (``partition.planner.make_plan`` fills it; the wire leaves it out).
+    """
+
+    version: PlanVersion
     stages: tuple[StageAssignment, ...]
-    plan_seq_len: int
-    max_seq: int
-    link: LinkModel
-    bottleneck_stage: int  # index into stages
-    bottleneck_s: float
-    bottleneck_reason: str  # "compute" | "memory" | "link"
-    explanation: str
+    num_layers: int
+    predicted_bottleneck_s: float | None = None
+    reason: str = ""
+    leader: NodeId = NodeId("")
+    members: tuple[NodeId, ...] = ()  # the ready members it was planned over (some may get no layers)
+    weights: str = ""  # the numeric mode every stage computes in (the leader's; "": each member its own)
+    model: str = ""  # identity of the model file every stage holds (name@sha256 prefix; "": not said)
+    cut_table: CutTable | None = None
+    # -- the planner's account
+    plan_seq_len: int = 0
+    max_seq: int = 0
+    link: LinkModel | None = None
+    bottleneck_stage: int = 0  # index into stages
+    bottleneck_reason: str = ""  # "compute" | "memory" | "link"
+    explanation: str = ""
     unused_devices: tuple[NodeId, ...] = ()
     exact_search: bool = True
-    cut_table: CutTable | None = None
     planning_seconds: float = 0.0
-    version: PlanVersion = PlanVersion(0)
     schema_version: int = PLAN_SCHEMA_VERSION
     extras: dict = field(default_factory=dict)
 
+    # -- reading it
     @property
     def devices(self) -> tuple[NodeId, ...]:
         return tuple(s.node_id for s in self.stages)
 
+    def layers_of(self, node_id: str) -> tuple[int, int] | None:
+        """``[first, end)`` of ``node_id``'s stage, or None when it runs no layers."""
+        for s in self.stages:
+            if s.node_id == node_id:
+                return s.layers
+        return None
+
+    @property
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        return [s.layers for s in self.stages]
+
+    def check(self) -> None:
+        """Stages must tile [0, num_layers) contiguously, one range per node (else ValueError)."""
+        check_tiling(self.stages, self.num_layers)
+
+    def digest(self) -> str:
+        """What a stage's version check stands for: the stages and the layer count.
+
+        Heartbeats carry it beside the version, so two members holding different plans
+        under one version (two leaders of a briefly split view) are found and re-planned
+        above, instead of each serving its own plan forever. The numeric mode, the model
+        and the cut table are left out, so daemons too old to carry them agree with newer
+        ones on the digest of the same stages (the leader compares mode and model itself
+        before re-issuing a plan).
+        """
+        return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
+
+    def to_status(self) -> dict[str, Any]:
+        """The plan in ``meshd status`` (the same document on members of every version)."""
+        return {
+            "version": self.version,
+            # half-open [first, end) per stage
+            "stages": [{"node_id": s.node_id, "layers": list(s.layers)} for s in self.stages],
+            "num_layers": self.num_layers,
+            # seconds the slowest stage takes (compute + hand-off) for one prefill of
+            # PLAN_SEQ_LEN prompt tokens: the planner's objective, not a per-token time
+            "predicted_bottleneck": self.predicted_bottleneck_s,
+            "predicted_bottleneck_for_tokens": PLAN_SEQ_LEN,
+            "reason": self.reason,
+            "leader": self.leader,
+            "members": list(self.members),
+            **({"weights": self.weights} if self.weights else {}),
+            **({"model": self.model} if self.model else {}),
+        }
+
+    # -- the wire: transport.messages.PlanUpdate.assignment
+    def to_assignment(self) -> dict[str, Any]:
+        """The ``PlanUpdate.assignment`` form: node id -> its stage row.
+
+        Plan-wide fields repeat in every row (members of 0.1 and 0.2 read them from
+        any row); the cut table, the one large field, rides in the first stage's row
+        only. Readers of every version ignore row keys they do not know.
+        """
+        rows = {}
+        for i, s in enumerate(self.stages):
+            rows[s.node_id] = {
+                "stage": i, **range_to_wire(s.first, s.end), "num_layers": self.num_layers,
+                "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
+                "leader": self.leader, "members": list(self.members), "weights": self.weights,
+                "model": self.model,
+            }
+        if self.cut_table is not None and self.stages:
+            rows[self.stages[0].node_id]["cut_table"] = self.cut_table.to_wire()
+        return rows
+
+    @staticmethod
+    def from_assignment(version: int, assignment: dict[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_assignment`; ValueError on inconsistent stages.
+
+        A cut table that does not decode is dropped (logged), not the plan: members
+        can compute one themselves, as they did before leaders shipped it.
+        """
+        try:
+            rows = sorted(assignment.items(), key=lambda kv: int(kv[1]["stage"]))
+            stages = tuple(StageAssignment(NodeId(str(n)), *range_from_wire(d)) for n, d in rows)
+            any_row = rows[0][1] if rows else {}
+            num_layers = int(any_row.get("num_layers", stages[-1].end if stages else 0))
+            bottleneck = any_row.get("predicted_bottleneck_s")
+            plan = Plan(PlanVersion(int(version)), stages, num_layers,
+                        None if bottleneck is None else float(bottleneck),
+                        str(any_row.get("reason", "")), NodeId(str(any_row.get("leader", ""))),
+                        tuple(NodeId(str(m)) for m in any_row.get("members", ())),
+                        str(any_row.get("weights", "") or ""), str(any_row.get("model", "") or ""),
+                        _shipped_cut_table(int(version), [d for _, d in rows]))
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise ValueError(f"malformed plan assignment: {exc}") from None
+        plan.check()
+        return plan
+
+    # -- the file: meshd plan --out
     def to_dict(self, include_cut_table: bool = True) -> dict:
-        d = {
+        d: dict[str, Any] = {
             "schema_version": self.schema_version,
             "version": self.version,
-            "model_identity": self.model_identity,
+            "model_identity": self.model,
             "num_layers": self.num_layers,
             "stages": [s.to_dict(self.num_layers) for s in self.stages],
             "plan_seq_len": self.plan_seq_len,
             "max_seq": self.max_seq,
-            "link": self.link.to_dict(),
+            **({"link": self.link.to_dict()} if self.link is not None else {}),
             "bottleneck": {
                 "stage": self.bottleneck_stage,
-                "device": self.stages[self.bottleneck_stage].node_id,
-                "seconds": self.bottleneck_s,
+                "device": self.stages[self.bottleneck_stage].node_id if self.stages else None,
+                "seconds": self.predicted_bottleneck_s,
                 "reason": self.bottleneck_reason,
                 "explanation": self.explanation,
             },
@@ -212,6 +406,10 @@ class Plan(LayerAssignment):
             "exact_search": self.exact_search,
             "planning_seconds": self.planning_seconds,
             "extras": self.extras,
+            "reason": self.reason,
+            "leader": self.leader,
+            "members": list(self.members),
+            "weights": self.weights,
         }
         if include_cut_table and self.cut_table is not None:
             d["cut_table"] = self.cut_table.to_dict()
@@ -224,26 +422,43 @@ class Plan(LayerAssignment):
     def from_dict(cls, d: dict) -> "Plan":
         if d.get("schema_version") not in (1, PLAN_SCHEMA_VERSION):
             raise PartitionError(f"plan schema version {d.get('schema_version')!r} not supported")
-        bn = d["bottleneck"]
+        bn = d.get("bottleneck") or {}
+        seconds = bn.get("seconds")
         return cls(
-            model_identity=d["model_identity"],
-            num_layers=int(d["num_layers"]),
+            version=PlanVersion(int(d.get("version", 0))),
             stages=tuple(StageAssignment.from_dict(s) for s in d["stages"]),
-            plan_seq_len=int(d["plan_seq_len"]),
-            max_seq=int(d["max_seq"]),
-            link=LinkModel.from_dict(d["link"]),
-            bottleneck_stage=int(bn["stage"]),
-            bottleneck_s=float(bn["seconds"]),
-            bottleneck_reason=bn["reason"],
-            explanation=bn["explanation"],
+            num_layers=int(d["num_layers"]),
+            predicted_bottleneck_s=None if seconds is None else float(seconds),
+            reason=str(d.get("reason", "")),
+            leader=NodeId(str(d.get("leader", ""))),
+            members=tuple(NodeId(str(m)) for m in d.get("members", ())),
+            weights=str(d.get("weights", "")),
+            model=str(d.get("model_identity", "")),
+            cut_table=CutTable.from_dict(d["cut_table"]) if d.get("cut_table") else None,
+            plan_seq_len=int(d.get("plan_seq_len", 0)),
+            max_seq=int(d.get("max_seq", 0)),
+            link=LinkModel.from_dict(d["link"]) if d.get("link") else None,
+            bottleneck_stage=int(bn.get("stage", 0)),
+            bottleneck_reason=str(bn.get("reason", "")),
+            explanation=str(bn.get("explanation", "")),
             unused_devices=tuple(NodeId(n) for n in d.get("unused_devices", ())),
             exact_search=bool(d.get("exact_search", True)),
-            cut_table=CutTable.from_dict(d["cut_table"]) if d.get("cut_table") else None,
             planning_seconds=float(d.get("planning_seconds", 0.0)),
-            version=PlanVersion(int(d.get("version", 0))),
             extras=dict(d.get("extras") or {}),
         )
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
+
+
+def _shipped_cut_table(version: int, rows: list[dict[str, Any]]) -> CutTable | None:
+    """The cut table a plan's rows carry (None: its leader predates shipping one, or it was unreadable)."""
+    wire = next((r["cut_table"] for r in rows if isinstance(r.get("cut_table"), dict)), None)
+    if wire is None:
+        return None
+    try:
+        return CutTable.from_wire(wire)
+    except ValueError as exc:
+        log.warning("cut_table_unreadable", plan_version=version, error=str(exc))
+        return None

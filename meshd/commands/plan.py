@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_LINK = "100mbit,2ms"
+from partition.plan import DEFAULT_LINK
 
 
 def register(subparsers) -> None:
@@ -94,7 +94,7 @@ def run(args) -> int:
         print(f"unused devices: {', '.join(plan.unused_devices)} (with them prompts would not be faster)",
               file=out)
     bn = plan.stages[plan.bottleneck_stage]
-    print(f"bottleneck: stage {plan.bottleneck_stage + 1} ({bn.node_id}) {plan.bottleneck_s:.3f} s "
+    print(f"bottleneck: stage {plan.bottleneck_stage + 1} ({bn.node_id}) {plan.predicted_bottleneck_s:.3f} s "
           f"per {plan.plan_seq_len}-token prompt, {plan.bottleneck_reason}-bound: {plan.explanation}",
           file=out)
     search = "exact over device subsets and orders" if plan.exact_search else \
