@@ -30,7 +30,7 @@ from partition.ids import NodeId, PlanVersion
 from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, CutTable, Plan, StageAssignment
 
 __all__ = ["DEFAULT_LINK", "PLAN_MAX_SEQ", "PLAN_SEQ_LEN", "MemberInput", "PlanIssuer", "equal_split",
-           "plan_home", "home_cut_table", "stage_timings_over", "shipped_profiles_dir", "default_profile",
+           "plan_home", "chunks_prompts", "home_cut_table", "stage_timings_over", "shipped_profiles_dir", "default_profile",
            "prefer_mode", "model_name", "other_model_reason", "plannable_members", "not_planned"]
 
 log = get_logger("meshd.plan")
@@ -183,10 +183,16 @@ def cut_table_over(stages, profiles: dict[str, dict], num_layers: int,
     return None if timings is None else build_cut_table(timings, PLAN_MAX_SEQ)
 
 
+def chunks_prompts(plan: Plan) -> bool:
+    """Whether members cut prompts under ``plan``: it has stages to pipeline and a model to serve
+    (a control-plane-only home, model "none", serves nothing)."""
+    return len(plan.stages) > 1 and bool(plan.model)
+
+
 def home_cut_table(plan: Plan, members: list[MemberInput]) -> CutTable | None:
     """``plan``'s cut table from the members' profiles (the shipped one for a member without);
-    None for a single stage, whose prompts are never cut, or when profiles are missing."""
-    if len(plan.stages) <= 1:
+    None when it chunks no prompts, or when profiles are missing."""
+    if not chunks_prompts(plan):
         return None
     fallback = default_profile(plan.weights, plan.model)
     profiles = {m.node_id: m.profile or fallback for m in members if m.profile or fallback}
@@ -199,8 +205,8 @@ class PlanIssuer:
     The table takes seconds on a small device and the leader's event loop must keep
     beating hearts meanwhile; before, every member built the same table itself. A
     plan that needs one is held until it is built, then handed to ``send`` (which
-    adopts and broadcasts it); a newer plan issued meanwhile replaces it. Plans
-    that need no table (one stage, no profiles, or one already attached) are sent
+    adopts and broadcasts it); a newer plan issued meanwhile replaces it. A plan
+    that needs none (one stage, no model served, a table already attached) is sent
     at once.
     """
 
@@ -221,7 +227,7 @@ class PlanIssuer:
         if self._task is not None:
             self._task.cancel()
         self.pending, self._task = None, None
-        if plan.cut_table is not None or len(plan.stages) <= 1:
+        if plan.cut_table is not None or not chunks_prompts(plan):
             self.send(plan)
             return
         try:

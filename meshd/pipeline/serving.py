@@ -160,7 +160,7 @@ class ServingRole:
                 if not self._said_built_locally:
                     self._said_built_locally = True
                     log.info("cut_table_built_here", plan_version=route.plan_version, leader=plan.leader,
-                             reason="the plan carries no cut table (its leader runs meshd 0.2)")
+                             reason="the plan carries no cut table (its leader runs meshd 0.2, or could not build one)")
                 table = await asyncio.to_thread(cut_table_for, route, profiles, self.source.config.num_layers,
                                                 self.link_spec)
             if table is not None:
