@@ -242,6 +242,8 @@ class CutTable:
         return cls(max_seq, k_max, min_chunk, tuple(cuts), tuple(latency.tolist()))
 
 
+#: the most a shipped cut table may take of a message header (capped at 64 KiB by transport.wire)
+MAX_SHIPPED_TABLE_BYTES = 40 * 1024
 MAX_WIRE_SEQ = 1 << 16  # bounds what a received cut table may make us allocate
 MAX_WIRE_CHUNKS = 1024
 
@@ -357,7 +359,13 @@ class Plan:
                 "model": self.model,
             }
         if self.cut_table is not None and self.stages:
-            rows[self.stages[0].node_id]["cut_table"] = self.cut_table.to_wire()
+            wire = self.cut_table.to_wire()
+            size = len(wire["cuts"]) + len(wire["latency_s"])
+            if size <= MAX_SHIPPED_TABLE_BYTES:
+                rows[self.stages[0].node_id]["cut_table"] = wire
+            else:  # members build their own, as for a leader that ships none
+                log.warning("cut_table_not_shipped", plan_version=self.version, bytes=size,
+                            limit=MAX_SHIPPED_TABLE_BYTES)
         return rows
 
     @staticmethod

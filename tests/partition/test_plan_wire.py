@@ -77,17 +77,27 @@ def test_the_shipped_cut_table_arrives_exact_through_the_message_codec(planned):
 
 
 def test_a_cut_table_for_many_stages_still_fits_a_header():
-    """Eight stages' worst case: up to 31 cuts per prompt length, with noisy latencies."""
+    """Eight stages, up to 31 cuts per prompt length, as equal splits of every prompt: it ships."""
+    cuts = tuple(tuple(y * j // k for j in range(1, k)) for y in range(2049) for k in [max(1, min(32, y // 8))])
+    table = CutTable(2048, 32, 8, cuts, tuple(0.001 * y + 0.05 for y in range(2049)))
+    stages = tuple(Stage(f"d{i}", 4 * i, 4 * i + 4) for i in range(8))
+    rows = Plan(1, stages, 32, cut_table=table).to_assignment()
+    assert len(encode(PlanUpdate(1, rows))[0]) < DEFAULT_LIMITS.max_header_bytes
+    assert Plan.from_assignment(1, rows).cut_table == table
+
+
+def test_a_cut_table_too_large_for_a_header_is_left_out_and_the_plan_still_goes():
     import random
 
     rng = random.Random(31)
     cuts = tuple(tuple(sorted(rng.sample(range(1, y), min(31, (y - 1) // 8)))) if y > 1 else ()
                  for y in range(2049))
     table = CutTable(2048, 32, 8, cuts, tuple(rng.uniform(0, 9) for _ in range(2049)))
-    stages = tuple(Stage(f"d{i}", 4 * i, 4 * i + 4) for i in range(8))
-    frames = encode(PlanUpdate(1, Plan(1, stages, 32, cut_table=table).to_assignment()))
-    assert len(frames[0]) < DEFAULT_LIMITS.max_header_bytes
     assert CutTable.from_wire(table.to_wire()) == table
+    stages = tuple(Stage(f"d{i}", 4 * i, 4 * i + 4) for i in range(8))
+    rows = Plan(1, stages, 32, cut_table=table).to_assignment()
+    assert len(encode(PlanUpdate(1, rows))[0]) < DEFAULT_LIMITS.max_header_bytes
+    assert Plan.from_assignment(1, rows).cut_table is None  # members build their own
 
 
 @pytest.mark.parametrize("spoil", [
