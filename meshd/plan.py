@@ -136,6 +136,9 @@ def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
                    "equal split: no device profiles", leader, ids, weights, model)
     try:
         devs = _device_profiles(members, weights, model)
+        if devs is None and not shipped_profiles():
+            planned = dataclasses.replace(planned, reason="equal split: no device profiles, and none shipped "
+                                                          "with this meshd (an incomplete installation)")
         if devs is not None:
             if devs[0].num_layers != num_layers:
                 raise ValueError(f"profiles are for {devs[0].num_layers} layers, model has {num_layers}")
