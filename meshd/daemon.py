@@ -465,7 +465,7 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        self.plan_issuer.close()
+        self.plan_issuer.withdraw()
         closers = [getattr(self.engine.inner, "aclose", None) if self.engine is not None else None,
                    self.serving.aclose if self.serving is not None else None,
                    self.sharing.aclose if self.sharing is not None else None]
@@ -859,11 +859,15 @@ class Daemon:
                 # another plan holds too: re-issue it above both.
                 plan = dataclasses.replace(self.plan, version=PlanVersion(version), leader=NodeId(self.node_id))
             if plan is None:
+                self.plan_issuer.withdraw()  # the current plan serves on: one still being finished is moot
                 return
+        if self.plan_issuer.waiting_for(plan):
+            return  # decided already: it goes out once its cut table is built
+        self.plan_issuer.withdraw()  # any other decision replaces one still being finished
         cur = self.plan
         if cur is not None and cur.digest() == plan.digest() and cur.weights == plan.weights \
                 and cur.model == plan.model and cur.members == plan.members and cur.leader == self.node_id \
-                and version <= cur.version + 1 and not self.plan_conflict or self.plan_issuer.waiting_for(plan):
+                and version <= cur.version + 1 and not self.plan_conflict:
             # Same assignment, mode, model and members: keep the version, so requests running on it
             # are not failed as stale and no stage reloads anything. (A member joining that the
             # planner leaves out still makes a new plan: status lists whom a plan was made over.)

@@ -227,9 +227,7 @@ class PlanIssuer:
     def issue(self, plan: Plan, members: list[MemberInput]) -> None:
         if self.waiting_for(plan):
             return
-        if self._task is not None:
-            self._task.cancel()
-        self.pending, self._task = None, None
+        self.withdraw()
         if plan.cut_table is not None or not chunks_prompts(plan):
             self.send(plan)
             return
@@ -251,9 +249,13 @@ class PlanIssuer:
         if self.pending is not plan:
             return  # a newer plan replaced it meanwhile
         self.pending, self._task = None, None
-        self.send(dataclasses.replace(plan, cut_table=table) if table is not None else plan)
+        try:
+            self.send(dataclasses.replace(plan, cut_table=table) if table is not None else plan)
+        except Exception:  # noqa: BLE001 - the next re-plan tries again; the task must not die unread
+            log.exception("plan_send_failed", plan_version=plan.version)
 
-    def close(self) -> None:
+    def withdraw(self) -> None:
+        """Drop the plan being finished, if any (its thread runs out; its result is not sent)."""
         if self._task is not None:
             self._task.cancel()
         self.pending, self._task = None, None
