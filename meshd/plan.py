@@ -27,7 +27,8 @@ from typing import Any
 from meshd.log import get_logger
 from meshd.state import profile_model, read_profiles
 from partition.ids import NodeId, PlanVersion
-from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, CutTable, Plan, StageAssignment
+from partition.cuttable import CutTable
+from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, Plan, StageAssignment
 
 __all__ = ["DEFAULT_LINK", "PLAN_MAX_SEQ", "PLAN_SEQ_LEN", "MemberInput", "PlanIssuer", "equal_split",
            "plan_home", "chunks_prompts", "home_cut_table", "stage_timings_over", "shipped_profiles_dir", "default_profile",

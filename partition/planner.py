@@ -13,7 +13,8 @@ import numpy as np
 from partition.layers import check_same_model
 from partition.link import LinkModel
 from partition.ids import NodeId, PlanVersion
-from partition.plan import CutTable, Plan, StageAssignment
+from partition.cuttable import CutTable
+from partition.plan import Plan, StageAssignment
 from partition.profile import DeviceProfile
 from partition.sequence import StageTiming, build_cut_table, flow_shop_latency, pipeline_timings
 from partition.stagecount import plan_layers

@@ -10,7 +10,8 @@ import pytest
 
 from meshd import plan as plan_mod
 from meshd.plan import MemberInput, PlanIssuer
-from partition.plan import CutTable, Plan, StageAssignment as Stage
+from partition.cuttable import CutTable
+from partition.plan import Plan, StageAssignment as Stage
 
 TABLE = CutTable(1, 2, 1, ((), ()), (0.0, 0.1))
 MEMBERS = [MemberInput("a", 4000), MemberInput("b", 4000)]

@@ -10,9 +10,8 @@ import pytest
 
 from meshd.state import json_digest as meshd_json_digest
 from partition.link import parse_link
-from partition.plan import (
-    RANGE_KEY, CutTable, Plan, StageAssignment as Stage, range_from_wire, range_to_wire,
-)
+from partition.cuttable import CutTable
+from partition.plan import RANGE_KEY, Plan, StageAssignment as Stage, range_from_wire, range_to_wire
 from partition.planner import make_plan
 from partition.synthetic import synthetic_profile
 from transport.messages import PlanUpdate, decode, encode
