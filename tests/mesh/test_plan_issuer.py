@@ -22,18 +22,25 @@ def two_stage(version: int, split: int = 15, model: str = "m@1") -> Plan:
                 model=model)
 
 
-@pytest.fixture
-def slow_table(monkeypatch):
-    """The table build, held in its thread until the test lets it finish."""
-    release, started = threading.Event(), threading.Event()
+class SlowTable:
+    """The table build, held in its thread until the test releases it; counts the builds done."""
 
-    def build(plan, members):
-        started.set()
-        assert release.wait(30)
+    def __init__(self):
+        self.release, self.started = threading.Event(), threading.Event()
+        self.done = 0
+
+    def __call__(self, plan, members):
+        self.started.set()
+        assert self.release.wait(30)
+        self.done += 1
         return TABLE
 
-    monkeypatch.setattr(plan_mod, "home_cut_table", build)
-    return release, started
+
+@pytest.fixture
+def slow_table(monkeypatch) -> SlowTable:
+    table = SlowTable()
+    monkeypatch.setattr(plan_mod, "home_cut_table", table)
+    return table
 
 
 async def wait_until(predicate, timeout_s: float = 30.0) -> None:
@@ -43,44 +50,43 @@ async def wait_until(predicate, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_plan_goes_out_once_its_table_is_built_and_the_loop_runs_meanwhile(slow_table):
-    release, started = slow_table
+async def issuing(plan: Plan, table: SlowTable) -> tuple[PlanIssuer, list[Plan]]:
+    """An issuer given ``plan``, once its table is being built."""
     sent: list[Plan] = []
     issuer = PlanIssuer(sent.append)
-    issuer.issue(two_stage(2), MEMBERS)
-    await wait_until(started.is_set)
+    issuer.issue(plan, MEMBERS)
+    await wait_until(table.started.is_set)
+    return issuer, sent
+
+
+async def test_a_plan_goes_out_once_its_table_is_built_and_the_loop_runs_meanwhile(slow_table):
+    issuer, sent = await issuing(two_stage(2), slow_table)
     for _ in range(5):
         await asyncio.sleep(0)  # the loop is free while the table is built
     assert sent == [] and issuer.waiting_for(two_stage(2)) and not issuer.waiting_for(two_stage(2, 10))
     issuer.issue(two_stage(2), MEMBERS)  # decided again: nothing new
-    release.set()
+    slow_table.release.set()
     await wait_until(lambda: sent)
     assert sent == [dataclasses.replace(two_stage(2), cut_table=TABLE)]
-    assert issuer.pending is None
+    assert issuer.pending is None and slow_table.done == 1
 
 
 async def test_a_newer_decision_replaces_one_still_being_finished(slow_table):
-    release, started = slow_table
-    sent: list[Plan] = []
-    issuer = PlanIssuer(sent.append)
-    issuer.issue(two_stage(2), MEMBERS)
-    await wait_until(started.is_set)
+    issuer, sent = await issuing(two_stage(2), slow_table)
     issuer.issue(two_stage(2, 10), MEMBERS)
-    release.set()
-    await wait_until(lambda: sent)
-    await asyncio.sleep(0.05)
+    slow_table.release.set()
+    await wait_until(lambda: slow_table.done == 2 and sent)
+    await asyncio.sleep(0)
     assert [p.stages[0].end for p in sent] == [10]
 
 
 async def test_a_withdrawn_plan_never_goes_out(slow_table):
-    release, started = slow_table
-    sent: list[Plan] = []
-    issuer = PlanIssuer(sent.append)
-    issuer.issue(two_stage(2), MEMBERS)
-    await wait_until(started.is_set)
+    issuer, sent = await issuing(two_stage(2), slow_table)
     issuer.withdraw()
-    release.set()
-    await asyncio.sleep(0.1)
+    slow_table.release.set()
+    await wait_until(lambda: slow_table.done == 1)
+    for _ in range(5):
+        await asyncio.sleep(0)
     assert sent == [] and issuer.pending is None
 
 
