@@ -50,12 +50,13 @@ from meshd.log import get_logger
 from meshd.membership import Change, Debouncer, Membership, PeerState, affects_plan
 from meshd.pairing import PairingServer
 from meshd.peerlink import PeerLink, probe_interval_for
-from meshd.plan import MemberInput, Plan, make_plan, model_name, not_planned, plannable_members
+from meshd.plan import MemberInput, PlanIssuer, model_name, not_planned, plan_home, plannable_members
 from meshd.sdnotify import Notifier
 from meshd.self_profile import describe as describe_profile
 from meshd.state import (RUNTIME_FILE, Home, Member, StateDir, atomic_write, json_digest, key_fingerprint,
                          members_digest)
 from partition.ids import NodeId, PlanVersion
+from partition.plan import Plan
 from transport.errors import TransportError
 from transport.messages import Envelope, PlanUpdate
 
@@ -150,6 +151,7 @@ class Daemon:
         self.debounce = Debouncer(config.replan_debounce_s)
         self.plan: Plan | None = None
         self.replans = 0
+        self.plan_issuer = PlanIssuer(self._send_plan)  # the leader's plans leave with their cut table
         self.plan_conflict = False  # a member serves another plan under our version: re-plan above it
         self._unknown_fields_seen: set[tuple[str, str, tuple[str, ...]]] = set()
         self.plan_listeners: list[Callable[[Plan], Any]] = []
@@ -463,6 +465,7 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        self.plan_issuer.withdraw()
         closers = [getattr(self.engine.inner, "aclose", None) if self.engine is not None else None,
                    self.serving.aclose if self.serving is not None else None,
                    self.sharing.aclose if self.sharing is not None else None]
@@ -846,7 +849,7 @@ class Daemon:
             return
         seen = [int(m.peers[n].info.get("plan_version", 0)) for n in all_ready if n in m.peers]
         version = max([self.plan.version if self.plan else 0, *seen]) + 1
-        plan_over = lambda ids: make_plan(version, self.node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
+        plan_over = lambda ids: plan_home(version, self.node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
                                           self.weights_mode, model)
         plan = plan_over(ready)
         if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
@@ -856,7 +859,11 @@ class Daemon:
                 # another plan holds too: re-issue it above both.
                 plan = dataclasses.replace(self.plan, version=PlanVersion(version), leader=NodeId(self.node_id))
             if plan is None:
+                self.plan_issuer.withdraw()  # the current plan serves on: one still being finished is moot
                 return
+        if self.plan_issuer.waiting_for(plan):
+            return  # decided already: it goes out once its cut table is built
+        self.plan_issuer.withdraw()  # any other decision replaces one still being finished
         cur = self.plan
         if cur is not None and cur.digest() == plan.digest() and cur.weights == plan.weights \
                 and cur.model == plan.model and cur.members == plan.members and cur.leader == self.node_id \
@@ -869,9 +876,16 @@ class Daemon:
         self.replans += 1
         log.info("replan", version=version, members=ready, model=model, reason=plan.reason,
                  stages=[[s.node_id, s.first, s.end] for s in plan.stages])
+        self.plan_issuer.issue(plan, self._plan_inputs(list(plan.members)))
+
+    def _send_plan(self, plan: Plan) -> None:
+        """Adopt and broadcast a plan this leader decided, unless a newer one came first meanwhile."""
+        if self.membership.leader() != self.node_id or (self.plan is not None and plan.version <= self.plan.version):
+            self.debounce.poke(self.clock())
+            return
         self._adopt(plan)
         self.link.broadcast(PlanUpdate(plan.version, plan.to_assignment()),
-                            [n for n in all_ready if n != self.node_id])
+                            [n for n in self.membership.ready_ids() if n != self.node_id])
 
     def _plan_inputs(self, ids: list[str]) -> list[MemberInput]:
         m = self.membership

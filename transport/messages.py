@@ -673,7 +673,15 @@ class ErrorReply:
 @message
 @dataclass
 class PlanUpdate:
-    """A new partition plan: ``assignment`` maps node id -> its stage description."""
+    """A new partition plan: ``assignment`` maps node id -> its stage row.
+
+    ``partition.plan.Plan.to_assignment`` writes it and ``from_assignment`` reads it:
+    the half-open layer range as ``layers_v2: [start, stop]`` beside ``first``/``last``
+    (``last`` exclusive: what members on 0.1 and 0.2 read), the plan-wide fields in every
+    row, and the leader's cut table (compact) in the first stage's row only. New keys go
+    inside rows, never beside them: this message is strict, and older members refuse
+    fields they do not know.
+    """
 
     plan_version: int
     assignment: dict[str, Any]

@@ -20,7 +20,8 @@ from meshd.log import get_logger
 from meshd.pipeline.coordinator import PipelineCoordinator
 from meshd.pipeline.engine import UNCUT_PROMPT, aligned_cuts, default_cuts
 from meshd.pipeline.route import Route, model_mismatch
-from partition.plan import LayerAssignment
+from meshd.plan import cut_table_over, stage_timings_over
+from partition.plan import Plan
 
 log = get_logger("meshd.serving")
 
@@ -66,7 +67,7 @@ class DaemonDirectory:
         return str((peer.info if peer else {}).get("version") or "")
 
 
-def route_from_plan(plan: LayerAssignment, directory) -> Route:
+def route_from_plan(plan: Plan, directory) -> Route:
     """The plan's stages (same ``[first, end)`` ranges) with each node's address and key."""
     from meshd.pipeline.route import StageEndpoint
 
@@ -80,46 +81,20 @@ def route_from_plan(plan: LayerAssignment, directory) -> Route:
     return Route(plan.version, tuple(stages), getattr(plan, "weights", "") or "", getattr(plan, "model", "") or "")
 
 
-CUT_TABLE_MAX_SEQ = 2048
-
-
-def _route_timings(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
-    """Per-stage timing models of this route (None if a member's profile is missing or for another model)."""
-    from partition.link import parse_link
-    from partition.plan import StageAssignment
-    from partition.planner import stage_timings
-    from partition.profile import DeviceProfile
-
-    devs = {}
-    for s in route.stages:
-        data = profiles.get(s.node_id)
-        if data is None:
-            return None
-        p = DeviceProfile.from_dict(data)
-        if p.num_layers != num_layers:
-            return None
-        devs[s.node_id] = p
-    stages = tuple(StageAssignment(s.node_id, s.first, s.end) for s in route.stages)
-    return stage_timings(stages, devs, parse_link(link_spec))
-
-
 def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
     """The sequence partitioner's cut table for this route's stages (None if profiles are missing).
 
-    Pure: device profiles (plain dicts, as members share them) + layer ranges + link →
-    ``partition.plan.CutTable``; a lookup then gives a prompt's cut points in O(1).
+    Members build it only for a plan that arrives without one (its leader runs meshd 0.2);
+    the same recipe as the leader's (``meshd.plan.cut_table_over``), so both cut alike.
     """
-    from partition.sequence import build_cut_table
-
-    timings = _route_timings(route, profiles, num_layers, link_spec)
-    return None if timings is None else build_cut_table(timings, CUT_TABLE_MAX_SEQ)
+    return cut_table_over(route.stages, profiles, num_layers, link_spec)
 
 
 def verify_cost_slope(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str) -> float | None:
     """The profiles' estimate of what an extra token in a speculative verify round costs on this route."""
     from partition.sequence import round_cost_slope
 
-    timings = _route_timings(route, profiles, num_layers, link_spec)
+    timings = stage_timings_over(route.stages, profiles, num_layers, link_spec)
     return None if timings is None else round_cost_slope(timings)
 
 
@@ -146,6 +121,7 @@ class ServingRole:
         self._adopt_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.cut_table_errors = 0
+        self._said_built_locally = False  # "this plan carries no cut table" is said once
         self.warm = asyncio.Event()  # set once a plan has served a warm-up request end to end
         self.warm_version = 0
         self.model_mismatch = ""  # why this device cannot serve the current plan's model ("": it can)
@@ -169,19 +145,8 @@ class ServingRole:
             # Requests running on the old plan pause now (they replay on this one once it
             # serves), rather than keep a vanished device's stage in their path.
             self.coordinator.set_route(None)
-            if self.profiles_for is not None and len(route.stages) > 1:
-                try:
-                    table = await asyncio.to_thread(cut_table_for, route, self.profiles_for(),
-                                                    self.source.config.num_layers, self.link_spec)
-                    if table is not None:
-                        self._cut_tables = {route.plan_version: table}
-                    slope = verify_cost_slope(route, self.profiles_for(), self.source.config.num_layers,
-                                              self.link_spec)
-                    if slope is not None:
-                        self.coordinator.round_cost.prior(slope)
-                except Exception as exc:  # planning help is optional: equal chunks still work
-                    self.cut_table_errors += 1
-                    log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
+            if len(route.stages) > 1:
+                await self._plan_cut_table(plan, route)
             try:
                 await self.stage.deploy(route)
             except Exception:  # a bad plan must not kill the daemon; the next plan may fix it
@@ -191,6 +156,28 @@ class ServingRole:
             self.coordinator.set_route(route)
         if not self.model_mismatch:  # (requests here are refused at once: nothing to warm)
             await self.warm_up(route)
+
+    async def _plan_cut_table(self, plan: Plan, route: Route) -> None:
+        """Use the cut table the leader shipped; build one here only for a plan that carries none."""
+        table = plan.cut_table
+        try:
+            profiles = self.profiles_for() if self.profiles_for is not None else None
+            if table is None and profiles is not None:
+                if not self._said_built_locally:
+                    self._said_built_locally = True
+                    log.info("cut_table_built_here", plan_version=route.plan_version, leader=plan.leader,
+                             reason="the plan carries no cut table (its leader runs meshd 0.2, or could not build one)")
+                table = await asyncio.to_thread(cut_table_for, route, profiles, self.source.config.num_layers,
+                                                self.link_spec)
+            if table is not None:
+                self._cut_tables = {route.plan_version: table}
+            slope = None if profiles is None else verify_cost_slope(
+                route, profiles, self.source.config.num_layers, self.link_spec)
+            if slope is not None:
+                self.coordinator.round_cost.prior(slope)
+        except Exception as exc:  # planning help is optional: equal chunks still work
+            self.cut_table_errors += 1
+            log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
 
     async def warm_up(self, route: Route) -> None:
         """One tiny greedy request through every stage of ``route`` (best effort)."""

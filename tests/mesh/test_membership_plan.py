@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from meshd import plan as plan_mod
-from meshd.plan import MemberInput, Plan, equal_split, make_plan
+from meshd.plan import MemberInput, equal_split, plan_home
+from partition.plan import Plan
 from partition.plan import StageAssignment as Stage
 from tests.support.logs import all_log_events
 
@@ -19,7 +20,7 @@ def test_equal_split_tiles_the_layers_in_node_id_order():
 
 def test_without_any_profile_the_plan_is_an_equal_split_and_says_so(monkeypatch):
     monkeypatch.setattr(plan_mod, "default_profile", lambda weights="", model="": None)
-    p = make_plan(3, "a", [MemberInput("a", 1000), MemberInput("b", 1000)], 30)
+    p = plan_home(3, "a", [MemberInput("a", 1000), MemberInput("b", 1000)], 30)
     assert p.stages == (Stage("a", 0, 15), Stage("b", 15, 30))
     assert p.version == 3 and p.leader == "a" and p.members == ("a", "b")
     assert p.reason.startswith("equal split")
@@ -29,7 +30,7 @@ def test_with_profiles_the_partition_planner_decides_and_predicts_the_bottleneck
     if plan_mod.default_profile() is None:
         pytest.skip("no shipped profile in profiles/")
     members = [MemberInput(n, 8000) for n in ("a", "b")]
-    p = make_plan(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
+    p = plan_home(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
     assert p.predicted_bottleneck_s and p.predicted_bottleneck_s > 0
     assert not p.reason.startswith("equal split")
     p.check()
@@ -40,7 +41,7 @@ def test_the_plan_reason_explains_its_bottleneck_in_words():
     if plan_mod.default_profile() is None:
         pytest.skip("no shipped profile in profiles/")
     members = [MemberInput(n, 8000) for n in ("a", "b")]
-    p = make_plan(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
+    p = plan_home(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
     kind, _, words = p.reason.partition(": ")
     assert kind in ("compute", "memory", "link") and "layers" in words and " s" in words
 
@@ -63,7 +64,7 @@ def test_a_member_without_a_profile_is_planned_with_the_shipped_profile_of_its_o
     mode = ours.get("dtype", "")
     assert plan_mod.default_profile(mode, "other.gguf@0123456789abcdef")["model"]["num_layers"] == 24
     assert plan_mod.default_profile(mode, ours["model"]["identity"])["device_id"] == ours["device_id"]
-    p = make_plan(1, "a", [MemberInput("a", 8000), MemberInput("b", 8000)], ours["model"]["num_layers"],
+    p = plan_home(1, "a", [MemberInput("a", 8000), MemberInput("b", 8000)], ours["model"]["num_layers"],
                   mode, ours["model"]["identity"])
     assert not p.reason.startswith("equal split"), p.reason
 
@@ -76,7 +77,7 @@ def test_a_member_that_would_slow_prompts_down_is_left_out_and_the_plan_says_why
     base = pf.DeviceProfile.from_dict(plan_mod.default_profile())
     slow = pf.scale(base, 0.3).to_dict()  # a device 3.3x slower than the others
     members = [MemberInput("a", 8000), MemberInput("b", 8000, slow)]
-    p = make_plan(1, "a", members, base.num_layers)
+    p = plan_home(1, "a", members, base.num_layers)
     assert [s.node_id for s in p.stages] == ["a"]
     assert "b left out" in p.reason and "predicted" in p.reason
     p.check()
@@ -84,7 +85,7 @@ def test_a_member_that_would_slow_prompts_down_is_left_out_and_the_plan_says_why
 
 def test_a_planner_failure_falls_back_to_an_equal_split():
     bad = {"schema": "nope"}
-    p = make_plan(1, "a", [MemberInput("a", 1000, bad), MemberInput("b", 1000, bad)], 30)
+    p = plan_home(1, "a", [MemberInput("a", 1000, bad), MemberInput("b", 1000, bad)], 30)
     assert p.reason.startswith("equal split: planner failed")
     assert [s.node_id for s in p.stages] == ["a", "b"]
 
@@ -95,7 +96,7 @@ def test_a_plan_survives_the_plan_update_message_form():
 
 
 def test_a_plan_names_the_numeric_mode_every_member_computes_in():
-    p = make_plan(3, "a", [MemberInput("a", 4000), MemberInput("b", 4000)], 30, weights="packed")
+    p = plan_home(3, "a", [MemberInput("a", 4000), MemberInput("b", 4000)], 30, weights="packed")
     assert p.weights == "packed" and p.to_status()["weights"] == "packed"
     assert Plan.from_assignment(3, p.to_assignment()).weights == "packed"
     # the digest stays that of the stages alone: daemons too old to carry a mode agree on it
