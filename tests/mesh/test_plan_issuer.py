@@ -12,6 +12,7 @@ from meshd import plan as plan_mod
 from meshd.plan import MemberInput, PlanIssuer
 from partition.cuttable import CutTable
 from partition.plan import Plan, StageAssignment as Stage
+from tests.support.waiting import eventually
 
 TABLE = CutTable(1, 2, 1, ((), ()), (0.0, 0.1))
 MEMBERS = [MemberInput("a", 4000), MemberInput("b", 4000)]
@@ -43,30 +44,23 @@ def slow_table(monkeypatch) -> SlowTable:
     return table
 
 
-async def wait_until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def issuing(plan: Plan, table: SlowTable) -> tuple[PlanIssuer, list[Plan]]:
     """An issuer given ``plan``, once its table is being built."""
     sent: list[Plan] = []
     issuer = PlanIssuer(sent.append)
     issuer.issue(plan, MEMBERS)
-    await wait_until(table.started.is_set)
+    await eventually(table.started.is_set, 30, "the table being built")
     return issuer, sent
 
 
 async def test_a_plan_goes_out_once_its_table_is_built_and_the_loop_runs_meanwhile(slow_table):
     issuer, sent = await issuing(two_stage(2), slow_table)
     for _ in range(5):
-        await asyncio.sleep(0)  # the loop is free while the table is built
+        await asyncio.sleep(0)  # sleep-ok: yields the loop, which must stay free while the table is built
     assert sent == [] and issuer.waiting_for(two_stage(2)) and not issuer.waiting_for(two_stage(2, 10))
     issuer.issue(two_stage(2), MEMBERS)  # decided again: nothing new
     slow_table.release.set()
-    await wait_until(lambda: sent)
+    await eventually(lambda: sent, 30, "the plan sent")
     assert sent == [dataclasses.replace(two_stage(2), cut_table=TABLE)]
     assert issuer.pending is None and slow_table.done == 1
 
@@ -75,8 +69,8 @@ async def test_a_newer_decision_replaces_one_still_being_finished(slow_table):
     issuer, sent = await issuing(two_stage(2), slow_table)
     issuer.issue(two_stage(2, 10), MEMBERS)
     slow_table.release.set()
-    await wait_until(lambda: slow_table.done == 2 and sent)
-    await asyncio.sleep(0)
+    await eventually(lambda: slow_table.done == 2 and sent, 30, "both tables built and one plan sent")
+    await asyncio.sleep(0)  # sleep-ok: one turn of the loop, for anything the table's completion schedules
     assert [p.stages[0].end for p in sent] == [10]
 
 
@@ -84,9 +78,9 @@ async def test_a_withdrawn_plan_never_goes_out(slow_table):
     issuer, sent = await issuing(two_stage(2), slow_table)
     issuer.withdraw()
     slow_table.release.set()
-    await wait_until(lambda: slow_table.done == 1)
+    await eventually(lambda: slow_table.done == 1, 30, "the table built")
     for _ in range(5):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # sleep-ok: one turn of the loop, for anything the table's completion schedules
     assert sent == [] and issuer.pending is None
 
 

@@ -13,7 +13,7 @@ from meshd.pipeline.serving import ServingRole, route_from_plan
 from meshd.plan import shipped_profiles_dir
 from partition.cuttable import CutTable
 from partition.plan import Plan, StageAssignment as Stage
-from tests.log_fixtures import all_log_events
+from tests.support.logs import all_log_events
 
 SHIPPED = json.loads((shipped_profiles_dir() / "x86_64-2core-1thread.json").read_text())
 STAGES = (Stage("a", 0, 15), Stage("b", 15, 30))

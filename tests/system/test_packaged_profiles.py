@@ -15,7 +15,7 @@ import pytest
 from meshd import plan as plan_mod
 from meshd.cli import main
 from meshd.plan import MemberInput, plan_home, shipped_profiles_dir
-from tests.log_fixtures import all_log_events
+from tests.support.logs import all_log_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
