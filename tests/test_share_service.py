@@ -18,6 +18,7 @@ import torch
 from decoding.loader.gguf_source import GGUFSource
 from meshd.membership import PeerState
 from meshd.share.messages import ManifestRequest, PieceRequest
+from meshd.share.deps import ShareDeps, ShareSettings, share_address
 from meshd.share.service import ShareService
 from transport.errors import RemoteError
 from transport.node import TransportNode
@@ -49,40 +50,40 @@ class Bus:
 class EvilShare(ShareService):
     """Flips one byte of every piece it lends (after its own check passed)."""
 
-    def _read_checked(self, i):
-        data = bytearray(super()._read_checked(i))
-        data[len(data) // 2] ^= 0x10
-        return bytes(data)
+    def __init__(self, deps):
+        super().__init__(deps)
+        honest = self.endpoint.read_checked
+
+        def flipped(i):
+            data = bytearray(honest(i))
+            data[len(data) // 2] ^= 0x10
+            return bytes(data)
+        self.endpoint.read_checked = flipped
 
 
 async def shell(bus: Bus, tmp_path, name: str, model=None, cls=ShareService) -> ShareService:
     node = TransportNode(name, state_dir=tmp_path / name)
     await node.start()
-    d = SimpleNamespace(
-        node_id=name, load_state="loading", clock=time.monotonic,
-        config=SimpleNamespace(heartbeat_interval_s=0.1, listen="127.0.0.1", model=model, share_rate=None,
-                               share_fetch="layers"),
-        state=SimpleNamespace(models_dir=tmp_path / name / "models"),
-        link=SimpleNamespace(node=node, broadcast=lambda msg: bus.broadcast(name, msg),
-                             send=lambda nid, msg: bus.send(name, nid, msg)),
-        membership=SimpleNamespace(state_of=lambda nid: PeerState.READY, ready_ids=lambda: sorted(bus.services)),
-        addresses=bus.addresses, members=bus.members, debounce=SimpleNamespace(poke=lambda t: None),
-    )
-    svc = cls(d)
+    deps = ShareDeps(
+        name, ShareSettings(advert_interval_s=0.1, listen="127.0.0.1", model=model),
+        tmp_path / name / "models", node, lambda msg: bus.broadcast(name, msg),
+        lambda nid, msg: bus.send(name, nid, msg), lambda: sorted(bus.services),
+        address_of=lambda nid: share_address(PeerState.READY, bus.addresses.get(nid), bus.members.get(nid)))
+    svc = cls(deps)
     await svc.start()
     bus.services[name] = svc
     bus.addresses[name] = ("127.0.0.1", 0)
     bus.members[name] = SimpleNamespace(public_key=node.public_key.decode())
     for other in bus.services.values():  # everyone admits everyone (the home's allow-list)
         for peer in bus.services.values():
-            other.d.link.node.admit(peer.d.link.node.public_key, peer.d.node_id)
+            other.deps.transport.admit(peer.deps.transport.public_key, peer.deps.node_id)
     return svc
 
 
 async def close_all(bus: Bus):
     for svc in bus.services.values():
         await svc.aclose()
-        await svc.d.link.node.close()
+        await svc.deps.transport.close()
 
 
 async def wait_until(pred, timeout=30.0, what="condition"):
@@ -116,7 +117,7 @@ async def test_a_member_without_the_model_fetches_its_layers_and_shuns_the_one_s
             source = await asyncio.wait_for(newcomer.obtain_source(), 60)
             await asyncio.wait_for(newcomer.set_target(1, 3), 60)
             assert newcomer.state == "done" and not source.missing(1, 3)
-        assert set(newcomer.banned) == {"evil"}, newcomer.status()
+        assert set(newcomer.peers.banned) == {"evil"}, newcomer.status()
         assert any(e["event"] == "share_peer_corrupt" and e["peer"] == "evil" for e in logs)
         stats = newcomer.status()
         assert stats["holds"]["layers"] == [[1, 3]] and not stats["holds"]["complete"]
@@ -125,9 +126,9 @@ async def test_a_member_without_the_model_fetches_its_layers_and_shuns_the_one_s
             assert torch.equal(a.qkv, b.qkv) and torch.equal(a.down, b.down)
         assert source.identity == GGUFSource(tiny).identity
         # the newcomer now lends what it holds to the next one, and nobody asks the evil member again
-        await wait_until(lambda: "newcomer" in honest.peers and honest.peers["newcomer"].holdings.layers,
+        await wait_until(lambda: "newcomer" in honest.peers.peers and honest.peers.peers["newcomer"].holdings.layers,
                          what="the newcomer's advert")
-        assert honest.peers["newcomer"].holdings.layers == frozenset({1, 2})
+        assert honest.peers.peers["newcomer"].holdings.layers == frozenset({1, 2})
     finally:
         await close_all(bus)
 
@@ -139,8 +140,8 @@ async def test_bad_share_requests_get_clear_refusals(tmp_path, tiny):
         asker = await shell(bus, tmp_path, "asker")
         await holder.obtain_source()
         await wait_until(lambda: holder.manifest is not None, what="the manifest")
-        peer = await asker.d.link.node.connect(f"tcp://127.0.0.1:{holder.port}",
-                                               server_key=holder.d.link.node.public_key, timeout=10)
+        peer = await asker.deps.transport.connect(f"tcp://127.0.0.1:{holder.port}",
+                                                  server_key=holder.deps.transport.public_key, timeout=10)
         sha = holder.manifest.sha256
         with pytest.raises(RemoteError, match="bad_request"):
             await peer.request(PieceRequest(sha, 10**6))
@@ -150,6 +151,6 @@ async def test_bad_share_requests_get_clear_refusals(tmp_path, tiny):
             await peer.request(PieceRequest("0" * 64, 0))
         reply = await peer.request(PieceRequest(sha, 0))  # and it keeps serving
         assert reply.index == 0 and len(reply.data) == holder.manifest.pieces[0].length
-        assert holder.served["refused"] == 3
+        assert holder.endpoint.served["refused"] == 3
     finally:
         await close_all(bus)
