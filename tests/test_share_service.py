@@ -9,42 +9,19 @@ whose adverts and targets go straight to the other services.
 from __future__ import annotations
 
 import asyncio
-import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from decoding.loader.gguf_source import GGUFSource
-from meshd.membership import PeerState
 from meshd.share.messages import ManifestRequest, PieceRequest
-from meshd.share.deps import ShareDeps, ShareSettings, share_address
 from meshd.share.service import ShareService
 from transport.errors import RemoteError
-from transport.node import TransportNode
 from tests.share_gguf import write_tiny_gguf
 from tests.log_fixtures import all_log_events
+from tests.support.share_bus import Bus, close_all, shell, wait_until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class Bus:
-    def __init__(self):
-        self.services: dict[str, ShareService] = {}
-        self.addresses: dict[str, tuple[str, int]] = {}
-        self.members: dict[str, SimpleNamespace] = {}
-
-    def broadcast(self, sender, msg):
-        for nid, svc in list(self.services.items()):
-            if nid != sender:
-                svc.on_control(sender, msg)
-        return len(self.services) - 1
-
-    def send(self, sender, nid, msg):
-        if nid in self.services:
-            self.services[nid].on_control(sender, msg)
-            return True
-        return False
 
 
 class EvilShare(ShareService):
@@ -59,38 +36,6 @@ class EvilShare(ShareService):
             data[len(data) // 2] ^= 0x10
             return bytes(data)
         self.endpoint.read_checked = flipped
-
-
-async def shell(bus: Bus, tmp_path, name: str, model=None, cls=ShareService) -> ShareService:
-    node = TransportNode(name, state_dir=tmp_path / name)
-    await node.start()
-    deps = ShareDeps(
-        name, ShareSettings(advert_interval_s=0.1, listen="127.0.0.1", model=model),
-        tmp_path / name / "models", node, lambda msg: bus.broadcast(name, msg),
-        lambda nid, msg: bus.send(name, nid, msg), lambda: sorted(bus.services),
-        address_of=lambda nid: share_address(PeerState.READY, bus.addresses.get(nid), bus.members.get(nid)))
-    svc = cls(deps)
-    await svc.start()
-    bus.services[name] = svc
-    bus.addresses[name] = ("127.0.0.1", 0)
-    bus.members[name] = SimpleNamespace(public_key=node.public_key.decode())
-    for other in bus.services.values():  # everyone admits everyone (the home's allow-list)
-        for peer in bus.services.values():
-            other.deps.transport.admit(peer.deps.transport.public_key, peer.deps.node_id)
-    return svc
-
-
-async def close_all(bus: Bus):
-    for svc in bus.services.values():
-        await svc.aclose()
-        await svc.deps.transport.close()
-
-
-async def wait_until(pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
