@@ -78,13 +78,14 @@ class OwnFetch:
             entry.set_target(self.target)
             return self._task  # every piece is coming anyway
         wanted = self.pieces_for(first, end)
-        if (first, end) == (0, num_layers) and self.target != (first, end) and not wanted <= entry.have:
+        moved = self.target != (first, end)
+        if moved and (first, end) == (0, num_layers) and not wanted <= entry.have:
             self.every_layer_fetches += 1
             log.warning("share_fetch_every_layer", asked_by=why, num_layers=num_layers,
                         reason="a plan gives this device every layer: its layer range is the whole file")
         self.target = (first, end)
         entry.set_target(self.target)
-        return self._start(wanted, self.target, replace=True)
+        return self._start(wanted, self.target, replace=moved)
 
     def apply_pending(self) -> None:
         """The header is in: start the target that arrived before it, else the one the cache recorded."""
@@ -109,7 +110,10 @@ class OwnFetch:
         asyncio.run_coroutine_threadsafe(self._ensure(first, end), self._loop).result()
 
     def _for_load(self, first: int, end: int) -> asyncio.Task | None:
-        if self.target is None or self.mode == "whole":
+        entry = self.held.entry
+        if entry is None or "@header" not in entry.held_regions():
+            return None
+        if self.target is None and self.mode != "whole":
             return self.set_target(first, end, why="a stage load")
         wanted = self.pieces_for(first, end)
         if self.running:
