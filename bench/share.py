@@ -394,12 +394,16 @@ def join_run(label: str, root: Path, holders: list[Daemon], tb, host: int, core:
 
 
 def references(model: Path) -> dict:
+    import torch
+
+    from bench._common import served_reference_stage
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
     from meshd.model_store import open_model
 
+    torch.set_num_threads(1)  # as the daemons
     src = open_model(model)
-    stage = src.load_stage(0, src.config.num_layers)
+    stage = served_reference_stage(src)  # the daemons' numeric mode (--weights auto), not float32
     tok = src.tokenizer
     return {q: generate(LocalPipeline([stage]), tok.apply_chat([{"role": "user", "content": q}]), PARITY_TOKENS,
                         eos_ids=tok.eos_ids, tokenizer=tok).text for q in PROMPTS}

@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import emit_json, machine_banner  # noqa: E402
+from bench._common import emit_json, machine_banner, served_reference_stage  # noqa: E402
 from meshd.commands.demo import FAST  # noqa: E402 - the demo's membership timings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -299,7 +299,7 @@ def references(model: str, prompts: list[str]) -> dict:
     torch.set_num_threads(1)  # as the daemons
     src = open_model(model)
     tok = src.tokenizer
-    ref = LocalPipeline([src.load_stage(0, src.config.num_layers)])
+    ref = LocalPipeline([served_reference_stage(src)])  # the daemons' numeric mode (--weights auto)
     out = {}
     for i, p in enumerate(prompts):
         for api, ids in ((CHAT, tok.apply_chat([{"role": "user", "content": p}])), (TEXT, tok.encode(p + TEXT_SUFFIX))):
