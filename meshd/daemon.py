@@ -235,9 +235,16 @@ class Daemon:
         except (zmq.ZMQError, TransportError) as exc:
             raise DaemonError(f"cannot listen on {cfg.listen}:{cfg.port} (--port): {exc}"
                               f"{_PORT_HINT if cfg.port else ''}") from None
+        from meshd.share.deps import ShareDeps, ShareSettings, share_address
         from meshd.share.service import start_sharing
 
-        self.sharing = await start_sharing(self, replan_now=self._maybe_replan)
+        self.sharing = await start_sharing(ShareDeps(
+            NodeId(self.node_id), ShareSettings.from_config(cfg), self.state.models_dir, self.link.node,
+            self.link.broadcast, self.link.send, self.membership.ready_ids,
+            address_of=lambda nid: share_address(self.membership.state_of(nid), self.addresses.get(nid),
+                                                 self.members.get(nid)),
+            model_fetching=lambda on: setattr(self, "load_state", "fetching" if on else "loading"),
+            holdings_changed=lambda: self.debounce.poke(self.clock()), replan_now=self._maybe_replan))
         self.pairing = PairingServer(self.state, self._on_admitted)
         try:
             self.pairing_port = await self._start_pairing(cfg)
