@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from decoding.errors import DrafterError
 from decoding.log import get_logger
 from decoding.medusa import MedusaHeads, build_tree, chain_tree, expected_accepted
-from decoding.stage import rms_norm
+from decoding.models.llama import rms_norm
 
 log = get_logger("medusa_train")
 

@@ -37,7 +37,8 @@ from decoding.selector import TokenSelector
 from decoding.speculative.generate import MedusaSource, speculative_generate
 from decoding.speculative.tree import DraftTree
 from decoding.speculative.verify import verify_sampled
-from decoding.stage import BatchItem, StageModel
+from decoding.batch import BatchItem
+from decoding.models import StageModel
 
 # Functions that create a tensor from nothing: without device= they make it on the CPU.
 # (``*_like`` and ``Tensor.new_*`` inherit their input's device and are not listed.)

@@ -50,7 +50,8 @@ from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.tree import DraftTree
-from decoding.stage import BatchItem, StageModel
+from decoding.batch import BatchItem
+from decoding.models import StageModel
 from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 from meshd.pipeline.links import Directory, Links
