@@ -10,22 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.imports import imported_modules
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAINING = "decoding.training"
 # The one runtime-side module allowed to import training: the command that runs it, lazily.
 ALLOWED = {Path("meshd/commands/heads.py")}
-
-
-def _imported_modules(tree: ast.AST):
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.lineno, node.module
-            if node.module == "decoding":  # from decoding import training
-                for alias in node.names:
-                    yield node.lineno, f"decoding.{alias.name}"
 
 
 def _is_training(module: str) -> bool:
@@ -40,14 +30,14 @@ def test_no_runtime_module_imports_training_code():
             if rel in ALLOWED or rel.parts[:2] == ("decoding", "training"):
                 continue
             tree = ast.parse(path.read_text(), filename=str(path))
-            offenders += [f"{rel}:{line}: import {mod}" for line, mod in _imported_modules(tree) if _is_training(mod)]
+            offenders += [f"{rel}:{line}: import {mod}" for line, mod in imported_modules(tree) if _is_training(mod)]
     assert not offenders, "runtime modules must not import training code:\n" + "\n".join(offenders)
 
 
 def test_the_heads_command_imports_training_only_inside_its_functions():
     tree = ast.parse((ROOT / "meshd/commands/heads.py").read_text())
     top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    assert not [m for n in top_level for _, m in _imported_modules(n) if _is_training(m)]
+    assert not [m for n in top_level for _, m in imported_modules(n) if _is_training(m)]
 
 
 def test_importing_the_daemon_and_its_stages_loads_no_training_module():
@@ -64,3 +54,10 @@ def test_importing_the_daemon_and_its_stages_loads_no_training_module():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_check_sees_lazy_imports_and_submodules_imported_from_their_package():
+    src = "def f():\n    from decoding import training\n    import decoding.training.medusa\n"
+    assert [m for _, m in imported_modules(ast.parse(src)) if _is_training(m)] == [
+        "decoding.training", "decoding.training.medusa"]
+    assert not [m for _, m in imported_modules(ast.parse("from decoding import medusa\n")) if _is_training(m)]
