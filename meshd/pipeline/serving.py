@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 
 from decoding.sampling import SamplingSpec
-from decoding.stage import EXACT_BLOCK
+from decoding.batch import EXACT_BLOCK
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import PipelineCoordinator
 from meshd.pipeline.engine import UNCUT_PROMPT, aligned_cuts, default_cuts
@@ -203,7 +203,7 @@ class ServingRole:
         else:
             cuts = default_cuts(prompt_len, len(route.stages))
         if (route.weights or getattr(self.stage, "mode", "")).startswith("packed"):
-            cuts = aligned_cuts(cuts, prompt_len, EXACT_BLOCK)  # a packed stage's exactness (decoding.stage)
+            cuts = aligned_cuts(cuts, prompt_len, EXACT_BLOCK)  # a packed stage's exactness (decoding.batch)
         return cuts
 
     async def aclose(self) -> None:
