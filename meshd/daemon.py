@@ -279,28 +279,18 @@ class Daemon:
 
 
 class _ShareHost:
-    """What ``meshd.share.service.ShareService`` reads and writes, without the daemon itself.
-
-    Until the sharing service takes its dependencies one by one, this names exactly the
-    ones it uses: config, state dir, control link, clock, the view's membership, members
-    and addresses, this device's node id and load state, and a re-plan poke.
-    """
+    """Exactly what ``meshd.share.service.ShareService`` reads and writes, instead of the daemon:
+    config, state dir, control link, clock, debounce, the view's membership, members and
+    addresses, this device's node id and load state (until sharing takes them one by one)."""
 
     def __init__(self, daemon: Daemon):
-        self.config, self.state, self.clock = daemon.config, daemon.state, daemon.clock
-        self._link = lambda: daemon.link
-        self._view, self._local, self.debounce = daemon.view, daemon.local, daemon.debounce
+        self.config, self.state, self.clock, self.debounce = daemon.config, daemon.state, daemon.clock, daemon.debounce
+        self._daemon, self._view, self._local = daemon, daemon.view, daemon.local
 
-    link = property(lambda self: self._link())
+    link = property(lambda self: self._daemon.link)
     membership = property(lambda self: self._view.membership)
     members = property(lambda self: self._view.members)
     addresses = property(lambda self: self._view.addresses)
     node_id = property(lambda self: self._local.node_id)
-
-    @property
-    def load_state(self) -> str:
-        return self._local.load_state
-
-    @load_state.setter
-    def load_state(self, value: str) -> None:
-        self._local.load_state = value
+    load_state = property(lambda self: self._local.load_state,
+                          lambda self, value: setattr(self._local, "load_state", value))

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.state import json_digest, profile_model, read_profiles
+from meshd.profile_files import profile_model, read_profiles
+from meshd.state import json_digest
 from partition.ids import NodeId, PlanVersion
 from partition.plan import LayerAssignment, StageAssignment
 

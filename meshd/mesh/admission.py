@@ -159,8 +159,8 @@ class Admission:
             reason, adv = s.reason, s.advert
             if reason is None and adv is not None:
                 st = self.view.state_of(adv.node_id)
-                if st is PeerState.GONE or (
-                        st in (None, PeerState.JOINING) and now - self.view.local.started_at > self.config.gone_after_s):
+                overdue = now - self.view.local.started_at > self.config.gone_after_s
+                if st is PeerState.GONE or (st in (None, PeerState.JOINING) and overdue):
                     reason = REASON_UNREACHABLE
             if reason is not None:
                 out.append({
