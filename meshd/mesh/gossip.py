@@ -75,6 +75,11 @@ class Gossip:
             control.Bye: self._on_bye,
         }
 
+    @property
+    def handled_types(self) -> frozenset[type]:
+        """The message types gossip answers itself (anything else goes to ``fallback``)."""
+        return frozenset(self._handlers)
+
     # -- in ------------------------------------------------------------------------------
     def on_message(self, public_key: str, env: Envelope) -> None:
         sender = self.view.sender_of(public_key)  # ZAP admitted it, so the allow-list may have changed
