@@ -49,6 +49,7 @@ from meshd.model_host import ModelHost
 from meshd.peerlink import PeerLink, probe_interval_for
 from meshd.sdnotify import Notifier
 from meshd.state import RUNTIME_FILE, Member, StateDir, atomic_write, key_fingerprint
+from partition.ids import NodeId
 from transport.errors import TransportError
 
 log = get_logger("meshd.daemon")
@@ -113,7 +114,7 @@ class Daemon:
         """The control plane's objects, wired to one another (no sockets yet)."""
         cfg, local = self.config, self.local
         self.state.ensure()
-        local.node_id = self.state.node_id()
+        local.node_id = NodeId(self.state.node_id())
         structlog.contextvars.bind_contextvars(node=local.node_id)
         home = self.state.home()
         if home is None:

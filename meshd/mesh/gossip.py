@@ -21,6 +21,7 @@ from meshd.mesh.local import meshd_version
 from meshd.mesh.planner import Planner
 from meshd.mesh.view import MeshView
 from meshd.state import Member, key_fingerprint, members_digest
+from partition.ids import NodeId
 from transport.messages import Envelope, PlanUpdate
 
 log = get_logger("meshd.gossip")
@@ -54,7 +55,7 @@ class Gossip:
 
     def __init__(self, view: MeshView, planner: Planner, link, cloud_sync, clock: Callable[[], float],
                  extras: Callable[[], dict[str, Any]], on_members_learned: Callable[[], None] = lambda: None,
-                 on_peer_restarted: Callable[[str], None] = lambda node_id: None):
+                 on_peer_restarted: Callable[[NodeId], None] = lambda node_id: None):
         self.view = view
         self.planner = planner
         self.link = link
@@ -63,8 +64,8 @@ class Gossip:
         self.extras = extras
         self.on_members_learned = on_members_learned
         self.on_peer_restarted = on_peer_restarted
-        self.fallback: Callable[[str, Any], bool] | None = None
-        self._unknown_fields_seen: set[tuple[str, str, tuple[str, ...]]] = set()
+        self.fallback: Callable[[NodeId, Any], bool] | None = None
+        self._unknown_fields_seen: set[tuple[NodeId, str, tuple[str, ...]]] = set()
         self._handlers: dict[type, Callable[[Any, str, float], None]] = {
             control.MeshHeartbeat: self._on_heartbeat,
             control.MemberList: lambda msg, sender, now: self.merge_members(msg.members, sender),
@@ -97,7 +98,7 @@ class Gossip:
         elif self.fallback is None or not self.fallback(sender, msg):
             log.info("message_ignored", type=type(msg).__name__, peer=sender)
 
-    def _on_heartbeat(self, msg: control.MeshHeartbeat, sender: str, now: float) -> None:
+    def _on_heartbeat(self, msg: control.MeshHeartbeat, sender: NodeId, now: float) -> None:
         info = {"name": msg.name, "memory_budget_mb": msg.memory_budget_mb,
                 "plan_version": msg.plan_version, "state": msg.state,
                 "requests_in_flight": msg.requests_in_flight, "stage_port": msg.stage_port,
@@ -116,7 +117,7 @@ class Gossip:
         if share is not None:
             self.link.send(sender, share)
 
-    def _on_peer_info(self, node_id: str, before: dict, info: dict) -> None:
+    def _on_peer_info(self, node_id: NodeId, before: dict, info: dict) -> None:
         """React to what a heartbeat changed: a restart, a new stage port, a model loaded."""
         old_inc = before.get("incarnation")
         if old_inc and old_inc != info.get("incarnation"):
@@ -126,21 +127,21 @@ class Gossip:
             self.planner.poke()  # who can be planned over changed
             self.planner.check_home_model()
 
-    def _on_profile_request(self, msg: control.ProfileRequest, sender: str, now: float) -> None:
+    def _on_profile_request(self, msg: control.ProfileRequest, sender: NodeId, now: float) -> None:
         local = self.view.local
         self.link.send(sender, control.ProfileShare(local.node_id, local.profile_digest(), local.own_profile))
 
-    def _on_profile_share(self, msg: control.ProfileShare, sender: str, now: float) -> None:
+    def _on_profile_share(self, msg: control.ProfileShare, sender: NodeId, now: float) -> None:
         if msg.profile is not None:
             self.view.profiles[sender] = msg.profile
             self.view.profile_digests[sender] = msg.digest
             self.planner.debounce.poke(now)
 
-    def _on_bye(self, msg: control.Bye, sender: str, now: float) -> None:
+    def _on_bye(self, msg: control.Bye, sender: NodeId, now: float) -> None:
         log.info("peer_said_bye", peer=sender, reason=msg.reason)
         self.apply(self.view.membership.leave(sender, now))
 
-    def _note_unknown_fields(self, sender: str, msg: Any, fields: tuple[str, ...]) -> None:
+    def _note_unknown_fields(self, sender: NodeId, msg: Any, fields: tuple[str, ...]) -> None:
         """A newer member's fields this daemon does without: said once per member and field set."""
         key = (sender, type(msg).__name__, fields)
         seen = self._unknown_fields_seen
@@ -165,7 +166,7 @@ class Gossip:
     def member_list(self) -> control.MemberList:
         return control.MemberList([m.to_json() for m in self.view.members.values()])
 
-    def merge_members(self, entries: list[dict[str, str]], sender: str) -> None:
+    def merge_members(self, entries: list[dict[str, str]], sender: NodeId) -> None:
         incoming = []
         for e in entries:
             try:
@@ -199,7 +200,7 @@ class Gossip:
             last_error=local.last_error, plan_digest=plan.digest() if plan else "", **self.extras(),
         )
 
-    def send_heartbeat(self, node_id: str | None = None) -> None:
+    def send_heartbeat(self, node_id: NodeId | None = None) -> None:
         if self.link is None:
             return
         hb = self.heartbeat()
@@ -207,6 +208,6 @@ class Gossip:
         for peer in ([node_id] if node_id is not None else list(self.link.peers)):
             self.link.send(peer, hb if self._takes_extended_heartbeats(peer) else legacy)
 
-    def _takes_extended_heartbeats(self, peer: str) -> bool:
+    def _takes_extended_heartbeats(self, peer: NodeId) -> bool:
         """Whether ``peer`` decodes heartbeat fields added since 0.1 (its heartbeats say its version)."""
         return version_tuple(str(self.view.info_of(peer).get("version") or "")) >= EXTENSIBLE_HEARTBEATS_SINCE

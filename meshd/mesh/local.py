@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshd.state import json_digest
+from partition.ids import NodeId
 
 
 def meshd_version() -> str:
@@ -25,7 +26,7 @@ class LocalMember:
     def __init__(self, name: str, memory_budget_mb: int, load_state: str,
                  clock: Callable[[], float] = time.monotonic):
         self.clock = clock
-        self.node_id = ""
+        self.node_id = NodeId("")
         self.public_key = ""
         self.name = name
         self.memory_budget_mb = memory_budget_mb

@@ -59,7 +59,7 @@ class Planner:
         self.sharing = None
         self.replans = 0
         self.conflict = False  # a member serves another plan under our version: re-plan above it
-        self.excluded: dict[str, str] = {}  # ready members the last plan left out, and why
+        self.excluded: dict[NodeId, str] = {}  # ready members the last plan left out, and why
         self.listeners: list[Callable[[Plan], Any]] = []
         self._warned_model = ""  # the home model this device was last warned it does not hold
 
@@ -118,7 +118,7 @@ class Planner:
         self.adopt(plan)
         self.link.broadcast(plan_update(plan), [n for n in all_ready if n != node_id])
 
-    def _plan_inputs(self, ids: list[str]) -> list[MemberInput]:
+    def _plan_inputs(self, ids: list[NodeId]) -> list[MemberInput]:
         inputs = []
         for nid in ids:
             budget = self.config.memory_budget_mb if nid == self.view.node_id else int(
@@ -126,7 +126,7 @@ class Planner:
             inputs.append(MemberInput(nid, budget, self.view.profile_of(nid)))
         return inputs
 
-    def _plannable(self, ready: list[str]) -> tuple[list[str], str, int, dict[str, str]]:
+    def _plannable(self, ready: list[NodeId]) -> tuple[list[NodeId], str, int, dict[NodeId, str]]:
         """The members a plan may use: model loaded, and the same model file as the home's.
 
         The home's model is the one most loaded members hold (ties: the one the current
@@ -139,13 +139,13 @@ class Planner:
             self.view.model_facts(ready), plan.model if plan is not None else "")
         return members, model, layers or self.config.plan_layers, excluded
 
-    def not_planned(self) -> dict[str, str]:
+    def not_planned(self) -> dict[NodeId, str]:
         """Why each ready member holds no layers of the current plan (on every member, not only
         the leader: ``meshd.plan.not_planned``)."""
         return not_planned(self.view.plan, self.view.model_facts(self.view.ready_ids()))
 
     # -- plans from the leader -----------------------------------------------------------
-    def on_plan_update(self, msg: PlanUpdate, sender: str) -> None:
+    def on_plan_update(self, msg: PlanUpdate, sender: NodeId) -> None:
         try:
             plan = plan_from_update(msg)
         except ValueError as exc:
@@ -160,7 +160,7 @@ class Planner:
         elif plan.version == cur.version and plan.digest() != cur.digest():
             self.on_conflict(sender, plan.version, plan.leader)
 
-    def on_peer_plan(self, sender: str, version: int, digest: str) -> None:
+    def on_peer_plan(self, sender: NodeId, version: int, digest: str) -> None:
         """A member's heartbeat names the plan it serves: send it ours if it lags, note a conflict."""
         cur = self.view.plan
         if cur is None:
@@ -170,7 +170,7 @@ class Planner:
         elif version == cur.version and digest and digest != cur.digest():
             self.on_conflict(sender, version)
 
-    def on_conflict(self, peer: str, version: int, their_leader: str = "") -> None:
+    def on_conflict(self, peer: NodeId, version: int, their_leader: str = "") -> None:
         """Two plans share one version (two members each led a view of the home for a moment).
 
         Only the leader can settle it, and its own plan may look unchanged to it, so it

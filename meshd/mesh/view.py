@@ -13,6 +13,7 @@ from meshd.discovery import Interface
 from meshd.membership import Membership, PeerState
 from meshd.mesh.local import LocalMember
 from meshd.state import Home, Member, StateDir
+from partition.ids import NodeId
 
 if TYPE_CHECKING:  # the planner (meshd.mesh.planner) is this package's one caller of meshd.plan
     from meshd.plan import Plan
@@ -26,48 +27,48 @@ class MeshView:
         self.membership = membership
         self.home = home
         self.interfaces: list[Interface] = list(interfaces or [])
-        self.members: dict[str, Member] = {}  # the home's allow-list, as the state dir holds it
-        self.by_key: dict[str, str] = {}  # public key -> node id
-        self.addresses: dict[str, tuple[str, int]] = {}  # node id -> (ip, transport port), as mDNS resolved it
-        self.profiles: dict[str, dict] = {}  # node id -> the device profile it shared
-        self.profile_digests: dict[str, str] = {}
+        self.members: dict[NodeId, Member] = {}  # the home's allow-list, as the state dir holds it
+        self.by_key: dict[str, NodeId] = {}  # public key -> node id
+        self.addresses: dict[NodeId, tuple[str, int]] = {}  # node id -> (ip, transport port), as mDNS resolved it
+        self.profiles: dict[NodeId, dict] = {}  # node id -> the device profile it shared
+        self.profile_digests: dict[NodeId, str] = {}
         self.plan: Plan | None = None  # the plan this device serves (the planner adopts it)
         self.reload_members()
 
     @property
-    def node_id(self) -> str:
+    def node_id(self) -> NodeId:
         return self.local.node_id
 
     def reload_members(self) -> None:
         self.members = self.state.members()
         self.by_key = {m.public_key: nid for nid, m in self.members.items()}
 
-    def sender_of(self, public_key: str) -> str | None:
+    def sender_of(self, public_key: str) -> NodeId | None:
         """The member a CURVE key belongs to (re-reading the allow-list once: ZAP may know it first)."""
         if public_key not in self.by_key:
             self.reload_members()
         return self.by_key.get(public_key)
 
-    def info_of(self, node_id: str) -> dict[str, Any]:
+    def info_of(self, node_id: NodeId) -> dict[str, Any]:
         """A member's facts from its latest heartbeat ({} if none heard)."""
         peer = self.membership.peers.get(node_id)
         return peer.info if peer is not None else {}
 
-    def state_of(self, node_id: str) -> PeerState | None:
+    def state_of(self, node_id: NodeId) -> PeerState | None:
         return self.membership.state_of(node_id)
 
-    def ready_ids(self) -> list[str]:
+    def ready_ids(self) -> list[NodeId]:
         return self.membership.ready_ids()
 
-    def leader(self) -> str:
+    def leader(self) -> NodeId:
         return self.membership.leader()
 
-    def profile_of(self, node_id: str) -> dict | None:
+    def profile_of(self, node_id: NodeId) -> dict | None:
         return self.local.own_profile if node_id == self.node_id else self.profiles.get(node_id)
 
-    def model_facts(self, ids: list[str]) -> dict[str, tuple[str, str, int]]:
+    def model_facts(self, ids: list[NodeId]) -> dict[NodeId, tuple[str, str, int]]:
         """Per member: (load state, model identity, layer count), from heartbeats and ourselves."""
-        facts: dict[str, tuple[str, str, int]] = {}
+        facts: dict[NodeId, tuple[str, str, int]] = {}
         for nid in ids:
             if nid == self.node_id:
                 ident, layers = self.local.model_identity()
