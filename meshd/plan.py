@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.state import profile_model, read_profiles
+from meshd.profile_files import profile_model, read_profiles
 from partition.ids import NodeId, PlanVersion
 from partition.cuttable import CutTable
 from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, Plan, StageAssignment

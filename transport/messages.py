@@ -53,8 +53,8 @@ __all__ = [
     "decode",
     "Hello",
     "HelloReply",
-    "Heartbeat",
-    "HeartbeatAck",
+    "LinkProbe",
+    "LinkProbeAck",
     "StageForward",
     "TokenResult",
     "Truncate",
@@ -483,9 +483,15 @@ class HelloReply:
     reason: str = ""
 
 
-@message
+@message(name="Heartbeat")  # its wire name since 0.1
 @dataclass
-class Heartbeat:
+class LinkProbe:
+    """A round-trip probe of one control link (answered at once with ``LinkProbeAck``).
+
+    Not the members' liveness gossip (``meshd.control.MeshHeartbeat``): it only measures
+    whether, and how fast, one link answers.
+    """
+
     node_id: str
     state: str  # e.g. "idle", "serving", "draining"
     load: float  # 0..1 share of the node's compute in use
@@ -493,9 +499,9 @@ class Heartbeat:
     timestamp: float  # sender's time.time(), for liveness and clock-skew hints
 
 
-@message
+@message(name="HeartbeatAck")  # its wire name since 0.1
 @dataclass
-class HeartbeatAck:
+class LinkProbeAck:
     node_id: str
     plan_version: int
     timestamp: float
