@@ -396,7 +396,7 @@ def join_run(label: str, root: Path, holders: list[Daemon], tb, host: int, core:
 def references(model: Path) -> dict:
     import torch
 
-    from bench._common import served_reference_stage
+    from decoding.device import served_reference_stage
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
     from meshd.model_store import open_model

@@ -46,7 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import emit_json, machine_banner, served_reference_stage  # noqa: E402
+from bench._common import emit_json, machine_banner  # noqa: E402
+from decoding.device import served_reference_stage  # noqa: E402
 from meshd.commands.demo import FAST  # noqa: E402 - the demo's membership timings
 
 ROOT = Path(__file__).resolve().parent.parent

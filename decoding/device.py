@@ -221,3 +221,16 @@ __all__ = ["CPU", "DTYPES", "PACKINGS", "WEIGHT_MODES", "WEIGHTS_CHOICES", "chec
            "DeviceError", "Placement", "check_device_spec", "check_dtype_spec", "default_dtype",
            "describe_device", "dtype_name", "is_host", "resolve_device", "resolve_devices", "resolve_dtype",
            "to_host"]
+
+
+def served_reference_stage(source):
+    """The whole model as one CPU stage in the numeric mode a daemon serves in by default (``--weights
+    auto``: packed where torch's int4 kernel works), warmed up as a daemon is before it serves (a
+    process's very first packed forward has been seen to differ in the last bits, with two torch
+    threads): the reference a mesh's greedy answers must equal, for the tests and benchmarks alike."""
+    p = Placement.resolve("cpu")
+    stage = source.load_stage(0, source.config.num_layers, p.dtype, packed=p.packed)
+    kv = stage.new_cache(64)
+    kv.create("warm-up", 8)
+    stage.forward(kv, "warm-up", torch.tensor([1, 2, 3]))
+    return stage

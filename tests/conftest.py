@@ -71,19 +71,11 @@ def real_stage(real_source):
 
 @pytest.fixture(scope="session")
 def served_stage(real_source):
-    """The whole embedded model as one stage in the numeric mode a daemon serves in by default
-    (``--weights auto``: packed on a CPU with torch's int4 kernel): the reference a mesh must equal."""
-    from decoding.device import Placement
+    """The whole embedded model as one stage in the numeric mode a daemon serves in by default: the
+    reference a mesh must equal (``decoding.device.served_reference_stage``)."""
+    from decoding.device import served_reference_stage
 
-    p = Placement.resolve("cpu")
-    stage = real_source.load_stage(0, real_source.config.num_layers, p.dtype, packed=p.packed)
-    # Like a daemon (which answers a warm-up request before it serves): a process's very first
-    # packed forward has been seen to differ from all later ones in the last bits, with two torch
-    # threads (bench/RESULTS.md, issue #30's notes); every later forward is the same.
-    kv = stage.new_cache(64)
-    kv.create("warm-up", 8)
-    stage.forward(kv, "warm-up", torch.tensor([1, 2, 3]))
-    return stage
+    return served_reference_stage(real_source)
 
 
 # ------------------------------------------------------------------ logs

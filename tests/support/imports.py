@@ -9,18 +9,28 @@ from __future__ import annotations
 import ast
 
 
-def imported_modules(tree: ast.AST):
-    """(line, module) for every import in ``tree``: ``import a.b``, ``from a.b import c`` (as ``a.b`` and
-    ``a.b.c``: c may be a submodule), and ``importlib.import_module("a.b")`` / ``__import__("a.b")``."""
+def imported_modules(tree: ast.AST, module: str = ""):
+    """(line, dotted name) of everything ``tree`` imports, lazily or not; ``module`` (the file's own dotted name,
+    a package's ending in ``.__init__``) resolves relative imports. ``from a import b`` yields
+    ``a`` and ``a.b``, since ``b`` may be a module."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.lineno, node.module
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module.split(".")[:-node.level]
+                if not parent:
+                    continue  # beyond the top package: Python refuses it anyway
+                base = ".".join(parent + ([node.module] if node.module else []))
+            if not base:
+                continue
+            yield node.lineno, base
             for alias in node.names:
-                yield node.lineno, f"{node.module}.{alias.name}"
-        elif isinstance(node, ast.Call):
+                if alias.name != "*":
+                    yield node.lineno, f"{base}.{alias.name}"
+        elif isinstance(node, ast.Call):  # importlib.import_module("meshd...") / __import__("meshd")
             fn = node.func
             name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
             if name in ("import_module", "__import__") and node.args:

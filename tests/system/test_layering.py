@@ -21,40 +21,11 @@ import sys
 
 import pytest
 
+from tests.support.imports import imported_modules
 from tests.support.repo import ROOT
 
 LOWER = ("transport", "partition", "decoding")
 FORBIDDEN = "meshd"
-
-
-def _imports(tree: ast.AST, module: str = ""):
-    """(line, dotted name) of everything ``tree`` imports; ``module`` (the file's own dotted name,
-    a package's ending in ``.__init__``) resolves relative imports. ``from a import b`` yields
-    ``a`` and ``a.b``, since ``b`` may be a module."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = module.split(".")[:-node.level]
-                if not parent:
-                    continue  # beyond the top package: Python refuses it anyway
-                base = ".".join(parent + ([node.module] if node.module else []))
-            if not base:
-                continue
-            yield node.lineno, base
-            for alias in node.names:
-                if alias.name != "*":
-                    yield node.lineno, f"{base}.{alias.name}"
-        elif isinstance(node, ast.Call):  # importlib.import_module("meshd...") / __import__("meshd")
-            fn = node.func
-            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
-            if name in ("import_module", "__import__") and node.args:
-                arg = node.args[0]
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                    yield node.lineno, arg.value
 
 
 def _module_name(path) -> str:
@@ -81,15 +52,15 @@ def test_lower_packages_never_import_meshd(package):
     for path in _sources(package):
         tree = ast.parse(path.read_text(), filename=str(path))
         offenders += [f"{path.relative_to(ROOT)}:{line}: import {mod}"
-                      for line, mod in _imports(tree) if _is_forbidden(mod)]
+                      for line, mod in imported_modules(tree) if _is_forbidden(mod)]
     assert not offenders, "lower layers must not import meshd:\n" + "\n".join(offenders)
 
 
 def test_the_check_sees_imports_inside_functions():
     src = "def f():\n    from meshd.model_store import sha256_of\n    import meshd.log as l\n"
-    assert [m for _, m in _imports(ast.parse(src)) if _is_forbidden(m)] == [
+    assert [m for _, m in imported_modules(ast.parse(src)) if _is_forbidden(m)] == [
         "meshd.model_store", "meshd.model_store.sha256_of", "meshd.log"]
-    assert not [m for _, m in _imports(ast.parse("import meshdx\nfrom transport import wire\n"))
+    assert not [m for _, m in imported_modules(ast.parse("import meshdx\nfrom transport import wire\n"))
                 if _is_forbidden(m)]
 
 
@@ -113,7 +84,7 @@ def _violations(modules, may_import, forbidden: tuple[str, ...]) -> list[str]:
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-        out += [f"{shown}:{line}: import {name}" for line, name in _imports(tree, module)
+        out += [f"{shown}:{line}: import {name}" for line, name in imported_modules(tree, module)
                 if any(_within(name, f) for f in forbidden)]
     return sorted(set(out))
 
@@ -143,11 +114,11 @@ def test_nothing_below_the_cli_imports_it():
 def test_the_check_resolves_relative_imports_and_names_imported_from_a_package():
     src = ("from . import daemon\nfrom ..pipeline.serving import x\nfrom .state import Member\n"
            "from meshd import daemon as d\n")
-    got = [m for _, m in _imports(ast.parse(src), "meshd.mesh.view")]
+    got = [m for _, m in imported_modules(ast.parse(src), "meshd.mesh.view")]
     assert got == ["meshd.mesh", "meshd.mesh.daemon", "meshd.pipeline.serving", "meshd.pipeline.serving.x",
                    "meshd.mesh.state", "meshd.mesh.state.Member", "meshd", "meshd.daemon"]
     # a package's __init__ is its own package's member: "from . import x" is a sibling of its modules
-    assert [m for _, m in _imports(ast.parse("from . import daemon\n"), "meshd.__init__")] == [
+    assert [m for _, m in imported_modules(ast.parse("from . import daemon\n"), "meshd.__init__")] == [
         "meshd", "meshd.daemon"]
 
 
