@@ -189,7 +189,7 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
     from decoding.constrained import make_constraint, warm
     from decoding.sampling import SamplingParams, SamplingSpec
     from meshd.api import openai_schema as oa
-    from meshd.api.common import constrain_tool_calls
+    from meshd.api.generation import constrain_tool_calls
     from meshd.engine import GenerationRequest, LocalEngine
 
     engine = await LocalEngine.open(model, dtype=getattr(torch, dtype))

@@ -36,6 +36,7 @@ from decoding.tool_grammar import (
     CALL_OPENERS, FENCE_CLOSE, FENCES, HERMES_CLOSE, HERMES_OPEN, INLINE_CALL, MISTRAL_OPEN,
     could_begin_inline_call,
 )
+from meshd.api.validation import RequestError
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -49,6 +50,10 @@ class ToolError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+    def as_request_error(self) -> RequestError:
+        """The 400 a client of either dialect gets for it."""
+        return RequestError(str(self), param=self.param, code="invalid_value")
 
 
 @dataclass(frozen=True)

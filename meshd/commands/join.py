@@ -139,7 +139,7 @@ def check_can_listen(cfg) -> None:
     import errno
     import socket
 
-    from meshd.api.server import bind_error, parse_listen
+    from meshd.api.listen import bind_error, parse_listen
 
     wanted = [(cfg.listen, cfg.port, "--port"), (cfg.listen, cfg.pairing_port, "--pairing-port")]
     for spec, flag in ((cfg.api_listen, "--api-listen"), (cfg.http, "--http")):

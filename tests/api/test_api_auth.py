@@ -18,7 +18,7 @@ import pytest
 
 from meshd.api.auth import FailureLimiter
 from meshd.api.common import AUTH, LISTENING
-from meshd.api.server import ApiStartError, parse_listen
+from meshd.api.listen import ApiStartError, parse_listen
 from tests.support.api import KeyedServer
 from tests.support.api import REPLY, FakeEngine
 

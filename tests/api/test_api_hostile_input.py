@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from meshd.api.server import LISTENING, ApiLimits
+from meshd.api.common import LISTENING, ApiLimits
 from meshd.engine import EngineBusy, EngineUnavailable, GenerationFailed, NoPlan
 from tests.support.api import REPLY, FakeEngine, ServerThread
 from tests.support.logs import all_log_events

@@ -12,7 +12,9 @@ import aiohttp
 import httpx
 import pytest
 
-from meshd.api.server import LISTENING, ApiStartError, create_app, parse_listen, start_api
+from meshd.api.common import LISTENING
+from meshd.api.listen import ApiStartError, parse_listen
+from meshd.api.server import create_app, start_api
 from meshd.engine import PromptTooLong
 from tests.support.api import REPLY, STATUS, FakeEngine, ServerThread
 from tests.support.waiting import wait_until

@@ -1,7 +1,7 @@
 """Request validation by pydantic models: the edge cases where a model could differ from hand checks.
 
 The OpenAI bodies are validated by strict models (``meshd.api.openai_schema``),
-the Ollama ones by lax models (``meshd.api.ollama``); both turn the first
+the Ollama ones by lax models (``meshd.api.ollama_schema``); both turn the first
 error into the same 400 through ``meshd.api.validation``. These pin what a
 client sees: the ``param`` path, the ``code``, and a message that says what to
 send instead.
@@ -208,7 +208,7 @@ class _GrammarEngine:
 
 @pytest.mark.parametrize("choice", [None, "required", {"type": "function", "function": {"name": "f"}}])
 def test_offered_tools_whose_schema_cannot_compile_are_a_400_naming_tools(choice):
-    from meshd.api.common import constrain_tool_calls
+    from meshd.api.generation import constrain_tool_calls
 
     req = oa.parse_chat_request({"messages": HI, "tools": BAD_SCHEMA_TOOL, "tool_choice": choice})
     with pytest.raises(oa.RequestError) as info:
@@ -218,7 +218,7 @@ def test_offered_tools_whose_schema_cannot_compile_are_a_400_naming_tools(choice
 
 def test_offered_tools_put_the_answer_under_their_grammar():
     """auto: text or a call (grammar lazily on); required / named: a call from the first token."""
-    from meshd.api.common import constrain_tool_calls
+    from meshd.api.generation import constrain_tool_calls
 
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in "gh"]
 

@@ -37,7 +37,8 @@ def test_an_api_port_in_use_at_start_names_its_own_flag_and_ollamas_port(short_t
     import asyncio
     import errno
 
-    from meshd.api.server import ApiStartError, create_app, start_api
+    from meshd.api.listen import ApiStartError
+    from meshd.api.server import create_app, start_api
 
     busy = _busy_port()
     port = busy.getsockname()[1]
@@ -49,7 +50,7 @@ def test_an_api_port_in_use_at_start_names_its_own_flag_and_ollamas_port(short_t
             asyncio.run(start(f"127.0.0.1:{port}"))
     finally:
         busy.close()
-    from meshd.api.server import bind_error
+    from meshd.api.listen import bind_error
 
     in_use = OSError(errno.EADDRINUSE, "Address already in use")
     assert "Ollama server" in bind_error(in_use, "--http", 11434)

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from meshd import log
-from meshd.api.server import ApiLimits, create_app, start_api
+from meshd.api.common import ApiLimits
+from meshd.api.server import create_app, start_api
 from meshd.apikeys import ApiKeyStore
 from meshd.engine import Engine, GenerationRequest
 

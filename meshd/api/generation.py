@@ -1,0 +1,94 @@
+"""From a parsed request to the engine's :class:`~meshd.engine.GenerationRequest`.
+
+Both dialects build the prompt (tools through the model's own chat template),
+put offered tools under their grammar, and make the engine request here,
+which is also where a request that needs an engine capability the engine
+lacks gets its 400, instead of being silently served without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from decoding.tool_grammar import style_of, tool_spec
+from meshd.api.params import RequestParams, checked_constraint
+from meshd.api.validation import RequestError
+from meshd.engine import Engine, GenerationRequest
+from meshd.model_store import RECOMMENDED_FOR_HOME_ASSISTANT
+from partition.ids import RequestId
+
+
+def chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                param: str = "tools") -> list[int]:
+    """Token ids of the conversation; tools go through the model's own chat template."""
+    if not tools:
+        return list(engine.tokenizer.apply_chat(messages))
+    if not getattr(engine.tokenizer, "supports_tools", False):
+        raise RequestError(
+            f"tools are not supported by model '{engine.model_id}': its chat template has no tool support "
+            f"(send the request without '{param}', or serve a tool-capable model such as "
+            f"{RECOMMENDED_FOR_HOME_ASSISTANT})", param=param, code="tools_not_supported")
+    return list(engine.tokenizer.apply_chat(messages, tools=tools))
+
+
+def constrain_tool_calls(engine: Engine, params: RequestParams, tools: list[dict[str, Any]],
+                         choice: str | None = None, parallel: bool = True) -> None:
+    """Offered tools put the answer under their grammar (``decoding.tool_grammar``).
+
+    The model still answers in words when it wants to; a call it starts is
+    written under the tools' grammar, so it always parses, names an offered
+    tool and has arguments valid against that tool's schema. ``choice``
+    "required" or a tool name constrains from the first token. A
+    ``response_format`` already constrains the whole answer (and a forced
+    choice with one was refused when parsing), so it is left as it is.
+    ``params.tools_offered`` records that calls may come (outline mode stays away).
+    """
+    params.tools_offered = bool(tools) and choice != "none"
+    if not tools or choice == "none" or params.sampling.constraint is not None:
+        return
+    forced = choice is not None
+    if not forced and not getattr(engine, "supports_constraints", False):
+        return  # calls are parsed from free text (generation_request refuses the forced case)
+    meta = getattr(getattr(engine, "tokenizer", None), "meta", None)
+    spec = tool_spec(tools, style_of(getattr(meta, "chat_template", None)), required=choice == "required",
+                     parallel=parallel, only=choice if forced and choice != "required" else None)
+    params.sampling = params.sampling.with_constraint(checked_constraint(spec, "tools"))
+    params.constraint_param = "tool_choice" if forced else "tools"
+
+
+def generation_request(engine: Engine, rid: RequestId, prompt_ids: list[int], params: RequestParams,
+                       messages: list[dict] | None, *, context_limit: int | None = None,
+                       penalty_param: str = "presence_penalty") -> GenerationRequest:
+    """The engine request, or a 400 when it needs something the engine cannot do.
+
+    ``context_limit`` (Ollama's ``num_ctx``) narrows the engine's context for
+    this request.
+    """
+    if params.sampling.constraint is not None and not getattr(engine, "supports_constraints", False):
+        raise RequestError("structured output is not supported by this engine (yet): it cannot "
+                           "constrain the tokens it samples", param=params.constraint_param,
+                           code="unsupported_parameter")
+    if params.sampling.penalties.active and not getattr(engine, "supports_penalties", False):
+        raise RequestError("repetition penalties are not supported by this engine (yet); send "
+                           "them at their defaults", param=penalty_param, code="unsupported_parameter")
+    if params.outline == "on" and not getattr(engine, "supports_outline", False):
+        raise RequestError("outline decoding needs the mesh's pipeline engine; send outline \"auto\" or "
+                           "\"off\"", param="outline", code="unsupported_parameter")
+    if params.outline == "on" and not messages:
+        raise RequestError("outline decoding needs a chat request (it asks the model for an outline of "
+                           "its answer)", param="outline", code="unsupported_parameter")
+    if params.cloud not in ("auto", "off") and not getattr(engine, "supports_cloud", False):
+        raise RequestError("cloud verification needs the mesh's pipeline engine paired with a verifier; "
+                           "send cloud \"auto\" or \"off\"", param="cloud", code="unsupported_parameter")
+    engine.check_prompt(prompt_ids)
+    ctx = engine.context_length if context_limit is None else min(engine.context_length, context_limit)
+    room = ctx - len(prompt_ids)
+    if room < 1:
+        raise RequestError(f"the prompt is {len(prompt_ids)} tokens; the context for this request "
+                           f"is {ctx}", status=400, param="messages", code="context_length_exceeded")
+    return GenerationRequest(
+        request_id=rid, prompt_ids=prompt_ids, max_tokens=min(params.max_tokens or room, room),
+        messages=messages, sampling=params.sampling, stop=params.stop, stream=params.stream,
+        speculative=params.speculative,
+        outline=params.outline, tools_offered=params.tools_offered, cloud=params.cloud,
+    )
