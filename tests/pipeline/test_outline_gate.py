@@ -16,7 +16,7 @@ import pytest
 
 from decoding.sampling import SamplingSpec
 from meshd.commands.chat import summary_line
-from meshd.commands.status import _outline
+from meshd.commands.status_extras import outline_line
 from meshd.engine import BadEngineRequest, GenerationRequest
 from meshd.pipeline.outline_gate import (BREVITY_CUES, MIN_ANSWER_TOKENS, PAYING_ANSWER_TOKENS, brevity_cue,
                                          decide)
@@ -220,10 +220,10 @@ async def test_an_attempt_that_falls_back_anyway_is_counted_logged_and_reported_
 def test_status_the_chat_summary_and_metrics_show_fallbacks_and_declines_by_reason():
     outline = {"requests": 2, "used": 1, "fallbacks": 1, "points": 5, "fallback_reasons": {"budget": 1},
                "declined": {"brevity": 3, "router": 7}}
-    line = _outline({"outline": outline})
+    line = outline_line({"outline": outline})
     assert line.startswith("outline decoding: used by 1 of 2 requests") and "fell back to a plain answer: budget 1" \
         in line and line.endswith("declined before generating: router 7, brevity 3"), line
-    assert _outline({"outline": {**outline, "requests": 0, "used": 0, "fallbacks": 0, "fallback_reasons": {}}}) \
+    assert outline_line({"outline": {**outline, "requests": 0, "used": 0, "fallbacks": 0, "fallback_reasons": {}}}) \
         == "outline decoding: used by 0 of 0 requests routed to it (0 fell back to a plain answer); " \
            "declined before generating: router 7, brevity 3"
     assert summary_line({"completion_tokens": 9, "outline": {"used": False, "fallback": "budget", "detail":
