@@ -1,0 +1,152 @@
+"""The verifier's compute side: one batched forward per pass, then each finished job's verdict.
+
+Runs in the verifier's one compute thread; the scheduler (:mod:`meshd.cloud.verifier`)
+picks the batch on the event loop and hands it over. A job is one request of
+one session; a long one is run in pieces over several passes (a chunked
+fill), and only its last piece, which holds the root and the drafts, yields
+logits for the verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decoding.batch import BatchItem
+from decoding.errors import CacheFull
+from decoding.models import StageModel
+from decoding.sampling import Sampler
+from decoding.speculative.verify import verify_offloaded
+from meshd.cloud.verify_request import Support, VerifierRefusal
+from transport.messages import CloudVerdict, CloudVerify
+
+Outcome = tuple[CloudVerdict | None, Exception | None]  # (verdict, refusal); (None, None): a piece of a fill
+
+
+@dataclass
+class Session:
+    key: tuple[str, int]
+    seq: str
+    sampler: Sampler
+    capacity: int
+    last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False  # in the pass running now: its cache may not be freed until the pass ends
+    closed: bool = False  # dropped while busy: freed when the pass ends
+
+
+@dataclass
+class Job:
+    session: Session
+    msg: CloudVerify
+    tokens: list[int]
+    future: asyncio.Future
+    done: int = 0  # tokens already run (a chunked fill)
+    support: Support | None = None
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - self.done
+
+
+@dataclass
+class VerifierStats:
+    requests: int = 0
+    verified: int = 0
+    busy: int = 0
+    evicted: int = 0
+    bad: int = 0
+    superseded: int = 0
+    passes: int = 0
+    tokens: int = 0  # tokens the model computed
+    drafts: int = 0
+    accepted: int = 0
+    busy_s: float = 0.0
+    batches: dict[int, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["busy_s"] = round(self.busy_s, 3)
+        d["batches"] = {str(k): v for k, v in sorted(self.batches.items())}
+        return d
+
+
+class Worker:
+    """Runs passes over the verifier's KV cache; counts what it computed in ``stats``."""
+
+    def __init__(self, stage: StageModel, kv, stats: VerifierStats, chunk: int):
+        self.stage = stage
+        self.kv = kv
+        self.stats = stats
+        self.chunk = chunk
+
+    def piece(self, job: Job) -> int:
+        """Tokens of the job to run in this pass: all of it if it is short; else a chunk that leaves
+        the root and the drafts (whose logits the verdict reads) whole for the final piece."""
+        tail = job.msg.drafts + 1
+        if job.left <= self.chunk + tail:
+            return job.left
+        return min(self.chunk, job.left - tail)
+
+    def run(self, batch: list[Job]) -> list[Outcome]:
+        """One forward for the batch, then each finished job's verdict (compute thread)."""
+        items, finals, outs = [], [], [None] * len(batch)
+        live = []
+        for i, job in enumerate(batch):
+            s = job.session
+            try:
+                if job.done == 0:
+                    self._rewind(job)
+                n = self.piece(job)
+                final = n == job.left
+                x = torch.tensor(job.tokens[job.done: job.done + n], dtype=torch.long)
+                items.append(BatchItem(s.seq, x, all_logits=final, head=final,
+                                       logit_rows=job.msg.drafts + 1 if final else 0))
+                finals.append(final)
+                live.append(i)
+            except VerifierRefusal as exc:
+                outs[i] = (None, exc)
+        if not items:
+            return outs
+        try:
+            results = self.stage.forward_batch(self.kv, items)
+        except CacheFull as exc:
+            for i in live:
+                outs[i] = (None, VerifierRefusal("busy", f"the verifier's cache is full: {exc}"))
+            return outs
+        for i, item, out, final in zip(live, items, results, finals):
+            job = batch[i]
+            job.done += item.tokens
+            self.stats.tokens += item.tokens
+            if not final:
+                outs[i] = (None, None)
+                continue
+            try:
+                outs[i] = (self._verdict(job, out), None)
+            except Exception as exc:  # noqa: BLE001 - one job's problem is its own
+                outs[i] = (None, VerifierRefusal("bad_request", f"verification failed: {exc}"))
+        return outs
+
+    def _rewind(self, job: Job) -> None:
+        s, start = job.session, job.msg.start
+        have = self.kv.length(s.seq)
+        if start > have:
+            raise VerifierRefusal("evicted", f"session {job.msg.session} holds {have} positions, the request "
+                                             f"starts at {start}; resend it from the start")
+        if start < have:
+            self.kv.truncate(s.seq, start)
+
+    def _verdict(self, job: Job, logits: torch.Tensor) -> CloudVerdict:
+        d = job.msg.drafts
+        drafts = job.tokens[-d:]
+        root = job.tokens[-d - 1]
+        s = job.session
+        v = verify_offloaded(drafts, root, logits, s.sampler.params, s.sampler.uniform, job.support)
+        # Keep the committed context and the accepted drafts; the verdict's token is not in the cache.
+        self.kv.truncate(s.seq, job.msg.start + len(job.tokens) - d + v.accepted)
+        self.stats.verified += 1
+        self.stats.drafts += d
+        self.stats.accepted += v.accepted
+        return CloudVerdict(job.msg.session, v.accepted, int(v.next_token), s.sampler.draws)
