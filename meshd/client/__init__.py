@@ -22,7 +22,8 @@ they could not get there, :mod:`.sync` and :mod:`.aio` are the two clients.
 
 from meshd.client.aio import AsyncChatStream, AsyncMeshdClient
 from meshd.client.errors import ApiError, DaemonNotRunning
-from meshd.client.sync import DEFAULT_TIMEOUT_S, ChatStream, MeshdClient
+from meshd.client.sync import ChatStream, MeshdClient
+from meshd.client.target import DEFAULT_TIMEOUT_S
 from meshd.client.wire import Completion, Messages
 
 __all__ = [

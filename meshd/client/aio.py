@@ -6,14 +6,12 @@ the blocking client (:mod:`meshd.client.sync`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
-from meshd.client.sync import DEFAULT_TIMEOUT_S
-from meshd.client.target import Target
+from meshd.client.target import ClientBase
 from meshd.client.wire import (
     Messages, SSEParser, StreamResult, StreamState, api_error, completion_of, messages_of, request_body,
 )
@@ -50,17 +48,10 @@ class AsyncChatStream(StreamResult):
         await self.aclose()
 
 
-class AsyncMeshdClient:
+class AsyncMeshdClient(ClientBase):
     """asyncio client (httpx); use ``async with``. Same ``base_url``/``api_key`` as the sync one."""
 
-    def __init__(self, socket_path: str | os.PathLike | None = None, *,
-                 timeout: float = DEFAULT_TIMEOUT_S, model: str | None = None,
-                 base_url: str | None = None, api_key: str | None = None):
-        self._target = Target(socket_path, base_url, api_key, timeout)
-        self.socket_path = self._target.socket_path
-        self.timeout = timeout
-        self.model = model
-        self._http = httpx.AsyncClient(**self._target.client_kwargs(httpx.AsyncHTTPTransport))
+    http_class, transport_class = httpx.AsyncClient, httpx.AsyncHTTPTransport
 
     async def _send(self, method: str, url: str, body: dict | None, stream: bool) -> httpx.Response:
         req = self._http.build_request(method, url, json=body)

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
-from meshd.client.target import Target
+from meshd.client.target import ClientBase
 from meshd.client.wire import (
     Completion, Messages, SSEParser, StreamResult, StreamState, api_error, completion_of, messages_of,
     request_body,
 )
-
-DEFAULT_TIMEOUT_S = 600.0  # a long answer on slow devices takes minutes
 
 
 class ChatStream(StreamResult):
@@ -48,17 +45,10 @@ class ChatStream(StreamResult):
         self.close()
 
 
-class MeshdClient:
+class MeshdClient(ClientBase):
     """Blocking client. ``base_url``/``api_key`` reach a TCP listener instead of the socket."""
 
-    def __init__(self, socket_path: str | os.PathLike | None = None, *,
-                 timeout: float = DEFAULT_TIMEOUT_S, model: str | None = None,
-                 base_url: str | None = None, api_key: str | None = None):
-        self._target = Target(socket_path, base_url, api_key, timeout)
-        self.socket_path = self._target.socket_path
-        self.timeout = timeout
-        self.model = model
-        self._http = httpx.Client(**self._target.client_kwargs(httpx.HTTPTransport))
+    http_class, transport_class = httpx.Client, httpx.HTTPTransport
 
     def _send(self, method: str, url: str, body: dict | None, stream: bool) -> httpx.Response:
         req = self._http.build_request(method, url, json=body)

@@ -1,7 +1,11 @@
-"""Where a client's requests go (the unix socket, or a TCP base URL with a key), and why they did not get there."""
+"""Where a client's requests go (the unix socket, or a TCP base URL with a key), and why they did not get there.
+
+:class:`ClientBase` is what the blocking and asyncio clients share around it.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +14,8 @@ import httpx
 from meshd.client.errors import DaemonNotRunning
 from meshd.errors import MeshdError
 from meshd.paths import default_socket_path
+
+DEFAULT_TIMEOUT_S = 600.0  # a long answer on slow devices takes minutes
 
 
 class Target:
@@ -60,3 +66,22 @@ def not_running(path: Path, exc: BaseException) -> MeshdError:
             f"(the socket is mode 0660) and log in again"
         )
     return DaemonNotRunning(path, str(cause))
+
+
+class ClientBase:
+    """What the blocking and asyncio clients share: where they send, how long they wait, the model.
+
+    A subclass names its httpx client and transport classes.
+    """
+
+    http_class: type
+    transport_class: type
+
+    def __init__(self, socket_path: str | os.PathLike | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT_S, model: str | None = None,
+                 base_url: str | None = None, api_key: str | None = None):
+        self._target = Target(socket_path, base_url, api_key, timeout)
+        self.socket_path = self._target.socket_path
+        self.timeout = timeout
+        self.model = model
+        self._http = self.http_class(**self._target.client_kwargs(self.transport_class))
