@@ -13,7 +13,7 @@ import httpx
 
 from meshd.client.target import ClientBase
 from meshd.client.wire import (
-    Messages, SSEParser, StreamResult, StreamState, api_error, completion_of, messages_of, request_body,
+    Messages, StreamResult, StreamState, api_error, completion_of, messages_of, request_body,
 )
 
 
@@ -24,13 +24,11 @@ class AsyncChatStream(StreamResult):
         self._resp, self._state = resp, state
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        sse = SSEParser()
         try:
             async for raw in self._resp.aiter_lines():
-                event = sse.feed(raw.encode() + b"\n")
-                if sse.done:
+                text = self._state.read(raw)
+                if text is None:
                     break
-                text = self._state.take(event) if event is not None else ""
                 if text:
                     yield text
         finally:

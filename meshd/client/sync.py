@@ -9,7 +9,7 @@ import httpx
 
 from meshd.client.target import ClientBase
 from meshd.client.wire import (
-    Completion, Messages, SSEParser, StreamResult, StreamState, api_error, completion_of, messages_of,
+    Completion, Messages, StreamResult, StreamState, api_error, completion_of, messages_of,
     request_body,
 )
 
@@ -21,13 +21,11 @@ class ChatStream(StreamResult):
         self._resp, self._state = resp, state
 
     def __iter__(self) -> Iterator[str]:
-        sse = SSEParser()
         try:
             for raw in self._resp.iter_lines():
-                event = sse.feed(raw.encode() + b"\n")
-                if sse.done:
+                text = self._state.read(raw)
+                if text is None:
                     break
-                text = self._state.take(event) if event is not None else ""
                 if text:
                     yield text
         finally:

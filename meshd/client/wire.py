@@ -29,6 +29,30 @@ class Completion:
     raw: dict[str, Any] | None = None
 
 
+class SSEParser:
+    """Server-sent events, one line at a time: returns a JSON payload per event.
+
+    Only ``data:`` fields matter for the OpenAI stream; ``[DONE]`` sets ``done``.
+    """
+
+    def __init__(self) -> None:
+        self._data: list[bytes] = []
+        self.done = False
+
+    def feed(self, raw: bytes) -> dict[str, Any] | None:
+        line = raw.rstrip(b"\r\n")
+        if line.startswith(b"data:"):
+            self._data.append(line[5:].removeprefix(b" "))
+            return None
+        if line or not self._data:
+            return None  # comments, other fields, keep-alive blank lines
+        payload, self._data = b"\n".join(self._data), []
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        return json.loads(payload)
+
+
 @dataclass
 class StreamState:
     """Accumulates a streamed answer; shared by the sync and async streams."""
@@ -41,6 +65,14 @@ class StreamState:
     model: str | None = None
     first_text_at: float | None = None
     ended_at: float | None = None
+    sse: SSEParser = field(default_factory=SSEParser)
+
+    def read(self, line: str) -> str | None:
+        """The text delta one line of the stream completes ("" for none); None once the stream is done."""
+        event = self.sse.feed(line.encode() + b"\n")
+        if self.sse.done:
+            return None
+        return self.take(event) if event is not None else ""
 
     def take(self, event: dict[str, Any]) -> str:
         """Return the text delta in ``event`` (raises :class:`ApiError` on an error event)."""
@@ -114,30 +146,6 @@ def request_body(key: str, value: Any, stream: bool, model: str | None, params: 
         body["stream_options"] = {"include_usage": True}
     body.update({k: v for k, v in params.items() if v is not None})
     return body
-
-
-class SSEParser:
-    """Server-sent events, one line at a time: returns a JSON payload per event.
-
-    Only ``data:`` fields matter for the OpenAI stream; ``[DONE]`` sets ``done``.
-    """
-
-    def __init__(self) -> None:
-        self._data: list[bytes] = []
-        self.done = False
-
-    def feed(self, raw: bytes) -> dict[str, Any] | None:
-        line = raw.rstrip(b"\r\n")
-        if line.startswith(b"data:"):
-            self._data.append(line[5:].removeprefix(b" "))
-            return None
-        if line or not self._data:
-            return None  # comments, other fields, keep-alive blank lines
-        payload, self._data = b"\n".join(self._data), []
-        if payload == b"[DONE]":
-            self.done = True
-            return None
-        return json.loads(payload)
 
 
 def api_error(status: int, raw: bytes) -> ApiError:
