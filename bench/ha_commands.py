@@ -188,8 +188,8 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
 
     from decoding.constrained import make_constraint, warm
     from decoding.sampling import SamplingParams, SamplingSpec
-    from meshd.api import openai_schema as oa
     from meshd.api.generation import constrain_tool_calls
+    from meshd.api.params import RequestParams
     from meshd.engine import GenerationRequest, LocalEngine
 
     engine = await LocalEngine.open(model, dtype=getattr(torch, dtype))
@@ -200,7 +200,7 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
         for k, cmd in enumerate(commands):
             ids = tok.apply_chat(messages_for(cmd), tools=TOOLS)
             for mode in ("without", "with"):
-                p = oa.RequestParams(sampling=SamplingSpec(SamplingParams(temperature=0)))
+                p = RequestParams(sampling=SamplingSpec(SamplingParams(temperature=0)))
                 if mode == "with":
                     constrain_tool_calls(engine, p, TOOLS)
                 req = GenerationRequest(request_id=f"o{k}{mode}", prompt_ids=ids, max_tokens=96, sampling=p.sampling)
