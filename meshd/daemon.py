@@ -44,7 +44,7 @@ from meshd.config import Config
 from meshd.discovery import (
     PROTOCOL_VERSION, REASON_UNREACHABLE, Advert, Discovery, Sighting, classify, select_interfaces,
 )
-from meshd.engine import Engine, EngineUnavailable, GenerationRequest
+from meshd.engine import Engine, EngineUnavailable, GenerationRequest, TokenStream
 from meshd.errors import USER_ERRORS, MeshdError
 from meshd.log import get_logger
 from meshd.membership import Change, Debouncer, Membership, PeerState, affects_plan
@@ -100,13 +100,16 @@ class DrainingEngine(Engine):
     supports_outline = property(lambda self: getattr(self.inner, "supports_outline", False))
     supports_cloud = property(lambda self: getattr(self.inner, "supports_cloud", False))
 
-    async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+    def token_ids(self, req: GenerationRequest) -> TokenStream:
+        return TokenStream.relay(self.inner.token_ids(req), self._guarded)
+
+    async def _guarded(self, inner: AsyncIterator[int]) -> AsyncIterator[int]:
         if self.draining:
             raise EngineUnavailable(SHUTDOWN_MESSAGE)
         self.in_flight += 1
         self.idle.clear()
         try:
-            async with contextlib.aclosing(self.inner.token_ids(req)) as ids:
+            async with contextlib.aclosing(inner) as ids:
                 async for tid in ids:
                     if self.aborting:
                         raise EngineUnavailable(SHUTDOWN_MESSAGE + " (the request was cut short)")

@@ -71,6 +71,28 @@ class Usage:
         return d
 
 
+@dataclass(frozen=True)
+class Budget:
+    """When a generation ends: at an EOS token, or once ``max_tokens`` tokens are out.
+
+    The one definition of the rule. Whoever produces tokens asks it after each one
+    so it stops *computing* there (the coordinator for a mesh request, whoever its
+    client is; the local engine's loop): a forward past the end would be wasted and
+    overrun the KV capacity sized to it. :meth:`Engine.stream` asks it too, as the
+    API's guard over any engine, and to name the finish reason.
+    """
+
+    max_tokens: int
+    eos_ids: Sequence[int] = ()
+
+    def finish(self, token: int, produced: int) -> str | None:
+        """"stop" (``token`` is EOS), "length" (``produced`` tokens, this one included, spent the
+        budget) or None (go on)."""
+        if token in self.eos_ids:
+            return "stop"
+        return "length" if produced >= self.max_tokens else None
+
+
 @dataclass
 class GenerationRequest:
     """One generation, already tokenised by the API layer.
@@ -120,6 +142,11 @@ class GenerationStats:
 Report = Callable[..., None]
 
 
+def stats_of(ids: AsyncIterator[int]) -> GenerationStats:
+    """What an engine's token ids said about how the generation went (nothing, for plain ids)."""
+    return ids.stats if isinstance(ids, TokenStream) else GenerationStats()
+
+
 class TokenStream:
     """An engine's token ids for one request and, once they ended or were closed, how it went.
 
@@ -130,11 +157,25 @@ class TokenStream:
     """
 
     def __init__(self, produce: Callable[[Report], AsyncIterator[int]]):
-        self.stats = GenerationStats()
+        self._stats = GenerationStats()
+        self._source: AsyncIterator[int] | None = None
         self._ids = produce(self._report)
 
+    @classmethod
+    def relay(cls, source: AsyncIterator[int],
+              through: Callable[[AsyncIterator[int]], AsyncIterator[int]]) -> TokenStream:
+        """``source``'s ids passed ``through`` a wrapper (e.g. one that cuts them at shutdown),
+        with ``source``'s statistics."""
+        stream = cls(lambda report: through(source))
+        stream._source = source
+        return stream
+
+    @property
+    def stats(self) -> GenerationStats:
+        return stats_of(self._source) if self._source is not None else self._stats
+
     def _report(self, **stats: Any) -> None:
-        self.stats = replace(self.stats, **stats)
+        self._stats = replace(self._stats, **stats)
 
     def __aiter__(self) -> TokenStream:
         return self
@@ -261,13 +302,14 @@ class Engine(abc.ABC):
         self.check_prompt(req.prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(req.stop)
-        eos = self.eos_ids
+        budget = Budget(req.max_tokens, self.eos_ids)
         produced = 0
         finish = "length"
         ids = self.token_ids(req)
         async with contextlib.aclosing(ids):
             async for tid in ids:
-                if tid in eos:
+                ends = budget.finish(tid, produced + 1)
+                if ends == "stop":  # EOS: never shown
                     finish = "stop"
                     break
                 produced += 1
@@ -277,7 +319,7 @@ class Engine(abc.ABC):
                     yield TokenEvent(tid, text)
                     break
                 yield TokenEvent(tid, text)
-                if produced >= req.max_tokens:
+                if ends == "length":
                     finish = "length"
                     break
             else:
@@ -285,7 +327,7 @@ class Engine(abc.ABC):
                 # natural stop (e.g. the engine's own end-of-context).
                 finish = "stop" if produced < req.max_tokens else "length"
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        stats = ids.stats if isinstance(ids, TokenStream) else GenerationStats()
+        stats = stats_of(ids)
         yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, stats.speculative,
                                                    stats.cloud, stats.outline))
 

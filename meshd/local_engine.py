@@ -12,7 +12,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from meshd.engine import Engine, GenerationRequest, model_id_of
+from meshd.engine import Budget, Engine, GenerationRequest, model_id_of
 from meshd.engine_errors import EngineError, GenerationFailed, PromptTooLong
 from meshd.errors import USER_ERRORS
 from meshd.log import get_logger
@@ -144,6 +144,7 @@ class LocalEngine(Engine):
         from decoding.selector import TokenSelector
 
         eos = self.eos_ids
+        budget = Budget(req.max_tokens, eos)
         select = TokenSelector.for_spec(req.sampling, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                                         prompt_tail=req.prompt_ids)
         pipe, seq = self._pipeline, req.request_id
@@ -154,7 +155,7 @@ class LocalEngine(Engine):
                 for i in range(req.max_tokens):
                     tok = select(logits[-1])
                     yield tok
-                    if tok in eos or i + 1 >= req.max_tokens or cancel.is_set():
+                    if budget.finish(tok, i + 1) or cancel.is_set():
                         return
                     if select.finished:
                         yield min(eos)  # the grammar is complete: nothing else may follow

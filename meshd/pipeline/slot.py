@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from decoding.sampling import SamplingSpec
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.session import SpeculationSession
+from meshd.engine import Budget
 from meshd.pipeline.route import Route
 from meshd.pipeline.seqkey import SeqKey
 from partition.ids import RequestId
@@ -132,8 +133,8 @@ class RequestSlot:
         return list(self.request.prompt_ids) + self.generated
 
     def ends_with(self, token: int) -> bool:
-        """Whether ``token`` (just generated) is the request's last: EOS, or the budget is spent."""
-        return token in self.request.eos_ids or len(self.generated) >= self.request.max_tokens
+        """Whether ``token`` (just generated, and appended) is the request's last (:class:`Budget`)."""
+        return Budget(self.request.max_tokens, self.request.eos_ids).finish(token, len(self.generated)) is not None
 
     def capacity(self) -> int:
         """KV positions a sequence of this request may need on every stage."""

@@ -134,13 +134,13 @@ async def test_a_point_that_fails_fails_the_request_and_frees_everything(real_me
     async with Mesh(real_mesh_source, 2) as mesh:
         real_steps = mesh.coord.steps
 
-        def steps(request_id, *a, **kw):
-            if request_id.endswith("/p2"):
+        def steps(request):
+            if request.request_id.endswith("/p2"):
                 async def broken():
                     raise PipelineError("device dev1 left")
                     yield  # pragma: no cover
                 return broken()
-            return real_steps(request_id, *a, **kw)
+            return real_steps(request)
 
         monkeypatch.setattr(mesh.coord, "steps", steps)
         dec = OutlineDecoder(mesh.coord, tok, tok.eos_ids)
