@@ -57,3 +57,17 @@ def finish(result: dict, out: str | None, as_json: bool) -> None:
             f.write(json.dumps(result, indent=1))
     if as_json:
         emit_json(result)
+
+
+def served_reference_stage(source):
+    """The whole model as one stage in the numeric mode a daemon serves in by default (``--weights
+    auto``: packed on a CPU with torch's int4 kernel), warmed up as a daemon is before it serves (a
+    process's first packed forward may differ in the last bits): what a mesh's answers must equal."""
+    from decoding.device import Placement
+
+    p = Placement.resolve("cpu")
+    stage = source.load_stage(0, source.config.num_layers, p.dtype, packed=p.packed)
+    kv = stage.new_cache(64)
+    kv.create("warm-up", 8)
+    stage.forward(kv, "warm-up", torch.tensor([1, 2, 3]))
+    return stage

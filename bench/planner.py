@@ -99,7 +99,7 @@ def planning_times(base, link, seqs, ds, reps):
                 "k_max": plan.cut_table.k_max,
                 "layer_dp_s": statistics.median(layer_times),
                 "total_s": statistics.median(times),
-                "bottleneck_s": plan.bottleneck_s, "reason": plan.bottleneck_reason,
+                "bottleneck_s": plan.predicted_bottleneck_s, "reason": plan.bottleneck_reason,
             })
             r = rows[-1]
             print(f"  S_max={S:5d} |D|={n}  stages={r['stages']} k<={r['k_max']:2d}  "

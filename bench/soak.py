@@ -3,8 +3,12 @@
 Issue #10. Three real ``meshd join`` daemons (separate state dirs, loopback,
 ``--port 0``, paired with invite tokens, the embedded SmolLM2-135M) each pinned
 to one core with one torch thread, the way ``meshd demo`` starts its daemons.
-Once the plan spans all three, ``--requests N`` requests go to all daemons'
-unix sockets at a random concurrency of 1-8 (seeded):
+Once the plan the planner decides has settled (every daemon ready, one plan
+version made over all three, unchanged for ``--plan-stable-s``; it says how many
+members it spans: the planner leaves out members that do not make a prompt
+faster), ``--requests N`` requests go to all daemons' unix sockets at a random
+concurrency of 1-8 (seeded). Each daemon gets ``--memory-budget-mb`` (default
+120, half the model, as the daemon tests give) so the home must split:
 
 * greedy chat / text completions, streamed or not, whose text must equal the
   single-device reference (computed once per prompt up front);
@@ -13,9 +17,9 @@ unix sockets at a random concurrency of 1-8 (seeded):
 
 About every ``--kill-every`` requests a non-first member is SIGKILLed and
 restarted from the same state dir on a new port while requests keep flowing;
-before the next kill it must be back in the plan. Every request is classified
-(completed, mismatched, failed_clearly, hung_up, rejected_hostile,
-coordinator_killed, lost); ``lost`` and ``mismatched`` must be 0, and after the
+before the next kill the home must have settled on a plan made over it again.
+Every request is classified (completed, mismatched, failed_clearly, hung_up,
+rejected_hostile, coordinator_killed, lost); ``lost`` and ``mismatched`` must be 0, and after the
 run every daemon's ``stage.kv_tokens_in_use`` must be back to 0.
 
     python bench/soak.py [--quick] [--json] [--requests 1000] [--seed 0]
@@ -42,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import emit_json, machine_banner  # noqa: E402
+from bench._common import emit_json, machine_banner, served_reference_stage  # noqa: E402
 from meshd.commands.demo import FAST  # noqa: E402 - the demo's membership timings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,8 +93,9 @@ class Daemon:
     one core with sched_setaffinity between fork and exec.
     """
 
-    def __init__(self, root: Path, index: int, core: int, model: str):
+    def __init__(self, root: Path, index: int, core: int, model: str, memory_budget_mb: int = 0):
         self.index, self.core, self.model = index, core, model
+        self.budget = ["--memory-budget-mb", str(memory_budget_mb)] if memory_budget_mb else []
         self.name = f"soak-{index}"
         self.dir = root / self.name
         self.dir.mkdir(parents=True)
@@ -105,7 +110,7 @@ class Daemon:
     def start(self, first: list[str] | None = None) -> None:
         cmd = [sys.executable, "-m", "meshd", "join", "--state-dir", str(self.state), "--socket", str(self.socket),
                "--name", self.name, "--port", "0", "--pairing-port", "0", "--interface", "127.0.0.1",
-               "--listen", "127.0.0.1", "--model", self.model, *FAST, *(first or [])]
+               "--listen", "127.0.0.1", "--model", self.model, *self.budget, *FAST, *(first or [])]
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_") or k == "MESHD_HOME"}
         env.update(OMP_NUM_THREADS="1", MESHD_REPLAN_DEBOUNCE_S="0.5")
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -222,22 +227,52 @@ async def wait_for(what: str, cond, timeout: float, interval: float = 0.5):
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-async def plan_spans_all(daemons: list[Daemon]) -> dict | None:
-    """Every daemon is up, on the same plan version, whose stages are exactly the daemons (all loaded)."""
-    statuses = await asyncio.gather(*(d.status() for d in daemons))
-    if any(s is None for s in statuses):
-        return None
-    ids = {d.node_id() for d in daemons}
-    versions = set()
-    for s in statuses:
-        plan = s.get("plan") or {}
-        if {st["node_id"] for st in plan.get("stages") or []} != ids or len(plan.get("stages")) != len(ids):
+class PlanWatch:
+    """Waits for the plan the planner decides, not for a layout chosen here.
+
+    The planner leaves out members that would not make a prompt faster (on two
+    cores it may well give every layer to one daemon), so "a plan spanning all
+    three" can never come. What the soak needs is a settled home: every daemon
+    up and ready, all on one plan version that was made over all of them (its
+    ``members``; some may get no layers), every stage in it loaded at that
+    version, and the version unchanged for ``stable_s``. ``span`` says how many
+    members hold layers in it.
+    """
+
+    def __init__(self, daemons: list[Daemon], stable_s: float):
+        self.daemons = daemons
+        self.stable_s = stable_s
+        self._seen: tuple | None = None  # (version, stages) last polled
+        self._since = 0.0
+
+    async def settled(self) -> dict | None:
+        statuses = await asyncio.gather(*(d.status() for d in self.daemons))
+        if any(s is None or not s.get("ready") for s in statuses):
+            self._seen = None
             return None
-        stage = s.get("stage")
-        if stage is not None and stage.get("plan_version") != plan.get("version"):
+        ids = {d.node_id() for d in self.daemons}
+        plans = [s.get("plan") or {} for s in statuses]
+        key = (plans[0].get("version"), json.dumps(plans[0].get("stages"), sort_keys=True))
+        if any((p.get("version"), json.dumps(p.get("stages"), sort_keys=True)) != key for p in plans) \
+                or not plans[0].get("stages") or not ids <= set(plans[0].get("members") or ()):
+            self._seen = None
             return None
-        versions.add(plan.get("version"))
-    return statuses[0] if len(versions) == 1 else None
+        for s in statuses:
+            stage = s.get("stage")
+            planned = any(st["node_id"] == s.get("node_id") for st in plans[0]["stages"])
+            if planned and (stage is None or stage.get("plan_version") != key[0]):
+                return None  # its layers are not loaded at this version yet
+        now = time.monotonic()
+        if key != self._seen:
+            self._seen, self._since = key, now
+        if now - self._since < self.stable_s:
+            return None
+        return statuses[0]
+
+
+def span_of(status: dict) -> int:
+    """How many members hold layers in the plan ``status`` shows."""
+    return len((status.get("plan") or {}).get("stages") or [])
 
 
 # --------------------------------------------------------------------------- references
@@ -264,7 +299,7 @@ def references(model: str, prompts: list[str]) -> dict:
     torch.set_num_threads(1)  # as the daemons
     src = open_model(model)
     tok = src.tokenizer
-    ref = LocalPipeline([src.load_stage(0, src.config.num_layers)])
+    ref = LocalPipeline([served_reference_stage(src)])  # the daemons' numeric mode (--weights auto)
     out = {}
     for i, p in enumerate(prompts):
         for api, ids in ((CHAT, tok.apply_chat([{"role": "user", "content": p}])), (TEXT, tok.encode(p + TEXT_SUFFIX))):
@@ -527,12 +562,15 @@ class Soak:
             victim.routable = True
             ev["new_port"] = st.get("ports", {}).get("transport")
             ev["api_back_s"] = round(self.rel() - t_restart, 2)
-            await wait_for("the plan to span all daemons again", lambda: plan_spans_all(self.daemons),
-                           max(1.0, min(self.args.rejoin_s, end - time.monotonic())))
+            st = await wait_for("a settled plan made over all daemons again",
+                                PlanWatch(self.daemons, self.args.plan_stable_s).settled,
+                                max(1.0, min(self.args.rejoin_s, end - time.monotonic())))
             ev["rejoined_s"] = round(self.rel() - t_restart, 2)
+            ev["plan_span"] = span_of(st)
             victim.rss_start_mb = victim.rss_mb()
             log(f"  kill #{k}: {victim.name} back on port {ev['new_port']} (was {old_port}); API after "
-                f"{ev['api_back_s']}s, in the plan again after {ev['rejoined_s']}s")
+                f"{ev['api_back_s']}s, in a settled plan again after {ev['rejoined_s']}s "
+                f"(it spans {ev['plan_span']} of {len(self.daemons)} members)")
         except TimeoutError as exc:
             ev["rejoin_error"] = str(exc)
             victim.routable = victim.alive()
@@ -694,6 +732,7 @@ async def main_async(args, root: Path, daemons: list[Daemon], t_begin: float) ->
         "restart_delay_s": args.restart_delay, "hangup_frac": args.hangup_frac, "hostile_frac": args.hostile_frac,
         "max_tokens": list(MAX_TOKENS), "prompts": len(prompts), "request_timeout_s": REQUEST_TIMEOUT_S,
         "deadline_s": args.deadline_s, "hostile_cases": sorted(HOSTILE),
+        "memory_budget_mb": args.memory_budget_mb or "the daemon's default", "plan_stable_s": args.plan_stable_s,
     }
     log("setup: " + json.dumps(setup))
     t = time.monotonic()
@@ -702,7 +741,7 @@ async def main_async(args, root: Path, daemons: list[Daemon], t_begin: float) ->
         f"in {time.monotonic() - t:.1f}s")
 
     for i in range(3):
-        daemons.append(Daemon(root, i, cores[i % len(cores)], model))
+        daemons.append(Daemon(root, i, cores[i % len(cores)], model, args.memory_budget_mb))
     t = time.monotonic()
     daemons[0].start(["--new-home", "soak"])
     await wait_for("soak-0 to serve its API", daemons[0].status, min(120, end - time.monotonic()))
@@ -711,15 +750,17 @@ async def main_async(args, root: Path, daemons: list[Daemon], t_begin: float) ->
         d.start(["--token", token])
     for d in daemons[1:]:
         await wait_for(f"{d.name} to pair and serve", d.status, min(120, end - time.monotonic()))
-    st = await wait_for("the plan to span the 3 daemons", lambda: plan_spans_all(daemons),
-                        min(180, end - time.monotonic()))
+    st = await wait_for("the plan the planner decides, over the 3 daemons, to settle",
+                        PlanWatch(daemons, args.plan_stable_s).settled, min(180, end - time.monotonic()))
     names = {m["node_id"]: m["name"] for m in st.get("members", [])}
     layout = [f"{names.get(s['node_id'], s['node_id'])} layers {s['layers'][0]}-{s['layers'][1] - 1}"
               for s in st["plan"]["stages"]]
     setup["plan"] = layout
+    setup["plan_span"] = span_of(st)
+    setup["plan_reason"] = st["plan"].get("reason")
     setup["daemon_affinity"] = {d.name: d.affinity() for d in daemons}
-    log(f"mesh up in {time.monotonic() - t:.1f}s: plan v{st['plan']['version']}: {', '.join(layout)}; "
-        f"affinity {setup['daemon_affinity']}")
+    log(f"mesh up in {time.monotonic() - t:.1f}s: plan v{st['plan']['version']} spans {setup['plan_span']} of "
+        f"{len(daemons)} members: {', '.join(layout)} ({setup['plan_reason']}); affinity {setup['daemon_affinity']}")
     for d in daemons:
         d.ports.append((await d.status() or {}).get("ports", {}).get("transport"))
         d.routable = True
@@ -798,6 +839,7 @@ async def main_async(args, root: Path, daemons: list[Daemon], t_begin: float) ->
         "requests_per_s": len(runs) / soak.elapsed if soak.elapsed else None,
         "elapsed_s": round(soak.elapsed, 1), "kills": len(soak.events), "restarts": restarts,
         "rejoin_s": rejoined, "requests_replayed": replayed,
+        "plan_span": setup.get("plan_span"), "plan": setup.get("plan"),
         "failed_clearly_by_reason": failed, "per_daemon": per_daemon, "kill_events": soak.events,
         "setup": setup,
     }
@@ -818,6 +860,7 @@ def print_summary(s: dict) -> None:
         ("hung_up (ours)", s["hung_up"]), ("rejected_hostile (4xx)", s["rejected_hostile"]),
         ("coordinator_killed", s["coordinator_killed"]), ("lost", s["lost"]), ("unfinished", s["unfinished"]),
         ("kills / restarts", f"{s['kills']} / {s['restarts']} (rejoined after {s['rejoin_s']} s)"),
+        ("plan span", f"{s['plan_span']} of 3 members ({'; '.join(s['plan'] or [])})"),
         ("requests_replayed", s["requests_replayed"]),
         ("kv_tokens_in_use after run", f"{s['kv_tokens_in_use']} (sequences {s['sequences']}, "
                                        f"waited {s['kv_wait_s']}s)"),
@@ -853,6 +896,11 @@ def main() -> int:
     ap.add_argument("--drain-s", type=float, default=20.0,
                     help="before a kill, wait up to this long for the victim's own requests to finish")
     ap.add_argument("--rejoin-s", type=float, default=120.0, help="deadline for a restarted member to be in the plan")
+    ap.add_argument("--memory-budget-mb", type=int, default=120,
+                    help="each daemon's memory budget (default 120, half the model as the daemon tests give it, "
+                         "so the home must split and kills hit members holding layers; 0: the daemon's default)")
+    ap.add_argument("--plan-stable-s", type=float, default=3.0,
+                    help="a plan counts as the planner's decision once unchanged this long (all ready, all loaded)")
     ap.add_argument("--max-concurrency", type=int, default=8)
     ap.add_argument("--hangup-frac", type=float, default=0.10)
     ap.add_argument("--hostile-frac", type=float, default=0.05)

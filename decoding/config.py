@@ -1,13 +1,12 @@
-"""The architecture numbers a Llama-family forward needs, whatever file they came from."""
+"""The architecture numbers a stage, its KV cache and the planner need, whatever file they came from.
+
+Which architectures there are, and how each file format spells these numbers,
+is ``decoding.models``' business (the registry and its family folders).
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-
-# Architectures whose decoder is the Llama block (RMSNorm, RoPE, GQA, SwiGLU).
-# Qwen2 differs only by q/k/v biases; Mistral by an optional sliding window,
-# which we do not implement (we refuse contexts beyond it rather than be wrong).
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 
 
 @dataclass(frozen=True)

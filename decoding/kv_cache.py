@@ -180,7 +180,7 @@ class KVCache:
 
         Views only, nothing copied: a forked child reads its parent's prefix in
         place (attention concatenates scores, not keys — see
-        ``decoding.stage.segmented_attention``).
+        ``decoding.attention.segmented_attention``).
         """
         s = self._seqs[seq_id]
         segs = [(s.k[layer, :, :own_end], s.v[layer, :, :own_end])]

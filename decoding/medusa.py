@@ -10,7 +10,7 @@ model, which is why the file records the model's identity and ``load`` checks
 hidden size and vocabulary against the model it is paired with.
 
 W1 (and b1) start at zero, so an untrained head equals the LM head: training
-(``decoding.medusa_train``) moves each head from "next token" towards "k+2
+(``decoding.training.medusa``) moves each head from "next token" towards "k+2
 tokens ahead" instead of starting from noise.
 
 The file holds plain tensors, ints, strings and lists only and is read with

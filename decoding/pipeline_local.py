@@ -17,7 +17,7 @@ import torch
 
 from decoding.device import CPU, default_dtype, to_host
 from decoding.errors import ContextOverflow
-from decoding.stage import StageModel
+from decoding.models import StageModel
 
 
 def even_split(total: int, parts: int) -> list[tuple[int, int]]:

@@ -168,14 +168,14 @@ class LocalEngine(Engine):
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-async def local_engine(daemon) -> LocalEngine:
-    """Engine factory for the daemon's ``engine = "meshd.engine:local_engine"`` setting.
+async def local_engine(config) -> LocalEngine:
+    """Engine factory for the daemon's ``engine = "meshd.engine:local_engine"`` setting
+    (an engine factory is called with the daemon's ``meshd.config.Config``).
 
     Serves the configured model (``model``; unset = the embedded default) wholly
     on this device — the single-device fallback until the pipeline engine runs.
     """
     from meshd.config import placement_of
 
-    cfg = getattr(daemon, "config", None)
-    placement = placement_of(cfg)
-    return await LocalEngine.open(getattr(cfg, "model", None), device=placement.device, dtype=placement.dtype)
+    placement = placement_of(config)
+    return await LocalEngine.open(getattr(config, "model", None), device=placement.device, dtype=placement.dtype)

@@ -33,7 +33,12 @@ class Change:
 
 
 @dataclass
-class Peer:
+class MemberRecord:
+    """What this device knows of one other member: its liveness state and its latest heartbeat.
+
+    (Not ``transport.link.Peer``, which is a connection to a stage server.)
+    """
+
     node_id: str
     state: PeerState
     since: float  # when it entered this state
@@ -48,9 +53,9 @@ class Membership:
         self.self_id = self_id
         self.suspect_after_s = suspect_after_s
         self.gone_after_s = gone_after_s
-        self.peers: dict[str, Peer] = {}
+        self.peers: dict[str, MemberRecord] = {}
 
-    def _set(self, peer: Peer, state: PeerState, now: float) -> list[Change]:
+    def _set(self, peer: MemberRecord, state: PeerState, now: float) -> list[Change]:
         if peer.state is state:
             return []
         old, peer.state, peer.since = peer.state, state, now
@@ -62,7 +67,7 @@ class Membership:
             return []
         peer = self.peers.get(node_id)
         if peer is None:
-            self.peers[node_id] = Peer(node_id, PeerState.JOINING, now, now)
+            self.peers[node_id] = MemberRecord(node_id, PeerState.JOINING, now, now)
             return [Change(node_id, None, PeerState.JOINING)]
         if peer.state is PeerState.GONE:
             peer.last_seen = now
@@ -76,7 +81,7 @@ class Membership:
         changes: list[Change] = []
         peer = self.peers.get(node_id)
         if peer is None:
-            peer = self.peers[node_id] = Peer(node_id, PeerState.READY, now, now)
+            peer = self.peers[node_id] = MemberRecord(node_id, PeerState.READY, now, now)
             changes.append(Change(node_id, None, PeerState.READY))
         peer.last_seen = max(peer.last_seen, now)
         if info is not None:

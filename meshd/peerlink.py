@@ -10,7 +10,7 @@ a short timeout and failures only count as "no heartbeat delivered".
 
 The one request/reply on this link is the round-trip probe (``meshd status``'s
 RTT column, ``/metrics``' ``meshd_link_rtt_seconds``): the transport's own
-``Heartbeat`` request, answered here with a ``HeartbeatAck`` and never passed
+``LinkProbe`` request, answered here with a ``LinkProbeAck`` and never passed
 on to the daemon. :class:`LinkProbes` decides when each linked member is due
 (at once for a new link, then every ``interval_s``), at most one probe per
 member is in flight, each is a background task bounded by ``timeout_s``, and
@@ -34,7 +34,7 @@ from typing import Any
 from meshd.log import get_logger
 from transport.errors import TransportError
 from transport.link import Peer, Request
-from transport.messages import Envelope, Heartbeat, HeartbeatAck
+from transport.messages import Envelope, LinkProbe, LinkProbeAck
 from transport.node import TransportNode
 
 log = get_logger("meshd.peerlink")
@@ -172,8 +172,8 @@ class PeerLink:
         return self.port
 
     async def _handle(self, msg: Any, req: Request) -> Any:
-        if isinstance(msg, Heartbeat):  # a member's round-trip probe: answer at once, nothing else
-            return None if req.one_way else HeartbeatAck(self.node_id, 0, time.time())
+        if isinstance(msg, LinkProbe):  # a member's round-trip probe: answer at once, nothing else
+            return None if req.one_way else LinkProbeAck(self.node_id, 0, time.time())
         key = req.peer_key.decode() if isinstance(req.peer_key, bytes) else req.peer_key
         self.on_message(key, req.envelope)
         return None
@@ -214,9 +214,9 @@ class PeerLink:
         rtt, error = None, "cancelled"
         try:
             t0 = time.perf_counter()
-            reply = await peer.request(Heartbeat(self.node_id, "probe", 0.0, 0, time.time()),
+            reply = await peer.request(LinkProbe(self.node_id, "probe", 0.0, 0, time.time()),
                                        timeout=self.probes.timeout_s)
-            if isinstance(reply, HeartbeatAck):
+            if isinstance(reply, LinkProbeAck):
                 rtt = time.perf_counter() - t0
             else:
                 error = f"answered {type(reply).__name__}"

@@ -1,119 +1,40 @@
-"""The mesh's current partition plan and how the coordinator computes a new one.
+"""The home's plan: how the leader computes it over the members, and why members hold no layers.
 
-A :class:`Plan` says which member runs which decoder layers ``[first, end)``:
-its stages are the partition package's :class:`~partition.plan.StageAssignment`
-(the one stage type of the code base), plus what only the daemon knows — the
-plan's version, leader, members and why it was chosen. Its ``version`` only
-grows; every pipeline message carries it so a stage refuses work computed for
-another partition.
+The plan itself is the partition package's :class:`~partition.plan.Plan` (the one
+plan type of the code base): which member runs which decoder layers ``[first,
+end)``, its version (it only grows; every pipeline message carries it so a stage
+refuses work computed for another partition), its leader and members, and the
+cut table for chunking prompts.
 
-Planning uses the partition package's DP (``partition.stagecount.plan_layers``: the
-layer DP at the device count that makes a prompt fastest)
-over the members' device profiles: the profile a member shared, else a profile
-shipped in ``profiles/`` (scaled to nothing — used as is with the member's
-memory budget), else nothing. When any member lacks a usable profile, or the
-planner refuses, the fallback is an equal split in node-id order, so a mesh
-always has *some* plan and says why in ``reason``.
+Planning is ``partition.planner.make_plan`` over the members' device profiles:
+the profile a member shared, else a profile shipped with meshd (``meshd/profiles``:
+used as is with the member's memory budget), else nothing. When any member
+lacks a usable profile, or the planner refuses, the fallback is an equal split
+in node-id order, so a home always has *some* plan and says why in ``reason``.
+The cut table is seconds of work on a small device: :class:`PlanIssuer` builds
+it on the leader, off the event loop, and the plan ships with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.state import json_digest, profile_model, read_profiles
+from meshd.profile_files import profile_model, read_profiles
 from partition.ids import NodeId, PlanVersion
-from partition.plan import LayerAssignment, StageAssignment
+from partition.cuttable import CutTable
+from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, Plan, StageAssignment
+
+__all__ = ["DEFAULT_LINK", "PLAN_MAX_SEQ", "PLAN_SEQ_LEN", "MemberInput", "PlanIssuer", "equal_split",
+           "plan_home", "chunks_prompts", "home_cut_table", "stage_timings_over", "shipped_profiles_dir", "default_profile",
+           "prefer_mode", "model_name", "other_model_reason", "plannable_members", "not_planned"]
 
 log = get_logger("meshd.plan")
-
-PLAN_SEQ_LEN = 512  # prompt length the planner balances for
-PLAN_MAX_SEQ = 2048  # KV capacity every stage must fit
-DEFAULT_LINK = "100mbit,2ms"  # a typical home Wi-Fi hop
-
-@dataclass(frozen=True)
-class Plan(LayerAssignment):
-    """The daemon's plan: partition's stages over ``num_layers``, versioned, with who planned it.
-
-    ``layers_of``, ``layer_ranges`` and ``check`` come from
-    :class:`~partition.plan.LayerAssignment`, shared with the planner's own plan.
-    """
-
-    version: PlanVersion
-    stages: tuple[StageAssignment, ...]
-    num_layers: int
-    predicted_bottleneck_s: float | None = None
-    reason: str = ""
-    leader: NodeId = NodeId("")
-    members: tuple[NodeId, ...] = ()  # the ready members it was planned over (some may get no layers)
-    weights: str = ""  # the numeric mode every stage computes in (the leader's; "": each member its own)
-    model: str = ""  # identity of the model file every stage holds (name@sha256 prefix; "": not said)
-
-    def to_assignment(self) -> dict[str, Any]:
-        """The ``transport.messages.PlanUpdate.assignment`` form: node id -> stage.
-
-        Each stage's layers are half-open ``[first, last)``: the wire key ``last``
-        is the exclusive end (kept so daemons of different versions interoperate).
-        """
-        return {
-            s.node_id: {
-                "stage": i, "first": s.first, "last": s.end, "num_layers": self.num_layers,
-                "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
-                "leader": self.leader, "members": list(self.members), "weights": self.weights,
-                "model": self.model,
-            }
-            for i, s in enumerate(self.stages)
-        }
-
-    @staticmethod
-    def from_assignment(version: int, assignment: dict[str, Any]) -> Plan:
-        """Inverse of :meth:`to_assignment`; raises ValueError on inconsistent input."""
-        try:
-            rows = sorted(assignment.items(), key=lambda kv: int(kv[1]["stage"]))
-            stages = tuple(StageAssignment(NodeId(str(n)), int(d["first"]), int(d["last"])) for n, d in rows)
-            any_row = rows[0][1] if rows else {}
-            num_layers = int(any_row.get("num_layers", stages[-1].end if stages else 0))
-            bottleneck = any_row.get("predicted_bottleneck_s")
-            plan = Plan(PlanVersion(int(version)), stages, num_layers,
-                        None if bottleneck is None else float(bottleneck),
-                        str(any_row.get("reason", "")), NodeId(str(any_row.get("leader", ""))),
-                        tuple(NodeId(str(m)) for m in any_row.get("members", ())),
-                        str(any_row.get("weights", "") or ""), str(any_row.get("model", "") or ""))
-        except (KeyError, TypeError, IndexError) as exc:
-            raise ValueError(f"malformed plan assignment: {exc}") from None
-        plan.check()
-        return plan
-
-    def digest(self) -> str:
-        """What a stage's version check stands for: the stages and the layer count.
-
-        Heartbeats carry it beside the version, so two members holding different plans
-        under one version (two leaders of a briefly split view) are found and re-planned
-        above, instead of each serving its own plan forever. The numeric mode and the model are
-        left out, so daemons too old to carry them agree with newer ones on the digest of the
-        same stages (the leader compares both itself before re-issuing a plan).
-        """
-        return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
-
-    def to_status(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            # half-open [first, end) per stage
-            "stages": [{"node_id": s.node_id, "layers": list(s.layers)} for s in self.stages],
-            "num_layers": self.num_layers,
-            # seconds the slowest stage takes (compute + hand-off) for one prefill of
-            # PLAN_SEQ_LEN prompt tokens: the planner's objective, not a per-token time
-            "predicted_bottleneck": self.predicted_bottleneck_s,
-            "predicted_bottleneck_for_tokens": PLAN_SEQ_LEN,
-            "reason": self.reason,
-            "leader": self.leader,
-            "members": list(self.members),
-            **({"weights": self.weights} if self.weights else {}),
-            **({"model": self.model} if self.model else {}),
-        }
 
 
 @dataclass
@@ -149,12 +70,28 @@ def shipped_profiles_dir() -> Path:
     return Path(__file__).resolve().parent / "profiles"
 
 
+_said_none_shipped: set[Path] = set()
+
+
+def shipped_profiles() -> list[dict[str, Any]]:
+    """The profiles shipped with meshd; an empty or missing folder is said once (an incomplete
+    installation: members that shared no profile are then planned as equals)."""
+    where = shipped_profiles_dir()
+    found = [data for _, data in read_profiles(where)]
+    if not found and where not in _said_none_shipped:
+        _said_none_shipped.add(where)
+        log.warning("shipped_profiles_missing", path=str(where),
+                    consequence="members without a profile of their own get an equal share of the layers",
+                    hint="reinstall meshd: its wheel ships meshd/profiles/*.json")
+    return found
+
+
 def default_profile(weights: str = "", model: str = "") -> dict[str, Any] | None:
-    """The profile shipped in ``profiles/`` for a member that shared none: one of ``model`` (its
+    """The profile shipped with meshd for a member that shared none: one of ``model`` (its
     identity) when one is shipped — another model's layer times and layer count would make the
     planner refuse and the home fall back to an equal split — measured in the numeric mode
     ``weights`` if possible; else the first (by name) of that mode, else the first of any."""
-    shipped = [data for _, data in read_profiles(shipped_profiles_dir())]
+    shipped = shipped_profiles()
     same_model = [data for data in shipped if model and profile_model(data) == model]
     return prefer_mode(same_model or shipped, weights, lambda d: d)
 
@@ -169,51 +106,160 @@ def prefer_mode(items: list, weights: str, profile_of):
     return items[0] if items else None
 
 
-def compute_stages(
-    members: list[MemberInput], num_layers: int, weights: str = "", model: str = ""
-) -> tuple[list[StageAssignment], float | None, str]:
-    """Stages for ``members``: the partition DP when profiles allow it, else equal split."""
-    ids = [m.node_id for m in members]
+def _device_profiles(members: list[MemberInput], weights: str, model: str) -> list | None:
+    """Each member's DeviceProfile under its node id and memory budget (the shipped one for a member
+    that shared none); None when some member has neither. Raises on an unreadable profile."""
+    from partition.profile import DeviceProfile
+
     fallback = default_profile(weights, model)
-    profiles = []
+    out = []
     for m in members:
         data = m.profile or fallback
         if data is None:
-            return equal_split(ids, num_layers), None, "equal split: no device profiles"
-        profiles.append((m, data))
+            return None
+        out.append(dataclasses.replace(DeviceProfile.from_dict(data), device_id=m.node_id,
+                                       memory_budget_bytes=int(m.memory_budget_mb) * 2**20))
+    return out
+
+
+def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int,
+              weights: str = "", model: str = "") -> Plan:
+    """The leader's plan over ``members``, without its cut table (:class:`PlanIssuer` adds that).
+
+    ``partition.planner.make_plan`` when every member has a usable profile, else an
+    equal split that says why in ``reason``.
+    """
+    from partition.link import parse_link
+    from partition.planner import make_plan
+
+    ids = tuple(sorted(m.node_id for m in members))
+    planned = Plan(version, tuple(equal_split(list(ids), num_layers)), num_layers, None,
+                   "equal split: no device profiles", leader, ids, weights, model)
     try:
-        from partition.link import parse_link
-        from partition.profile import DeviceProfile
-
-        devs = []
-        for m, data in profiles:
-            p = DeviceProfile.from_dict(data)
-            devs.append(dataclasses.replace(
-                p, device_id=m.node_id, memory_budget_bytes=int(m.memory_budget_mb) * 2**20))
-        if devs[0].num_layers != num_layers:
-            raise ValueError(f"profiles are for {devs[0].num_layers} layers, model has {num_layers}")
-        from partition.stagecount import plan_layers
-
-        result = plan_layers(devs, parse_link(DEFAULT_LINK), PLAN_SEQ_LEN, PLAN_MAX_SEQ)
+        devs = _device_profiles(members, weights, model)
+        if devs is None and not shipped_profiles():
+            planned = dataclasses.replace(planned, reason="equal split: no device profiles, and none shipped "
+                                                          "with this meshd (an incomplete installation)")
+        if devs is not None:
+            if devs[0].num_layers != num_layers:
+                raise ValueError(f"profiles are for {devs[0].num_layers} layers, model has {num_layers}")
+            best = make_plan(devs, parse_link(DEFAULT_LINK), PLAN_MAX_SEQ, plan_seq_len=PLAN_SEQ_LEN,
+                             with_cut_table=False, version=version)
+            planned = dataclasses.replace(best, leader=leader, members=ids, weights=weights, model=model)
     except Exception as exc:  # planner refused or profiles unusable: still have a plan
         log.warning("planner_fallback", error=str(exc))
-        return equal_split(ids, num_layers), None, f"equal split: planner failed ({exc})"
-    stages = [StageAssignment(NodeId(devs[d].device_id), first, end) for d, first, end in result.split.stages]
-    # the bottleneck's kind ("compute" | "memory" | "link") with the planner's own words on it,
-    # so `meshd status` explains a plan instead of printing a bare code word
-    reason = f"{result.reason}: {result.explanation}"
-    if result.left_out:
-        reason += f"; {result.left_out}"
-    return stages, result.split.bottleneck_s, reason
+        planned = dataclasses.replace(planned, reason=f"equal split: planner failed ({exc})")
+    planned.check()
+    return planned
 
 
-def make_plan(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int,
-              weights: str = "", model: str = "") -> Plan:
-    stages, bottleneck, reason = compute_stages(members, num_layers, weights, model)
-    plan = Plan(version, tuple(stages), num_layers, bottleneck, reason, leader,
-                tuple(sorted(m.node_id for m in members)), weights, model)
-    plan.check()
-    return plan
+def stage_timings_over(stages, profiles: dict[str, dict], num_layers: int, link_spec: str = DEFAULT_LINK):
+    """The sequence planner's timing model of ``stages`` (anything with ``node_id``, ``first``, ``end``)
+    from profiles as members share them (plain dicts by node id); None when a stage's member has no
+    profile, or one of a model with another layer count."""
+    from partition.link import parse_link
+    from partition.planner import stage_timings
+    from partition.profile import DeviceProfile
+
+    devs = {}
+    for s in stages:
+        data = profiles.get(s.node_id)
+        if data is None:
+            return None
+        p = DeviceProfile.from_dict(data)
+        if p.num_layers != num_layers:
+            return None
+        devs[s.node_id] = p
+    return stage_timings(tuple(StageAssignment(s.node_id, s.first, s.end) for s in stages), devs,
+                         parse_link(link_spec))
+
+
+def cut_table_over(stages, profiles: dict[str, dict], num_layers: int,
+                   link_spec: str = DEFAULT_LINK) -> CutTable | None:
+    """The cut table of ``stages`` for prompts up to ``PLAN_MAX_SEQ`` (None: profiles missing).
+
+    The one recipe for leaders (which ship it) and for members whose leader runs a
+    meshd that ships none (0.2): both must cut a prompt at the same points.
+    """
+    from partition.sequence import build_cut_table
+
+    timings = stage_timings_over(stages, profiles, num_layers, link_spec)
+    return None if timings is None else build_cut_table(timings, PLAN_MAX_SEQ)
+
+
+def chunks_prompts(plan: Plan) -> bool:
+    """Whether members cut prompts under ``plan``: it has stages to pipeline and a model to serve
+    (a control-plane-only home, model "none", serves nothing)."""
+    return len(plan.stages) > 1 and bool(plan.model)
+
+
+def home_cut_table(plan: Plan, members: list[MemberInput]) -> CutTable | None:
+    """``plan``'s cut table from the members' profiles (the shipped one for a member without);
+    None when it chunks no prompts, or when profiles are missing."""
+    if not chunks_prompts(plan):
+        return None
+    fallback = default_profile(plan.weights, plan.model)
+    profiles = {m.node_id: m.profile or fallback for m in members if m.profile or fallback}
+    return cut_table_over(plan.stages, profiles, plan.num_layers)
+
+
+class PlanIssuer:
+    """The leader's last step before a plan goes out: its cut table, built off the event loop.
+
+    The table takes seconds on a small device and the leader's event loop must keep
+    beating hearts meanwhile; before, every member built the same table itself. A
+    plan that needs one is held until it is built, then handed to ``send`` (which
+    adopts and broadcasts it); a newer plan issued meanwhile replaces it. A plan
+    that needs none (one stage, no model served, a table already attached) is sent
+    at once.
+    """
+
+    def __init__(self, send: Callable[[Plan], None]):
+        self.send = send
+        self.pending: Plan | None = None
+        self._task: asyncio.Task | None = None
+
+    def waiting_for(self, plan: Plan) -> bool:
+        """Whether ``plan`` is the one being finished (deciding it again changes nothing)."""
+        p = self.pending
+        return p is not None and (p.version, p.digest(), p.weights, p.model, p.members, p.leader) == \
+            (plan.version, plan.digest(), plan.weights, plan.model, plan.members, plan.leader)
+
+    def issue(self, plan: Plan, members: list[MemberInput]) -> None:
+        if self.waiting_for(plan):
+            return
+        self.withdraw()
+        if plan.cut_table is not None or not chunks_prompts(plan):
+            self.send(plan)
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a caller outside any event loop (a script, a test): nothing to keep beating
+            table = home_cut_table(plan, members)
+            self.send(dataclasses.replace(plan, cut_table=table) if table is not None else plan)
+            return
+        self.pending = plan
+        self._task = loop.create_task(self._finish(plan, list(members)))
+
+    async def _finish(self, plan: Plan, members: list[MemberInput]) -> None:
+        try:
+            table = await asyncio.to_thread(home_cut_table, plan, members)
+        except Exception as exc:  # noqa: BLE001 - chunking help is optional: members compute their own
+            log.warning("cut_table_failed", plan_version=plan.version, error=str(exc))
+            table = None
+        if self.pending is not plan:
+            return  # a newer plan replaced it meanwhile
+        self.pending, self._task = None, None
+        try:
+            self.send(dataclasses.replace(plan, cut_table=table) if table is not None else plan)
+        except Exception:  # noqa: BLE001 - the next re-plan tries again; the task must not die unread
+            log.exception("plan_send_failed", plan_version=plan.version)
+
+    def withdraw(self) -> None:
+        """Drop the plan being finished, if any (its thread runs out; its result is not sent)."""
+        if self._task is not None:
+            self._task.cancel()
+        self.pending, self._task = None, None
 
 
 def model_name(identity: str) -> str:

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.state import StateDir, profile_model, read_profiles
+from meshd.profile_files import profile_model, read_profiles
+from meshd.state import StateDir
 
 log = get_logger("meshd.self_profile")
 

@@ -29,13 +29,13 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshd.errors import MeshdError
+from meshd.profile_files import profile_model, read_profiles
 from transport import keys as transport_keys
 from transport.errors import KeyStoreError
 
@@ -388,25 +388,3 @@ class StateDir:
             if model is None or profile_model(data) == model:
                 return data
         return None
-
-
-def read_profiles(directory: Path, newest_first: bool = False) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """The readable profile files in ``directory`` (by name, or newest first), parsed; the
-    unreadable ones (half-copied, not JSON) are passed over, since a profile only guides plans."""
-    if not directory.is_dir():
-        return
-    files = sorted(directory.glob("*.json"))
-    if newest_first:
-        files.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    for path in files:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            yield path, data
-
-
-def profile_model(data: dict[str, Any]) -> str | None:
-    """The identity of the model a profile (as a plain dict) was measured on."""
-    return (data.get("model") or {}).get("identity")

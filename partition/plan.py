@@ -1,30 +1,81 @@
-"""The plan: who runs which layers, and how to chunk prompts — one vocabulary for the code base.
+"""The plan: who runs which layers, and how to chunk prompts — one type for the code base.
 
-Plain frozen dataclasses with a versioned JSON form. Layer ranges are half-open
-everywhere: a :class:`StageAssignment` runs decoder layers ``[first, end)``,
-exactly what ``ModelSource.load_stage(first, end)`` takes. ``Plan.version`` is
-the daemon's monotonic plan counter (peers ignore older plans);
-``schema_version`` is the format of this object.
+One frozen :class:`Plan` serves the offline planner (``meshd plan``, the benchmarks)
+and the daemon (versioned, with its leader and members, broadcast as
+``transport.messages.PlanUpdate``). Layer ranges are half-open everywhere: a
+:class:`StageAssignment` runs decoder layers ``[first, end)``, exactly what
+``ModelSource.load_stage(first, end)`` takes. ``Plan.version`` is the daemon's
+monotonic plan counter (peers ignore older plans); ``schema_version`` is the
+format of the JSON file form.
 
-The daemon's own plan (``meshd.plan.Plan``: version, leader, members) is made
-of the same :class:`StageAssignment` and shares :class:`LayerAssignment`.
+Two serialised forms, for two readers: the JSON file (``to_dict``, what ``meshd
+plan --out`` writes) and the wire's assignment (``to_assignment``: node id ->
+its stage row, what members of every meshd version read). Layer ranges on the
+wire go through :func:`range_to_wire` / :func:`range_from_wire` only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
+from partition.cuttable import CutTable
 from partition.errors import PartitionError
 from partition.ids import NodeId, PlanVersion
 from partition.link import LinkModel
+from partition.log import get_logger
+
+log = get_logger("partition.plan")
 
 PLAN_SCHEMA_VERSION = 2  # 2: stages say "end_layer" (exclusive); 1 said "last_layer" (inclusive)
 
+# What a home plans for (the daemon's planner and every member's status agree on these)
+PLAN_SEQ_LEN = 512  # prompt length the layer split is balanced for
+PLAN_MAX_SEQ = 2048  # KV capacity every stage must fit; the cut table covers prompts up to it
+DEFAULT_LINK = "100mbit,2ms"  # a typical home Wi-Fi hop
 
-class PromptTooLongError(PartitionError):
-    """A prompt longer than the plan's ``max_seq``."""
+#: the wire key of a stage's half-open layer range ``[start, stop)``, since meshd 0.3
+RANGE_KEY = "layers_v2"
+
+
+def range_to_wire(start: int, stop: int) -> dict[str, Any]:
+    """The wire keys of the half-open layer range ``[start, stop)``.
+
+    ``layers_v2`` names it explicitly; ``first``/``last`` are what members on
+    meshd 0.1 and 0.2 read (their ``last`` is the exclusive end, unlike the
+    inclusive ``last_layer`` of plan files of schema 1), so a mixed home agrees.
+    """
+    return {RANGE_KEY: [start, stop], "first": start, "last": stop}
+
+
+def range_from_wire(row: dict[str, Any]) -> tuple[int, int]:
+    """``[start, stop)`` from any spelling a plan row has had, newest first.
+
+    ``layers_v2: [start, stop]``; the wire's ``first``/``last`` (exclusive, meshd
+    0.1/0.2); the file's ``first_layer``/``end_layer`` (schema 2) or
+    ``first_layer``/``last_layer`` (inclusive, schema 1). KeyError/TypeError/
+    ValueError on none of these.
+    """
+    if RANGE_KEY in row:
+        start, stop = row[RANGE_KEY]
+        return int(start), int(stop)
+    if "first" in row:
+        return int(row["first"]), int(row["last"])
+    if "end_layer" in row:
+        return int(row["first_layer"]), int(row["end_layer"])
+    return int(row["first_layer"]), int(row["last_layer"]) + 1
+
+
+def json_digest(obj: Any) -> str:
+    """A short digest of a JSON-able value (keys sorted), compared in heartbeats.
+
+    Byte-for-byte the digest meshd has always sent (``meshd.state.json_digest``):
+    members of older versions compare it with theirs.
+    """
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -80,8 +131,8 @@ class StageAssignment:
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageAssignment":
-        end = int(d["end_layer"]) if "end_layer" in d else int(d["last_layer"]) + 1  # schema 1
-        return cls(NodeId(d["device"]), int(d["first_layer"]), end, float(d.get("compute_s", 0)),
+        first, end = range_from_wire(d)
+        return cls(NodeId(d["device"]), first, end, float(d.get("compute_s", 0)),
                    float(d.get("transfer_s", 0)), int(d.get("memory_bytes", 0)),
                    int(d.get("memory_budget_bytes", 0)))
 
@@ -100,11 +151,48 @@ def check_tiling(stages: Iterable[StageAssignment], num_layers: int) -> None:
         raise ValueError(f"plan does not cover {num_layers} layers once: {stages}")
 
 
-class LayerAssignment:
-    """What every plan is: ``stages`` (a tuple of :class:`StageAssignment`) over ``num_layers``."""
+#: the most a shipped cut table may take of a message header (capped at 64 KiB by transport.wire)
+MAX_SHIPPED_TABLE_BYTES = 40 * 1024
 
+@dataclass(frozen=True)
+class Plan:
+    """Who runs which layers: the stages over ``num_layers``, why, and how to chunk prompts.
+
+    The first fields are what every member holds (they travel in ``PlanUpdate``):
+    the version, the stages, the predicted bottleneck and the reason in words, who
+    planned it over whom, the numeric mode (``weights``) and model identity every
+    stage computes with ("": not said), and the cut table, which the leader
+    computes once so members need not. The rest is the planner's account
+    (``partition.planner.make_plan`` fills it; the wire leaves it out).
+    """
+
+    version: PlanVersion
     stages: tuple[StageAssignment, ...]
     num_layers: int
+    predicted_bottleneck_s: float | None = None
+    reason: str = ""
+    leader: NodeId = NodeId("")
+    members: tuple[NodeId, ...] = ()  # the ready members it was planned over (some may get no layers)
+    weights: str = ""  # the numeric mode every stage computes in (the leader's; "": each member its own)
+    model: str = ""  # identity of the model file every stage holds (name@sha256 prefix; "": not said)
+    cut_table: CutTable | None = None
+    # -- the planner's account
+    plan_seq_len: int = 0
+    max_seq: int = 0
+    link: LinkModel | None = None
+    bottleneck_stage: int = 0  # index into stages
+    bottleneck_reason: str = ""  # "compute" | "memory" | "link"
+    explanation: str = ""
+    unused_devices: tuple[NodeId, ...] = ()
+    exact_search: bool = True
+    planning_seconds: float = 0.0
+    schema_version: int = PLAN_SCHEMA_VERSION
+    extras: dict = field(default_factory=dict)
+
+    # -- reading it
+    @property
+    def devices(self) -> tuple[NodeId, ...]:
+        return tuple(s.node_id for s in self.stages)
 
     def layers_of(self, node_id: str) -> tuple[int, int] | None:
         """``[first, end)`` of ``node_id``'s stage, or None when it runs no layers."""
@@ -121,90 +209,101 @@ class LayerAssignment:
         """Stages must tile [0, num_layers) contiguously, one range per node (else ValueError)."""
         check_tiling(self.stages, self.num_layers)
 
+    def digest(self) -> str:
+        """What a stage's version check stands for: the stages and the layer count.
 
-@dataclass(frozen=True)
-class CutTable:
-    """Chunk cut points for every prompt length ``0..max_seq``; ``lookup`` is O(1).
+        Heartbeats carry it beside the version, so two members holding different plans
+        under one version (two leaders of a briefly split view) are found and re-planned
+        above, instead of each serving its own plan forever. The numeric mode, the model
+        and the cut table are left out, so daemons too old to carry them agree with newer
+        ones on the digest of the same stages (the leader compares mode and model itself
+        before re-issuing a plan).
+        """
+        return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
 
-    ``cuts[y]`` are the interior chunk boundaries of a prompt of ``y`` tokens:
-    ``(300, 650)`` for ``y = 1000`` means chunks [0,300), [300,650), [650,1000).
-    """
+    def to_status(self) -> dict[str, Any]:
+        """The plan in ``meshd status`` (the same document on members of every version)."""
+        return {
+            "version": self.version,
+            # half-open [first, end) per stage
+            "stages": [{"node_id": s.node_id, "layers": list(s.layers)} for s in self.stages],
+            "num_layers": self.num_layers,
+            # seconds the slowest stage takes (compute + hand-off) for one prefill of
+            # PLAN_SEQ_LEN prompt tokens: the planner's objective, not a per-token time
+            "predicted_bottleneck": self.predicted_bottleneck_s,
+            "predicted_bottleneck_for_tokens": PLAN_SEQ_LEN,
+            "reason": self.reason,
+            "leader": self.leader,
+            "members": list(self.members),
+            **({"weights": self.weights} if self.weights else {}),
+            **({"model": self.model} if self.model else {}),
+        }
 
-    max_seq: int
-    k_max: int
-    min_chunk: int
-    cuts: tuple[tuple[int, ...], ...]
-    latency_s: tuple[float, ...]
+    # -- the wire: transport.messages.PlanUpdate.assignment
+    def to_assignment(self) -> dict[str, Any]:
+        """The ``PlanUpdate.assignment`` form: node id -> its stage row.
 
-    def lookup(self, prompt_len: int) -> tuple[int, ...]:
-        self._check(prompt_len)
-        return self.cuts[prompt_len]
+        Plan-wide fields repeat in every row (members of 0.1 and 0.2 read them from
+        any row); the cut table, the one large field, rides in the first stage's row
+        only. Readers of every version ignore row keys they do not know.
+        """
+        rows = {}
+        for i, s in enumerate(self.stages):
+            rows[s.node_id] = {
+                "stage": i, **range_to_wire(s.first, s.end), "num_layers": self.num_layers,
+                "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
+                "leader": self.leader, "members": list(self.members), "weights": self.weights,
+                "model": self.model,
+            }
+        if self.cut_table is not None and self.stages:
+            wire = self.cut_table.to_wire()
+            size = len(wire["cuts"]) + len(wire["latency_s"])
+            if size <= MAX_SHIPPED_TABLE_BYTES:
+                rows[self.stages[0].node_id]["cut_table"] = wire
+            else:  # members build their own, as for a leader that ships none
+                log.warning("cut_table_not_shipped", plan_version=self.version, bytes=size,
+                            limit=MAX_SHIPPED_TABLE_BYTES)
+        return rows
 
-    def chunks(self, prompt_len: int) -> list[tuple[int, int]]:
-        bounds = (0, *self.lookup(prompt_len), prompt_len)
-        return [(a, b) for a, b in zip(bounds, bounds[1:])]
+    @staticmethod
+    def from_assignment(version: int, assignment: dict[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_assignment`; ValueError on inconsistent stages.
 
-    def predicted_latency_s(self, prompt_len: int) -> float:
-        self._check(prompt_len)
-        return self.latency_s[prompt_len]
+        A cut table that does not decode is dropped (logged), not the plan: members
+        can compute one themselves, as they did before leaders shipped it.
+        """
+        try:
+            rows = sorted(assignment.items(), key=lambda kv: int(kv[1]["stage"]))
+            stages = tuple(StageAssignment(NodeId(str(n)), *range_from_wire(d)) for n, d in rows)
+            any_row = rows[0][1] if rows else {}
+            num_layers = int(any_row.get("num_layers", stages[-1].end if stages else 0))
+            bottleneck = any_row.get("predicted_bottleneck_s")
+            plan = Plan(PlanVersion(int(version)), stages, num_layers,
+                        None if bottleneck is None else float(bottleneck),
+                        str(any_row.get("reason", "")), NodeId(str(any_row.get("leader", ""))),
+                        tuple(NodeId(str(m)) for m in any_row.get("members", ())),
+                        str(any_row.get("weights", "") or ""), str(any_row.get("model", "") or ""),
+                        _shipped_cut_table(int(version), [d for _, d in rows]))
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise ValueError(f"malformed plan assignment: {exc}") from None
+        plan.check()
+        return plan
 
-    def _check(self, prompt_len: int) -> None:
-        if not 0 <= prompt_len <= self.max_seq:
-            raise PromptTooLongError(
-                f"prompt of {prompt_len} tokens is outside the plan's range 0..{self.max_seq}"
-            )
-
-    def to_dict(self) -> dict:
-        return {"max_seq": self.max_seq, "k_max": self.k_max, "min_chunk": self.min_chunk,
-                "cuts": [list(c) for c in self.cuts], "latency_s": list(self.latency_s)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CutTable":
-        return cls(int(d["max_seq"]), int(d["k_max"]), int(d["min_chunk"]),
-                   tuple(tuple(int(v) for v in c) for c in d["cuts"]),
-                   tuple(float(v) for v in d["latency_s"]))
-
-
-@dataclass(frozen=True)
-class Plan(LayerAssignment):
-    """The planner's full answer: the stages, why the bottleneck is where it is, the cut table."""
-
-    model_identity: str
-    num_layers: int
-    stages: tuple[StageAssignment, ...]
-    plan_seq_len: int
-    max_seq: int
-    link: LinkModel
-    bottleneck_stage: int  # index into stages
-    bottleneck_s: float
-    bottleneck_reason: str  # "compute" | "memory" | "link"
-    explanation: str
-    unused_devices: tuple[NodeId, ...] = ()
-    exact_search: bool = True
-    cut_table: CutTable | None = None
-    planning_seconds: float = 0.0
-    version: PlanVersion = PlanVersion(0)
-    schema_version: int = PLAN_SCHEMA_VERSION
-    extras: dict = field(default_factory=dict)
-
-    @property
-    def devices(self) -> tuple[NodeId, ...]:
-        return tuple(s.node_id for s in self.stages)
-
+    # -- the file: meshd plan --out
     def to_dict(self, include_cut_table: bool = True) -> dict:
-        d = {
+        d: dict[str, Any] = {
             "schema_version": self.schema_version,
             "version": self.version,
-            "model_identity": self.model_identity,
+            "model_identity": self.model,
             "num_layers": self.num_layers,
             "stages": [s.to_dict(self.num_layers) for s in self.stages],
             "plan_seq_len": self.plan_seq_len,
             "max_seq": self.max_seq,
-            "link": self.link.to_dict(),
+            **({"link": self.link.to_dict()} if self.link is not None else {}),
             "bottleneck": {
                 "stage": self.bottleneck_stage,
-                "device": self.stages[self.bottleneck_stage].node_id,
-                "seconds": self.bottleneck_s,
+                "device": self.stages[self.bottleneck_stage].node_id if self.stages else None,
+                "seconds": self.predicted_bottleneck_s,
                 "reason": self.bottleneck_reason,
                 "explanation": self.explanation,
             },
@@ -212,6 +311,10 @@ class Plan(LayerAssignment):
             "exact_search": self.exact_search,
             "planning_seconds": self.planning_seconds,
             "extras": self.extras,
+            "reason": self.reason,
+            "leader": self.leader,
+            "members": list(self.members),
+            "weights": self.weights,
         }
         if include_cut_table and self.cut_table is not None:
             d["cut_table"] = self.cut_table.to_dict()
@@ -224,26 +327,43 @@ class Plan(LayerAssignment):
     def from_dict(cls, d: dict) -> "Plan":
         if d.get("schema_version") not in (1, PLAN_SCHEMA_VERSION):
             raise PartitionError(f"plan schema version {d.get('schema_version')!r} not supported")
-        bn = d["bottleneck"]
+        bn = d.get("bottleneck") or {}
+        seconds = bn.get("seconds")
         return cls(
-            model_identity=d["model_identity"],
-            num_layers=int(d["num_layers"]),
+            version=PlanVersion(int(d.get("version", 0))),
             stages=tuple(StageAssignment.from_dict(s) for s in d["stages"]),
-            plan_seq_len=int(d["plan_seq_len"]),
-            max_seq=int(d["max_seq"]),
-            link=LinkModel.from_dict(d["link"]),
-            bottleneck_stage=int(bn["stage"]),
-            bottleneck_s=float(bn["seconds"]),
-            bottleneck_reason=bn["reason"],
-            explanation=bn["explanation"],
+            num_layers=int(d["num_layers"]),
+            predicted_bottleneck_s=None if seconds is None else float(seconds),
+            reason=str(d.get("reason", "")),
+            leader=NodeId(str(d.get("leader", ""))),
+            members=tuple(NodeId(str(m)) for m in d.get("members", ())),
+            weights=str(d.get("weights", "")),
+            model=str(d.get("model_identity", "")),
+            cut_table=CutTable.from_dict(d["cut_table"]) if d.get("cut_table") else None,
+            plan_seq_len=int(d.get("plan_seq_len", 0)),
+            max_seq=int(d.get("max_seq", 0)),
+            link=LinkModel.from_dict(d["link"]) if d.get("link") else None,
+            bottleneck_stage=int(bn.get("stage", 0)),
+            bottleneck_reason=str(bn.get("reason", "")),
+            explanation=str(bn.get("explanation", "")),
             unused_devices=tuple(NodeId(n) for n in d.get("unused_devices", ())),
             exact_search=bool(d.get("exact_search", True)),
-            cut_table=CutTable.from_dict(d["cut_table"]) if d.get("cut_table") else None,
             planning_seconds=float(d.get("planning_seconds", 0.0)),
-            version=PlanVersion(int(d.get("version", 0))),
             extras=dict(d.get("extras") or {}),
         )
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
+
+
+def _shipped_cut_table(version: int, rows: list[dict[str, Any]]) -> CutTable | None:
+    """The cut table a plan's rows carry (None: its leader predates shipping one, or it was unreadable)."""
+    wire = next((r["cut_table"] for r in rows if isinstance(r.get("cut_table"), dict)), None)
+    if wire is None:
+        return None
+    try:
+        return CutTable.from_wire(wire)
+    except ValueError as exc:
+        log.warning("cut_table_unreadable", plan_version=version, error=str(exc))
+        return None

@@ -13,6 +13,7 @@ import numpy as np
 from partition.layers import check_same_model
 from partition.link import LinkModel
 from partition.ids import NodeId, PlanVersion
+from partition.cuttable import CutTable
 from partition.plan import Plan, StageAssignment
 from partition.profile import DeviceProfile
 from partition.sequence import StageTiming, build_cut_table, flow_shop_latency, pipeline_timings
@@ -63,26 +64,35 @@ def make_plan(
     bottleneck = max(range(len(stages)), key=lambda k: stages[k].time_s)
     used = {s.node_id for s in stages}
     by_id = {p.device_id: p for p in profiles}
-    table = None
-    if with_cut_table:
-        table = build_cut_table(stage_timings(stages, by_id, link), max_seq, k_max=k_max)
+    table = plan_cut_table(stages, by_id, link, max_seq, k_max) if with_cut_table else None
+    # the bottleneck's kind with the planner's own words on it, so `meshd status` explains a
+    # plan instead of printing a bare code word
+    reason = f"{res.reason}: {res.explanation}" + (f"; {res.left_out}" if res.left_out else "")
     return Plan(
-        model_identity=profiles[0].model.identity,
-        num_layers=L,
+        version=version,
         stages=stages,
+        num_layers=L,
+        predicted_bottleneck_s=res.split.bottleneck_s,
+        reason=reason,
+        model=profiles[0].model.identity,
+        cut_table=table,
         plan_seq_len=seq,
         max_seq=max_seq,
         link=link,
         bottleneck_stage=bottleneck,
-        bottleneck_s=res.split.bottleneck_s,
         bottleneck_reason=res.reason,
         explanation=res.explanation,
         unused_devices=tuple(NodeId(p.device_id) for p in profiles if p.device_id not in used),
         exact_search=res.exact,
-        cut_table=table,
         planning_seconds=time.perf_counter() - t0,
-        version=version,
     )
+
+
+def plan_cut_table(stages: tuple[StageAssignment, ...], profiles: dict[str, DeviceProfile], link: LinkModel,
+                   max_seq: int, k_max: int | None = None) -> CutTable:
+    """The sequence planner's cut table for ``stages`` (profiles by node id): seconds of work,
+    so the leader builds it once, off its event loop, and ships it with the plan."""
+    return build_cut_table(stage_timings(stages, profiles, link), max_seq, k_max=k_max)
 
 
 def predict_prefill_s(plan: Plan, profiles: list[DeviceProfile], prompt_len: int,

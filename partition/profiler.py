@@ -199,7 +199,7 @@ def profile_device(
     """Measure ``source`` (a ``decoding.loader.ModelSource``) on this device."""
     import torch
 
-    from decoding.stage import StageModel
+    from decoding.models import StageModel
 
     s = settings.resolved()
     torch.set_num_threads(s.threads)

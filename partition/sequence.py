@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partition.link import LinkModel
-from partition.plan import CutTable
+from partition.cuttable import CutTable
 from partition.profile import DeviceProfile
 
 INF = np.inf

@@ -53,8 +53,8 @@ __all__ = [
     "decode",
     "Hello",
     "HelloReply",
-    "Heartbeat",
-    "HeartbeatAck",
+    "LinkProbe",
+    "LinkProbeAck",
     "StageForward",
     "TokenResult",
     "Truncate",
@@ -483,9 +483,15 @@ class HelloReply:
     reason: str = ""
 
 
-@message
+@message(name="Heartbeat")  # its wire name since 0.1
 @dataclass
-class Heartbeat:
+class LinkProbe:
+    """A round-trip probe of one control link (answered at once with ``LinkProbeAck``).
+
+    Not the members' liveness gossip (``meshd.control.MeshHeartbeat``): it only measures
+    whether, and how fast, one link answers.
+    """
+
     node_id: str
     state: str  # e.g. "idle", "serving", "draining"
     load: float  # 0..1 share of the node's compute in use
@@ -493,9 +499,9 @@ class Heartbeat:
     timestamp: float  # sender's time.time(), for liveness and clock-skew hints
 
 
-@message
+@message(name="HeartbeatAck")  # its wire name since 0.1
 @dataclass
-class HeartbeatAck:
+class LinkProbeAck:
     node_id: str
     plan_version: int
     timestamp: float
@@ -673,7 +679,15 @@ class ErrorReply:
 @message
 @dataclass
 class PlanUpdate:
-    """A new partition plan: ``assignment`` maps node id -> its stage description."""
+    """A new partition plan: ``assignment`` maps node id -> its stage row.
+
+    ``partition.plan.Plan.to_assignment`` writes it and ``from_assignment`` reads it:
+    the half-open layer range as ``layers_v2: [start, stop]`` beside ``first``/``last``
+    (``last`` exclusive: what members on 0.1 and 0.2 read), the plan-wide fields in every
+    row, and the leader's cut table (compact) in the first stage's row only. New keys go
+    inside rows, never beside them: this message is strict, and older members refuse
+    fields they do not know.
+    """
 
     plan_version: int
     assignment: dict[str, Any]

@@ -1,8 +1,8 @@
 """GGUF models (llama.cpp format): memory-mapped, dequantised per tensor on demand.
 
-llama.cpp stores Llama/Mistral q and k projections with rows permuted for its
-interleaved RoPE; we undo that so the same rotate-half RoPE as Hugging Face
-applies. Qwen2 GGUFs are not permuted.
+What the tensors are called, how the config is read from the metadata and
+which q/k rows llama.cpp permuted belong to the architecture's family
+(``decoding.models``); this module only reads the file.
 """
 
 from __future__ import annotations
@@ -15,26 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.config import SUPPORTED_ARCHS, ModelConfig
+from decoding import models
+from decoding.config import ModelConfig
 from decoding.errors import ModelLoadError, UnsupportedArchitecture
 from decoding.loader.files import sha256_of
 from decoding.loader.source import ModelSource
 from decoding.log import get_logger
-
-_LAYER_MAP = {
-    "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
-    "attn_output": "o", "ffn_norm": "mlp_norm", "ffn_gate": "gate", "ffn_up": "up",
-    "ffn_down": "down",
-}
-_GLOBAL_MAP = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
-               "output.weight": "lm_head"}
-_PERMUTED_ARCHS = ("llama", "mistral")
-
-
-def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of llama.cpp's convert-time permute(w, n_head)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 class GGUFSource(ModelSource):
@@ -47,9 +33,15 @@ class GGUFSource(ModelSource):
         except Exception as exc:
             raise ModelLoadError(f"{self.path}: not a readable GGUF file ({exc})") from exc
         self._cache_root = cache_root
+        # No family for the architecture: no tensors are indexed, and .config says why.
+        self._family = models.family(self.arch)
         self._tensors = {}
+        if self._family is not None:
+            self._index_tensors()
+
+    def _index_tensors(self) -> None:
         for t in self._reader.tensors:
-            canon = self._canonical(t.name)
+            canon = self._family.gguf_canonical(t.name)
             if canon:
                 self._tensors[canon] = t
         missing = [n for n in ("embed", "final_norm") if n not in self._tensors]
@@ -71,49 +63,12 @@ class GGUFSource(ModelSource):
     @cached_property
     def config(self) -> ModelConfig:
         arch = self.arch
-        if arch not in SUPPORTED_ARCHS:
+        if self._family is None:
             raise UnsupportedArchitecture(
-                f"{self.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
-        g = lambda k, d=None: self._field(f"{arch}.{k}", d)  # noqa: E731
-        n_heads = int(g("attention.head_count"))
-        hidden = int(g("embedding_length"))
-        head_dim = int(g("attention.key_length", hidden // n_heads))
-        scaling = None
-        st = g("rope.scaling.type")
-        if st and st != "none":
-            scaling = {"type": st, "factor": float(g("rope.scaling.factor", 1.0))}
-        eos = self._field("tokenizer.ggml.eos_token_id")
-        embed = self._tensors["embed"]
-        vocab = int(g("vocab_size", embed.shape[1]))
-        return ModelConfig(
-            arch=arch, vocab_size=vocab, hidden_size=hidden,
-            intermediate_size=int(g("feed_forward_length")), num_layers=int(g("block_count")),
-            num_heads=n_heads, num_kv_heads=int(g("attention.head_count_kv", n_heads)),
-            head_dim=head_dim, rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
-            rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position=int(g("context_length", 2048)),
-            tie_embeddings="lm_head" not in self._tensors,
-            attention_bias="layers.0.q_bias" in self._tensors,
-            sliding_window=None,
-            bos_id=self._field("tokenizer.ggml.bos_token_id"),
-            eos_ids=(int(eos),) if eos is not None else (),
-        )
-
-    @staticmethod
-    def _canonical(name: str) -> str | None:
-        if name in _GLOBAL_MAP:
-            return _GLOBAL_MAP[name]
-        if name == "rope_freqs.weight":
-            return "rope_freqs"
-        parts = name.split(".")
-        if len(parts) == 4 and parts[0] == "blk":
-            base = _LAYER_MAP.get(parts[2])
-            if base is None:
-                return None
-            if parts[3] == "bias":
-                return f"layers.{parts[1]}.{base}_bias"
-            return f"layers.{parts[1]}.{base}"
-        return None
+                f"{self.path}: architecture {arch!r} is not supported "
+                f"(supported: {', '.join(models.SUPPORTED_ARCHS)})")
+        return self._family.config_from_gguf(arch, self._field, self._tensors,
+                                             self._tensors["embed"].shape[1])
 
     # -- tensors --------------------------------------------------------------
     def has_tensor(self, name: str) -> bool:
@@ -130,11 +85,9 @@ class GGUFSource(ModelSource):
         except Exception as exc:
             raise ModelLoadError(f"{self.path}: cannot dequantise {t.name} ({t.tensor_type.name}): {exc}") from exc
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if self.arch in _PERMUTED_ARCHS:
-            if name.endswith(".q") or name.endswith(".q_bias"):
-                arr = unpermute_rows(arr, self.config.num_heads)
-            elif name.endswith(".k") or name.endswith(".k_bias"):
-                arr = unpermute_rows(arr, self.config.num_kv_heads)
+        heads = self._family.gguf_heads_permuted(self.config, name)
+        if heads is not None:
+            arr = self._family.unpermute_rows(arr, heads)
         return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))  # writable, owned
 
     def tensor_type(self, name: str) -> str | None:
@@ -166,9 +119,9 @@ class GGUFSource(ModelSource):
         return tuple(self._unpermuted(name, p, rows) for p in planes)
 
     def _unpermuted(self, name: str, groups, rows: int):
-        if self.arch in _PERMUTED_ARCHS and (name.endswith(".q") or name.endswith(".k")):
-            heads = self.config.num_heads if name.endswith(".q") else self.config.num_kv_heads
-            return groups.permute_rows(unpermute_rows(np.arange(rows), heads))
+        heads = self._family.gguf_heads_permuted(self.config, name)
+        if heads is not None:
+            return groups.permute_rows(self._family.unpermute_rows(np.arange(rows), heads))
         return groups
 
     def read_row_blocks(self, name: str):

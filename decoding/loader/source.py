@@ -2,10 +2,8 @@
 
 Stages ask only for the tensors of their layer range, so a device holding layers
 [10, 20) never materialises the others (memory per stage ~ its share of the model).
-
-Canonical tensor names (HF orientation, weight = [out_features, in_features]):
-``embed``, ``final_norm``, ``lm_head`` and, per layer i, ``layers.{i}.`` +
-``attn_norm q k v o q_bias k_bias v_bias mlp_norm gate up down``.
+Tensors are asked for by canonical name; the architecture's family says what
+they are (``decoding.models.llama.names``) and builds the stage.
 """
 
 from __future__ import annotations
@@ -17,17 +15,6 @@ from pathlib import Path
 import torch
 
 from decoding.config import ModelConfig
-
-LAYER_TENSORS = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
-BIAS_TENSORS = ("q_bias", "k_bias", "v_bias")
-
-
-def layer_tensor_names(config: ModelConfig, i: int) -> list[str]:
-    names = [f"layers.{i}.{n}" for n in LAYER_TENSORS]
-    if config.attention_bias:
-        names += [f"layers.{i}.{n}" for n in BIAS_TENSORS]
-    return names
-
 
 class ModelSource(abc.ABC):
     """A model on local disk. Subclasses read one file format."""
@@ -65,9 +52,9 @@ class ModelSource(abc.ABC):
                    device: torch.device | str | None = None, packed: str | bool = ""):
         """Decoder layers ``[first, end)`` (+ embedding when ``first == 0``, head when ``end`` is the last),
         in ``dtype`` on ``device`` (default: the CPU); ``packed``: the packing of its matrices ("packed", "packed4"; ``decoding.device.PACKINGS``)."""
-        from decoding.stage import StageModel
+        from decoding.models import load_stage
 
-        return StageModel.from_source(self, first, end, dtype, device, packed)
+        return load_stage(self, first, end, dtype, device, packed)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.path})"

@@ -17,7 +17,7 @@ from decoding.offload.loop import SUPPORT_MAX, DraftStep, draft_step
 from decoding.offload.policy import GAMMA
 from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import Sampler, SamplingParams, filtered_probs
-from decoding.stage import BatchItem
+from decoding.batch import BatchItem
 
 
 class LocalDrafter:

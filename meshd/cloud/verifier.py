@@ -37,7 +37,8 @@ from decoding.errors import CacheFull
 from decoding.offload.loop import SUPPORT_MAX
 from decoding.sampling import BadSamplingParams, Sampler, SamplingParams
 from decoding.speculative.verify import dense_draft_probs, verify_offloaded
-from decoding.stage import BatchItem, StageModel
+from decoding.batch import BatchItem
+from decoding.models import StageModel
 from meshd.errors import MeshdError
 from meshd.log import get_logger
 from partition.ids import CloudSession

@@ -1,7 +1,8 @@
 """``meshd plan``: split the model over devices from their profiles, and chunk a prompt.
 
 Offline and pure: reads profile files (or scales a measured one for a device
-not measured yet, ``PATH@speed=0.5,mem=4GiB,id=tablet``), prints the layer
+not measured yet, ``PATH@speed=0.5,mem=4GiB,id=tablet``; a profile shipped with
+meshd is also found by its name, e.g. ``x86_64-2core-1thread``), prints the layer
 ranges per device (``first-last``, both run; the JSON says half-open
 ``first_layer``/``end_layer``), the predicted bottleneck and why, and for ``--prompt-len``
 the chunk cut points and predicted prefill latency. ``--json`` adds one JSON
@@ -15,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_LINK = "100mbit,2ms"
+from partition.plan import DEFAULT_LINK
 
 
 def register(subparsers) -> None:
@@ -25,7 +26,8 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--profile", action="append", required=True, metavar="PATH[@speed=F,mem=SIZE,id=NAME]",
-                   help="a device profile (repeat per device); @... scales it for an unmeasured device")
+                   help="a device profile (repeat per device), or the name of one shipped with meshd "
+                        "(e.g. x86_64-2core-1thread); @... scales it for an unmeasured device")
     p.add_argument("--link", default=DEFAULT_LINK, metavar="BANDWIDTH[,RTT]",
                    help=f"link between devices, e.g. 100mbit,2ms or 1gbit,0.5ms or local (default {DEFAULT_LINK})")
     p.add_argument("--max-seq", type=int, default=2048,
@@ -61,6 +63,31 @@ def _unique_ids(profiles):
     return out
 
 
+def resolve_profile_arg(arg: str) -> str:
+    """``arg`` with its path made one that exists: as given, else the profile of that name shipped
+    with meshd (so ``profiles/x.json`` from the README works in an installed meshd too).
+
+    A name that is neither is a one-line error saying what is shipped, or that nothing is (an
+    incomplete installation), rather than a planner that quietly has less to go on.
+    """
+    from meshd.errors import MeshdError
+    from meshd.plan import shipped_profiles_dir
+
+    path, at, opts = arg.partition("@")
+    if Path(path).exists():
+        return arg
+    shipped = shipped_profiles_dir()
+    name = Path(path).name
+    found = shipped / (name if name.endswith(".json") else f"{name}.json")
+    if found.is_file():
+        print(f"profile {path}: the one shipped with meshd ({found})", file=sys.stderr)
+        return f"{found}{at}{opts}"
+    names = sorted(p.stem for p in shipped.glob("*.json"))
+    known = f"shipped with meshd: {', '.join(names)}" if names else \
+        f"no profile is shipped in {shipped}: the installation is incomplete, reinstall meshd"
+    raise MeshdError(f"--profile {path}: no such file, nor a profile of that name ({known})")
+
+
 def run(args) -> int:
     from meshd.errors import MeshdError
     from partition.link import parse_link
@@ -74,7 +101,7 @@ def run(args) -> int:
     if args.plan_seq_len is not None and not 1 <= args.plan_seq_len <= args.max_seq:
         raise MeshdError(f"--plan-seq-len must be between 1 and --max-seq ({args.max_seq})")
     link = parse_link(args.link)
-    profiles = _unique_ids([parse_profile_arg(a) for a in args.profile])
+    profiles = _unique_ids([parse_profile_arg(resolve_profile_arg(a)) for a in args.profile])
     plan = make_plan(profiles, link, args.max_seq, plan_seq_len=args.plan_seq_len,
                      exact_limit=args.exact_limit)
 
@@ -94,7 +121,7 @@ def run(args) -> int:
         print(f"unused devices: {', '.join(plan.unused_devices)} (with them prompts would not be faster)",
               file=out)
     bn = plan.stages[plan.bottleneck_stage]
-    print(f"bottleneck: stage {plan.bottleneck_stage + 1} ({bn.node_id}) {plan.bottleneck_s:.3f} s "
+    print(f"bottleneck: stage {plan.bottleneck_stage + 1} ({bn.node_id}) {plan.predicted_bottleneck_s:.3f} s "
           f"per {plan.plan_seq_len}-token prompt, {plan.bottleneck_reason}-bound: {plan.explanation}",
           file=out)
     search = "exact over device subsets and orders" if plan.exact_search else \

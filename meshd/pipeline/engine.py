@@ -46,7 +46,7 @@ def aligned_cuts(cuts: list[int], prompt_len: int, block: int) -> list[int]:
     """``cuts`` moved to the nearest multiple of ``block`` (dropping those that meet or fall off an end).
 
     A packed stage computes whole position blocks together and any other row alone
-    (``decoding.stage``): a prompt cut only at block boundaries is then computed
+    (``decoding.batch``): a prompt cut only at block boundaries is then computed
     exactly as one device computes it uncut, bit for bit.
     """
     out: list[int] = []

@@ -1,8 +1,8 @@
-"""This device's part of the mesh, owned by the daemon: its stage, its coordinator, its plans.
+"""This device's part of the mesh: its stage, its coordinator, its plans.
 
-The daemon owns one ``ServingRole``. It serves this device's pipeline stage for
+The model host (``meshd.model_host``) owns one ``ServingRole``. It serves this device's pipeline stage for
 every coordinator in the home, runs the coordinator for requests that arrive
-here, and follows the daemon's plans: adopting them in version order only,
+here, and follows the home's plans: adopting them in version order only,
 loading the new layer range, building the plan's cut table, and sending a tiny
 warm-up request through every stage (links, CURVE handshakes, first forwards),
 so the first real answer does not pay for them. The API's engine
@@ -15,18 +15,19 @@ from __future__ import annotations
 import asyncio
 
 from decoding.sampling import SamplingSpec
-from decoding.stage import EXACT_BLOCK
+from decoding.batch import EXACT_BLOCK
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import PipelineCoordinator, StepsRequest
 from meshd.pipeline.engine import UNCUT_PROMPT, aligned_cuts, default_cuts
 from meshd.pipeline.route import Route, model_mismatch
-from partition.plan import LayerAssignment
+from meshd.plan import cut_table_over, stage_timings_over
+from partition.plan import Plan
 
 log = get_logger("meshd.serving")
 
 
-class DaemonDirectory:
-    """Node id → (stage endpoint, CURVE key), from the daemon's membership view.
+class MeshDirectory:
+    """Node id → (stage endpoint, CURVE key), from the control plane's view of the home.
 
     Peers announce their stage port in heartbeats; their address is the one mDNS
     resolved. Looked up on every use, so a member that restarts on a new port or
@@ -34,39 +35,36 @@ class DaemonDirectory:
     an empty address (its key is still known: enough to answer its requests).
     """
 
-    def __init__(self, daemon):
-        self.daemon = daemon
+    def __init__(self, view, listen: str):
+        self.view = view  # meshd.mesh.view.MeshView
+        self.listen = listen
 
     def own_host(self) -> str:
-        listen = self.daemon.config.listen
-        if listen not in ("0.0.0.0", "", "::"):
-            return listen
-        for iface in self.daemon.interfaces:
+        if self.listen not in ("0.0.0.0", "", "::"):
+            return self.listen
+        for iface in self.view.interfaces:
             if iface.addresses:
                 return iface.addresses[0]
         return "127.0.0.1"
 
     def __call__(self, node_id: str) -> tuple[str, str]:
-        d = self.daemon
-        if node_id == d.node_id:
-            return f"tcp://{self.own_host()}:{d.stage_port}", d.public_key
-        member = d.members.get(node_id)
+        view = self.view
+        if node_id == view.node_id:
+            return f"tcp://{self.own_host()}:{view.local.stage_port}", view.local.public_key
+        member = view.members.get(node_id)
         if member is None:
             raise KeyError(f"{node_id} is not a member of this home")
-        peer = d.membership.peers.get(node_id) if d.membership else None
-        port = int((peer.info if peer else {}).get("stage_port") or 0)
-        if node_id not in d.addresses or not port:
+        port = int(view.info_of(node_id).get("stage_port") or 0)
+        if node_id not in view.addresses or not port:
             return "", member.public_key
-        return f"tcp://{d.addresses[node_id][0]}:{port}", member.public_key
+        return f"tcp://{view.addresses[node_id][0]}:{port}", member.public_key
 
     def version_of(self, node_id: str) -> str:
         """The meshd version ``node_id`` announced in its heartbeats ("": not known)."""
-        d = self.daemon
-        peer = d.membership.peers.get(node_id) if d.membership else None
-        return str((peer.info if peer else {}).get("version") or "")
+        return str(self.view.info_of(node_id).get("version") or "")
 
 
-def route_from_plan(plan: LayerAssignment, directory) -> Route:
+def route_from_plan(plan: Plan, directory) -> Route:
     """The plan's stages (same ``[first, end)`` ranges) with each node's address and key."""
     from meshd.pipeline.route import StageEndpoint
 
@@ -80,51 +78,25 @@ def route_from_plan(plan: LayerAssignment, directory) -> Route:
     return Route(plan.version, tuple(stages), getattr(plan, "weights", "") or "", getattr(plan, "model", "") or "")
 
 
-CUT_TABLE_MAX_SEQ = 2048
-
-
-def _route_timings(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
-    """Per-stage timing models of this route (None if a member's profile is missing or for another model)."""
-    from partition.link import parse_link
-    from partition.plan import StageAssignment
-    from partition.planner import stage_timings
-    from partition.profile import DeviceProfile
-
-    devs = {}
-    for s in route.stages:
-        data = profiles.get(s.node_id)
-        if data is None:
-            return None
-        p = DeviceProfile.from_dict(data)
-        if p.num_layers != num_layers:
-            return None
-        devs[s.node_id] = p
-    stages = tuple(StageAssignment(s.node_id, s.first, s.end) for s in route.stages)
-    return stage_timings(stages, devs, parse_link(link_spec))
-
-
 def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
     """The sequence partitioner's cut table for this route's stages (None if profiles are missing).
 
-    Pure: device profiles (plain dicts, as members share them) + layer ranges + link →
-    ``partition.plan.CutTable``; a lookup then gives a prompt's cut points in O(1).
+    Members build it only for a plan that arrives without one (its leader runs meshd 0.2);
+    the same recipe as the leader's (``meshd.plan.cut_table_over``), so both cut alike.
     """
-    from partition.sequence import build_cut_table
-
-    timings = _route_timings(route, profiles, num_layers, link_spec)
-    return None if timings is None else build_cut_table(timings, CUT_TABLE_MAX_SEQ)
+    return cut_table_over(route.stages, profiles, num_layers, link_spec)
 
 
 def verify_cost_slope(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str) -> float | None:
     """The profiles' estimate of what an extra token in a speculative verify round costs on this route."""
     from partition.sequence import round_cost_slope
 
-    timings = _route_timings(route, profiles, num_layers, link_spec)
+    timings = stage_timings_over(route.stages, profiles, num_layers, link_spec)
     return None if timings is None else round_cost_slope(timings)
 
 
 class ServingRole:
-    """Stage + coordinator + plan adoption for one daemon.
+    """Stage + coordinator + plan adoption for one device.
 
     Prompts are cut where the sequence partitioner says, from a cut table built for
     each plan from the members' profiles (the shipped profile for members that have
@@ -146,6 +118,7 @@ class ServingRole:
         self._adopt_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.cut_table_errors = 0
+        self._said_built_locally = False  # "this plan carries no cut table" is said once
         self.warm = asyncio.Event()  # set once a plan has served a warm-up request end to end
         self.warm_version = 0
         self.model_mismatch = ""  # why this device cannot serve the current plan's model ("": it can)
@@ -169,19 +142,8 @@ class ServingRole:
             # Requests running on the old plan pause now (they replay on this one once it
             # serves), rather than keep a vanished device's stage in their path.
             self.coordinator.set_route(None)
-            if self.profiles_for is not None and len(route.stages) > 1:
-                try:
-                    table = await asyncio.to_thread(cut_table_for, route, self.profiles_for(),
-                                                    self.source.config.num_layers, self.link_spec)
-                    if table is not None:
-                        self._cut_tables = {route.plan_version: table}
-                    slope = verify_cost_slope(route, self.profiles_for(), self.source.config.num_layers,
-                                              self.link_spec)
-                    if slope is not None:
-                        self.coordinator.round_cost.prior(slope)
-                except Exception as exc:  # planning help is optional: equal chunks still work
-                    self.cut_table_errors += 1
-                    log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
+            if len(route.stages) > 1:
+                await self._plan_cut_table(plan, route)
             try:
                 await self.stage.deploy(route)
             except Exception:  # a bad plan must not kill the daemon; the next plan may fix it
@@ -191,6 +153,28 @@ class ServingRole:
             self.coordinator.set_route(route)
         if not self.model_mismatch:  # (requests here are refused at once: nothing to warm)
             await self.warm_up(route)
+
+    async def _plan_cut_table(self, plan: Plan, route: Route) -> None:
+        """Use the cut table the leader shipped; build one here only for a plan that carries none."""
+        table = plan.cut_table
+        try:
+            profiles = self.profiles_for() if self.profiles_for is not None else None
+            if table is None and profiles is not None:
+                if not self._said_built_locally:
+                    self._said_built_locally = True
+                    log.info("cut_table_built_here", plan_version=route.plan_version, leader=plan.leader,
+                             reason="the plan carries no cut table (its leader runs meshd 0.2, or could not build one)")
+                table = await asyncio.to_thread(cut_table_for, route, profiles, self.source.config.num_layers,
+                                                self.link_spec)
+            if table is not None:
+                self._cut_tables = {route.plan_version: table}
+            slope = None if profiles is None else verify_cost_slope(
+                route, profiles, self.source.config.num_layers, self.link_spec)
+            if slope is not None:
+                self.coordinator.round_cost.prior(slope)
+        except Exception as exc:  # planning help is optional: equal chunks still work
+            self.cut_table_errors += 1
+            log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
 
     async def warm_up(self, route: Route) -> None:
         """One tiny greedy request through every stage of ``route`` (best effort)."""
@@ -216,7 +200,7 @@ class ServingRole:
         else:
             cuts = default_cuts(prompt_len, len(route.stages))
         if (route.weights or getattr(self.stage, "mode", "")).startswith("packed"):
-            cuts = aligned_cuts(cuts, prompt_len, EXACT_BLOCK)  # a packed stage's exactness (decoding.stage)
+            cuts = aligned_cuts(cuts, prompt_len, EXACT_BLOCK)  # a packed stage's exactness (decoding.batch)
         return cuts
 
     async def aclose(self) -> None:
@@ -224,13 +208,16 @@ class ServingRole:
         await self.stage.close()
 
 
-
-
-async def start_serving(daemon) -> ServingRole:
-    """Open the model, start the stage service and the coordinator, follow the daemon's plans.
+async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = "",
+                        follow_plans=None) -> ServingRole:
+    """Open the model, start the stage service and the coordinator, follow the home's plans.
 
     Loads the local model file's metadata and tokenizer (weights are loaded per
-    plan, only for this device's layer range) on the daemon's CURVE transport.
+    plan, only for this device's layer range) on the control link's CURVE transport
+    ``node``. ``view`` (``meshd.mesh.view.MeshView``) says where members' stages are
+    and what profiles they shared; ``sharing`` (``meshd.share``) fetches the model from
+    the home when this device has no file; ``follow_plans(listener)`` subscribes the
+    role to every plan adopted from now on.
     """
     from meshd.config import placement_of
     from meshd.drafting import medusa_factory
@@ -238,39 +225,36 @@ async def start_serving(daemon) -> ServingRole:
     from meshd.pipeline.stage import StageService
     from meshd.plan import DEFAULT_LINK, default_profile
 
-    cfg = daemon.config
-    sharing = getattr(daemon, "sharing", None)  # no local file: the home's members lend it (meshd.share)
     source = await (sharing.obtain_source() if sharing is not None else
                     asyncio.to_thread(open_model, cfg.model or None))
     # Everything lazy is done now, off the event loop: the tokenizer, and the file's
     # identity (a sha256 over the file, cached) that heartbeats carry.
     await asyncio.to_thread(lambda: (source.tokenizer, getattr(source, "identity", None)))
-    directory = DaemonDirectory(daemon)
-    node = daemon.link.node
+    directory = MeshDirectory(view, cfg.listen)
     placement = placement_of(cfg)
     wire = getattr(cfg, "wire_dtype", "float32")
-    stage = StageService(node, daemon.node_id, source, directory, dtype=placement.dtype, device=placement.device,
+    stage = StageService(node, view.node_id, source, directory, dtype=placement.dtype, device=placement.device,
                          packed=placement.packed,
                          activation_dtype=None if wire == "float32" else wire,
                          medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)),
                          peer_version=directory.version_of)
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
-    daemon.stage_port = int(address.rsplit(":", 1)[1])
-    coordinator = PipelineCoordinator(node, daemon.node_id, directory, resume_timeout_s=cfg.request_wait_s,
+    view.local.stage_port = int(address.rsplit(":", 1)[1])
+    coordinator = PipelineCoordinator(node, view.node_id, directory, resume_timeout_s=cfg.request_wait_s,
                                       model=source.identity, vocab_size=source.config.vocab_size)
     await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
 
     def profiles_for() -> dict[str, dict]:
-        fallback = default_profile(daemon.weights_mode, source.identity)
-        known = {**daemon.profiles, daemon.node_id: daemon.own_profile}
-        return {nid: known.get(nid) or fallback for nid in daemon.members if (known.get(nid) or fallback)}
+        fallback = default_profile(weights_mode, source.identity)
+        return {nid: view.profile_of(nid) or fallback for nid in view.members if (view.profile_of(nid) or fallback)}
 
     role = ServingRole(source, coordinator, stage, directory, profiles_for, DEFAULT_LINK,
                        wait_s=cfg.request_wait_s)
-    daemon.plan_listeners.append(role.follow)
-    if daemon.plan is not None:
-        role.follow(daemon.plan)
+    if follow_plans is not None:
+        follow_plans(role.follow)
+    if view.plan is not None:
+        role.follow(view.plan)
     log.info("serving_started", stage=address, coordinator=coordinator.address, model=source.identity,
              **placement.describe())
     if placement.device.type != "cpu":  # say it once: plans cannot know yet (issue #14)

@@ -8,7 +8,13 @@
     messages.py  the wire messages (adverts, targets, manifest and piece requests)
     fetch.py     fetching pieces from several holders at once, verified, resumable, rate-limited
     gate.py      the leader's rule: a plan waits until its members hold the layers it gives them
-    service.py   the daemon's sharing role: serves pieces, follows adverts and targets, fetches
+    deps.py      what the role needs from the daemon: settings, the transport, a few callbacks
+    held.py      what this device holds: a local file or a cache entry, and its manifest
+    endpoint.py  lending: the CURVE server answering manifest and piece requests
+    peers.py     the others as lenders: their adverts, bans, links; the home's model
+    own_fetch.py this device's fetch: the header, then exactly the pieces of its target range
+    leader.py    the leader's side: targets for the members a new plan waits for
+    service.py   the daemon's sharing role: builds the parts, orders start-up, adverts, status
 
 Only GGUF files are shared (tensors at known offsets); a member running a
 Hugging Face directory still serves its layers but cannot lend them.

@@ -279,7 +279,7 @@ def needed_tensors(names: Iterable[str], num_layers: int, first: int, end: int) 
 
     Its blocks' tensors; the token embedding on the first stage (and on the last
     when the head is tied to it); the final norm and head on the last;
-    ``rope_freqs`` everywhere. Mirrors ``decoding.stage.StageModel.from_source``
+    ``rope_freqs`` everywhere. Mirrors ``decoding.models.llama.loader.load_stage``
     (a test checks it against the tensors that loader actually reads).
     """
     if not 0 <= first < end <= num_layers:

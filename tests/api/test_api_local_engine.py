@@ -104,6 +104,6 @@ def test_daemon_factory_opens_the_configured_model(monkeypatch):
         return "engine"
 
     monkeypatch.setattr(engine_mod.LocalEngine, "open", fake_open)
-    daemon = SimpleNamespace(config=SimpleNamespace(model="/models/x.gguf"))
-    assert asyncio.run(engine_mod.local_engine(daemon)) == "engine"
+    config = SimpleNamespace(model="/models/x.gguf")
+    assert asyncio.run(engine_mod.local_engine(config)) == "engine"
     assert opened == ["/models/x.gguf"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from decoding.medusa import MedusaHeads
-from decoding.medusa_train import is_heldout
+from decoding.training.medusa_data import is_heldout
 
 
 def meshd(*args, timeout=240):

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def drafter_stage(real_stage):
     """The home's model: the embedded one cut to its first 20 layers (same tokenizer, weaker)."""
-    from decoding.stage import StageModel
+    from decoding.models.llama import StageModel
 
     s = real_stage
     return StageModel(s.config, 0, s.config.num_layers, s.layers[:20], s.embed, s.final_norm, s.lm_head,

@@ -11,7 +11,8 @@ import torch
 
 from decoding.loader import open_model
 from decoding.masks import tree_mask_from_parents
-from decoding.stage import BatchItem, segmented_attention
+from decoding.attention import segmented_attention
+from decoding.batch import BatchItem
 
 ATOL = 1e-4
 

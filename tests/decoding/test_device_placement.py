@@ -37,7 +37,8 @@ from decoding.selector import TokenSelector
 from decoding.speculative.generate import MedusaSource, speculative_generate
 from decoding.speculative.tree import DraftTree
 from decoding.speculative.verify import verify_sampled
-from decoding.stage import BatchItem, StageModel
+from decoding.batch import BatchItem
+from decoding.models import StageModel
 from tests.support.repo import ROOT as REPO_ROOT
 
 # Functions that create a tensor from nothing: without device= they make it on the CPU.

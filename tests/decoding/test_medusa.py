@@ -11,9 +11,10 @@ from decoding.errors import DrafterError
 from decoding.loader import open_model
 from decoding.masks import tree_mask_from_parents
 from decoding.medusa import MedusaHeads, build_tree, chain_tree, expected_accepted, tree_parents
-from decoding.medusa_train import (IGNORE, Example, HiddenSet, RuntimeCheck, TrainConfig, collect_hidden,
-                                   evaluate, generate_runtime, is_heldout, load_prompts, mean_loss,
-                                   simulate_greedy, train_heads)
+from decoding.training.medusa import TrainConfig, mean_loss, train_heads
+from decoding.training.medusa_data import (IGNORE, Example, HiddenSet, RuntimeCheck, collect_hidden, generate_runtime,
+                                           is_heldout, load_prompts)
+from decoding.training.medusa_eval import evaluate, simulate_greedy
 
 
 def random_heads(k=3, d=16, vocab=40, seed=0, tree=None) -> MedusaHeads:
@@ -311,7 +312,7 @@ def test_the_shipped_heads_load_verified_for_the_embedded_model(real_source, rea
     assert len(acc) == 5 and acc[0] > 0.2  # trained: untrained heads echo the next token and score a few per cent
     assert len(heads.meta["topk_accuracy"]) == 5
     ids = real_source.tokenizer.apply_chat([{"role": "user", "content": "Turn off the kitchen light."}])
-    from decoding.medusa_train import runtime_hidden
+    from decoding.training.medusa_data import runtime_hidden
 
     h = runtime_hidden(real_stage, ids)
     assert heads.head_logits(h[-1], real_stage.lm_head).shape == (5, cfg.vocab_size)

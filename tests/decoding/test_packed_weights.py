@@ -179,7 +179,7 @@ def test_a_packed_stage_gives_each_token_the_same_logits_alone_or_in_a_verify_ro
 def test_a_prompt_cut_at_block_boundaries_is_computed_as_one_device_computes_it_uncut(real_source, packed_stage):
     """Pipelined prefill cuts a prompt where the planner says (aligned to EXACT_BLOCK in a packed home):
     every cut, and the decode steps after it, give the uncut prompt's logits bit for bit."""
-    from decoding.stage import EXACT_BLOCK
+    from decoding.batch import EXACT_BLOCK
 
     tok = real_source.tokenizer
     ids = torch.tensor(tok.encode("A home is a collection of small systems that were never designed together. " * 12))
@@ -209,7 +209,7 @@ def test_two_packed_stages_give_one_devices_tokens(real_source, packing):
     (the embedded model ties them), and a prompt cut at a block boundary changes nothing."""
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
-    from decoding.stage import EXACT_BLOCK
+    from decoding.batch import EXACT_BLOCK
 
     tok = real_source.tokenizer
     one = LocalPipeline.from_source(real_source, 1, torch.bfloat16, packed=packing)

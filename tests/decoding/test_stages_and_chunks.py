@@ -69,7 +69,7 @@ def test_the_fast_cpu_linear_gives_what_f_linear_gives(rows):
     """Small-row products take oneDNN's inference path on CPU; the rows that come back are the same."""
     import torch.nn.functional as F
 
-    from decoding.stage import linear
+    from decoding.linear import linear
 
     g = torch.Generator().manual_seed(rows)
     x, w, b = torch.randn(rows, 64, generator=g), torch.randn(96, 64, generator=g), torch.randn(96, generator=g)

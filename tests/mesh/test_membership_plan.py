@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from meshd import plan as plan_mod
-from meshd.plan import MemberInput, Plan, equal_split, make_plan
+from meshd.plan import MemberInput, equal_split, plan_home
+from partition.plan import Plan
 from partition.plan import StageAssignment as Stage
 from tests.support.logs import all_log_events
 
@@ -19,7 +20,7 @@ def test_equal_split_tiles_the_layers_in_node_id_order():
 
 def test_without_any_profile_the_plan_is_an_equal_split_and_says_so(monkeypatch):
     monkeypatch.setattr(plan_mod, "default_profile", lambda weights="", model="": None)
-    p = make_plan(3, "a", [MemberInput("a", 1000), MemberInput("b", 1000)], 30)
+    p = plan_home(3, "a", [MemberInput("a", 1000), MemberInput("b", 1000)], 30)
     assert p.stages == (Stage("a", 0, 15), Stage("b", 15, 30))
     assert p.version == 3 and p.leader == "a" and p.members == ("a", "b")
     assert p.reason.startswith("equal split")
@@ -29,7 +30,7 @@ def test_with_profiles_the_partition_planner_decides_and_predicts_the_bottleneck
     if plan_mod.default_profile() is None:
         pytest.skip("no shipped profile in profiles/")
     members = [MemberInput(n, 8000) for n in ("a", "b")]
-    p = make_plan(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
+    p = plan_home(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
     assert p.predicted_bottleneck_s and p.predicted_bottleneck_s > 0
     assert not p.reason.startswith("equal split")
     p.check()
@@ -40,7 +41,7 @@ def test_the_plan_reason_explains_its_bottleneck_in_words():
     if plan_mod.default_profile() is None:
         pytest.skip("no shipped profile in profiles/")
     members = [MemberInput(n, 8000) for n in ("a", "b")]
-    p = make_plan(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
+    p = plan_home(1, "a", members, plan_mod.default_profile()["model"]["num_layers"])
     kind, _, words = p.reason.partition(": ")
     assert kind in ("compute", "memory", "link") and "layers" in words and " s" in words
 
@@ -63,7 +64,7 @@ def test_a_member_without_a_profile_is_planned_with_the_shipped_profile_of_its_o
     mode = ours.get("dtype", "")
     assert plan_mod.default_profile(mode, "other.gguf@0123456789abcdef")["model"]["num_layers"] == 24
     assert plan_mod.default_profile(mode, ours["model"]["identity"])["device_id"] == ours["device_id"]
-    p = make_plan(1, "a", [MemberInput("a", 8000), MemberInput("b", 8000)], ours["model"]["num_layers"],
+    p = plan_home(1, "a", [MemberInput("a", 8000), MemberInput("b", 8000)], ours["model"]["num_layers"],
                   mode, ours["model"]["identity"])
     assert not p.reason.startswith("equal split"), p.reason
 
@@ -76,7 +77,7 @@ def test_a_member_that_would_slow_prompts_down_is_left_out_and_the_plan_says_why
     base = pf.DeviceProfile.from_dict(plan_mod.default_profile())
     slow = pf.scale(base, 0.3).to_dict()  # a device 3.3x slower than the others
     members = [MemberInput("a", 8000), MemberInput("b", 8000, slow)]
-    p = make_plan(1, "a", members, base.num_layers)
+    p = plan_home(1, "a", members, base.num_layers)
     assert [s.node_id for s in p.stages] == ["a"]
     assert "b left out" in p.reason and "predicted" in p.reason
     p.check()
@@ -84,7 +85,7 @@ def test_a_member_that_would_slow_prompts_down_is_left_out_and_the_plan_says_why
 
 def test_a_planner_failure_falls_back_to_an_equal_split():
     bad = {"schema": "nope"}
-    p = make_plan(1, "a", [MemberInput("a", 1000, bad), MemberInput("b", 1000, bad)], 30)
+    p = plan_home(1, "a", [MemberInput("a", 1000, bad), MemberInput("b", 1000, bad)], 30)
     assert p.reason.startswith("equal split: planner failed")
     assert [s.node_id for s in p.stages] == ["a", "b"]
 
@@ -95,7 +96,7 @@ def test_a_plan_survives_the_plan_update_message_form():
 
 
 def test_a_plan_names_the_numeric_mode_every_member_computes_in():
-    p = make_plan(3, "a", [MemberInput("a", 4000), MemberInput("b", 4000)], 30, weights="packed")
+    p = plan_home(3, "a", [MemberInput("a", 4000), MemberInput("b", 4000)], 30, weights="packed")
     assert p.weights == "packed" and p.to_status()["weights"] == "packed"
     assert Plan.from_assignment(3, p.to_assignment()).weights == "packed"
     # the digest stays that of the stages alone: daemons too old to carry a mode agree on it
@@ -171,22 +172,39 @@ class _RecordingLink:
         return sum(self.send(n, msg) for n in node_ids or ())
 
 
-def _daemon(tmp_path, node_id, peers):
-    """A daemon object wired in memory: ready peers, a recording link, no sockets."""
-    from meshd.config import Config
-    from meshd.daemon import Daemon
-    from meshd.membership import Membership
+class _Mesh:
+    """The control plane's objects wired in memory: ready peers, a recording link, no sockets."""
 
-    d = Daemon(Config(state_dir=tmp_path / node_id, model="none", replan_debounce_s=0.01), env={})
-    d.node_id = node_id
-    d.load_state = "none"
-    d.membership = Membership(node_id, 3.0, 6.0)
-    d.link = _RecordingLink()
-    for n, key in peers.items():
-        d.by_key[key] = n
-        d.link.peers[n] = key
-        d.membership.heartbeat(n, 0.0, {"load_state": "none", "plan_version": 0, "memory_budget_mb": 1000})
-    return d
+    def __init__(self, tmp_path, node_id, peers, plan_version=0):
+        from meshd.config import Config
+        from meshd.membership import Debouncer, Membership
+        from meshd.mesh.gossip import Gossip
+        from meshd.mesh.local import LocalMember
+        from meshd.mesh.planner import Planner
+        from meshd.mesh.view import MeshView
+        from meshd.state import StateDir
+
+        cfg = Config(state_dir=tmp_path / node_id, model="none", replan_debounce_s=0.01)
+        local = LocalMember(node_id, cfg.memory_budget_mb, "none", clock=lambda: 0.0)
+        local.node_id = node_id
+        self.view = MeshView(StateDir(tmp_path / node_id), local, Membership(node_id, 3.0, 6.0))
+        self.link = _RecordingLink()
+        self.planner = Planner(cfg, self.view, self.link, Debouncer(0.01), clock=lambda: 0.0)
+        cloud = type("NoCloud", (), {"share_for": lambda self, *a: None})()
+        self.gossip = Gossip(self.view, self.planner, self.link, cloud, clock=lambda: 0.0, extras=dict)
+        for n, key in peers.items():
+            self.view.by_key[key] = n
+            self.link.peers[n] = key
+            self.view.membership.heartbeat(
+                n, 0.0, {"load_state": "none", "plan_version": plan_version, "memory_budget_mb": 1000})
+
+    plan = property(lambda self: self.view.plan)
+    conflict = property(lambda self: self.planner.conflict)
+    membership = property(lambda self: self.view.membership)
+
+
+def _daemon(tmp_path, node_id, peers, plan_version=0):
+    return _Mesh(tmp_path, node_id, peers, plan_version)
 
 
 def _heartbeat_from(node_id, plan):
@@ -203,52 +221,48 @@ def test_the_leader_replans_above_a_member_serving_another_plan_under_its_versio
     # c joined and, lowest id, led at once (v2 over a, b, c) while b, the old leader,
     # had issued its own v2 over a and b: each side would serve its plan forever.
     theirs = Plan(2, (Stage("a", 0, 15), Stage("b", 15, 30)), 30, leader="b", members=("a", "b"))
-    c = _daemon(tmp_path, "c", {"a": "key-a", "b": "key-b"})
-    c.node_id = "0c"  # the lowest id: the leader
-    c.membership = type(c.membership)("0c", 3.0, 6.0)
-    for n in ("a", "b"):
-        c.membership.heartbeat(n, 0.0, {"load_state": "none", "plan_version": 1, "memory_budget_mb": 1000})
-    c._maybe_replan()  # its own v2
+    c = _daemon(tmp_path, "0c", {"a": "key-a", "b": "key-b"}, plan_version=1)  # the lowest id: the leader
+    c.planner.maybe_replan()  # its own v2
     assert c.plan.version == 2 and c.membership.leader() == "0c"
     c.link.sent.clear()
-    c._maybe_replan()  # nothing changed: the version stays (requests on it are not failed as stale)
+    c.planner.maybe_replan()  # nothing changed: the version stays (requests on it are not failed as stale)
     assert c.plan.version == 2 and not c.link.sent
 
-    c._on_message("key-a", _heartbeat_from("a", theirs))
-    assert c.plan_conflict
-    c._maybe_replan()
+    c.gossip.on_message("key-a", _heartbeat_from("a", theirs))
+    assert c.conflict
+    c.planner.maybe_replan()
 
     assert c.plan.version == 3 and c.plan.leader == "0c"
     updates = [(n, m) for n, m in c.link.sent if type(m).__name__ == "PlanUpdate"]
     assert {n for n, _ in updates} == {"a", "b"} and all(m.plan_version == 3 for _, m in updates)
-    assert not c.plan_conflict
+    assert not c.conflict
 
 
 def test_a_member_that_is_not_the_leader_notes_the_conflict_and_leaves_it_to_the_leader(tmp_path):
     ours = Plan(2, (Stage("a", 0, 15), Stage("b", 15, 30)), 30, leader="a")
     leaders = Plan(2, (Stage("a", 0, 10), Stage("b", 10, 20), Stage("0c", 20, 30)), 30, leader="0c")
     b = _daemon(tmp_path, "b", {"a": "key-a", "0c": "key-c"})
-    b._adopt(ours)
+    b.planner.adopt(ours)
 
     from transport.messages import PlanUpdate, Envelope
 
-    b._on_message("key-c", Envelope(PlanUpdate(2, leaders.to_assignment())))
-    assert b.plan_conflict and b.plan == ours  # an equal version is never adopted
-    b._maybe_replan()
+    b.gossip.on_message("key-c", Envelope(PlanUpdate(2, leaders.to_assignment())))
+    assert b.conflict and b.plan == ours  # an equal version is never adopted
+    b.planner.maybe_replan()
     assert b.plan == ours and not [m for _, m in b.link.sent if type(m).__name__ == "PlanUpdate"]
 
-    b._on_message("key-c", Envelope(PlanUpdate(3, leaders.to_assignment())))
-    assert b.plan.version == 3 and b.plan.stages == leaders.stages and not b.plan_conflict
+    b.gossip.on_message("key-c", Envelope(PlanUpdate(3, leaders.to_assignment())))
+    assert b.plan.version == 3 and b.plan.stages == leaders.stages and not b.conflict
 
 
 def test_members_holding_the_same_plan_see_no_conflict(tmp_path):
     plan = Plan(2, (Stage("a", 0, 15), Stage("b", 15, 30)), 30, leader="a", members=("a", "b"))
     a = _daemon(tmp_path, "a", {"b": "key-b"})
-    a._adopt(plan)
+    a.planner.adopt(plan)
     # the digest covers what a stage checks: the stages and the layer count
     same_stages = Plan(2, plan.stages, 30, reason="other words", leader="a", members=("a", "b", "z"))
-    a._on_message("key-b", _heartbeat_from("b", same_stages))
-    assert not a.plan_conflict
+    a.gossip.on_message("key-b", _heartbeat_from("b", same_stages))
+    assert not a.conflict
     assert Plan(2, plan.stages, 31).digest() != plan.digest()
 
 
@@ -267,7 +281,7 @@ def test_a_heartbeat_from_a_newer_member_with_fields_this_version_lacks_keeps_it
     env = decode([msgpack.packb(header), *frames[1:]])
     with all_log_events() as logs:
         for _ in range(3):
-            a._on_message("key-b", env)
+            a.gossip.on_message("key-b", env)
     assert a.membership.peers["b"].info["uptime_s"] == 42.0  # the rest of it was taken
     said = [e for e in logs if e["event"] == "peer_fields_unknown"]
     assert len(said) == 1 and said[0]["fields"] == ["from_the_future"] and said[0]["peer_version"] == "9.9"
@@ -280,14 +294,14 @@ def test_a_plan_echoed_back_with_its_predicted_timings_is_no_conflict(tmp_path):
 
     a = _daemon(tmp_path, "a", {"b": "key-b"})
     planned = Plan(2, (Stage("a", 0, 15, compute_s=0.4), Stage("b", 15, 30, compute_s=0.5)), 30, leader="a")
-    a._adopt(planned)
+    a.planner.adopt(planned)
     echoed = Plan.from_assignment(2, planned.to_assignment())  # timings do not travel
     assert echoed.stages != planned.stages and echoed.digest() == planned.digest()
-    a._on_message("key-b", Envelope(PlanUpdate(2, echoed.to_assignment())))
-    a._on_message("key-b", _heartbeat_from("b", echoed))
+    a.gossip.on_message("key-b", Envelope(PlanUpdate(2, echoed.to_assignment())))
+    a.gossip.on_message("key-b", _heartbeat_from("b", echoed))
     older = dataclasses.replace(_heartbeat_from("b", echoed).message, plan_digest="")  # a 0.1 member
-    a._on_message("key-b", Envelope(older))
-    assert not a.plan_conflict
+    a.gossip.on_message("key-b", Envelope(older))
+    assert not a.conflict
 
 
 def test_heartbeats_carry_the_plan_digest_only_to_members_that_decode_it(tmp_path):
@@ -298,8 +312,8 @@ def test_heartbeats_carry_the_plan_digest_only_to_members_that_decode_it(tmp_pat
     a = _daemon(tmp_path, "a", {"old": "key-old", "new": "key-new", "quiet": "key-quiet"})
     a.membership.peers["old"].info["version"] = "0.1.0"
     a.membership.peers["new"].info["version"] = "0.2.0"
-    a._adopt(Plan(1, (Stage("a", 0, 30),), 30, leader="a"))
-    a._send_heartbeat()
+    a.planner.adopt(Plan(1, (Stage("a", 0, 30),), 30, leader="a"))
+    a.gossip.send_heartbeat()
     sent = {n: m for n, m in a.link.sent}
     assert sent["new"].plan_digest == a.plan.digest()
     for n in ("old", "quiet"):  # a 0.1 daemon, and one not heard from yet
@@ -311,17 +325,14 @@ def test_a_conflict_is_settled_even_while_a_new_plan_waits_for_members_to_fetch_
         def gate(self, plan, current, ready, model, plan_over):
             return None
 
-    c = _daemon(tmp_path, "c", {"a": "key-a"})
-    c.node_id = "0c"
-    c.membership = type(c.membership)("0c", 3.0, 6.0)
-    c.membership.heartbeat("a", 0.0, {"load_state": "none", "plan_version": 1, "memory_budget_mb": 1000})
+    c = _daemon(tmp_path, "0c", {"a": "key-a"}, plan_version=1)
     ours = Plan(2, (Stage("0c", 0, 30),), 30, leader="0c")
-    c._adopt(ours)
-    c.sharing = FetchingStill()
-    c._maybe_replan()
+    c.planner.adopt(ours)
+    c.planner.sharing = FetchingStill()
+    c.planner.maybe_replan()
     assert c.plan == ours  # no conflict: waiting is fine
 
-    c._on_message("key-a", _heartbeat_from("a", Plan(2, (Stage("a", 0, 30),), 30, leader="a")))
-    c._maybe_replan()
-    assert c.plan.version == 3 and c.plan.stages == ours.stages and not c.plan_conflict
+    c.gossip.on_message("key-a", _heartbeat_from("a", Plan(2, (Stage("a", 0, 30),), 30, leader="a")))
+    c.planner.maybe_replan()
+    assert c.plan.version == 3 and c.plan.stages == ours.stages and not c.conflict
     assert [m.plan_version for n, m in c.link.sent if type(m).__name__ == "PlanUpdate"] == [3]

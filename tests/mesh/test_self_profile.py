@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshd.plan import compute_stages, MemberInput, shipped_profiles_dir
+from meshd.plan import MemberInput, plan_home, shipped_profiles_dir
 from meshd.self_profile import describe, reference_for, settle
 from meshd.state import StateDir
 from partition import profile as pf
@@ -112,12 +112,13 @@ def test_a_slow_device_that_measured_itself_is_planned_by_its_speed(tmp_path):
     fast = run(state_dir(tmp_path / "a"), Timer(1.0)).profile
     slow = run(state_dir(tmp_path / "b"), Timer(0.25)).profile
     members = [MemberInput("fast", 8192, fast), MemberInput("slow", 8192, slow)]
-    stages, _, reason = compute_stages(members, 30)
+    planned = plan_home(1, "fast", members, 30)
+    stages, reason = planned.stages, planned.reason
     share = {s.node_id: s.end - s.first for s in stages}
     assert share.get("slow", 0) <= 8, (share, reason)
     assert share["fast"] >= 22
-    equal, _, _ = compute_stages([MemberInput("fast", 8192, None), MemberInput("slow", 8192, None)], 30)
-    assert all(13 <= s.end - s.first <= 17 for s in equal)  # both look alike: about half each
+    equal = plan_home(1, "fast", [MemberInput("fast", 8192, None), MemberInput("slow", 8192, None)], 30)
+    assert all(13 <= s.end - s.first <= 17 for s in equal.stages)  # both look alike: about half each
 
 
 def test_the_real_one_layer_timing_gives_a_usable_profile(tmp_path, real_source):

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partition.link import LOCAL, parse_link
-from partition.plan import CutTable, PromptTooLongError
+from partition.cuttable import CutTable, PromptTooLongError
 from partition.planner import make_plan, predict_prefill_s
 from partition.sequence import (
     StageTiming,

@@ -164,7 +164,7 @@ class Recording:
 @pytest.mark.parametrize("tied,rope", [(False, False), (True, False), (False, True)])
 def test_needed_tensors_are_exactly_what_the_stage_loader_reads(tmp_path, tied, rope):
     from decoding.loader.gguf_source import GGUFSource
-    from decoding.stage import StageModel
+    from decoding.models.llama import StageModel
 
     source = GGUFSource(write_tiny_gguf(tmp_path / "m.gguf", layers=4, tied=tied, rope_freqs=rope))
     gguf_name = {canon: t.name for canon, t in source._tensors.items()}

@@ -9,81 +9,34 @@ whose adverts and targets go straight to the other services.
 from __future__ import annotations
 
 import asyncio
-import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from decoding.loader.gguf_source import GGUFSource
-from meshd.membership import PeerState
 from meshd.share.messages import ManifestRequest, PieceRequest
 from meshd.share.service import ShareService
 from transport.errors import RemoteError
-from transport.node import TransportNode
 from tests.support.gguf import write_tiny_gguf
 from tests.support.logs import all_log_events
+from tests.support.share_bus import Bus, close_all, shell
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class Bus:
-    def __init__(self):
-        self.services: dict[str, ShareService] = {}
-        self.addresses: dict[str, tuple[str, int]] = {}
-        self.members: dict[str, SimpleNamespace] = {}
-
-    def broadcast(self, sender, msg):
-        for nid, svc in list(self.services.items()):
-            if nid != sender:
-                svc.on_control(sender, msg)
-        return len(self.services) - 1
-
-    def send(self, sender, nid, msg):
-        if nid in self.services:
-            self.services[nid].on_control(sender, msg)
-            return True
-        return False
-
-
 class EvilShare(ShareService):
     """Flips one byte of every piece it lends (after its own check passed)."""
 
-    def _read_checked(self, i):
-        data = bytearray(super()._read_checked(i))
-        data[len(data) // 2] ^= 0x10
-        return bytes(data)
+    def __init__(self, deps):
+        super().__init__(deps)
+        honest = self.endpoint.read_checked
 
-
-async def shell(bus: Bus, tmp_path, name: str, model=None, cls=ShareService) -> ShareService:
-    node = TransportNode(name, state_dir=tmp_path / name)
-    await node.start()
-    d = SimpleNamespace(
-        node_id=name, load_state="loading", clock=time.monotonic,
-        config=SimpleNamespace(heartbeat_interval_s=0.1, listen="127.0.0.1", model=model, share_rate=None,
-                               share_fetch="layers"),
-        state=SimpleNamespace(models_dir=tmp_path / name / "models"),
-        link=SimpleNamespace(node=node, broadcast=lambda msg: bus.broadcast(name, msg),
-                             send=lambda nid, msg: bus.send(name, nid, msg)),
-        membership=SimpleNamespace(state_of=lambda nid: PeerState.READY, ready_ids=lambda: sorted(bus.services)),
-        addresses=bus.addresses, members=bus.members, debounce=SimpleNamespace(poke=lambda t: None),
-    )
-    svc = cls(d)
-    await svc.start()
-    bus.services[name] = svc
-    bus.addresses[name] = ("127.0.0.1", 0)
-    bus.members[name] = SimpleNamespace(public_key=node.public_key.decode())
-    for other in bus.services.values():  # everyone admits everyone (the home's allow-list)
-        for peer in bus.services.values():
-            other.d.link.node.admit(peer.d.link.node.public_key, peer.d.node_id)
-    return svc
-
-
-async def close_all(bus: Bus):
-    for svc in bus.services.values():
-        await svc.aclose()
-        await svc.d.link.node.close()
+        def flipped(i):
+            data = bytearray(honest(i))
+            data[len(data) // 2] ^= 0x10
+            return bytes(data)
+        self.endpoint.read_checked = flipped
 
 
 @pytest.fixture
@@ -110,7 +63,7 @@ async def test_a_member_without_the_model_fetches_its_layers_and_shuns_the_one_s
             source = await asyncio.wait_for(newcomer.obtain_source(), 60)
             await asyncio.wait_for(newcomer.set_target(1, 3), 60)
             assert newcomer.state == "done" and not source.missing(1, 3)
-        assert set(newcomer.banned) == {"evil"}, newcomer.status()
+        assert set(newcomer.peers.banned) == {"evil"}, newcomer.status()
         assert any(e["event"] == "share_peer_corrupt" and e["peer"] == "evil" for e in logs)
         stats = newcomer.status()
         assert stats["holds"]["layers"] == [[1, 3]] and not stats["holds"]["complete"]
@@ -119,9 +72,9 @@ async def test_a_member_without_the_model_fetches_its_layers_and_shuns_the_one_s
             assert torch.equal(a.qkv, b.qkv) and torch.equal(a.down, b.down)
         assert source.identity == GGUFSource(tiny).identity
         # the newcomer now lends what it holds to the next one, and nobody asks the evil member again
-        await eventually(lambda: "newcomer" in honest.peers and honest.peers["newcomer"].holdings.layers,
+        await eventually(lambda: "newcomer" in honest.peers.peers and honest.peers.peers["newcomer"].holdings.layers,
                          timeout_s=30, what="the newcomer's advert")
-        assert honest.peers["newcomer"].holdings.layers == frozenset({1, 2})
+        assert honest.peers.peers["newcomer"].holdings.layers == frozenset({1, 2})
     finally:
         await close_all(bus)
 
@@ -133,8 +86,8 @@ async def test_bad_share_requests_get_clear_refusals(tmp_path, tiny):
         asker = await shell(bus, tmp_path, "asker")
         await holder.obtain_source()
         await eventually(lambda: holder.manifest is not None, timeout_s=30, what="the manifest")
-        peer = await asker.d.link.node.connect(f"tcp://127.0.0.1:{holder.port}",
-                                               server_key=holder.d.link.node.public_key, timeout=10)
+        peer = await asker.deps.transport.connect(f"tcp://127.0.0.1:{holder.port}",
+                                                  server_key=holder.deps.transport.public_key, timeout=10)
         sha = holder.manifest.sha256
         with pytest.raises(RemoteError, match="bad_request"):
             await peer.request(PieceRequest(sha, 10**6))
@@ -144,6 +97,6 @@ async def test_bad_share_requests_get_clear_refusals(tmp_path, tiny):
             await peer.request(PieceRequest("0" * 64, 0))
         reply = await peer.request(PieceRequest(sha, 0))  # and it keeps serving
         assert reply.index == 0 and len(reply.data) == holder.manifest.pieces[0].length
-        assert holder.served["refused"] == 3
+        assert holder.endpoint.served["refused"] == 3
     finally:
         await close_all(bus)

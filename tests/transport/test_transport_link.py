@@ -19,7 +19,7 @@ from transport.messages import (
     Ack,
     ErrorReply,
     FreeSequence,
-    Heartbeat,
+    LinkProbe,
     StageForward,
     TokenResult,
     Truncate,
@@ -427,8 +427,8 @@ async def test_heartbeat_fields_survive_the_link(ctx):
     h = Recorder()
     server, peer = await _pair(ctx, h)
     try:
-        await peer.request(Heartbeat("n1", "serving", 0.25, 4, 1700000000.5))
-        assert h.calls[0][0] == Heartbeat("n1", "serving", 0.25, 4, 1700000000.5)
+        await peer.request(LinkProbe("n1", "serving", 0.25, 4, 1700000000.5))
+        assert h.calls[0][0] == LinkProbe("n1", "serving", 0.25, 4, 1700000000.5)
     finally:
         await peer.close()
         await server.close()

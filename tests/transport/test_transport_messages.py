@@ -31,8 +31,8 @@ FAST = settings(
 EXAMPLES = [
     M.Hello("kitchen", 3, "ab12-cd34-ef56-7890", "tcp://10.0.0.2:5710"),
     M.HelloReply("laptop", 3, "1111-2222-3333-4444", accepted=False, reason="stale plan"),
-    M.Heartbeat("kitchen", "serving", 0.5, 3, 1_700_000_000.25),
-    M.HeartbeatAck("laptop", 3, 1_700_000_000.5),
+    M.LinkProbe("kitchen", "serving", 0.5, 3, 1_700_000_000.25),
+    M.LinkProbeAck("laptop", 3, 1_700_000_000.5),
     M.StageForward(
         "req-1", 3, "kitchen/ab12/17", 128, chunk_index=2, hidden=torch.randn(64, 576),
         tree_mask=torch.tril(torch.ones(4, 4, dtype=torch.bool)),
@@ -79,8 +79,8 @@ def _same_message(a, b) -> bool:
 
 
 def test_every_message_of_the_mesh_has_an_example_here():
-    ours = {name for name, cls in registry().items() if cls.__module__ == M.__name__}
-    assert ours == {type(m).__name__ for m in EXAMPLES}
+    ours = {cls for cls in registry().values() if cls.__module__ == M.__name__}
+    assert ours == {type(m) for m in EXAMPLES}
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)

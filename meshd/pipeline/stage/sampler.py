@@ -20,7 +20,7 @@ from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.tree import DraftTree
-from decoding.stage import StageModel
+from decoding.models import StageModel
 from meshd.log import get_logger
 from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.worker import Work

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from decoding.device import dtype_name
-from decoding.stage import StageModel
+from decoding.models import StageModel
 from meshd.log import get_logger
 from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.route import Route, model_mismatch

@@ -22,7 +22,8 @@ import torch
 from decoding.device import CPU, DeviceError, default_dtype, dtype_name, resolve_weights, to_host
 from decoding.memory import release_free_memory
 from decoding.speculative.tree import DraftTree
-from decoding.stage import BatchItem, StageModel
+from decoding.batch import BatchItem
+from decoding.models import StageModel
 from meshd.log import get_logger
 from meshd.pipeline.route import Route
 from meshd.pipeline.stage.errors import StageError

@@ -1,0 +1,219 @@
+"""One pipeline stage: a contiguous range [first, end) of a Llama-family decoder.
+
+A plain-torch forward (RMSNorm, RoPE, grouped-query attention through
+scaled_dot_product_attention, SwiGLU MLP) so that the same code runs the whole
+model on one device or any slice of it on many. The first stage embeds token
+ids; the last applies the final norm and the LM head; every stage appends the
+new positions to its own KV cache.
+
+A stage lives on one device (``decoding.device``): its weights, KV cache,
+positions, RoPE tables and masks are all there. Inputs are moved to it once per
+forward; outputs stay on it (the caller moves them to the host once per message),
+so consecutive stages on one GPU pass activations without a host round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from decoding.attention import attention_tail, exact_attention, segmented_attention
+from decoding.batch import BatchItem, RowPlan
+from decoding.config import ModelConfig
+from decoding.errors import ContextOverflow
+from decoding.kv_cache import KVCache
+from decoding.linear import linear, nbytes
+from decoding.masks import chunk_mask
+from decoding.models.llama.layers import LayerWeights, rms_norm, rotate
+
+
+class StageModel:
+    def __init__(self, config: ModelConfig, first: int, end: int, layers: list[LayerWeights],
+                 embed: torch.Tensor | None, final_norm: torch.Tensor | None,
+                 lm_head: torch.Tensor | None, inv_freq: torch.Tensor, dtype: torch.dtype):
+        self.config = config
+        self.first, self.end = first, end  # decoder layers [first, end)
+        self.layers = layers
+        self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
+        # The device is where the weights are (a view built from another stage's tensors follows them).
+        weights = (embed, lm_head, final_norm, *(lw.attn_norm for lw in layers[:1]))
+        self.device = next((t.device for t in weights if t is not None), inv_freq.device)
+        self.inv_freq = inv_freq if inv_freq.device == self.device else inv_freq.to(self.device)
+        self.dtype = dtype
+        self.scale = config.head_dim ** -0.5
+        self.formats: dict[str, str] = {}  # tensor -> how it is held, when not simply ``dtype``
+        self.scratch = None  # packed stages: the buffer matrices are widened into for long prompts
+        self.packing = ""  # "", "packed" or "packed4" (decoding.device.PACKINGS)
+
+    @classmethod
+    def from_source(cls, source, first: int, end: int, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str | None = None, packed: str | bool = "") -> "StageModel":
+        """Load ``[first, end)`` from ``source`` (see ``decoding.models.llama.loader.load_stage``)."""
+        from decoding.models.llama.loader import load_stage
+
+        return load_stage(cls, source, first, end, dtype, device, packed)
+
+    @property
+    def packed(self) -> bool:
+        """Whether this stage's matrices are packed (a packed numeric mode; :attr:`packing` says which)."""
+        return bool(self.packing)
+
+    @property
+    def is_first(self) -> bool:
+        return self.first == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.config.num_layers
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.first
+
+    def weight_bytes(self) -> int:
+        total = sum(lw.nbytes() for lw in self.layers)
+        seen = set()
+        for t in (self.embed, self.final_norm, self.lm_head):
+            if t is not None and id(t) not in seen:  # a tied head is the embedding itself
+                seen.add(id(t))
+                total += nbytes(t)
+        return total
+
+    def new_cache(self, max_tokens: int = 1 << 16) -> KVCache:
+        return KVCache(self.config, self.num_layers, self.dtype, max_tokens, self.device)
+
+    # -- forward --------------------------------------------------------------------
+    def forward(self, kv: KVCache, seq_id, x: torch.Tensor, tree_mask: torch.Tensor | None = None,
+                all_logits: bool = True, head: bool = True, return_normed: bool = False):
+        """Append ``x`` (token ids on the first stage, hidden states otherwise) to ``seq_id``.
+
+        Returns hidden states [n, hidden], or logits [n, vocab] on the last stage
+        (only the final position's logits when ``all_logits`` is False; none at
+        all with ``head=False``, for prompt chunks whose logits nobody reads).
+        ``return_normed`` (last stage): also return the final-normed hidden
+        states the LM head consumed, as ``(logits, normed)`` — Medusa heads draft
+        from them without another pass through the model.
+        """
+        return self.forward_batch(kv, [BatchItem(seq_id, x, tree_mask, all_logits, head, return_normed)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, kv: KVCache, items: list[BatchItem], probes: dict[int, torch.Tensor] | None = None
+                      ) -> list:
+        """Run several sequences' new tokens in one pass; returns what :meth:`forward` would, per item.
+
+        The weights are read once for all rows (on a CPU, decode is bound by
+        reading them: four sequences' steps cost little more than one), while
+        each sequence attends only to its own keys — ragged, one attention call
+        per sequence, so nobody's cache is copied into a padded batch. A
+        sequence may appear once per batch (its rows must see each other's keys
+        in order); the caller runs a second message for it in the next batch.
+
+        Inputs (token ids, hidden states, tree masks) may come from the host: a
+        stage off the CPU moves them here once per item. Outputs stay on the
+        stage's device; the caller moves what it keeps to the host.
+
+        ``probes`` (last stage): for each item with ``attention_tail`` = W > 0,
+        ``probes[index]`` receives [rows, W]: the final layer's attention, averaged
+        over heads, that each new row pays to the sequence's last W positions. An
+        edge device asks for it to judge how much later tokens lean on a drafted
+        chunk (the importance half of deciding what a cloud verifier should see).
+        """
+        if len({it.seq_id for it in items}) != len(items):
+            raise ValueError("a sequence may appear only once in a batch")
+        cfg, device = self.config, self.device
+        items = [it.on(device) for it in items]  # a CPU stage after a GPU one gets GPU tensors too
+        plans = []
+        for it in items:
+            past, n = kv.length(it.seq_id), it.x.shape[0]
+            if past + n > cfg.max_position:
+                raise ContextOverflow(
+                    f"sequence would reach {past + n} positions; the model's context is {cfg.max_position}")
+            if cfg.sliding_window and past + n > cfg.sliding_window:
+                raise ContextOverflow(
+                    f"sequence would reach {past + n} positions, beyond the sliding window {cfg.sliding_window}")
+            plans.append(RowPlan.of(it, past, device, exact=bool(self.packing)))
+        if self.is_first:
+            ids = torch.cat([it.x for it in items]) if len(items) > 1 else items[0].x
+            h = F.embedding(ids, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed.lookup(ids)
+        else:
+            h = torch.cat([it.x for it in items]).to(self.dtype) if len(items) > 1 else items[0].x.to(self.dtype)
+        positions = torch.cat([p.positions for p in plans]) if len(plans) > 1 else plans[0].positions
+        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        for p, it in zip(plans, items):
+            p.offset = kv.reserve(it.seq_id, p.n)
+        if probes is not None and self.is_last:
+            for i, (p, it) in enumerate(zip(plans, items)):
+                p.probe_tail, p.probe_index = it.attention_tail, i
+        dense = None
+        if self.packing:  # which rows take the dense path in every matrix product (see RowPlan.of)
+            dense = torch.cat([p.whole for p in plans]) if len(plans) > 1 else plans[0].whole
+        for li, lw in enumerate(self.layers):
+            h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes, dense)
+        for p, it in zip(plans, items):
+            kv.commit(it.seq_id, p.n)
+        parts = h.split([p.n for p in plans])
+        read = [(part[-it.logit_rows:] if it.logit_rows else part) if it.all_logits else part[-1:]
+                for part, it in zip(parts, items) if it.head]
+        if not self.is_last or not read:
+            return list(parts)
+        # The LM head only over the rows someone reads: one product for the whole batch.
+        normed = rms_norm(torch.cat(read), self.final_norm, cfg.rms_eps)
+        # (a packed head multiplies every row alone: widening a 152k-row head would cost more than it saves)
+        logits = linear(normed, self.lm_head, dense=False).float()
+        sizes = [r.shape[0] for r in read]
+        heads = iter(zip(logits.split(sizes), normed.split(sizes)))
+        outs: list = []
+        for part, it in zip(parts, items):
+            if not it.head:
+                outs.append(part)
+                continue
+            lg, nm = next(heads)
+            outs.append((lg, nm) if it.return_normed else lg)
+        return outs
+
+    def _layer(self, kv, li, lw: LayerWeights, h, cos, sin, items, plans, probes=None, dense=None):
+        cfg = self.config
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        total = h.shape[0]
+        x = rms_norm(h, lw.attn_norm, cfg.rms_eps)
+        qkv = linear(x, lw.qkv, lw.qkv_bias, dense)
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = rotate(q.view(total, nh, hd).transpose(0, 1), cos, sin)
+        k = rotate(k.view(total, nkv, hd).transpose(0, 1), cos, sin)
+        v = v.view(total, nkv, hd).transpose(0, 1)
+        if len(items) == 1:
+            attn = self._attend(kv, li, items[0].seq_id, plans[0], q, k, v, probes)
+        else:
+            parts, start = [], 0
+            for it, p in zip(items, plans):
+                end = start + p.n
+                parts.append(self._attend(kv, li, it.seq_id, p, q[:, start:end], k[:, start:end], v[:, start:end],
+                                          probes))
+                start = end
+            attn = torch.cat(parts, dim=1)
+        h = h + linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o, None, dense)
+        x = rms_norm(h, lw.mlp_norm, cfg.rms_eps)
+        gate, up = linear(x, lw.gate_up, None, dense).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, lw.down, None, dense)
+
+    def _attend(self, kv: KVCache, li: int, seq_id, p: RowPlan, q, k, v, probes=None) -> torch.Tensor:
+        """One sequence's attention, [heads, n, head_dim]: its new keys written, then read in place."""
+        nh, nkv = self.config.num_heads, self.config.num_kv_heads
+        kv.write(seq_id, li, p.offset, k, v)
+        segments = kv.segments(seq_id, li, p.offset + p.n)
+        if p.exact and len(segments) == 1 and not (p.probe_tail and probes is not None):
+            return exact_attention(p, q, *segments[0], self.scale, nkv != nh)
+        if p.exact and p.mask is None:  # a forked sequence (shared prefix): one chunk mask for its rows
+            p = dataclasses.replace(p, mask=chunk_mask(p.past, p.n, q.device))
+        if p.probe_tail and probes is not None and li == len(self.layers) - 1:
+            probes[p.probe_index] = attention_tail(q, segments, p, p.probe_tail, self.scale)
+        if len(segments) == 1:
+            keys, values = segments[0]
+            return F.scaled_dot_product_attention(
+                q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=p.mask, is_causal=p.causal,
+                scale=self.scale, enable_gqa=nkv != nh)[0]
+        return segmented_attention(q, segments, p.mask, self.scale)

@@ -1,0 +1,35 @@
+"""Device profile files in a folder (a state dir's, the shipped ones): read, and told apart by model.
+
+Apart from the state directory because profiles are read from more than one place
+(``meshd.plan`` reads the shipped folder too), and a profile only guides plans: an
+unreadable file is passed over, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def read_profiles(directory: Path, newest_first: bool = False) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The readable profile files in ``directory`` (by name, or newest first), parsed; the
+    unreadable ones (half-copied, not JSON) are passed over, since a profile only guides plans."""
+    if not directory.is_dir():
+        return
+    files = sorted(directory.glob("*.json"))
+    if newest_first:
+        files.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in files:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            yield path, data
+
+
+def profile_model(data: dict[str, Any]) -> str | None:
+    """The identity of the model a profile (as a plain dict) was measured on."""
+    return (data.get("model") or {}).get("identity")

@@ -1,0 +1,142 @@
+"""What this device holds of the model: a whole local file, or a cache entry filling in piece by piece.
+
+One object owns it, so the endpoint lending pieces, the fetcher filling the
+cache and the leader judging coverage all read the same facts. A local file's
+manifest is built once, in the background, and cached by path, size and mtime
+(a model file of gigabytes takes a while to hash); until it is there, nothing
+is lent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from meshd.log import get_logger
+from meshd.share import manifest as mf
+from meshd.share.deps import ShareError
+from meshd.share.gate import NOTHING, Holdings
+from meshd.share.manifest import Manifest, ManifestError
+from meshd.share.store import CachedModel, ModelCache
+
+log = get_logger("meshd.share")
+
+LOCAL_MANIFESTS = ".local-manifests"  # under the cache root: manifests of local files, by path/size/mtime
+
+
+class HeldModel:
+    def __init__(self, cache: ModelCache):
+        self.cache = cache
+        self.source: Any = None  # the model source serving uses, once there is one
+        self.local_path: Path | None = None  # a whole local file outside the cache
+        self.manifest: Manifest | None = None
+        self.entry: CachedModel | None = None  # the cache entry of a model fetched from the home
+        self.tensor_names: tuple[str, ...] | None = None
+        self.resumed_bytes = 0  # verified bytes the cache already held when this daemon started
+        self._local_fd: int | None = None
+
+    # -- facts ----------------------------------------------------------------
+    @property
+    def identity(self) -> str:
+        if self.source is not None:
+            return str(getattr(self.source, "identity", "") or "")
+        return self.manifest.identity if self.manifest is not None else ""
+
+    @property
+    def num_layers(self) -> int:
+        if self.manifest is not None:
+            return self.manifest.num_layers
+        cfg = getattr(self.source, "config", None)
+        return int(getattr(cfg, "num_layers", 0) or 0)
+
+    @property
+    def complete(self) -> bool:
+        return self.holdings().complete
+
+    def holdings(self) -> Holdings:
+        if self.local_path is not None or (self.source is not None and self.entry is None):
+            return Holdings(complete=True, header=True)
+        if self.entry is not None:
+            return self.entry.holdings()
+        return NOTHING
+
+    def held_bytes(self) -> int | None:
+        m = self.manifest
+        if m is None:
+            return None
+        return m.size if self.holdings().complete else self.entry.held_bytes() if self.entry is not None else 0
+
+    def holds_piece(self, i: int) -> bool:
+        return self.local_path is not None or (self.entry is not None and i in self.entry.have)
+
+    # -- a local file -----------------------------------------------------------
+    def adopt_local(self, source: Any) -> Any | None:
+        """Serve from ``source``; returns its GGUF reader when its file can be lent (None: only GGUF is)."""
+        self.source = source
+        path = Path(getattr(source, "path", ""))
+        reader = getattr(source, "_reader", None)
+        if reader is None or not path.is_file():
+            log.info("share_not_shareable", model=str(path), reason="only GGUF files are shared")
+            return None
+        self.local_path = path
+        self.tensor_names = tuple(t.name for t in reader.tensors)
+        return reader
+
+    async def build_local_manifest(self, identity: str, reader: Any = None) -> bool:
+        """Build (once; cached by path, size and mtime) the manifest this device lends from."""
+        path = self.local_path
+        st = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+        cached = self.cache.root / LOCAL_MANIFESTS / f"{key}.json"
+        try:
+            try:
+                m = Manifest.from_data(cached.read_bytes())
+            except (OSError, ManifestError):
+                m = await asyncio.to_thread(mf.build, path, mf.PIECE_SIZE, None, reader)
+                from meshd.state import atomic_write
+
+                atomic_write(cached, m.data, mode=0o644)
+        except (OSError, ManifestError) as exc:
+            log.warning("share_manifest_failed", model=str(path), error=str(exc))
+            return False
+        if m.identity != identity:
+            log.error("share_manifest_mismatch", model=str(path), manifest=m.identity, identity=identity)
+            return False
+        self.manifest = m
+        log.info("share_manifest_ready", identity=m.identity, pieces=len(m.pieces), digest=m.digest[:16])
+        return True
+
+    # -- a cache entry --------------------------------------------------------------
+    def adopt_entry(self, entry: CachedModel) -> None:
+        self.entry, self.manifest = entry, entry.manifest
+        self.tensor_names = entry.manifest.tensor_names
+        self.resumed_bytes = entry.held_bytes()
+
+    # -- reading pieces to lend -------------------------------------------------------
+    def read_checked(self, i: int, loop: asyncio.AbstractEventLoop) -> bytes:
+        """Piece ``i`` from disk, refused unless it still matches the manifest (a worker thread calls it)."""
+        m = self.manifest
+        p = m.pieces[i]
+        if self.local_path is not None:
+            if self._local_fd is None:
+                self._local_fd = os.open(self.local_path, os.O_RDONLY)
+            data = os.pread(self._local_fd, p.length, p.offset)
+        else:
+            data = self.entry.read_piece(i)
+        if hashlib.sha256(data).hexdigest() != p.sha256:
+            log.error("share_local_corrupt", piece=i, tensor=m.regions[m.region_of_piece[i]].name,
+                      path=str(self.local_path or self.entry.path))
+            if self.entry is not None:
+                loop.call_soon_threadsafe(self.entry.forget, [i])
+            raise ShareError("corrupt_here", f"piece {i} is damaged on this device's disk; ask another member")
+        return data
+
+    def close(self) -> None:
+        if self.entry is not None:
+            self.entry.close()
+        if self._local_fd is not None:
+            os.close(self._local_fd)
+            self._local_fd = None

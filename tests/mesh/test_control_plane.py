@@ -1,0 +1,84 @@
+"""The control plane's shape: gossip answers every control message, and the package sits
+below the floors it serves (nothing in ``meshd.mesh`` imports the pipeline, sharing, the
+API or the daemon; only the CLI entry point imports the daemon)."""
+
+import ast
+from pathlib import Path
+
+from meshd import control
+from meshd.config import Config
+from meshd.membership import Debouncer, Membership
+from meshd.mesh.gossip import Gossip
+from meshd.mesh.local import LocalMember
+from meshd.mesh.planner import Planner
+from meshd.mesh.view import MeshView
+from meshd.state import StateDir
+from transport.messages import Envelope, registry
+
+ROOT = Path(__file__).resolve().parents[2]
+ABOVE = ("meshd.pipeline", "meshd.share", "meshd.api", "meshd.daemon", "meshd.model_host")
+
+
+def _imported(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_control_plane_imports_nothing_above_it():
+    for path in sorted((ROOT / "meshd" / "mesh").glob("*.py")):
+        bad = [n for n in _imported(path) if n.startswith(ABOVE)]
+        assert not bad, (path.name, bad)
+
+
+def test_only_the_join_command_starts_the_daemon():
+    importers = {str(p.relative_to(ROOT)) for p in (ROOT / "meshd").rglob("*.py")
+                 if "meshd.daemon" in _imported(p)}
+    assert importers == {"meshd/commands/join.py"}
+
+
+class _Link:
+    def __init__(self):
+        self.sent, self.peers = [], {}
+
+    def send(self, node_id, msg):
+        self.sent.append((node_id, msg))
+        return True
+
+    def broadcast(self, msg, node_ids=None):
+        return sum(self.send(n, msg) for n in node_ids or ())
+
+
+def _gossip(tmp_path):
+    cfg = Config(state_dir=tmp_path, model="none")
+    local = LocalMember("a", 1000, "none", clock=lambda: 0.0)
+    local.node_id = "a"
+    view = MeshView(StateDir(tmp_path), local, Membership("a", 3.0, 6.0))
+    view.by_key["key-b"] = "b"
+    link = _Link()
+    planner = Planner(cfg, view, link, Debouncer(0.01), clock=lambda: 0.0)
+    cloud = type("NoCloud", (), {"share_for": lambda self, *a: None, "receive": lambda self, *a: None})()
+    return Gossip(view, planner, link, cloud, clock=lambda: 0.0, extras=dict), link
+
+
+def test_every_control_message_has_a_handler(tmp_path):
+    gossip, _ = _gossip(tmp_path)
+    ours = {cls for cls in registry().values() if cls.__module__ == control.__name__}
+    assert ours <= gossip.handled_types
+
+
+def test_a_message_no_handler_takes_goes_to_the_fallback_then_is_dropped(tmp_path):
+    gossip, link = _gossip(tmp_path)
+    taken = []
+    gossip.fallback = lambda sender, msg: taken.append((sender, msg)) or True
+    probe = registry()["Heartbeat"]("b", "probe", 0.0, 0, 0.0)  # the link's probe: not gossip
+    gossip.on_message("key-b", Envelope(probe))
+    assert taken == [("b", probe)]
+    gossip.on_message("key-b", Envelope(control.ProfileRequest("b")))
+    assert [type(m).__name__ for _, m in link.sent] == ["ProfileShare"] and len(taken) == 1
+    gossip.on_message("key-unknown", Envelope(control.ProfileRequest("z")))  # not a member: dropped
+    assert len(link.sent) == 1
