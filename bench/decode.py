@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit_json, machine_banner  # noqa: E402
+from meshd.pipeline.slot import StepsRequest  # noqa: E402
 
 METHODS = ["naive", "lookup", "medusa", "auto"]
 
@@ -67,7 +68,7 @@ async def run(args) -> dict:
                            device=args.device, weights=args.weights) as mesh:
         coord = mesh.coord
         ids0 = tok.apply_chat([{"role": "user", "content": "Hello"}])
-        async for _ in coord.steps("warm", ids0, 4, SamplingSpec()):
+        async for _ in coord.steps(StepsRequest("warm", ids0, 4, SamplingSpec())):
             pass
         for pi, p in enumerate(prompts):
             ids = tok.apply_chat([{"role": "user", "content": p["prompt"]}])
@@ -77,8 +78,8 @@ async def run(args) -> dict:
                 session = None if method == "naive" else SpeculationSession(method, list(ids), cost=coord.round_cost)
                 t0 = time.perf_counter()
                 t_first, toks = None, []
-                async for step in coord.steps(f"{pi}-{method}", ids, max_tokens, SamplingSpec(), tok.eos_ids,
-                                              speculation=session):
+                async for step in coord.steps(StepsRequest(f"{pi}-{method}", ids, max_tokens, SamplingSpec(),
+                                                           tok.eos_ids, speculation=session)):
                     if t_first is None:
                         t_first = time.perf_counter()
                     toks.append(step.token)

@@ -13,7 +13,7 @@ import importlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from meshd.engine import Engine, EngineUnavailable, GenerationRequest
+from meshd.engine import Engine, EngineUnavailable, GenerationRequest, TokenStream
 from meshd.errors import MeshdError
 from meshd.log import get_logger
 
@@ -52,13 +52,16 @@ class DrainingEngine(Engine):
     supports_outline = property(lambda self: getattr(self.inner, "supports_outline", False))
     supports_cloud = property(lambda self: getattr(self.inner, "supports_cloud", False))
 
-    async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+    def token_ids(self, req: GenerationRequest) -> TokenStream:
+        return TokenStream.relay(self.inner.token_ids(req), self._guarded)  # the inner engine's stats ride along
+
+    async def _guarded(self, inner: AsyncIterator[int]) -> AsyncIterator[int]:
         if self.draining:
             raise EngineUnavailable(SHUTDOWN_MESSAGE)
         self.in_flight += 1
         self.idle.clear()
         try:
-            async with contextlib.aclosing(self.inner.token_ids(req)) as ids:
+            async with contextlib.aclosing(inner) as ids:
                 async for tid in ids:
                     if self.aborting:
                         raise EngineUnavailable(SHUTDOWN_MESSAGE + " (the request was cut short)")

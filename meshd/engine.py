@@ -13,129 +13,32 @@ here, once, in :meth:`Engine.stream`.
 from __future__ import annotations
 
 import abc
-import asyncio
 import contextlib
-import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from decoding.detok import IncrementalDetokenizer  # re-exported: the API layer streams with it
 from decoding.sampling import SamplingSpec
 from decoding.speculative.params import SpeculativeParams, SpeculativeStats
-from meshd.errors import USER_ERRORS, MeshdError
+from meshd.engine_errors import (BadEngineRequest, BadTokenIds, EngineBusy, EngineError,  # noqa: F401 - re-exported
+                                 EngineUnavailable, GenerationFailed, NoPlan, PromptTooLong, WrongModel, out_of_vocab)
 from meshd.log import get_logger
 from partition.ids import RequestId
 
 log = get_logger("meshd.engine")
 
-
-# --------------------------------------------------------------------------- errors
-
-
-_CLASS_DEFAULT: Any = object()
+_LOCAL = ("LocalEngine", "iterate_in_thread", "local_engine")
 
 
-class EngineError(MeshdError):
-    """A generation could not be served; ``http_status`` is what the API answers.
+def __getattr__(name: str):
+    """``LocalEngine`` & co. live in :mod:`meshd.local_engine` (which builds on this module);
+    the old names, and the ``engine = "meshd.engine:local_engine"`` setting, still find them."""
+    if name in _LOCAL:
+        from meshd import local_engine
 
-    ``retry_after_s`` (None: retrying will not help) becomes the API's
-    ``Retry-After`` header, so clients back off instead of hammering a mesh
-    that is re-planning or full. Subclasses set a default; a raiser that knows
-    better (e.g. when a cache slot frees) passes ``retry_after_s=``.
-    """
-
-    http_status = 500
-    error_type = "server_error"
-    code: str | None = "generation_failed"
-    retry_after_s: float | None = None
-
-    def __init__(self, *args: Any, retry_after_s: float | None = _CLASS_DEFAULT):
-        super().__init__(*args)
-        if retry_after_s is not _CLASS_DEFAULT:
-            self.retry_after_s = retry_after_s
-
-
-class PromptTooLong(EngineError):
-    """The prompt alone fills the model's context (or the cache the plan allows)."""
-
-    http_status = 413
-    error_type = "invalid_request_error"
-    code = "context_length_exceeded"
-
-
-class NoPlan(EngineError):
-    """No partition of the model fits the devices currently in the mesh."""
-
-    http_status = 503
-    error_type = "service_unavailable"
-    code = "no_plan"
-    retry_after_s = 2.0  # devices join and plans settle within seconds
-
-
-class EngineUnavailable(EngineError):
-    """No engine can take requests right now (model loading, mesh re-planning)."""
-
-    http_status = 503
-    error_type = "service_unavailable"
-    code = "engine_unavailable"
-    retry_after_s = 2.0
-
-
-class EngineBusy(EngineError):
-    """The mesh is full right now (KV cache exhausted, too many requests in flight).
-
-    Unlike :class:`NoPlan` the mesh is healthy: the same request succeeds once
-    a running generation ends, so clients are told to retry soon.
-    """
-
-    http_status = 503
-    error_type = "service_unavailable"
-    code = "busy"
-    retry_after_s = 1.0
-
-
-class BadEngineRequest(EngineError):
-    """The request asks for something this engine cannot do (e.g. a drafter it does not have)."""
-
-    http_status = 400
-    error_type = "invalid_request_error"
-    code = "unsupported"
-
-
-class BadTokenIds(EngineError):
-    """The prompt holds token ids the model has no embedding for (caught before any stage sees them)."""
-
-    http_status = 400
-    error_type = "invalid_request_error"
-    code = "invalid_token_ids"
-
-
-class WrongModel(EngineError):
-    """This device holds another model than the one its home serves: it refuses to answer
-    (an answer would come from the wrong weights). Retrying does not help until it is restarted."""
-
-    http_status = 409
-    error_type = "conflict"
-    code = "model_mismatch"
-
-
-def out_of_vocab(ids: Sequence[int], vocab_size: int | None) -> str:
-    """Why ``ids`` cannot be fed to a model of ``vocab_size`` tokens ("" if they can; None/0: unknown)."""
-    if not vocab_size:
-        return ""
-    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
-    if bad is None:
-        return ""
-    return f"token id {ids[bad]} at position {bad} is outside the model's vocabulary [0, {vocab_size})"
-
-
-class GenerationFailed(EngineError):
-    """A generation broke half way (a device left, the runtime raised)."""
-
-    http_status = 500
-    error_type = "server_error"
-    code = "generation_failed"
+        return getattr(local_engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- messages
@@ -168,6 +71,28 @@ class Usage:
         return d
 
 
+@dataclass(frozen=True)
+class Budget:
+    """When a generation ends: at an EOS token, or once ``max_tokens`` tokens are out.
+
+    The one definition of the rule. Whoever produces tokens asks it after each one
+    so it stops *computing* there (the coordinator for a mesh request, whoever its
+    client is; the local engine's loop): a forward past the end would be wasted and
+    overrun the KV capacity sized to it. :meth:`Engine.stream` asks it too, as the
+    API's guard over any engine, and to name the finish reason.
+    """
+
+    max_tokens: int
+    eos_ids: Sequence[int] = ()
+
+    def finish(self, token: int, produced: int) -> str | None:
+        """"stop" (``token`` is EOS), "length" (``produced`` tokens, this one included, spent the
+        budget) or None (go on)."""
+        if token in self.eos_ids:
+            return "stop"
+        return "length" if produced >= self.max_tokens else None
+
+
 @dataclass
 class GenerationRequest:
     """One generation, already tokenised by the API layer.
@@ -191,20 +116,75 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
-    # Filled in by the engine as it runs: how speculation went (reported in usage).
-    speculative_stats: SpeculativeStats | None = None
     # Tools were offered (their calls may be parsed from free text even without a constraint).
     tools_offered: bool = False
     # Outline-based parallel decoding: "auto" (meshd.pipeline.outline_gate decides), "on" or "off";
-    # engines with ``supports_outline`` honour it. Filled in by the engine: whether it was used,
-    # and how an attempt went (reported in usage).
+    # engines with ``supports_outline`` honour it.
     outline: str = "auto"
-    outline_used: bool = False
-    outline_stats: dict[str, Any] | None = None
     # A paired cloud verifier: "auto" (use it at the daemon's budget), "off", or a budget in [0, 1].
-    # Filled in by the engine: how the offloading went (reported in usage).
     cloud: str | float = "auto"
-    cloud_stats: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """How a generation went, beyond its tokens: what the engine tried, as usage reports it.
+
+    ``speculative``: how speculation went (None: not attempted); ``outline``: how an
+    outline attempt went (None: none was made; its ``used`` says whether the answer
+    came from it); ``cloud``: how a cloud verifier was used (None: it was not).
+    """
+
+    speculative: SpeculativeStats | None = None
+    outline: dict[str, Any] | None = None
+    cloud: dict[str, Any] | None = None
+
+
+Report = Callable[..., None]
+
+
+def stats_of(ids: AsyncIterator[int]) -> GenerationStats:
+    """What an engine's token ids said about how the generation went (nothing, for plain ids)."""
+    return ids.stats if isinstance(ids, TokenStream) else GenerationStats()
+
+
+class TokenStream:
+    """An engine's token ids for one request and, once they ended or were closed, how it went.
+
+    The statistics are the generation's output, so they travel back with its tokens:
+    ``produce(report)`` makes the ids and calls ``report(speculative=…, outline=…,
+    cloud=…)`` as it learns them (in ``finally`` blocks too: a client stopping early
+    still gets its usage). The request is never written to.
+    """
+
+    def __init__(self, produce: Callable[[Report], AsyncIterator[int]]):
+        self._stats = GenerationStats()
+        self._source: AsyncIterator[int] | None = None
+        self._ids = produce(self._report)
+
+    @classmethod
+    def relay(cls, source: AsyncIterator[int],
+              through: Callable[[AsyncIterator[int]], AsyncIterator[int]]) -> TokenStream:
+        """``source``'s ids passed ``through`` a wrapper (e.g. one that cuts them at shutdown),
+        with ``source``'s statistics."""
+        stream = cls(lambda report: through(source))
+        stream._source = source
+        return stream
+
+    @property
+    def stats(self) -> GenerationStats:
+        return stats_of(self._source) if self._source is not None else self._stats
+
+    def _report(self, **stats: Any) -> None:
+        self._stats = replace(self._stats, **stats)
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> int:
+        return await self._ids.__anext__()
+
+    async def aclose(self) -> None:
+        await self._ids.aclose()
 
 
 @dataclass(frozen=True)
@@ -295,7 +275,9 @@ class Engine(abc.ABC):
         May raise :class:`EngineError` subclasses before the first id (no plan,
         prompt too long for the plan's cache) or later (a device left). When
         the consumer stops early the iterator is closed (``aclose``): the
-        engine must then stop computing for this request.
+        engine must then stop computing for this request. An engine with more
+        to say than tokens (speculation, outline, cloud statistics) returns a
+        :class:`TokenStream`, whose ``stats`` usage reports.
         """
 
     @property
@@ -320,12 +302,14 @@ class Engine(abc.ABC):
         self.check_prompt(req.prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(req.stop)
-        eos = self.eos_ids
+        budget = Budget(req.max_tokens, self.eos_ids)
         produced = 0
         finish = "length"
-        async with contextlib.aclosing(self.token_ids(req)) as ids:
+        ids = self.token_ids(req)
+        async with contextlib.aclosing(ids):
             async for tid in ids:
-                if tid in eos:
+                ends = budget.finish(tid, produced + 1)
+                if ends == "stop":  # EOS: never shown
                     finish = "stop"
                     break
                 produced += 1
@@ -335,7 +319,7 @@ class Engine(abc.ABC):
                     yield TokenEvent(tid, text)
                     break
                 yield TokenEvent(tid, text)
-                if produced >= req.max_tokens:
+                if ends == "length":
                     finish = "length"
                     break
             else:
@@ -343,66 +327,9 @@ class Engine(abc.ABC):
                 # natural stop (e.g. the engine's own end-of-context).
                 finish = "stop" if produced < req.max_tokens else "length"
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, req.speculative_stats,
-                                                         req.cloud_stats, req.outline_stats))
-
-
-# --------------------------------------------------------------------------- threads
-
-
-async def iterate_in_thread(
-    make_iter, *, executor=None, cancel: threading.Event | None = None
-) -> AsyncIterator[Any]:
-    """Run a blocking iterator in a worker thread and yield its items here.
-
-    ``make_iter(cancel)`` is called in the worker and must return an iterator
-    that checks ``cancel`` between items (torch work cannot be interrupted
-    mid-kernel). Closing the async generator sets ``cancel`` and waits for the
-    worker to notice, so an abandoned request stops using the CPU and the next
-    request never overlaps it.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    cancel = cancel or threading.Event()
-    done = object()
-
-    def put(item) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # loop closed while the worker was finishing
-            pass
-
-    def work() -> None:
-        try:
-            it: Iterator[Any] = make_iter(cancel)
-            for item in it:
-                put(("item", item))
-                if cancel.is_set():
-                    break
-        except BaseException as exc:  # noqa: BLE001 - handed to the event loop
-            put(("error", exc))
-        finally:
-            put(("done", done))
-
-    future = loop.run_in_executor(executor, work)
-    try:
-        while True:
-            kind, value = await queue.get()
-            if kind == "item":
-                yield value
-            elif kind == "error":
-                raise value
-            else:
-                break
-    finally:
-        cancel.set()
-        # Shielded so that a cancelled consumer still waits for the worker to
-        # stop before the next generation may start on the same thread/model.
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(future)
-
-
-# --------------------------------------------------------------------------- local
+        stats = stats_of(ids)
+        yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, stats.speculative,
+                                                   stats.cloud, stats.outline))
 
 
 def model_id_of(source) -> str:
@@ -411,106 +338,3 @@ def model_id_of(source) -> str:
 
     path = Path(getattr(source, "path", "") or "model")
     return path.stem if path.suffix == ".gguf" else path.name
-
-
-class LocalEngine(Engine):
-    """The whole model on this device, using the reference runtime in ``decoding``.
-
-    torch work runs in one dedicated worker thread (so the event loop keeps
-    serving status and other clients) and tokens come back through an asyncio
-    queue. One generation runs at a time; later requests wait their turn on a
-    lock, in arrival order. Constructing it loads the weights (blocking; use
-    :meth:`open` from async code).
-    """
-
-    supports_penalties = True
-
-    def __init__(self, source, *, dtype=None, max_context: int | None = None, stages: int = 1, device=None):
-        """``device``: where the model runs (default the CPU); ``dtype`` None: that device's default."""
-        import concurrent.futures
-
-        from decoding.pipeline_local import LocalPipeline
-
-        self.source = source
-        self.tokenizer = source.tokenizer
-        self.model_id = model_id_of(source)
-        self.vocab_size = source.config.vocab_size
-        ctx = source.config.max_position
-        self.context_length = min(ctx, max_context) if max_context else ctx
-        self._pipeline = LocalPipeline.from_source(source, stages, dtype, device)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshd-generate")
-        self._lock = asyncio.Lock()
-
-    @property
-    def supports_constraints(self) -> bool:
-        """The grammar library reads the vocabulary from the model's tokenizer.json."""
-        return getattr(self.tokenizer, "path", None) is not None
-
-    @classmethod
-    async def open(cls, path=None, **kw) -> LocalEngine:
-        """Open ``path`` (None: the embedded default model) and load it off the event loop."""
-        from meshd.model_store import open_model
-
-        return await asyncio.to_thread(lambda: cls(open_model(path), **kw))
-
-    async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
-        from decoding.errors import ContextOverflow
-
-        async with self._lock:
-            log.debug("generation_start", request_id=req.request_id, prompt_tokens=len(req.prompt_ids))
-            try:
-                async for tid in iterate_in_thread(
-                    lambda cancel: self._generate(req, cancel), executor=self._executor
-                ):
-                    yield tid
-            except ContextOverflow as exc:
-                raise PromptTooLong(str(exc)) from exc
-            except EngineError:
-                raise
-            except USER_ERRORS as exc:
-                raise GenerationFailed(str(exc)) from exc
-            except Exception as exc:  # noqa: BLE001 - a runtime bug must not kill the daemon
-                log.exception("generation_failed", request_id=req.request_id)
-                raise GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}") from exc
-
-    def _generate(self, req: GenerationRequest, cancel: threading.Event) -> Iterator[int]:
-        """Blocking token loop (worker thread); checks ``cancel`` before each forward."""
-        import torch
-
-        from decoding.selector import TokenSelector
-
-        eos = self.eos_ids
-        select = TokenSelector.for_spec(req.sampling, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
-                                        prompt_tail=req.prompt_ids)
-        pipe, seq = self._pipeline, req.request_id
-        pipe.create(seq, len(req.prompt_ids) + req.max_tokens)
-        try:
-            with torch.inference_mode():
-                logits = pipe.prefill(seq, list(req.prompt_ids))
-                for i in range(req.max_tokens):
-                    tok = select(logits[-1])
-                    yield tok
-                    if tok in eos or i + 1 >= req.max_tokens or cancel.is_set():
-                        return
-                    if select.finished:
-                        yield min(eos)  # the grammar is complete: nothing else may follow
-                        return
-                    logits = pipe.forward(seq, torch.tensor([tok], dtype=torch.long))
-        finally:
-            pipe.free(seq)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
-
-
-async def local_engine(config) -> LocalEngine:
-    """Engine factory for the daemon's ``engine = "meshd.engine:local_engine"`` setting
-    (an engine factory is called with the daemon's ``meshd.config.Config``).
-
-    Serves the configured model (``model``; unset = the embedded default) wholly
-    on this device — the single-device fallback until the pipeline engine runs.
-    """
-    from meshd.config import placement_of
-
-    placement = placement_of(config)
-    return await LocalEngine.open(getattr(config, "model", None), device=placement.device, dtype=placement.dtype)

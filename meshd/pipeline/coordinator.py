@@ -27,106 +27,37 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 import torch
 
-from decoding.offload.loop import SUPPORT_MAX, DraftStep, draft_step
-from decoding.offload.policy import GAMMA
 from decoding.pipeline_local import chunk_bounds
 from decoding.sampling import SamplingParams, SamplingSpec
 from decoding.speculative.adaptive import RoundCost
 from decoding.speculative.params import MAX_CANDIDATES
-from decoding.speculative.session import MedusaProposal, SpeculationSession
-from decoding.speculative.verify import Verdict
 from meshd.engine import out_of_vocab
-from meshd.errors import MeshdError
 from meshd.log import get_logger
+from meshd.pipeline.drafter import MeshDrafter
+from meshd.pipeline.failures import (BadTokens, Interrupted, ModelMismatch, NoRoute, PipelineBusy, PipelineError,
+                                     gone_message)
+from meshd.pipeline.flights import FlightTable, Replanned
 from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.route import Route, model_mismatch
-from meshd.pipeline.seqkey import SeqKey, SeqKeys
+from meshd.pipeline.seqkey import SeqKeys
+from meshd.pipeline.slot import Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest, TokenStep
+from meshd.pipeline.verify_rounds import verify_rounds
 from partition.ids import RequestId
 from transport.errors import TransportError
 from transport.link import Request
-from transport.messages import Ack, ErrorReply, ForkSequence, FreeSequence, Hello, StageForward, TokenResult
+from transport.messages import Ack, ErrorReply, ForkSequence, Hello, StageForward, TokenResult
 from transport.node import TransportNode
+
+__all__ = ["BadTokens", "MeshDrafter", "ModelMismatch", "NoRoute", "PipelineBusy", "PipelineCoordinator",
+           "PipelineError", "SharedPrefix", "StepsRequest", "TokenStep"]
 
 log = get_logger("meshd.coordinator")
 
-# Stage error codes that mean "this sequence's cache is gone, the request itself is fine":
-# replay it (possibly on a new plan) instead of failing the client.
-RESUMABLE_CODES = frozenset({"no_stage", "stale_plan", "unknown_sequence", "position_mismatch", "link",
-                             "protocol"})
 
-
-class PipelineError(MeshdError):
-    """A request could not be completed by the pipeline (the message says where and why)."""
-
-
-class NoRoute(PipelineError):
-    pass
-
-
-class ModelMismatch(PipelineError):
-    """This device holds another model than the plan's: it cannot coordinate the home's requests."""
-
-
-class BadTokens(PipelineError):
-    """A prompt holds token ids outside the model's vocabulary (never sent to a stage)."""
-
-
-class PipelineBusy(PipelineError):
-    """A stage has no room for the request now (KV cache full): retry shortly."""
-
-    retry_after_s = 2.0
-
-
-class _Interrupted(Exception):
-    """The request's current sequence is lost; replay it (``device``: who we suspect, if anyone)."""
-
-    def __init__(self, why: str, device: str | None = None):
-        super().__init__(why)
-        self.device = device
-
-
-@dataclass(frozen=True)
-class TokenStep:
-    token: int
-    topk_ids: list[int] | None = None
-    topk_probs: list[float] | None = None
-
-
-@dataclass(frozen=True)
-class _Replanned:
-    old: int
-    new: int | None
-
-
-@dataclass
-class SharedPrefix:
-    """A sequence kept in every stage's cache after its request ended, for children to fork from.
-
-    Outline decoding writes the outline once and expands every point from it:
-    each child reads these ``length`` positions in place on every stage. The
-    owner frees it (:meth:`PipelineCoordinator.release`) when the last child is done.
-    """
-
-    request_id: RequestId
-    route: Route | None = None
-    seq: SeqKey | None = None
-    length: int = 0
-
-
-@dataclass
-class _Flight:
-    request_id: RequestId
-    route: Route
-    seq: SeqKey
-    queue: asyncio.Queue
-
-
-Cuts = list[int] | Callable[[int, Route], list[int]] | None
 # How long a token of prompt may take on the slowest device we wait for (20 tokens/s: a
 # 1.5B model in float32 on one small core) before a stage counts as stuck.
 PREFILL_BUDGET_S_PER_TOKEN = 0.05
@@ -151,10 +82,10 @@ class PipelineCoordinator:
         self.route: Route | None = None
         self.address: str | None = None
         self._server = None
-        self._flights: dict[SeqKey, _Flight] = {}
         self._requests: set[RequestId] = set()
         self.keys = SeqKeys(node_id)
         self.links = Links(node, directory)
+        self.flights = FlightTable(self.keys, self.links, send_timeout_s)
         self._ready_version = 0
         self._route_changed = asyncio.Event()
         self.waiting_on: str | None = None  # the stage a readiness probe waits for (named in errors)
@@ -167,7 +98,6 @@ class PipelineCoordinator:
         self.outline_totals = {"requests": 0, "used": 0, "fallbacks": 0, "points": 0,
                                "fallback_reasons": {}, "declined": {}}
         self._closing = False
-        self._freeing: set[asyncio.Task] = set()
 
     async def start(self, address: str = "tcp://127.0.0.1:0", advertise_host: str | None = None) -> str:
         """Bind; ``advertise_host`` is the address last stages use to reach us (when binding 0.0.0.0)."""
@@ -179,8 +109,7 @@ class PipelineCoordinator:
 
     async def close(self) -> None:
         self._closing = True
-        for f in list(self._flights.values()):
-            f.queue.put_nowait(PipelineError("the coordinator is shutting down"))
+        self.flights.tell(lambda f: True, lambda f: PipelineError("the coordinator is shutting down"))
         self._route_changed.set()
         await self.links.close()
         if self._server is not None:
@@ -199,40 +128,34 @@ class PipelineCoordinator:
         old, self.route = self.route, route
         if route is None or old is None or route.plan_version != old.plan_version:
             self._ready_version = 0
-            for f in list(self._flights.values()):
-                if route is None or f.route.plan_version != route.plan_version:
-                    f.queue.put_nowait(_Replanned(f.route.plan_version, route.plan_version if route else None))
+            self.flights.tell(lambda f: route is None or f.route.plan_version != route.plan_version,
+                              lambda f: Replanned(f.route.plan_version, route.plan_version if route else None))
         self._route_changed.set()
         self._route_changed = asyncio.Event()
 
     def stage_restarted(self, node_id: str) -> None:
         """A member came back with a new incarnation: its caches are gone; re-probe before use."""
         self._ready_version = 0
-        for f in list(self._flights.values()):
-            if f.route.index_of(node_id) is not None:
-                f.queue.put_nowait(_Interrupted(f"{node_id} restarted", node_id))
+        self.flights.tell(lambda f: f.route.index_of(node_id) is not None,
+                          lambda f: Interrupted(f"{node_id} restarted", node_id))
 
     # -- incoming ------------------------------------------------------------------
     async def _on_message(self, msg, req: Request):
         if isinstance(msg, (TokenResult, ErrorReply)):
-            flight = self._flights.get(getattr(msg, "seq_id", "")) if isinstance(msg, TokenResult) else None
-            if flight is None and isinstance(msg, ErrorReply):
-                flight = next((f for f in self._flights.values() if f.request_id == msg.request_id), None)
-            if flight is None:
+            if not self.flights.deliver(msg):
                 log.debug("late_result_dropped", request_id=msg.request_id, message_type=type(msg).__name__)
-            else:
-                flight.queue.put_nowait(msg)
             return Ack()
         log.warning("coordinator_unexpected_message", message_type=type(msg).__name__)
         return ErrorReply("unknown_type", f"the coordinator does not handle {type(msg).__name__}")
 
     # -- outgoing ------------------------------------------------------------------
-    async def _send(self, node_id: str, msg) -> None:
+    async def send(self, node_id: str, msg) -> None:
+        """Send ``msg`` to a stage; a stage out of reach interrupts the request (it is replayed)."""
         try:
             peer = await self.links.to(node_id)
             await peer.send(msg, timeout=self.send_timeout_s, activation_dtype=self.activation_dtype)
         except (TransportError, KeyError) as exc:
-            raise _Interrupted(f"could not reach {node_id}: {exc}", node_id) from exc
+            raise Interrupted(f"could not reach {node_id}: {exc}", node_id) from exc
 
     async def wait_ready(self, route: Route, timeout_s: float = 120.0, poll_s: float = 0.1) -> None:
         """Wait until every stage of ``route`` has loaded its layers for that plan version.
@@ -247,7 +170,7 @@ class PipelineCoordinator:
                 self.waiting_on = st.node_id
                 while True:
                     if self.route is not route:  # re-planned (e.g. a stage's device left): stop waiting
-                        raise _Interrupted(f"the mesh re-planned while plan {route.plan_version} loaded")
+                        raise Interrupted(f"the mesh re-planned while plan {route.plan_version} loaded")
                     try:
                         peer = await self.links.to(st.node_id)
                         reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=2.0)
@@ -291,7 +214,7 @@ class PipelineCoordinator:
             try:
                 await self.wait_ready(route, timeout_s=left)
                 return route
-            except (_Interrupted, TimeoutError):
+            except (Interrupted, TimeoutError):
                 continue
 
     # -- the request loop ------------------------------------------------------------
@@ -299,139 +222,111 @@ class PipelineCoordinator:
                        sampling: SamplingSpec, eos_ids=(), cuts: Cuts = None,
                        chunks: int | None = None) -> AsyncIterator[int]:
         """Yield sampled token ids (EOS included, as the last one) for one request."""
-        async for step in self.steps(request_id, prompt_ids, max_tokens, sampling, eos_ids, cuts, chunks):
+        async for step in self.steps(StepsRequest(request_id, prompt_ids, max_tokens, sampling, eos_ids,
+                                                  cuts=cuts, chunks=chunks)):
             yield step.token
 
-    async def steps(self, request_id: RequestId, prompt_ids: list[int], max_tokens: int,
-                    sampling: SamplingSpec, eos_ids=(), cuts: Cuts = None,
-                    chunks: int | None = None, return_topk: int = 0,
-                    wait_s: float | None = None, speculation: SpeculationSession | None = None,
-                    typical: bool = False, context_limit: int | None = None,
-                    keep: SharedPrefix | None = None,
-                    fork: SharedPrefix | None = None) -> AsyncIterator[TokenStep]:
-        """Like :meth:`generate`, with each step's top-k probabilities when ``return_topk`` > 0.
+    async def steps(self, request: StepsRequest) -> AsyncIterator[TokenStep]:
+        """The request's tokens, one step each (EOS included, as the last one).
 
-        Only the k ids and probabilities travel back from the last stage — never full logits.
-        ``cuts``: the prompt's cut points, or a function (length, route) -> cut points,
-        asked again whenever the request is replayed on a new route.
-        ``speculation``: decode in verify rounds drafted by this session (its context is the
-        prompt); its stats say how it went. ``context_limit`` bounds a round's KV positions.
-        ``sampling`` is the request's one spec; its shaping (penalties, a grammar)
-        excludes speculation.
-        ``keep``: leave the sequence in the stages' caches when the request ends — or
-        when the caller stops iterating after a step — and describe it there (for
-        children to fork from; free it with :meth:`release`). Plain decoding only.
-        ``fork``: this request continues ``fork``'s sequence: ``prompt_ids`` come after
-        its positions, which are read in place, never re-computed. Neither can be
-        replayed on another plan: a device leaving fails such a request clearly.
+        This is the one place a mesh request's budget and EOS end it
+        (:meth:`RequestSlot.ends_with`): the coordinator must stop feeding tokens
+        back to the stages then, whoever its client is, so the API's
+        :meth:`~meshd.engine.Engine.stream` only labels how it ended.
         """
-        if speculation is not None and sampling.shaped:
+        slot = self.admit(request)
+        try:
+            route = await self.serving_route(self.resume_timeout_s if request.wait_s is None else request.wait_s)
+            while True:
+                try:
+                    async for step in self._attempt(slot, route):
+                        slot.generated.append(step.token)
+                        yield step
+                    return
+                except Interrupted as exc:
+                    if request.keep is not None or request.fork is not None:
+                        raise PipelineError(f"a request sharing its prefix was interrupted ({exc}); retry it") \
+                            from None
+                    slot.state, slot.replays = SlotState.REPLAYING, slot.replays + 1
+                    self.note_replay()
+                    self._ready_version = 0  # re-probe the route before the replay uses it
+                    log.info("request_replaying", request_id=slot.request_id, generated=len(slot.generated),
+                             reason=str(exc), device=exc.device, plan_version=route.plan_version)
+                    try:
+                        route = await self.serving_route(self.resume_timeout_s)
+                    except NoRoute:
+                        raise PipelineError(gone_message(route, self.route, exc, self.resume_timeout_s)) from None
+        finally:
+            slot.state = SlotState.DONE
+            self.discharge(slot.request_id)
+
+    def admit(self, request: StepsRequest) -> RequestSlot:
+        """Check ``request`` and give it a slot (its id is taken until :meth:`discharge`)."""
+        sampling = request.sampling
+        if request.speculation is not None and sampling.shaped:
             raise PipelineError("speculation cannot be combined with structured output or penalties")
-        if request_id in self._requests:
-            raise PipelineError(f"request id {request_id!r} is already running")
-        bad = out_of_vocab(prompt_ids, self.vocab_size)
+        self._take_id(request.request_id)
+        bad = out_of_vocab(request.prompt_ids, self.vocab_size)
         if bad:
+            self.discharge(request.request_id)
             raise BadTokens(bad)
         if not sampling.greedy and sampling.params.seed is None:
             # We own the random stream: a replay must continue it, so it needs a known seed.
             sampling = sampling.with_seed(secrets.randbits(63))
+        return RequestSlot(request, sampling)
+
+    def _take_id(self, request_id: RequestId) -> None:
+        if request_id in self._requests:
+            raise PipelineError(f"request id {request_id!r} is already running")
         self._requests.add(request_id)
-        generated: list[int] = []
-        first_wait = self.resume_timeout_s if wait_s is None else wait_s
-        try:
-            route = await self.serving_route(first_wait)
-            while True:
-                try:
-                    async for step in self._attempt(request_id, route, prompt_ids, generated, max_tokens,
-                                                    sampling, eos_ids, cuts, chunks, return_topk,
-                                                    speculation, typical, context_limit,
-                                                    self._shaping(prompt_ids, sampling),
-                                                    keep=keep, fork=fork):
-                        generated.append(step.token)
-                        yield step
-                    return
-                except _Interrupted as exc:
-                    if keep is not None or fork is not None:
-                        raise PipelineError(f"a request sharing its prefix was interrupted ({exc}); retry it") \
-                            from None
-                    self.resumes += 1
-                    self._ready_version = 0
-                    log.info("request_replaying", request_id=request_id, generated=len(generated),
-                             reason=str(exc), device=exc.device, plan_version=route.plan_version)
-                    try:
-                        new = await self.serving_route(self.resume_timeout_s)
-                    except NoRoute:
-                        raise PipelineError(self._gone_message(route, exc)) from None
-                    route = new
-        finally:
-            self._requests.discard(request_id)
 
-    @staticmethod
-    def _shaping(prompt_ids: list[int], sampling: SamplingSpec) -> dict:
-        """Fields of a last prompt chunk that make the last stage build a grammar / penalty
-        state for the sequence (every other message carries the spec unshaped)."""
-        if not sampling.shaped:
-            return {}
-        out: dict = {"sampling": sampling}
-        if sampling.penalties.active:
-            n = sampling.penalties.repeat_last_n
-            out["prompt_tail"] = list(prompt_ids if n < 0 else prompt_ids[len(prompt_ids) - n:] if n else [])
-        return out
+    def discharge(self, request_id: RequestId) -> None:
+        """The request is over: its id may be used again."""
+        self._requests.discard(request_id)
 
-    def _gone_message(self, route: Route, exc: _Interrupted) -> str:
-        now = self.route
-        left = [s.node_id for s in route.stages if now is None or now.index_of(s.node_id) is None]
-        who = exc.device or (left[0] if left else None)
-        return (f"{'device ' + who if who else 'a device'} of plan {route.plan_version} "
-                f"({exc}) and no plan could serve within {self.resume_timeout_s:g}s; retry the request")
+    def note_replay(self) -> None:
+        """Count a request (or a drafter) that lost its sequence and goes on on a fresh one."""
+        self.resumes += 1
 
-    async def _attempt(self, request_id: RequestId, route: Route, prompt_ids: list[int], generated: list[int],
-                       max_tokens: int, sampling: SamplingSpec, eos_ids, cuts: Cuts, chunks: int | None,
-                       return_topk: int, speculation: SpeculationSession | None = None, typical: bool = False,
-                       context_limit: int | None = None, shaping: dict | None = None,
-                       keep: SharedPrefix | None = None, fork: SharedPrefix | None = None
-                       ) -> AsyncIterator[TokenStep]:
+    async def _attempt(self, slot: RequestSlot, route: Route) -> AsyncIterator[TokenStep]:
         """One pass on one route: (re-)prefill prompt + generated tokens, then decode."""
-        seq = self.keys.next()
-        flight = _Flight(request_id, route, seq, asyncio.Queue())
-        self._flights[seq] = flight
-        first = route.stages[0].node_id
+        request, speculation, keep, fork = slot.request, slot.request.speculation, slot.request.keep, \
+            slot.request.fork
+        flight = slot.flight = self.open_flight(slot.request_id, route)
+        slot.state = SlotState.RUNNING
+        seq, first = flight.seq, route.stages[0].node_id
         base = 0  # positions before ours: a forked parent's, read in place
         kept = False
-        capacity = len(prompt_ids) + max_tokens
-        if speculation is not None:
-            capacity += MAX_CANDIDATES + 1
-        if context_limit:
-            capacity = min(capacity, context_limit)
-        fields = dict(request_id=request_id, plan_version=route.plan_version, seq_id=seq,
-                      reply_to=self.reply_to, capacity=capacity, sampling=sampling.unshaped(),
-                      return_topk=int(return_topk))
+        fields = dict(request_id=slot.request_id, plan_version=route.plan_version, seq_id=seq,
+                      reply_to=self.reply_to, capacity=slot.capacity(), sampling=slot.sampling.unshaped(),
+                      return_topk=int(request.return_topk))
         medusa_paths = self.medusa_paths if speculation is not None and speculation.uses_medusa else 0
         try:
             if fork is not None:
                 if fork.seq is None or fork.route is None or fork.route.plan_version != route.plan_version:
                     raise PipelineError("the shared prefix is gone (the mesh re-planned); retry the request")
                 base = fork.length
-                await self._send(first, ForkSequence(route.plan_version, seq, fork.seq, base))
-            ids = list(prompt_ids) + generated
+                await self.send(first, ForkSequence(route.plan_version, seq, fork.seq, base))
+            ids = slot.context
+            cuts = request.cuts
             cut_points = cuts(len(ids), route) if callable(cuts) else cuts  # fixed cuts stay valid on a replay
-            bounds = chunk_bounds(len(ids), chunks, cut_points)
+            bounds = chunk_bounds(len(ids), request.chunks, cut_points)
             for j, (a, b) in enumerate(bounds):
                 last = j == len(bounds) - 1
-                shape = {**shaping, "history": list(generated)} if shaping and last else {}
-                await self._send(first, StageForward(
+                shape = slot.shaping() if last else {}
+                await self.send(first, StageForward(
                     position_offset=base + a, chunk_index=j, token_ids=torch.tensor(ids[a:b], dtype=torch.long),
-                    is_last_chunk=last, sample_step=len(generated),
+                    is_last_chunk=last, sample_step=len(slot.generated),
                     medusa_paths=medusa_paths if last else 0, **{**fields, **shape}))
             pos = base + len(ids)
             if speculation is not None:
-                async for step in self._speculate(flight, speculation, ids, generated, max_tokens, eos_ids,
-                                                  capacity, typical, fields, base):
+                async for step in verify_rounds(self, slot, speculation, fields, base):
                     yield step
                 return
             work = len(ids)  # the first token waits for the whole prompt's prefill
             while True:
-                step, finished = await self._next_step(flight, work)
+                result = await self.next_result(flight, work)
+                step, finished = TokenStep.of(result), result.finished
                 work = 1
                 token = step.token
                 if keep is not None:
@@ -439,33 +334,33 @@ class PipelineCoordinator:
                     # positions (this token is not fed): that is the prefix it keeps.
                     keep.route, keep.seq, keep.length = route, seq, pos
                     kept = True
-                yield step  # the caller appends it to ``generated`` before resuming us
-                if token in eos_ids or len(generated) >= max_tokens:
+                yield step  # the caller appends it to ``slot.generated`` before resuming us
+                if slot.ends_with(token):
                     return
                 if finished:  # the grammar is complete: nothing may follow but the end
-                    if eos_ids:
-                        yield TokenStep(min(eos_ids))
+                    if request.eos_ids:
+                        yield TokenStep(min(request.eos_ids))
                     return
                 kept = False  # feeding another token: what was kept moves on
-                await self._send(first, StageForward(
+                await self.send(first, StageForward(
                     position_offset=pos, chunk_index=0, token_ids=torch.tensor([token], dtype=torch.long),
-                    is_last_chunk=True, sample_step=len(generated), **fields))
+                    is_last_chunk=True, sample_step=len(slot.generated), **fields))
                 pos += 1
         finally:
-            self._flights.pop(seq, None)
-            if not kept:
+            slot.flight = None
+            if kept:
+                self.flights.forget(flight)
+            else:
                 if keep is not None:
                     keep.seq = None
-                await self._free_surely(route, seq)
+                await self.flights.end(flight)
 
     def drafter(self, request_id: RequestId, capacity: int, sampling: SamplingParams, cuts: Cuts = None,
-                wait_s: float | None = None) -> "MeshDrafter":
+                wait_s: float | None = None) -> MeshDrafter:
         """Draft through the mesh for a cloud verifier (see :class:`MeshDrafter`); close it when done."""
-        if request_id in self._requests:
-            raise PipelineError(f"request id {request_id!r} is already running")
+        self._take_id(request_id)
         if not sampling.greedy and sampling.seed is None:
             sampling = sampling.with_seed(secrets.randbits(63))
-        self._requests.add(request_id)
         return MeshDrafter(self, request_id, capacity, sampling, cuts,
                            self.resume_timeout_s if wait_s is None else wait_s)
 
@@ -473,77 +368,18 @@ class PipelineCoordinator:
         """Free a kept prefix on every stage (its children's own positions are theirs to free)."""
         if prefix.seq is not None and prefix.route is not None:
             seq, prefix.seq = prefix.seq, None
-            await self._free_surely(prefix.route, seq)
+            await self.flights.free(prefix.route, seq)
 
-    async def _speculate(self, flight: _Flight, session: SpeculationSession, ids: list[int],
-                         generated: list[int], max_tokens: int, eos_ids, capacity: int, typical: bool,
-                         fields: dict, base: int = 0) -> AsyncIterator[TokenStep]:
-        """Decode in verify rounds: each sends the root and the drafted tree through every stage at once.
+    # -- flights: one sequence of a request on one route ---------------------------------
+    def open_flight(self, request_id: RequestId, route: Route) -> Flight:
+        """A fresh sequence for ``request_id`` on ``route``; its results arrive in its queue."""
+        return self.flights.open(request_id, route)
 
-        The previous round's accepted path rides in the next round's header, so every stage
-        rolls back its rejected nodes right before it runs the next round.
-        """
-        first = flight.route.stages[0].node_id
-        session.resync(ids)  # a replay re-prefilled exactly prompt + generated
-        res = await self._next_result(flight, len(ids))
-        commit: tuple[int, list[int]] | None = None
-        toks = [int(t) for t in res.token_ids.tolist()]
-        session.extend(toks)
-        loop = asyncio.get_running_loop()
-        while True:
-            proposal = self._proposal_of(res, session)
-            for t in toks:
-                yield TokenStep(t)
-                if t in eos_ids or len(generated) >= max_tokens:
-                    return
-            n = base + len(session.context) - 1  # positions every stage holds (after the pending commit)
-            if session.model_drafter is not None:  # a draft model computes: off the event loop
-                tree = await loop.run_in_executor(None, session.next_tree, proposal)
-            else:
-                tree = session.next_tree(proposal)
-            tree = tree.truncated(max(0, min(max_tokens - len(generated) - 1, capacity + base - n - 1)))
-            t0 = time.monotonic()
-            await self._send(first, StageForward(
-                position_offset=n, chunk_index=0, token_ids=torch.tensor(tree.tokens, dtype=torch.long),
-                is_last_chunk=True, sample_step=len(generated), verify=True,
-                tree_parents=None if tree.is_chain else list(tree.parents),
-                commit_start=commit[0] if commit else -1, commit_keep=commit[1] if commit else None,
-                medusa_paths=self.medusa_paths if session.wants_medusa else 0, typical=typical, **fields))
-            ahead = (loop.run_in_executor(None, session.draft_ahead, tree)
-                     if session.model_drafter is not None else None)
-            try:
-                res = await self._next_result(flight)
-            finally:
-                if ahead is not None:  # never leave the drafter busy with a round we abandon
-                    await asyncio.shield(ahead)
-            self.round_cost.observe(tree.size, time.monotonic() - t0)
-            if res.path is None or not res.path or res.path[0] != 0:
-                raise PipelineError("the last stage answered a verify round without an accepted path")
-            verdict = Verdict(tuple(res.path), int(res.token_ids[-1]))
-            toks = session.commit(tree, verdict)
-            if tree.num_candidates:
-                self.spec_totals["rounds"] += 1
-                self.spec_totals["drafted"] += tree.num_candidates
-                self.spec_totals["accepted"] += verdict.accepted
-            commit = (n, list(res.path))
+    async def end_flight(self, flight: Flight) -> None:
+        """Stop listening for ``flight`` and free its sequence on every stage of its route."""
+        await self.flights.end(flight)
 
-    @staticmethod
-    def _proposal_of(res: TokenResult, session: SpeculationSession) -> MedusaProposal | None:
-        if res.proposals is not None:
-            values = res.proposal_values or [0.5 ** len(p) for p in res.proposals]
-            return MedusaProposal([list(p) for p in res.proposals], list(values))
-        if res.note and session.uses_medusa:  # the heads could not be loaded: go on with what is left
-            session.drop_medusa(res.note)
-            log.warning("speculation_fallback", reason=res.note, drafter=session.drafter)
-        return None
-
-    async def _next_step(self, flight: _Flight, work_tokens: int = 1) -> tuple[TokenStep, bool]:
-        item = await self._next_result(flight, work_tokens)
-        return TokenStep(int(item.token_ids[0]),
-                         item.topk_ids.tolist() if item.topk_ids is not None else None,
-                         item.topk_probs.tolist() if item.topk_probs is not None else None), item.finished
-
-    async def _next_result(self, flight: _Flight, work_tokens: int = 1) -> TokenResult:
+    async def next_result(self, flight: Flight, work_tokens: int = 1) -> TokenResult:
         """The next result of ``flight``, which was just sent ``work_tokens`` positions to compute.
 
         The wait is a backstop (a device that leaves is noticed by membership and
@@ -552,141 +388,4 @@ class PipelineCoordinator:
         start it again, for ever. So it grows with the positions in flight.
         """
         wait_s = self.token_timeout_s + max(0, work_tokens - 1) * PREFILL_BUDGET_S_PER_TOKEN
-        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a client's cancel
-            async with asyncio.timeout(wait_s):
-                item = await flight.queue.get()
-        except TimeoutError:
-            raise _Interrupted(f"no token from the last stage within {wait_s:g}s") from None
-        match item:
-            case TokenResult():
-                if item.token_ids is None or item.token_ids.ndim != 1 or item.token_ids.numel() == 0:
-                    raise PipelineError("the last stage sent a result without tokens")
-                return item
-            case _Replanned():
-                raise _Interrupted(f"the mesh re-planned (plan {item.old} -> {item.new or 'pending'})")
-            case _Interrupted():
-                raise item
-            case ErrorReply() if item.code == "cache_full":
-                raise PipelineBusy(f"the mesh is busy: {item.message}; retry shortly")
-            case ErrorReply() if item.code == "model_mismatch":
-                raise ModelMismatch(f"stage {item.message}")
-            case ErrorReply() if item.code in RESUMABLE_CODES:
-                # the failed node: said by the stage, or (a 0.2 stage) the "node: text" it reports
-                raise _Interrupted(f"stage failed ({item.code}): {item.message}",
-                                   item.node or item.message.split(":", 1)[0])
-            case ErrorReply():
-                raise PipelineError(f"stage failed ({item.code}): {item.message}")
-            case Exception():
-                raise item
-        raise PipelineError(f"unexpected item in a request's queue: {type(item).__name__}")
-
-    async def _free_surely(self, route: Route, seq: SeqKey) -> None:
-        """Free even when the caller is being cancelled (a client hanging up is cancelled
-        by the HTTP server, sometimes more than once): the free runs as its own task."""
-        task = asyncio.get_running_loop().create_task(self._free(route, seq))
-        self._freeing.add(task)
-        task.add_done_callback(self._freeing.discard)
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not task.done():
-                log.debug("free_continues_after_cancel", seq=seq)
-            raise
-
-    async def _free(self, route: Route, seq: SeqKey) -> None:
-        """Release the sequence's cache on every stage (directly: the chain may be broken)."""
-        async def one(node_id):
-            try:
-                peer = await self.links.to(node_id)
-                await asyncio.wait_for(peer.send(FreeSequence(route.plan_version, seq),
-                                                 timeout=self.send_timeout_s), 2.0)
-            except (TransportError, TimeoutError, KeyError) as exc:
-                log.info("free_unreachable", node=node_id, seq=seq, error=str(exc))
-        await asyncio.gather(*(one(s.node_id) for s in route.stages))
-
-
-class MeshDrafter:
-    """The home's model drafting through the pipeline, one fed step at a time, for a cloud verifier.
-
-    ``feed(tokens, at)`` rolls every stage back to ``at`` positions (riding in the
-    message's header, like a verify round's rollback), appends ``tokens`` and returns
-    the last stage's proposal for the next token with its distribution on the
-    sampler's support and the final layer's attention on the last γ positions. The
-    drafter remembers what its cache holds, so when a device leaves it re-prefills
-    that on the next plan and carries on: the answer is not failed for it.
-    """
-
-    def __init__(self, coord: PipelineCoordinator, request_id: RequestId, capacity: int, sampling: SamplingParams,
-                 cuts: Cuts, wait_s: float):
-        self.coord = coord
-        self.request_id = request_id
-        self.capacity = capacity
-        self.sampling = sampling
-        self.cuts = cuts
-        self.wait_s = wait_s
-        self.held: list[int] = []  # the tokens in the stages' caches, in order
-        self.steps = 0
-        self._flight: _Flight | None = None
-
-    async def _open(self) -> _Flight:
-        c = self.coord
-        route = await c.serving_route(self.wait_s)
-        seq = c.keys.next()
-        flight = _Flight(self.request_id, route, seq, asyncio.Queue())
-        c._flights[seq] = flight
-        self._flight = flight
-        return flight
-
-    def _fields(self, flight: _Flight) -> dict:
-        return dict(request_id=self.request_id, plan_version=flight.route.plan_version, seq_id=flight.seq,
-                    reply_to=self.coord.reply_to, capacity=self.capacity, sampling=SamplingSpec(self.sampling),
-                    return_topk=SUPPORT_MAX + 1, attention_tail=GAMMA)
-
-    async def feed(self, tokens, at: int) -> DraftStep:
-        tokens = [int(t) for t in tokens]
-        bad = out_of_vocab(tokens, self.coord.vocab_size)  # checked before any stage sees them
-        if bad:
-            raise BadTokens(bad)
-        if not 0 <= at <= len(self.held):
-            raise PipelineError(f"cannot feed at {at}: the drafter holds {len(self.held)} positions")
-        for _ in range(3):  # a device leaving: re-prefill what we hold on the next plan and go on
-            flight = self._flight or await self._open()
-            try:
-                return await self._feed(flight, tokens, at)
-            except _Interrupted as exc:
-                log.info("drafter_replaying", request_id=self.request_id, held=len(self.held), reason=str(exc))
-                await self._drop()
-                self.coord.resumes += 1
-                tokens, at = self.held[:at] + tokens, 0
-                self.held = []
-        raise PipelineError("the mesh kept re-planning while drafting; retry the request")
-
-    async def _feed(self, flight: _Flight, tokens: list[int], at: int) -> DraftStep:
-        first = flight.route.stages[0].node_id
-        fields = self._fields(flight)
-        rollback = at < len(self.held)
-        bounds = chunk_bounds(len(tokens), None, (self.cuts(len(tokens), flight.route) if callable(self.cuts)
-                                                  else self.cuts) if at == 0 and len(tokens) > 1 else None)
-        for j, (a, b) in enumerate(bounds):
-            commit = dict(commit_start=at, commit_keep=[]) if rollback and j == 0 else {}
-            await self.coord._send(first, StageForward(
-                position_offset=at + a, chunk_index=j, token_ids=torch.tensor(tokens[a:b], dtype=torch.long),
-                is_last_chunk=j == len(bounds) - 1, sample_step=self.steps, **commit, **fields))
-        self.held = self.held[:at] + tokens
-        res = await self.coord._next_result(flight, len(tokens))
-        self.steps += 1
-        ids = res.topk_ids.tolist() if res.topk_ids is not None else [int(res.token_ids[0])]
-        probs = res.topk_probs.tolist() if res.topk_probs is not None else [1.0]
-        return draft_step(int(res.token_ids[0]), ids, probs, res.attention)
-
-    async def _drop(self) -> None:
-        flight, self._flight = self._flight, None
-        if flight is not None:
-            self.coord._flights.pop(flight.seq, None)
-            await self.coord._free_surely(flight.route, flight.seq)
-
-    async def close(self) -> None:
-        try:
-            await self._drop()
-        finally:
-            self.coord._requests.discard(self.request_id)
+        return await self.flights.next_result(flight, wait_s)

@@ -18,10 +18,10 @@ from decoding.errors import DrafterError
 from decoding.offload.policy import GAMMA
 from decoding.speculative.session import SpeculationSession
 from meshd.engine import (BadEngineRequest, BadTokenIds, Engine, EngineBusy, GenerationFailed, GenerationRequest,
-                          NoPlan, WrongModel, model_id_of)
+                          NoPlan, Report, TokenStream, WrongModel, model_id_of)
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import (BadTokens, ModelMismatch, NoRoute, PipelineBusy, PipelineCoordinator,
-                                        PipelineError)
+                                        PipelineError, StepsRequest)
 from meshd.pipeline.outline import OutlineDecoder, OutlineStats
 from meshd.pipeline.outline_gate import OutlineDecision, decide as decide_outline
 from meshd.pipeline.outline_router import shipped as outline_router
@@ -129,14 +129,17 @@ class PipelineEngine(Engine):
                       detail=decision.detail)
         return decision
 
-    async def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+    def token_ids(self, req: GenerationRequest) -> TokenStream:
+        return TokenStream(lambda report: self._ids(req, report))
+
+    async def _ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
         # aclosing: a caller that stops early closes the inner generator now, so its bookkeeping
         # (speculation stats for usage, the outline's shared prefix) is done before usage is read
         if self.cloud_for(req):
-            inner = self._cloud_ids(req)
+            inner = self._cloud_ids(req, report)
         else:
             decision = self.outline_for(req)
-            inner = self._outline_ids(req, decision) if decision.use else self._plain_ids(req)
+            inner = self._outline_ids(req, decision, report) if decision.use else self._plain_ids(req, report)
         try:
             async with contextlib.aclosing(inner) as ids:
                 async for t in ids:
@@ -172,7 +175,7 @@ class PipelineEngine(Engine):
         budget = self.cloud.budget if not isinstance(req.cloud, float) else req.cloud
         return budget > 0.0
 
-    async def _cloud_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+    async def _cloud_ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
         from meshd.cloud.home import draft_seed
 
         sampling = req.sampling.params  # unshaped: a cloud-verified answer has no penalties or grammar
@@ -192,10 +195,11 @@ class PipelineEngine(Engine):
                 yield t
         finally:
             cloud.record(decoder.stats, n)
-            req.cloud_stats = decoder.stats.to_dict()
+            report(cloud=decoder.stats.to_dict())
             await drafter.close()
 
-    async def _outline_ids(self, req: GenerationRequest, decision: OutlineDecision) -> AsyncIterator[int]:
+    async def _outline_ids(self, req: GenerationRequest, decision: OutlineDecision,
+                           report: Report) -> AsyncIterator[int]:
         totals = self.coordinator.outline_totals
         totals["requests"] += 1
         stats = OutlineStats()
@@ -206,35 +210,33 @@ class PipelineEngine(Engine):
                  detail=decision.detail, max_tokens=req.max_tokens)
         stream = await decoder.run(req.request_id, req.messages, req.max_tokens, req.sampling, stats,
                                    cuts=self.cuts_for)
-        req.outline_stats = stats.to_dict()
+        report(outline=stats.to_dict())
         if stream is None:  # no usable outline: the plain answer it is (the outline's time is lost)
             totals["fallbacks"] += 1
             reasons = totals["fallback_reasons"]
             reasons[stats.fallback_reason] = reasons.get(stats.fallback_reason, 0) + 1
             log.warning("outline_fallback", request_id=req.request_id, reason=stats.fallback_reason,
                         detail=stats.fallback, outline_tokens=stats.outline_tokens)
-            stream = self._plain_ids(req)
+            stream = self._plain_ids(req, report)
         else:
-            req.outline_used = True
             totals["used"] += 1
             totals["points"] += stats.points
         async with contextlib.aclosing(stream) as ids:
             async for t in ids:
                 yield t
 
-    async def _plain_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
+    async def _plain_ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
         session = self.speculation_for(req)
         if session is not None:
             self.coordinator.spec_totals["requests"] += 1
         try:
-            async for step in self.coordinator.steps(req.request_id, list(req.prompt_ids), req.max_tokens,
-                                                     req.sampling, self.eos_ids, cuts=self.cuts_for,
-                                                     wait_s=self.wait_s, speculation=session,
-                                                     typical=req.speculative.typical,
-                                                     context_limit=self.context_length):
+            async for step in self.coordinator.steps(StepsRequest(
+                    req.request_id, list(req.prompt_ids), req.max_tokens, req.sampling, self.eos_ids,
+                    cuts=self.cuts_for, wait_s=self.wait_s, speculation=session, typical=req.speculative.typical,
+                    context_limit=self.context_length)):
                 yield step.token
         finally:
             if session is not None:
-                req.speculative_stats = session.stats()
+                report(speculative=session.stats())
                 if session.model_drafter is not None:
                     session.model_drafter.close()

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from decoding.sampling import SamplingSpec
-from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError, SharedPrefix
+from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError, SharedPrefix, StepsRequest
 from partition.ids import RequestId
 
 
@@ -180,8 +180,8 @@ class OutlineDecoder:
         the part of it before the delimiter — its head — goes with the next feed.
         """
         text, toks, last = "", 0, ""
-        steps = self.coord.steps(keep.request_id, feed, TITLE_TOKENS, SamplingSpec(), self.eos_ids,
-                                 cuts=cuts, wait_s=self.wait_s, keep=keep, fork=parent)
+        steps = self.coord.steps(StepsRequest(keep.request_id, feed, TITLE_TOKENS, SamplingSpec(), self.eos_ids,
+                                              cuts=cuts, wait_s=self.wait_s, keep=keep, fork=parent))
         async with contextlib.aclosing(steps):
             async for step in steps:
                 toks += 1
@@ -233,8 +233,9 @@ class OutlineDecoder:
                 seed = sampling.params.seed
                 point_sampling = sampling if sampling.greedy or seed is None else sampling.with_seed(seed + k)
                 session = self.speculation(suffixes[k]) if self.speculation is not None else None
-                steps = self.coord.steps(RequestId(f"{request_id}/p{k + 1}"), suffixes[k], budget, point_sampling,
-                                         self.eos_ids, wait_s=self.wait_s, fork=prefix, speculation=session)
+                steps = self.coord.steps(StepsRequest(RequestId(f"{request_id}/p{k + 1}"), suffixes[k], budget,
+                                                      point_sampling, self.eos_ids, wait_s=self.wait_s, fork=prefix,
+                                                      speculation=session))
                 async with contextlib.aclosing(steps):
                     async for step in steps:
                         if step.token in self.eos_ids:

@@ -17,7 +17,7 @@ import asyncio
 from decoding.sampling import SamplingSpec
 from decoding.batch import EXACT_BLOCK
 from meshd.log import get_logger
-from meshd.pipeline.coordinator import PipelineCoordinator
+from meshd.pipeline.coordinator import PipelineCoordinator, StepsRequest
 from meshd.pipeline.engine import UNCUT_PROMPT, aligned_cuts, default_cuts
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.plan import cut_table_over, stage_timings_over
@@ -180,8 +180,8 @@ class ServingRole:
         """One tiny greedy request through every stage of ``route`` (best effort)."""
         ids = list(self.source.tokenizer.encode("Hello"))[:4] or [0]
         try:
-            async for _ in self.coordinator.steps(f"warmup-{route.plan_version}-{id(self)}", ids, 2,
-                                                  SamplingSpec(), cuts=None, wait_s=self.wait_s):
+            async for _ in self.coordinator.steps(StepsRequest(f"warmup-{route.plan_version}-{id(self)}", ids, 2,
+                                                               SamplingSpec(), wait_s=self.wait_s)):
                 pass
         except Exception as exc:  # a newer plan, a device leaving: the next plan warms up again
             log.info("warm_up_skipped", plan_version=route.plan_version, error=str(exc))

@@ -133,14 +133,17 @@ def test_pull_of_a_catalog_model_the_home_does_not_serve_says_how_and_downloads_
 class FellBack(FakeEngine):
     """Speculation that fell back, for a reason that quotes an install path (as missing heads do)."""
 
-    async def token_ids(self, req):
+    def token_ids(self, req):
         from decoding.speculative.params import SpeculativeStats
+        from meshd.engine import TokenStream
 
-        req.speculative_stats = SpeculativeStats(
-            "auto", rounds=2, drafted=4, accepted=1,
-            fallback_reason="medusa heads unavailable: /opt/meshd/lib/meshd/data/heads.safetensors")
-        async for t in super().token_ids(req):
-            yield t
+        async def ids(report):
+            report(speculative=SpeculativeStats(
+                "auto", rounds=2, drafted=4, accepted=1,
+                fallback_reason="medusa heads unavailable: /opt/meshd/lib/meshd/data/heads.safetensors"))
+            async for t in super(FellBack, self).token_ids(req):
+                yield t
+        return TokenStream(ids)
 
 
 @pytest.mark.parametrize("debug", [False, True])

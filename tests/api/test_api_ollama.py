@@ -176,11 +176,15 @@ def test_unknown_ollama_paths_answer_in_ollamas_error_format(srv):
 def test_speculation_stats_ride_in_the_final_message_and_in_openai_usage():
     from decoding.speculative.params import SpeculativeStats
 
+    from meshd.engine import TokenStream
+
     class Speculating(FakeEngine):
-        async def token_ids(self, req):
-            req.speculative_stats = SpeculativeStats("lookup", rounds=4, drafted=12, accepted=6)
-            async for t in super().token_ids(req):
-                yield t
+        def token_ids(self, req):
+            async def ids(report):
+                report(speculative=SpeculativeStats("lookup", rounds=4, drafted=12, accepted=6))
+                async for t in super(Speculating, self).token_ids(req):
+                    yield t
+            return TokenStream(ids)
 
     with ServerThread(Speculating()) as s:
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(s.socket_path)), base_url="http://localhost") as h:

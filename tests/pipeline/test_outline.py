@@ -22,6 +22,7 @@ from meshd.api.validation import RequestError
 from meshd.pipeline import outline_router
 from meshd.pipeline.coordinator import PipelineError, SharedPrefix
 from meshd.pipeline.outline import OutlineDecoder, OutlineStats, _title_end
+from meshd.pipeline.slot import StepsRequest
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 
@@ -51,11 +52,12 @@ async def test_children_forked_from_a_kept_prefix_equal_whole_prompt_requests(ti
     suffixes = [[50, 51, 52], [60], [70, 71, 72, 73, 74]]
     async with Mesh(tiny, 2) as mesh:
         prefix = SharedPrefix("parent")
-        got = await _take(mesh.coord.steps("parent", prompt, 8, SamplingSpec(), keep=prefix), stop_after)
+        got = await _take(mesh.coord.steps(StepsRequest("parent", prompt, 8, SamplingSpec(), keep=prefix)), stop_after)
         held = prompt + got[:-1]  # the last sampled token is never fed
         assert prefix.seq is not None and prefix.length == len(held)
         children = await asyncio.gather(*(
-            _take(mesh.coord.steps(f"child{i}", s, 12, SamplingSpec(), fork=prefix)) for i, s in enumerate(suffixes)))
+            _take(mesh.coord.steps(StepsRequest(f"child{i}", s, 12, SamplingSpec(), fork=prefix)))
+            for i, s in enumerate(suffixes)))
         for s, child in zip(suffixes, children):
             assert child == generate(ref, held + s, 12).token_ids
         assert all(svc.kv_tokens_in_use() > 0 for svc in mesh.services)  # the prefix is still kept
@@ -66,12 +68,12 @@ async def test_children_forked_from_a_kept_prefix_equal_whole_prompt_requests(ti
 async def test_a_fork_of_a_released_prefix_fails_clearly_instead_of_hanging(tiny):
     async with Mesh(tiny, 2) as mesh:
         prefix = SharedPrefix("parent")
-        await _take(mesh.coord.steps("parent", list(range(10, 30)), 4, SamplingSpec(), keep=prefix))
+        await _take(mesh.coord.steps(StepsRequest("parent", list(range(10, 30)), 4, SamplingSpec(), keep=prefix)))
         stale = SharedPrefix("parent", prefix.route, prefix.seq, prefix.length)
         await mesh.coord.release(prefix)
         assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services))
         with pytest.raises(PipelineError, match="interrupted|gone|unknown"):
-            await _take(mesh.coord.steps("child", [5, 6], 4, SamplingSpec(), fork=stale))
+            await _take(mesh.coord.steps(StepsRequest("child", [5, 6], 4, SamplingSpec(), fork=stale)))
 
 
 async def test_a_fork_that_arrives_after_its_free_creates_nothing(tiny):
@@ -132,13 +134,13 @@ async def test_a_point_that_fails_fails_the_request_and_frees_everything(real_me
     async with Mesh(real_mesh_source, 2) as mesh:
         real_steps = mesh.coord.steps
 
-        def steps(request_id, *a, **kw):
-            if request_id.endswith("/p2"):
+        def steps(request):
+            if request.request_id.endswith("/p2"):
                 async def broken():
                     raise PipelineError("device dev1 left")
                     yield  # pragma: no cover
                 return broken()
-            return real_steps(request_id, *a, **kw)
+            return real_steps(request)
 
         monkeypatch.setattr(mesh.coord, "steps", steps)
         dec = OutlineDecoder(mesh.coord, tok, tok.eos_ids)

@@ -12,6 +12,7 @@ from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError
 from meshd.pipeline.route import Route, StageEndpoint
 from meshd.pipeline.stage import StageService
+from meshd.pipeline.slot import StepsRequest
 from transport.node import TransportNode
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
@@ -261,8 +262,8 @@ async def test_last_stage_returns_only_the_requested_top_k_distribution(tiny):
     logits = ref.prefill("r", prompt)[-1]
     want = torch.topk(torch.softmax(logits, -1), 5)
     async with Mesh(tiny, 2) as mesh:
-        steps = [s async for s in mesh.coord.steps("k", prompt, 3, SamplingSpec(), return_topk=5)]
-        plain = [s async for s in mesh.coord.steps("n", prompt, 1, SamplingSpec())]
+        steps = [s async for s in mesh.coord.steps(StepsRequest("k", prompt, 3, SamplingSpec(), return_topk=5))]
+        plain = [s async for s in mesh.coord.steps(StepsRequest("n", prompt, 1, SamplingSpec()))]
     assert steps[0].topk_ids == want.indices.tolist()
     assert steps[0].topk_probs == pytest.approx(want.values.tolist(), abs=1e-5)
     assert steps[0].token == steps[0].topk_ids[0]  # greedy picks the most likely

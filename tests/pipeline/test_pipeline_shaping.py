@@ -14,6 +14,7 @@ import pytest
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.engine import GenerationRequest, LocalEngine
+from meshd.pipeline.slot import StepsRequest
 from tests.support.inprocess import Mesh
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,7 @@ async def _local_tokens(engine, ids, max_tokens, sampling, constraint=None, pena
 
 async def _mesh_tokens(mesh, ids, max_tokens, sampling, eos, rid, constraint=None, penalties=Penalties()):
     spec = SamplingSpec(sampling, penalties, constraint)
-    return [s.token async for s in mesh.coord.steps(rid, ids, max_tokens, spec, eos)]
+    return [s.token async for s in mesh.coord.steps(StepsRequest(rid, ids, max_tokens, spec, eos))]
 
 
 async def test_schema_constrained_answers_match_the_local_engine_and_parse(real_source, local):
@@ -97,7 +98,7 @@ async def test_a_constrained_answer_survives_a_device_leaving_mid_answer(real_so
     ref = await _local_tokens(local, ids, 40, p, SCHEMA)
     async with Mesh(real_source, 3) as mesh:
         got = []
-        async for step in mesh.coord.steps("r", ids, 40, SamplingSpec(p, constraint=SCHEMA), eos):
+        async for step in mesh.coord.steps(StepsRequest("r", ids, 40, SamplingSpec(p, constraint=SCHEMA), eos)):
             got.append(step.token)
             if len(got) == 4:
                 await mesh.drop_middle()  # dev1 leaves; the mesh re-plans over dev0 and dev2

@@ -25,6 +25,7 @@ from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 from tests.support.speculative import PROMPTS, MirrorHeads
 from transport.messages import ErrorReply, StageForward
+from meshd.pipeline.slot import StepsRequest
 
 
 def mirror_medusa(stage):
@@ -41,8 +42,8 @@ def tiny(tiny_llama):
 
 
 async def _run(mesh, prompt, max_tokens, session, sampling=SamplingParams(), rid="r", eos=()):
-    return [s.token async for s in mesh.coord.steps(rid, prompt, max_tokens, SamplingSpec(sampling), eos,
-                                                    speculation=session)]
+    return [s.token async for s in mesh.coord.steps(StepsRequest(rid, prompt, max_tokens, SamplingSpec(sampling), eos,
+                                                    speculation=session))]
 
 
 def _session(mesh, drafter, prompt, source=None, fixed=None):
@@ -155,7 +156,7 @@ async def test_a_speculative_answer_survives_a_device_leaving_mid_round(tiny, sa
     async with Mesh(tiny, 3, medusa=mirror_medusa) as mesh:
         got = []
         session = _session(mesh, "auto", prompt)
-        async for step in mesh.coord.steps("r", prompt, 40, SamplingSpec(sampling), speculation=session):
+        async for step in mesh.coord.steps(StepsRequest("r", prompt, 40, SamplingSpec(sampling), speculation=session)):
             got.append(step.token)
             if len(got) == 6:
                 await mesh.drop_middle()  # dev1 leaves; the mesh re-plans over dev0 and dev2

@@ -19,6 +19,7 @@ from decoding.speculative.session import SpeculationSession
 from transport.messages import StageForward
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
+from meshd.pipeline.slot import StepsRequest
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ async def test_speculative_and_plain_requests_share_passes_losslessly(tiny):
     async with Mesh(tiny, 2) as mesh:
         spec = SpeculationSession("lookup", list(prompt), cost=mesh.coord.round_cost)
         got = await asyncio.gather(
-            _collect(mesh.coord.steps("spec", prompt, 20, SamplingSpec(), speculation=spec)),
+            _collect(mesh.coord.steps(StepsRequest("spec", prompt, 20, SamplingSpec(), speculation=spec))),
             *(mesh.run(p, 20, rid=f"p{i}") for i, p in enumerate(others)))
     assert [s.token for s in got[0]] == ref
     assert got[1:] == other_refs

@@ -1,0 +1,116 @@
+"""The coordinator's sequences in flight: where each one's results go, and freeing them surely.
+
+A flight is one sequence of a request on one route. Results and errors from the
+last stage are routed to its queue by sequence key (or, for an error, by
+request id); events that end a flight's sequence (a re-plan, a stage's restart,
+shutdown) are put in the same queue, so the request's loop meets them in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from meshd.log import get_logger
+from meshd.pipeline.links import Links
+from meshd.pipeline.route import Route
+from meshd.pipeline.seqkey import SeqKey, SeqKeys
+from meshd.pipeline.failures import Interrupted, PipelineError, reply_error
+from meshd.pipeline.slot import Flight
+from partition.ids import RequestId
+from transport.errors import TransportError
+from transport.messages import ErrorReply, FreeSequence, TokenResult
+
+log = get_logger("meshd.coordinator")
+
+
+@dataclass(frozen=True)
+class Replanned:
+    """The mesh re-planned under a flight (``new`` None: no plan yet)."""
+
+    old: int
+    new: int | None
+
+
+class FlightTable:
+    def __init__(self, keys: SeqKeys, links: Links, send_timeout_s: float):
+        self.keys = keys
+        self.links = links
+        self.send_timeout_s = send_timeout_s
+        self._flights: dict[SeqKey, Flight] = {}
+        self._freeing: set[asyncio.Task] = set()
+
+    def open(self, request_id: RequestId, route: Route) -> Flight:
+        flight = Flight(request_id, route, self.keys.next())
+        self._flights[flight.seq] = flight
+        return flight
+
+    def forget(self, flight: Flight) -> None:
+        """Stop routing results to ``flight`` (its sequence stays on the stages)."""
+        self._flights.pop(flight.seq, None)
+
+    async def end(self, flight: Flight) -> None:
+        """Stop routing results to ``flight`` and free its sequence on every stage."""
+        self.forget(flight)
+        await self.free(flight.route, flight.seq)
+
+    def deliver(self, msg: TokenResult | ErrorReply) -> bool:
+        """Put a last stage's result (or a stage's error) in its flight's queue; False: none awaits it."""
+        flight = self._flights.get(msg.seq_id) if isinstance(msg, TokenResult) else None
+        if flight is None and isinstance(msg, ErrorReply):
+            flight = next((f for f in self._flights.values() if f.request_id == msg.request_id), None)
+        if flight is None:
+            return False
+        flight.queue.put_nowait(msg)
+        return True
+
+    async def next_result(self, flight: Flight, wait_s: float) -> TokenResult:
+        """The next result in ``flight``'s queue; anything else there ends the flight's sequence."""
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a client's cancel
+            async with asyncio.timeout(wait_s):
+                item = await flight.queue.get()
+        except TimeoutError:
+            raise Interrupted(f"no token from the last stage within {wait_s:g}s") from None
+        match item:
+            case TokenResult():
+                if item.token_ids is None or item.token_ids.ndim != 1 or item.token_ids.numel() == 0:
+                    raise PipelineError("the last stage sent a result without tokens")
+                return item
+            case Replanned():
+                raise Interrupted(f"the mesh re-planned (plan {item.old} -> {item.new or 'pending'})")
+            case ErrorReply():
+                raise reply_error(item)
+            case Exception():
+                raise item
+        raise PipelineError(f"unexpected item in a request's queue: {type(item).__name__}")
+
+    def tell(self, which: Callable[[Flight], bool], event: Callable[[Flight], object]) -> None:
+        """Put ``event(flight)`` in the queue of every flight ``which`` selects."""
+        for f in list(self._flights.values()):
+            if which(f):
+                f.queue.put_nowait(event(f))
+
+    async def free(self, route: Route, seq: SeqKey) -> None:
+        """Free even when the caller is being cancelled (a client hanging up is cancelled
+        by the HTTP server, sometimes more than once): the free runs as its own task."""
+        task = asyncio.get_running_loop().create_task(self._free(route, seq))
+        self._freeing.add(task)
+        task.add_done_callback(self._freeing.discard)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                log.debug("free_continues_after_cancel", seq=seq)
+            raise
+
+    async def _free(self, route: Route, seq: SeqKey) -> None:
+        """Release the sequence's cache on every stage (directly: the chain may be broken)."""
+        async def one(node_id):
+            try:
+                peer = await self.links.to(node_id)
+                await asyncio.wait_for(peer.send(FreeSequence(route.plan_version, seq),
+                                                 timeout=self.send_timeout_s), 2.0)
+            except (TransportError, TimeoutError, KeyError) as exc:
+                log.info("free_unreachable", node=node_id, seq=seq, error=str(exc))
+        await asyncio.gather(*(one(s.node_id) for s in route.stages))
