@@ -6,8 +6,9 @@ into :class:`TokenEvent` values. Engines (the whole model on this device, the
 cross-daemon pipeline, a test fake) implement one small method,
 :meth:`Engine.token_ids`, that yields raw token ids. Everything that must
 behave identically whatever the engine — incremental detokenisation, stop
-strings (never emitted), EOS, ``max_tokens``, finish reasons, usage — lives
-here, once, in :meth:`Engine.stream`.
+strings (never emitted), finish reasons, usage — lives here, once, in
+:meth:`Engine.stream`; when a generation ends (EOS, ``max_tokens``) is one rule,
+:class:`Budget`, which the token producers apply too (see there why).
 """
 
 from __future__ import annotations
@@ -298,7 +299,7 @@ class Engine(abc.ABC):
             )
 
     async def stream(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Text events for ``req``; the one place stop strings and EOS are applied."""
+        """Text events for ``req``: the one place stop strings are cut, finish reasons named and usage built."""
         self.check_prompt(req.prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(req.stop)
