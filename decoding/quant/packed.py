@@ -67,8 +67,7 @@ def _kernel_status() -> tuple[bool, int, str]:
     return False, 0, "int4 kernel packs in a layout meshd cannot read back (embeddings and prefill need it)"
 
 
-INT4_OK, _BLOCK, INT4_UNAVAILABLE = _kernel_status()
-_LAYOUT_OK = bool(_BLOCK)
+INT4_OK, _BLOCK, INT4_UNAVAILABLE = _kernel_status()  # no known layout: INT4_OK is False
 
 
 class Scratch:
@@ -195,8 +194,6 @@ class PackedLinear:
             count = int(dense.sum())
             if count in (0, x.shape[0]):
                 dense = bool(count)
-        if not _LAYOUT_OK:
-            dense = False
         if isinstance(dense, bool):
             y = self._widened(x) if dense else self._kernel(x)
         else:
