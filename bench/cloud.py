@@ -153,10 +153,10 @@ class WanLink:
 
         from transport.messages import CloudVerdict
 
-        up = sum(len(f) for f in encode(to_message(req), request_id=1000))
+        up = sum(len(f) for f in encode(to_message(req), call_id=1000))
         await asyncio.sleep(self.rtt_s / 2 + 8 * (up + CURVE_OVERHEAD_B) / self.up_bps)
         res = await self.link.verify(req, None if timeout_s is None else timeout_s)
-        down = len(encode(CloudVerdict(req.session, res.accepted, res.token, res.draws), request_id=1000)[0])
+        down = len(encode(CloudVerdict(req.session, res.accepted, res.token, res.draws), call_id=1000)[0])
         await asyncio.sleep(self.rtt_s / 2 + 8 * (down + CURVE_OVERHEAD_B) / self.down_bps)
         if req.open is None:  # a usual round (a session's first request carries its prompt)
             self.rounds.append((up, down))

@@ -66,7 +66,7 @@ def hf_tokenizer(source):
     from transformers import PreTrainedTokenizerFast
 
     tok = source.tokenizer
-    return PreTrainedTokenizerFast(tokenizer_object=tok._tok,
+    return PreTrainedTokenizerFast(tokenizer_object=tok.backend,
                                    eos_token=tok.decode(list(tok.eos_ids), skip_special=False))
 
 

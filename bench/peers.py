@@ -182,7 +182,7 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
     from decoding.pipeline_local import LocalPipeline, even_split
     from decoding.sampling import SamplingSpec
     from decoding.batch import EXACT_BLOCK
-    from meshd.pipeline.engine import aligned_cuts, default_cuts
+    from meshd.pipeline.cuts import aligned_cuts, default_cuts
     from meshd.pipeline.proc_mesh import ProcessMesh
 
     src = open_model(path)

@@ -200,7 +200,7 @@ class _Netns:
 async def parity_by_stage_count(args, tok, counts: list[int]) -> dict:
     """Mesh greedy output vs the reference on our own prompt set, for K evenly split stages."""
     from decoding.pipeline_local import even_split
-    from meshd.pipeline.engine import default_cuts
+    from meshd.pipeline.cuts import default_cuts
     from meshd.pipeline.proc_mesh import ProcessMesh
 
     ncpu = os.cpu_count() or 1

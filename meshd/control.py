@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transport.messages import message
+from partition.ids import NodeId, PlanVersion
 
 
 @message(extensible=True)
@@ -22,10 +23,10 @@ class MeshHeartbeat:
     they are left out (and logged) so it stays alive to the rest of the home.
     """
 
-    node_id: str
+    node_id: NodeId
     name: str
     memory_budget_mb: int
-    plan_version: int
+    plan_version: PlanVersion
     members_digest: str  # differs -> the receiver sends us its member list
     profile_digest: str  # differs from what the receiver holds -> it asks for the profile
     timestamp: float
@@ -56,13 +57,13 @@ class MemberList:
 @message
 @dataclass
 class ProfileRequest:
-    node_id: str
+    node_id: NodeId
 
 
 @message
 @dataclass
 class ProfileShare:
-    node_id: str
+    node_id: NodeId
     digest: str
     profile: dict[str, Any] | None = None
 
@@ -72,7 +73,7 @@ class ProfileShare:
 class Bye:
     """Graceful shutdown: mark me gone now rather than after the heartbeat timeout."""
 
-    node_id: str
+    node_id: NodeId
     reason: str = "shutdown"
 
 

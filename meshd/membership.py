@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+from partition.ids import NodeId
 
 
 class PeerState(str, enum.Enum):
@@ -27,7 +28,7 @@ class PeerState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Change:
-    node_id: str
+    node_id: NodeId
     old: PeerState | None
     new: PeerState
 
@@ -39,7 +40,7 @@ class MemberRecord:
     (Not ``transport.link.Peer``, which is a connection to a stage server.)
     """
 
-    node_id: str
+    node_id: NodeId
     state: PeerState
     since: float  # when it entered this state
     last_seen: float  # last heartbeat (or first observation while joining)
@@ -61,7 +62,7 @@ class Membership:
         old, peer.state, peer.since = peer.state, state, now
         return [Change(peer.node_id, old, state)]
 
-    def observe(self, node_id: str, now: float) -> list[Change]:
+    def observe(self, node_id: NodeId, now: float) -> list[Change]:
         """A peer was discovered (mDNS/static seed) and is admitted: start talking to it."""
         if node_id == self.self_id:
             return []
@@ -74,7 +75,7 @@ class Membership:
             return self._set(peer, PeerState.JOINING, now)
         return []
 
-    def heartbeat(self, node_id: str, now: float, info: dict[str, Any] | None = None) -> list[Change]:
+    def heartbeat(self, node_id: NodeId, now: float, info: dict[str, Any] | None = None) -> list[Change]:
         """A heartbeat arrived over the authenticated transport: the peer is ready."""
         if node_id == self.self_id:
             return []
@@ -88,7 +89,7 @@ class Membership:
             peer.info = dict(info)
         return changes + self._set(peer, PeerState.READY, now)
 
-    def leave(self, node_id: str, now: float) -> list[Change]:
+    def leave(self, node_id: NodeId, now: float) -> list[Change]:
         """The peer said goodbye (graceful shutdown): gone without waiting for timeouts."""
         peer = self.peers.get(node_id)
         return self._set(peer, PeerState.GONE, now) if peer else []
@@ -106,7 +107,7 @@ class Membership:
                 changes += self._set(peer, PeerState.SUSPECT, now)
         return changes
 
-    def state_of(self, node_id: str) -> PeerState | None:
+    def state_of(self, node_id: NodeId) -> PeerState | None:
         peer = self.peers.get(node_id)
         return peer.state if peer else None
 

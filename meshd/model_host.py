@@ -22,6 +22,7 @@ from meshd.mesh.gossip import Gossip
 from meshd.mesh.planner import Planner
 from meshd.mesh.view import MeshView
 from meshd.sdnotify import Notifier
+from partition.ids import NodeId
 
 log = get_logger("meshd.daemon")
 
@@ -78,6 +79,7 @@ class ModelHost:
                 cfg, self.view, self.node, sharing=self.sharing, weights_mode=self.planner.weights_mode,
                 follow_plans=self.planner.listeners.append)
             self.local.model_source = s.source
+            self.local.stage_port = s.stage_port
             self._check_fit(s.source)
             await self._settle_profile(s.source)
             drafts = DraftModels(cfg.draft_model, s.source) if cfg.draft_model else None
@@ -153,19 +155,20 @@ class ModelHost:
         """This device's stage: plan served, layers, sequences and KV tokens in use."""
         if self.serving is None:
             return None
+        from meshd.pipeline.totals import DecodingTotals
+
         coord = self.serving.coordinator
-        spec = dict(coord.spec_totals)
-        spec["accepted_per_round"] = round((spec["accepted"] + spec["rounds"]) / spec["rounds"], 3) \
-            if spec["rounds"] else 0.0
-        spec["round_cost_slope"] = round(coord.round_cost.slope, 4)
+        totals = getattr(self.engine.inner, "totals", None) if self.engine is not None else None
+        totals = totals if totals is not None else DecodingTotals()
+        spec = {**totals.speculative.to_dict(), "round_cost_slope": round(coord.round_cost.slope, 4)}
         out = {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec,
-               "outline": {k: dict(v) if isinstance(v, dict) else v for k, v in coord.outline_totals.items()}}
+               "outline": totals.outline.to_dict()}
         cloud = self.cloud_sync.status()
         if cloud is not None:
             out["cloud"] = cloud
         return out
 
-    def peer_restarted(self, node_id: str) -> None:
+    def peer_restarted(self, node_id: NodeId) -> None:
         if self.serving is not None:
             self.serving.coordinator.stage_restarted(node_id)
 

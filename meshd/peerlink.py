@@ -36,6 +36,7 @@ from transport.errors import TransportError
 from transport.link import Peer, Request
 from transport.messages import Envelope, LinkProbe, LinkProbeAck
 from transport.node import TransportNode
+from partition.ids import NodeId
 
 log = get_logger("meshd.peerlink")
 
@@ -100,7 +101,7 @@ class LinkProbes:
             out.append(nid)
         return out
 
-    def record(self, node_id: str, now: float, rtt_s: float | None, error: str = "",
+    def record(self, node_id: NodeId, now: float, rtt_s: float | None, error: str = "",
                started: float | None = None) -> None:
         """End the probe ``due`` started at ``started`` (if given; a stale probe's answer is dropped)."""
         h = self.links.get(node_id)
@@ -113,10 +114,10 @@ class LinkProbes:
         else:
             h.rtt_s, h.measured_at, h.failures, h.last_error = rtt_s, now, 0, ""
 
-    def forget(self, node_id: str) -> None:
+    def forget(self, node_id: NodeId) -> None:
         self.links.pop(node_id, None)
 
-    def reachable(self, node_id: str, now: float) -> bool:
+    def reachable(self, node_id: NodeId, now: float) -> bool:
         h = self.links.get(node_id)
         return (h is not None and h.measured_at is not None and h.failures < UNREACHABLE_AFTER
                 and now - h.measured_at <= self.stale_after_s)
@@ -141,7 +142,7 @@ class PeerLink:
 
     def __init__(
         self,
-        node_id: str,
+        node_id: NodeId,
         state_dir: Path,
         on_message: Callable[[str, Envelope], None],
         send_timeout_s: float = 1.0,
@@ -179,7 +180,7 @@ class PeerLink:
         return None
 
     # -- outgoing ---------------------------------------------------------
-    async def connect(self, node_id: str, public_key: str, address: str, port: int) -> None:
+    async def connect(self, node_id: NodeId, public_key: str, address: str, port: int) -> None:
         """Open (or re-point) the link to ``node_id``; idempotent."""
         endpoint = f"tcp://{address}:{port}"
         current = self.peers.get(node_id)
@@ -192,7 +193,7 @@ class PeerLink:
         await peer.connect(endpoint)
         self.peers[node_id] = (endpoint, public_key, peer)
 
-    async def disconnect(self, node_id: str) -> None:
+    async def disconnect(self, node_id: NodeId) -> None:
         current = self.peers.pop(node_id, None)
         self.probes.forget(node_id)
         if current:
@@ -210,7 +211,7 @@ class PeerLink:
             started += 1
         return started
 
-    async def _probe(self, node_id: str, peer: Peer, started: float) -> None:
+    async def _probe(self, node_id: NodeId, peer: Peer, started: float) -> None:
         rtt, error = None, "cancelled"
         try:
             t0 = time.perf_counter()
@@ -230,7 +231,7 @@ class PeerLink:
         """Per linked member: ``rtt_s`` (None unless fresh), ``age_s``, ``reachable``, ``failures``..."""
         return self.probes.status(self.clock())
 
-    def send(self, node_id: str, msg: Any) -> bool:
+    def send(self, node_id: NodeId, msg: Any) -> bool:
         """Queue ``msg`` for ``node_id`` in the background; False if there is no link."""
         current = self.peers.get(node_id)
         if current is None:
@@ -240,7 +241,7 @@ class PeerLink:
         task.add_done_callback(self._tasks.discard)
         return True
 
-    async def _send(self, node_id: str, peer: Peer, msg: Any) -> None:
+    async def _send(self, node_id: NodeId, peer: Peer, msg: Any) -> None:
         try:
             await peer.send(msg, timeout=self.send_timeout_s)
         except TransportError as exc:
@@ -258,7 +259,7 @@ class PeerLink:
             self._renew_delay.pop(node_id, None)
             self._renew_at.pop(node_id, None)
 
-    async def _renew(self, node_id: str, peer: Peer) -> None:
+    async def _renew(self, node_id: NodeId, peer: Peer) -> None:
         """Replace a link that keeps failing with a fresh socket.
 
         libzmq gives up on a connection for good once the server refuses our

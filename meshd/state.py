@@ -32,16 +32,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshd.errors import MeshdError
 from meshd.profile_files import profile_model, read_profiles
 from transport import keys as transport_keys
 from transport.errors import KeyStoreError
-
-if TYPE_CHECKING:
-    from meshd.cloud.record import CloudRecord
-
 
 RUNTIME_FILE = "daemon.json"
 
@@ -343,41 +339,13 @@ class StateDir:
         return found
 
     # -- cloud verifier -------------------------------------------------------
-    def cloud_record(self) -> "CloudRecord | None":
-        """The newest pairing or unpairing this member knows (``meshd.cloud.record``); None if none.
+    def cloud_document(self) -> Any:
+        """``cloud.json`` as stored (``meshd.cloud.held`` reads it as a record); None if there is none."""
+        return self._read_json("cloud.json", None)
 
-        Raises ``ValueError`` when ``cloud.json`` is not a valid record."""
-        from meshd.cloud.record import CloudRecord
-
-        value = self._read_json("cloud.json", None)
-        return None if value is None else CloudRecord.from_json(value)
-
-    def cloud(self) -> dict[str, Any] | None:
-        """The cloud verifier the home is paired with (``meshd cloud pair``), if any."""
-        try:
-            rec = self.cloud_record()
-        except ValueError:
-            return None
-        return rec.to_json() if rec is not None and rec.paired else None
-
-    def set_cloud(self, value: dict[str, Any] | None) -> None:
-        """Pair (a record from ``pair_with_cloud``) or unpair (None: a tombstone, so the home forgets it too)."""
-        from dataclasses import replace
-
-        from meshd.cloud.record import CloudRecord
-
-        try:
-            prev = self.cloud_record()
-        except (ValueError, StateError):
-            prev = None
-        # Newer than anything this member holds even if its clock is behind the member that made that.
-        stamp = max(time.time(), prev.changed_at + 0.001 if prev is not None else 0.0)
-        record = CloudRecord(stamp) if value is None else CloudRecord.from_json(value)
-        self.set_cloud_record(replace(record, changed_at=stamp))
-
-    def set_cloud_record(self, record: "CloudRecord") -> None:
+    def write_cloud_document(self, value: dict[str, Any]) -> None:
         with self.locked():
-            self._write_json("cloud.json", record.to_json())
+            self._write_json("cloud.json", value)
 
     # -- profiles ---------------------------------------------------------
     def own_profile(self, model: str | None = None) -> dict[str, Any] | None:

@@ -27,7 +27,7 @@ RequestId = NewType("RequestId", str)
 stage's log lines; a replay on a new plan keeps it (its sequences change)."""
 
 CallId = NewType("CallId", int)
-"""One call on one link (``transport.messages.Envelope.request_id``): matches a reply to
+"""One call on one link (``transport.messages.Envelope.call_id``, wire key ``request_id``): matches a reply to
 the message that asked for it; 0 means one-way. Nothing above the link ever sees it."""
 
 CloudSession = NewType("CloudSession", int)

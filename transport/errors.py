@@ -17,16 +17,16 @@ class TransportError(Exception):
 class ProtocolError(TransportError):
     """A message that does not follow the wire format (or cannot be encoded).
 
-    ``request_id`` is the link-level request id of the offending message when the
+    ``call_id`` is the link-level request id of the offending message when the
     header was readable enough to recover it, so the receiver can still send an
     error reply that the sender matches to its pending request; 0 otherwise.
     """
 
     code = "protocol"
 
-    def __init__(self, message: str, *, request_id: int = 0) -> None:
+    def __init__(self, message: str, *, call_id: int = 0) -> None:
         super().__init__(message)
-        self.request_id = request_id
+        self.call_id = call_id
 
 
 class TransportTimeout(TransportError, TimeoutError):

@@ -92,7 +92,7 @@ class Request:
 
     @property
     def one_way(self) -> bool:
-        return self.envelope.request_id == 0
+        return self.envelope.call_id == 0
 
 
 Handler = Callable[[Any, Request], Awaitable[Any]]
@@ -213,8 +213,8 @@ class StageServer:
                 env = decode(body, limits=self.limits)
             except ProtocolError as e:
                 self.stats["protocol_errors"] += 1
-                log.warning("protocol_error", error=str(e), request_id=e.request_id, peer=identity.hex())
-                await self._send(identity, ErrorReply("protocol", str(e)), e.request_id)
+                log.warning("protocol_error", error=str(e), call_id=e.call_id, peer=identity.hex())
+                await self._send(identity, ErrorReply("protocol", str(e)), e.call_id)
                 continue
             except Exception as e:  # a decoder bug must not stop the stage
                 self.stats["protocol_errors"] += 1
@@ -288,13 +288,13 @@ class StageServer:
             error=f"{type(e).__name__}: {e}",
             exc_info=not isinstance(e, TransportError),
         )
-        gen_id = getattr(req.message, "request_id", "")
+        gen_id = getattr(req.message, "request_id", "")  # the generation it belonged to, if any
         return ErrorReply(_error_code(e), f"{type(e).__name__}: {e}", gen_id if isinstance(gen_id, str) else "")
 
     async def _reply(self, req: Request, reply: Any) -> None:
         if req.one_way and not isinstance(reply, ErrorReply):
             return
-        await self._send(req.identity, reply if reply is not None else Ack(), req.envelope.request_id)
+        await self._send(req.identity, reply if reply is not None else Ack(), req.envelope.call_id)
 
     async def _handle(self, req: Request, release: bool = False) -> None:
         try:
@@ -309,21 +309,21 @@ class StageServer:
             if release:
                 self._sem.release()
 
-    async def _send(self, identity: bytes, reply: Any, request_id: int) -> None:
+    async def _send(self, identity: bytes, reply: Any, call_id: int) -> None:
         if self._sock is None:
             return
         try:
-            frames = encode(reply, request_id=request_id, seq=next(self._seq), sender=self.node_id)
+            frames = encode(reply, call_id=call_id, seq=next(self._seq), sender=self.node_id)
         except ProtocolError as e:
             log.warning("reply_unencodable", error=str(e))
             frames = encode(ErrorReply("handler", f"reply could not be encoded: {e}"),
-                            request_id=request_id, seq=next(self._seq), sender=self.node_id)
+                            call_id=call_id, seq=next(self._seq), sender=self.node_id)
         try:
             await self._sock.send_multipart([identity, *frames])
             self.stats["replied"] += 1
         except zmq.ZMQError as e:
             # EHOSTUNREACH: the peer disconnected before its reply was ready.
-            log.info("reply_dropped", reason=e.strerror, peer=identity.hex(), request_id=request_id)
+            log.info("reply_dropped", reason=e.strerror, peer=identity.hex(), call_id=call_id)
 
     async def close(self) -> None:
         """Stop receiving, cancel running handlers, close the socket."""
@@ -476,7 +476,7 @@ class Peer:
             try:
                 env = decode(frames, limits=self.limits)
             except ProtocolError as e:
-                fut = self._pending.get(e.request_id)
+                fut = self._pending.get(e.call_id)
                 if fut is not None and not fut.done():
                     fut.set_exception(e)
                 else:
@@ -485,19 +485,19 @@ class Peer:
             except Exception as e:  # a decoder bug must not stop the link
                 log.error("decode_failed", error=f"{type(e).__name__}: {e}", peer=self.address, exc_info=True)
                 continue
-            fut = self._pending.get(env.request_id) if env.request_id else None
+            fut = self._pending.get(env.call_id) if env.call_id else None
             if fut is not None:
                 if not fut.done():
                     fut.set_result(env)
             elif isinstance(env.message, ErrorReply):
                 m = env.message
                 log.warning("remote_error", code=m.code, error=m.message, peer=self.address,
-                            request_id=env.request_id or None)
+                            call_id=env.call_id or None)
                 self._deliver_unsolicited(env)
             elif self.on_message is not None:
                 self._deliver_unsolicited(env)
             else:
-                log.debug("late_reply_dropped", request_id=env.request_id, peer=self.address)
+                log.debug("late_reply_dropped", call_id=env.call_id, peer=self.address)
 
     def _deliver_unsolicited(self, env: Envelope) -> None:
         if self.on_message is None:
@@ -531,7 +531,7 @@ class Peer:
         self._pending[rid] = fut
         try:
             frames = encode(
-                msg, request_id=rid, seq=next(self._seq), sender=self.node_id,
+                msg, call_id=rid, seq=next(self._seq), sender=self.node_id,
                 activation_dtype=activation_dtype or self.activation_dtype,
             )
             # The send itself may wait (no completed connection yet, HWM); the
@@ -568,7 +568,7 @@ class Peer:
         """One-way send (no reply). Waits only while the send queue is full (HWM)."""
         sock = self._check_open()
         frames = encode(
-            msg, request_id=0, seq=next(self._seq), sender=self.node_id,
+            msg, call_id=0, seq=next(self._seq), sender=self.node_id,
             activation_dtype=activation_dtype or self.activation_dtype,
         )
         timeout = self.timeout if timeout is None else timeout

@@ -8,10 +8,11 @@ message. Other packages add their own messages with the same decorator;
 the registry maps the class name (the wire ``type``) to the class.
 
 ``Envelope`` carries what belongs to the link rather than to the message:
-the link-level request id used to match replies (0 = one-way, no reply
-expected), the sender's sequence number and node id. Note the difference with
-``StageForward.request_id`` (a ``RequestId``): that one names a *generation* request and is
-a string chosen by the client API.
+the call id that matches a reply to its question (``call_id``, a ``CallId``; 0 = one-way,
+no reply expected; the wire key is still ``request_id``, as every member since 0.1 reads
+it), the sender's sequence number and node id. ``StageForward.request_id`` (a
+``RequestId``) is a different thing: it names a *generation* request, a string chosen by
+the client API.
 
 Fields marked with ``activation()`` are float32 hidden states that may be sent
 at reduced precision (``encode(..., activation_dtype="float16")``); see
@@ -36,7 +37,7 @@ import torch
 
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, SamplingSpec
-from partition.ids import CallId, CloudSession, RequestId, SeqKey
+from partition.ids import CallId, CloudSession, NodeId, PlanVersion, RequestId, SeqKey
 from transport import wire
 from transport.errors import ProtocolError
 from transport.wire import DEFAULT_LIMITS, Limits
@@ -312,7 +313,7 @@ class Envelope:
     """A message plus what the link needs to route it and match its reply."""
 
     message: Any
-    request_id: CallId = CallId(0)  # link-level; 0 means one-way (no reply expected)
+    call_id: CallId = CallId(0)  # link-level; 0 means one-way (no reply expected); wire key "request_id"
     seq: int = 0  # sender's running message counter
     sender: str = ""  # sender's node id
     unknown_fields: tuple[str, ...] = ()  # an extensible message's fields this code does not know
@@ -321,7 +322,7 @@ class Envelope:
 def encode(
     msg: Any,
     *,
-    request_id: int = 0,
+    call_id: int = 0,
     seq: int = 0,
     sender: str = "",
     activation_dtype: str | None = None,
@@ -332,7 +333,7 @@ def encode(
     ``activation()`` fields at that precision; the receiver restores float32.
     """
     if isinstance(msg, Envelope):
-        request_id, seq, sender, msg = msg.request_id, msg.seq, msg.sender, msg.message
+        call_id, seq, sender, msg = msg.call_id, msg.seq, msg.sender, msg.message
     spec = _SPECS.get(type(msg))
     if spec is None:
         raise ProtocolError(f"{type(msg).__name__} is not a registered message type")
@@ -341,7 +342,7 @@ def encode(
         while values and not spec.fields[len(values) - 1].required \
                 and values[-1] == spec.fields[len(values) - 1].default:
             values.pop()
-        return wire.encode_compact(spec.type_name, values, request_id=request_id)
+        return wire.encode_compact(spec.type_name, values, call_id=call_id)
     fields: dict[str, Any] = {}
     tensors: list[tuple[str, Any, str | None]] = []
     flat = _flat_values(msg, spec)
@@ -354,7 +355,7 @@ def encode(
         elif value is not None:
             tensors.append((f.name, value, activation_dtype if f.activation else None))
     return wire.encode_frames(
-        spec.type_name, fields, tensors, request_id=request_id, seq=seq, sender=sender
+        spec.type_name, fields, tensors, call_id=call_id, seq=seq, sender=sender
     )
 
 
@@ -381,22 +382,22 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelop
     to answer with an error reply and carry on.
     """
     header = wire.decode_header(frames, limits)
-    rid = header.request_id
+    rid = header.call_id
 
     cls = _REGISTRY.get(header.type)
     if cls is None:
-        raise ProtocolError(f"unknown message type {header.type!r}", request_id=rid)
+        raise ProtocolError(f"unknown message type {header.type!r}", call_id=rid)
     spec = _SPECS[cls]
     kwargs: dict[str, Any] = {}
     if isinstance(header.fields, list):
         if not spec.compact:
-            raise ProtocolError(f"{header.type} does not travel in compact form", request_id=rid)
+            raise ProtocolError(f"{header.type} does not travel in compact form", call_id=rid)
         if len(header.fields) > len(spec.fields):
             raise ProtocolError(f"{header.type} has {len(spec.fields)} fields, got {len(header.fields)}",
-                                request_id=rid)
+                                call_id=rid)
         header.fields = {f.name: v for f, v in zip(spec.fields, header.fields)}
     elif spec.compact:
-        raise ProtocolError(f"{header.type} travels in compact form only", request_id=rid)
+        raise ProtocolError(f"{header.type} travels in compact form only", call_id=rid)
     unknown: list[str] = []
     for name, value in header.fields.items():
         f = spec.by_name.get(name)
@@ -404,17 +405,17 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelop
             unknown.append(str(name))
             continue
         if f is None:
-            raise ProtocolError(f"{header.type} has no field {name!r}", request_id=rid)
+            raise ProtocolError(f"{header.type} has no field {name!r}", call_id=rid)
         if f.tensor_kind is not None:
             if value is not None:
-                raise ProtocolError(f"{header.type}.{name} is a tensor field but came in the header", request_id=rid)
+                raise ProtocolError(f"{header.type}.{name} is a tensor field but came in the header", call_id=rid)
             kwargs[name] = None
             continue
         out = _coerce(value, f.hint)
         if out is _BAD:
             raise ProtocolError(
                 f"{header.type}.{name} should be {_hint_name(f.hint)}, got {type(value).__name__}",
-                request_id=rid,
+                call_id=rid,
             )
         kwargs[name] = out
     for ts in header.tensors:
@@ -423,22 +424,22 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS) -> Envelop
             unknown.append(str(ts.name))
             continue
         if f is None or f.tensor_kind is None:
-            raise ProtocolError(f"{header.type} has no tensor field {ts.name!r}", request_id=rid)
+            raise ProtocolError(f"{header.type} has no tensor field {ts.name!r}", call_id=rid)
         kind = None if f.tensor_kind == "any" else f.tensor_kind
         try:
             kwargs[ts.name] = wire.decode_tensor(frames[ts.frame], ts, kind)
         except ProtocolError as e:
-            raise ProtocolError(f"{header.type}.{e}", request_id=rid) from None
+            raise ProtocolError(f"{header.type}.{e}", call_id=rid) from None
     missing = [f.name for f in spec.fields if f.required and f.name not in kwargs]
     if missing:
-        raise ProtocolError(f"{header.type} is missing field(s) {', '.join(missing)}", request_id=rid)
+        raise ProtocolError(f"{header.type} is missing field(s) {', '.join(missing)}", call_id=rid)
     try:
         for p in spec.parts:
             wire_values = {name: kwargs.pop(name, spec.by_name[name].default) for name in p.part.fields}
             kwargs[p.name] = p.part.from_wire(wire_values)
         msg = cls(**kwargs)
     except Exception as e:  # a __post_init__ (or a flattened field) refusing the values
-        raise ProtocolError(f"invalid {header.type}: {e}", request_id=rid) from None
+        raise ProtocolError(f"invalid {header.type}: {e}", call_id=rid) from None
     return Envelope(msg, rid, header.seq, header.sender, _named(unknown))
 
 
@@ -467,8 +468,8 @@ def _named(unknown: list[str]) -> tuple[str, ...]:
 class Hello:
     """First contact: who I am and which plan I run."""
 
-    node_id: str
-    plan_version: int
+    node_id: NodeId
+    plan_version: PlanVersion
     key_fingerprint: str
     address: str = ""  # where this node's StageServer listens, if anywhere
 
@@ -476,8 +477,8 @@ class Hello:
 @message
 @dataclass
 class HelloReply:
-    node_id: str
-    plan_version: int
+    node_id: NodeId
+    plan_version: PlanVersion
     key_fingerprint: str
     accepted: bool = True
     reason: str = ""
@@ -492,18 +493,18 @@ class LinkProbe:
     whether, and how fast, one link answers.
     """
 
-    node_id: str
+    node_id: NodeId
     state: str  # e.g. "idle", "serving", "draining"
     load: float  # 0..1 share of the node's compute in use
-    plan_version: int
+    plan_version: PlanVersion
     timestamp: float  # sender's time.time(), for liveness and clock-skew hints
 
 
 @message(name="HeartbeatAck")  # its wire name since 0.1
 @dataclass
 class LinkProbeAck:
-    node_id: str
-    plan_version: int
+    node_id: NodeId
+    plan_version: PlanVersion
     timestamp: float
 
 
@@ -561,7 +562,7 @@ class StageForward:
     """
 
     request_id: RequestId
-    plan_version: int
+    plan_version: PlanVersion
     seq_id: SeqKey
     position_offset: int
     chunk_index: int = 0
@@ -599,7 +600,7 @@ class TokenResult:
     ``note`` says why proposals are missing (e.g. the heads could not be loaded)."""
 
     request_id: RequestId
-    plan_version: int
+    plan_version: PlanVersion
     seq_id: SeqKey
     token_ids: torch.Tensor
     topk_ids: torch.Tensor | None = None
@@ -619,7 +620,7 @@ class TokenResult:
 class Truncate:
     """Cut a sequence's KV cache back to ``new_length`` (rejected drafts)."""
 
-    plan_version: int
+    plan_version: PlanVersion
     seq_id: SeqKey
     new_length: int
 
@@ -630,7 +631,7 @@ class FreeSequence:
     """Release a sequence's KV cache; the stage also remembers the key (a tombstone)
     so prompt chunks still queued upstream cannot re-create it after the free."""
 
-    plan_version: int
+    plan_version: PlanVersion
     seq_id: SeqKey
 
 
@@ -639,7 +640,7 @@ class FreeSequence:
 class ForkSequence:
     """Start ``seq_id`` sharing the first ``prefix_length`` KV entries of ``parent_id``."""
 
-    plan_version: int
+    plan_version: PlanVersion
     seq_id: SeqKey
     parent_id: SeqKey
     prefix_length: int
@@ -650,7 +651,7 @@ class ForkSequence:
 class Ack:
     """Generic success reply for control messages that return nothing."""
 
-    plan_version: int = 0
+    plan_version: PlanVersion = 0
     detail: str = ""
 
 
@@ -689,7 +690,7 @@ class PlanUpdate:
     fields they do not know.
     """
 
-    plan_version: int
+    plan_version: PlanVersion
     assignment: dict[str, Any]
 
 

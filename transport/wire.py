@@ -2,7 +2,7 @@
 
 One mesh message is one ZeroMQ multipart message::
 
-    frame 0      msgpack map  {version, type, request_id, seq, sender,
+    frame 0      msgpack map  {version, type, request_id (the call id), seq, sender,
                                fields: {...}, tensors: [descriptor, ...]}
     frame 1..n   the raw bytes of each tensor, in descriptor order
 
@@ -192,7 +192,7 @@ class Header:
     """A decoded, validated header frame."""
 
     type: str
-    request_id: int = 0
+    call_id: int = 0
     seq: int = 0
     sender: str = ""
     fields: dict[str, Any] = field(default_factory=dict)
@@ -277,7 +277,7 @@ def encode_frames(
     fields: dict[str, Any],
     tensors: Iterable[tuple[str, Any, str | None]] = (),
     *,
-    request_id: int = 0,
+    call_id: int = 0,
     seq: int = 0,
     sender: str = "",
 ) -> list[Any]:
@@ -308,7 +308,7 @@ def encode_frames(
     header = {
         "version": PROTOCOL_VERSION,
         "type": type_name,
-        "request_id": request_id,
+        "request_id": call_id,
         "seq": seq,
         "sender": sender,
         "fields": fields,
@@ -317,14 +317,14 @@ def encode_frames(
     try:
         frames[0] = msgpack.packb(header, use_bin_type=True, default=_msgpack_default)
     except (TypeError, ValueError, OverflowError) as e:
-        raise ProtocolError(f"cannot encode {type_name}: {e}", request_id=request_id) from e
+        raise ProtocolError(f"cannot encode {type_name}: {e}", call_id=call_id) from e
     return frames
 
 
-def encode_compact(type_name: str, values: list[Any], *, request_id: int = 0) -> list[Any]:
+def encode_compact(type_name: str, values: list[Any], *, call_id: int = 0) -> list[Any]:
     """One frame for a small message that crosses a slow link (a home's WAN uplink).
 
-    The header is a msgpack *array* ``[version, type, request_id, [values...]]``:
+    The header is a msgpack *array* ``[version, type, call_id, [values...]]``:
     the values in the class's field order, trailing defaults left out. A map header
     spends ~50 bytes on key names alone, as much as a whole greedy verification round
     carries; which fields the positions mean is fixed by the message class on both
@@ -332,10 +332,10 @@ def encode_compact(type_name: str, values: list[Any], *, request_id: int = 0) ->
     who sent it) and no sequence number.
     """
     try:
-        return [msgpack.packb([PROTOCOL_VERSION, type_name, request_id, values], use_bin_type=True,
+        return [msgpack.packb([PROTOCOL_VERSION, type_name, call_id, values], use_bin_type=True,
                               default=_msgpack_default)]
     except (TypeError, ValueError, OverflowError) as e:
-        raise ProtocolError(f"cannot encode {type_name}: {e}", request_id=request_id) from e
+        raise ProtocolError(f"cannot encode {type_name}: {e}", call_id=call_id) from e
 
 
 # --------------------------------------------------------------------- decode
@@ -376,11 +376,11 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     hlen = lengths[0]
     if hlen > limits.max_header_bytes:
         raise ProtocolError(f"header is {hlen} bytes, limit is {limits.max_header_bytes}",
-                            request_id=_peek_request_id(frames[0]))
+                            call_id=_peek_call_id(frames[0]))
     total = sum(lengths)
     if total > limits.max_total_bytes:
         raise ProtocolError(f"message is {total} bytes, limit is {limits.max_total_bytes}",
-                            request_id=_peek_request_id(frames[0]))
+                            call_id=_peek_call_id(frames[0]))
     try:
         raw = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises a zoo of types on garbage
@@ -394,7 +394,7 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     rid = rid if _is_uint(rid) else 0
 
     def fail(msg: str) -> ProtocolError:
-        return ProtocolError(msg, request_id=rid)
+        return ProtocolError(msg, call_id=rid)
 
     version = raw.get("version")
     if version != PROTOCOL_VERSION:
@@ -406,7 +406,7 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     if not isinstance(type_name, str) or not type_name:
         raise fail("header has no message type")
     if not _is_uint(raw.get("request_id", 0)):
-        raise fail("request_id must be an unsigned 64-bit integer")
+        raise fail("call_id must be an unsigned 64-bit integer")
     seq = raw.get("seq", 0)
     if not _is_uint(seq):
         raise fail("seq must be an unsigned 64-bit integer")
@@ -432,7 +432,7 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     return Header(type_name, rid, seq, sender, fields, specs, version)
 
 
-def _peek_request_id(frame: Any) -> int:
+def _peek_call_id(frame: Any) -> int:
     """The request id of a header too large to decode, read from its first entries only, so the
     sender's request fails with the size error at once instead of timing out (0 if unreadable)."""
     try:
@@ -464,20 +464,20 @@ def _compact_header(raw: list, nframes: int) -> Header:
     """The array header of :func:`encode_compact`; ``fields`` stays a list (the class maps positions)."""
     rid = raw[2] if len(raw) > 2 and _is_uint(raw[2]) else 0
     if len(raw) != 4:
-        raise ProtocolError(f"a compact header has 4 entries, got {len(raw)}", request_id=rid)
+        raise ProtocolError(f"a compact header has 4 entries, got {len(raw)}", call_id=rid)
     version, type_name, _, values = raw
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version!r} (this node speaks {PROTOCOL_VERSION})",
-                            request_id=rid)
+                            call_id=rid)
     if not isinstance(type_name, str) or not type_name:
-        raise ProtocolError("header has no message type", request_id=rid)
+        raise ProtocolError("header has no message type", call_id=rid)
     if not _is_uint(raw[2]):
-        raise ProtocolError("request_id must be an unsigned 64-bit integer", request_id=rid)
+        raise ProtocolError("call_id must be an unsigned 64-bit integer", call_id=rid)
     if not isinstance(values, list):
-        raise ProtocolError(f"{type_name}: compact values must be a list", request_id=rid)
+        raise ProtocolError(f"{type_name}: compact values must be a list", call_id=rid)
     if nframes != 1:
         raise ProtocolError(f"{type_name}: a compact message has no tensor frames, got {nframes - 1}",
-                            request_id=rid)
+                            call_id=rid)
     return Header(type_name, rid, 0, "", values, [], version)  # type: ignore[arg-type]
 
 

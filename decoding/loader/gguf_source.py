@@ -49,16 +49,22 @@ class GGUFSource(ModelSource):
             raise ModelLoadError(f"{self.path}: GGUF lacks tensors {missing}")
 
     # -- metadata -----------------------------------------------------------
-    def _field(self, key: str, default=None):
+    def field(self, key: str, default=None):
+        """One metadata value of the file (``default`` when the file does not carry ``key``)."""
         f = self._reader.fields.get(key)
         if f is None:
             return default
-        v = f.contents()
-        return v
+        return f.contents()
+
+    @property
+    def file_type(self) -> int | None:
+        """GGUF's ``general.file_type``: the file's dominant quantisation (None: not recorded)."""
+        v = self.field("general.file_type")
+        return None if v is None else int(v)
 
     @cached_property
     def arch(self) -> str:
-        return str(self._field("general.architecture", "?"))
+        return str(self.field("general.architecture", "?"))
 
     @cached_property
     def config(self) -> ModelConfig:
@@ -67,7 +73,7 @@ class GGUFSource(ModelSource):
             raise UnsupportedArchitecture(
                 f"{self.path}: architecture {arch!r} is not supported "
                 f"(supported: {', '.join(models.SUPPORTED_ARCHS)})")
-        return self._family.config_from_gguf(arch, self._field, self._tensors,
+        return self._family.config_from_gguf(arch, self.field, self._tensors,
                                              self._tensors["embed"].shape[1])
 
     # -- tensors --------------------------------------------------------------
@@ -188,9 +194,9 @@ class GGUFSource(ModelSource):
         except Exception as exc:
             raise ModelLoadError(f"{self.path}: cannot build a tokenizer from GGUF metadata ({exc})") from exc
         cfg = self.config
-        add_bos = bool(self._field("tokenizer.ggml.add_bos_token", False))
+        add_bos = bool(self.field("tokenizer.ggml.add_bos_token", False))
         meta = TokenizerMeta(
-            chat_template=self._field("tokenizer.chat_template"), bos_id=cfg.bos_id,
+            chat_template=self.field("tokenizer.chat_template"), bos_id=cfg.bos_id,
             eos_ids=cfg.eos_ids, add_bos=add_bos,
             bos_token=hf.bos_token, eos_token=hf.eos_token,
         )

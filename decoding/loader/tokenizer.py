@@ -43,6 +43,15 @@ class Tokenizer:
         return self.meta.eos_ids
 
     @property
+    def backend(self):
+        """The ``tokenizers`` object itself, for libraries that take one (transformers, llguidance)."""
+        return self._tok
+
+    def pieces(self) -> dict[str, int]:
+        """Every piece of the vocabulary and its id (added tokens included)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -26,7 +26,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     h = hashlib.sha256()
     n = tokenizer.vocab_size
     h.update(str(n).encode())
-    pieces = tokenizer._tok.get_vocab() if hasattr(tokenizer, "_tok") else None
+    pieces = tokenizer.pieces() if hasattr(tokenizer, "pieces") else None
     if pieces is not None:
         for piece, idx in sorted(pieces.items(), key=lambda kv: kv[1]):
             h.update(f"{idx}\x00{piece}\x01".encode())

@@ -60,7 +60,7 @@ def _quant(src) -> str:
     try:
         import gguf
 
-        return gguf.LlamaFileType(int(src._field("general.file_type"))).name.removeprefix("MOSTLY_")
+        return gguf.LlamaFileType(src.file_type).name.removeprefix("MOSTLY_")
     except Exception:  # noqa: BLE001 - metadata only: unknown is an honest answer
         return ""
 

@@ -110,8 +110,8 @@ class CloudLink:
 
     def _observe(self, dt: float, msg: CloudVerify, reply: CloudVerdict, req: VerifyRequest) -> None:
         s = self.stats
-        up = sum(len(f) for f in encode(msg, request_id=1, seq=1))
-        down = sum(len(f) for f in encode(reply, request_id=1, seq=1))
+        up = sum(len(f) for f in encode(msg, call_id=1, seq=1))
+        down = sum(len(f) for f in encode(reply, call_id=1, seq=1))
         s.bytes_up += up
         s.bytes_down += down
         if req.open is None:  # a session's first request carries its prompt: not a usual round

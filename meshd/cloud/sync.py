@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from meshd import control
+from meshd.cloud.held import held_record, save_record
 from meshd.cloud.record import CloudRecord, heartbeat_key, newer
 from meshd.log import get_logger
 from meshd.state import StateDir, StateError
@@ -77,7 +78,7 @@ class CloudSync:
         if not newer(record, self.held):
             return
         try:
-            self.state.set_cloud_record(record)
+            save_record(self.state, record)
         except (OSError, StateError) as exc:
             log.error("cloud_record_not_saved", sender=sender, error=str(exc))
             return
@@ -131,7 +132,7 @@ class CloudSync:
 
     def _read(self) -> CloudRecord | None:
         try:
-            record = self.state.cloud_record()
+            record = held_record(self.state)
         except (ValueError, OSError, StateError) as exc:
             if str(exc) != self._read_error:  # once per distinct problem, not every heartbeat
                 log.error("cloud_record_unreadable", error=str(exc))

@@ -23,6 +23,7 @@ import signal
 from datetime import datetime, timezone
 from pathlib import Path
 
+from meshd.cloud.held import change_pairing, paired_cloud
 from meshd.errors import MeshdError
 
 
@@ -153,7 +154,7 @@ def pair(args) -> int:
     tokenizer = tokenizer_fingerprint(model_store.open_model(cfg.model).tokenizer)
     info = asyncio.run(pair_with_cloud(host or args.address, token, home.home_id, home.name, keys, tokenizer,
                                        int(port) if port else None))
-    state.set_cloud(info)
+    change_pairing(state, info)
     print(f"paired with the verifier at {info['address']} (model {info['model']}); "
           "the home's running daemons use it within a few heartbeats", flush=True)
     return 0
@@ -161,9 +162,9 @@ def pair(args) -> int:
 
 def unpair(args) -> int:
     _, state = _home_state(args)
-    had = state.cloud()
+    had = paired_cloud(state)
     if had:  # a tombstone unpairs the whole home: write one only when there is something to undo
-        state.set_cloud(None)
+        change_pairing(state, None)
     print("unpaired: the home's running daemons stop using it within a few heartbeats" if had
           else "no verifier was paired", flush=True)
     return 0

@@ -104,7 +104,8 @@ class Gossip:
                 "requests_in_flight": msg.requests_in_flight, "stage_port": msg.stage_port,
                 "incarnation": msg.incarnation, "load_state": msg.load_state, "model": msg.model,
                 "model_layers": msg.model_layers, "version": msg.version,
-                "uptime_s": msg.uptime_s, "kv_tokens": msg.kv_tokens, "last_error": msg.last_error}
+                "uptime_s": msg.uptime_s, "kv_tokens": msg.kv_tokens, "last_error": msg.last_error,
+                "profile_digest": msg.profile_digest}
         before = dict(self.view.info_of(sender))
         self.apply(self.view.membership.heartbeat(sender, now, info))
         self._on_peer_info(sender, before, info)

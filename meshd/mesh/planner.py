@@ -23,6 +23,8 @@ from transport.messages import PlanUpdate
 
 log = get_logger("meshd.planner")
 
+PROFILE_WAIT_S = 5.0  # how long a plan waits for a joining member's profile (asked for on its first heartbeat)
+
 
 def plan_from_update(msg: PlanUpdate) -> Plan:
     """The plan a ``PlanUpdate`` carries (ValueError if it is malformed)."""
@@ -64,6 +66,7 @@ class Planner:
         self.listeners: list[Callable[[Plan], Any]] = []
         self._warned_model = ""  # the home model this device was last warned it does not hold
         self.issuer = PlanIssuer(self._send)  # the leader's plans leave with their cut table
+        self._profile_wait: dict[NodeId, float] = {}  # member -> when a plan first waited for its profile
 
     @property
     def plan(self) -> Plan | None:
@@ -89,6 +92,11 @@ class Planner:
         self.excluded = excluded
         if not ready:
             log.info("replan_waiting", reason="no member has a model loaded yet", excluded=excluded)
+            return
+        awaited = self._profiles_on_their_way(ready)
+        if awaited:  # planning now would guess their speed, then re-plan (and reload) when it arrives
+            log.info("replan_waiting", reason="profiles on their way", members=awaited)
+            self.poke()
             return
         seen = [int(view.membership.peers[n].info.get("plan_version", 0))
                 for n in all_ready if n in view.membership.peers]
@@ -136,6 +144,19 @@ class Planner:
     def withdraw(self) -> None:
         """Stopping: a plan still being finished never goes out."""
         self.issuer.withdraw()
+
+    def _profiles_on_their_way(self, ids: list[NodeId]) -> list[NodeId]:
+        """Members whose heartbeat announced a profile this device has not received yet (asked for
+        on that heartbeat), each waited for at most ``PROFILE_WAIT_S``: then the plan guesses."""
+        now, waiting = self.clock(), []
+        for nid in ids:
+            announced = self.view.info_of(nid).get("profile_digest") if nid != self.view.node_id else ""
+            if not announced or self.view.profile_digests.get(nid) == announced:
+                self._profile_wait.pop(nid, None)
+                continue
+            if now - self._profile_wait.setdefault(nid, now) < PROFILE_WAIT_S:
+                waiting.append(nid)
+        return waiting
 
     def _plan_inputs(self, ids: list[NodeId]) -> list[MemberInput]:
         inputs = []

@@ -18,6 +18,7 @@ from meshd.mesh.local import meshd_version
 from meshd.mesh.planner import Planner
 from meshd.mesh.view import MeshView
 from meshd.self_profile import describe as describe_profile
+from partition.ids import NodeId
 
 
 class StatusDocument:
@@ -49,7 +50,7 @@ class StatusDocument:
             links.setdefault(nid, {})["bytes_sent"] = n
         return links
 
-    def member(self, nid: str, now: float, stage: dict | None) -> dict[str, Any]:
+    def member(self, nid: NodeId, now: float, stage: dict | None) -> dict[str, Any]:
         view, local, plan = self.view, self.view.local, self.view.plan
         layers = plan.layers_of(nid) if plan else None
         if nid == view.node_id:

@@ -46,7 +46,7 @@ from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import SeqKeys
 from meshd.pipeline.slot import Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest, TokenStep
 from meshd.pipeline.verify_rounds import verify_rounds
-from partition.ids import RequestId
+from partition.ids import NodeId, RequestId
 from transport.errors import TransportError
 from transport.link import Request
 from transport.messages import Ack, ErrorReply, ForkSequence, Hello, StageForward, TokenResult
@@ -64,7 +64,7 @@ PREFILL_BUDGET_S_PER_TOKEN = 0.05
 
 
 class PipelineCoordinator:
-    def __init__(self, node: TransportNode, node_id: str, directory: Directory,
+    def __init__(self, node: TransportNode, node_id: NodeId, directory: Directory,
                  token_timeout_s: float = 30.0, send_timeout_s: float = 10.0,
                  activation_dtype: str | None = None, resume_timeout_s: float = 60.0,
                  model: str = "", vocab_size: int = 0):
@@ -93,10 +93,6 @@ class PipelineCoordinator:
         # What a verify round of m tokens costs on this mesh, learnt from every round any request runs.
         self.round_cost = RoundCost()
         self.medusa_paths = MAX_CANDIDATES
-        self.spec_totals = {"rounds": 0, "drafted": 0, "accepted": 0, "requests": 0}
-        # Outline decoding: attempts ("requests" = used + fallbacks), fallbacks and declines by reason.
-        self.outline_totals = {"requests": 0, "used": 0, "fallbacks": 0, "points": 0,
-                               "fallback_reasons": {}, "declined": {}}
         self._closing = False
 
     async def start(self, address: str = "tcp://127.0.0.1:0", advertise_host: str | None = None) -> str:
@@ -133,7 +129,7 @@ class PipelineCoordinator:
         self._route_changed.set()
         self._route_changed = asyncio.Event()
 
-    def stage_restarted(self, node_id: str) -> None:
+    def stage_restarted(self, node_id: NodeId) -> None:
         """A member came back with a new incarnation: its caches are gone; re-probe before use."""
         self._ready_version = 0
         self.flights.tell(lambda f: f.route.index_of(node_id) is not None,
@@ -149,7 +145,7 @@ class PipelineCoordinator:
         return ErrorReply("unknown_type", f"the coordinator does not handle {type(msg).__name__}")
 
     # -- outgoing ------------------------------------------------------------------
-    async def send(self, node_id: str, msg) -> None:
+    async def send(self, node_id: NodeId, msg) -> None:
         """Send ``msg`` to a stage; a stage out of reach interrupts the request (it is replayed)."""
         try:
             peer = await self.links.to(node_id)

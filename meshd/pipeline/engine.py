@@ -11,7 +11,6 @@ device left → a clear error naming the device.
 from __future__ import annotations
 
 import contextlib
-import secrets
 from collections.abc import AsyncIterator, Callable
 
 from decoding.errors import DrafterError
@@ -20,41 +19,18 @@ from decoding.speculative.session import SpeculationSession
 from meshd.engine import (BadEngineRequest, BadTokenIds, Engine, EngineBusy, GenerationFailed, GenerationRequest,
                           NoPlan, Report, TokenStream, WrongModel, model_id_of)
 from meshd.log import get_logger
+from meshd.pipeline.cuts import default_cuts
 from meshd.pipeline.coordinator import (BadTokens, ModelMismatch, NoRoute, PipelineBusy, PipelineCoordinator,
                                         PipelineError, StepsRequest)
 from meshd.pipeline.outline import OutlineDecoder, OutlineStats
 from meshd.pipeline.outline_gate import OutlineDecision, decide as decide_outline
 from meshd.pipeline.outline_router import shipped as outline_router
 from meshd.pipeline.route import Route
+from meshd.pipeline.totals import DecodingTotals
 
 log = get_logger("meshd.pipeline.engine")
 
-MIN_CHUNK = 32  # shorter sub-sequences cost more in per-message overhead than they win in overlap
-UNCUT_PROMPT = 128  # below this a prompt goes as one chunk: cutting costs more hops than it overlaps
 DEFAULT_WAIT_S = 45.0  # how long a request waits for a plan (start-up, re-plan, device left)
-
-
-def default_cuts(prompt_len: int, num_stages: int) -> list[int]:
-    """Equal sub-sequences (about two per stage, none under MIN_CHUNK) until a planned table exists."""
-    if num_stages <= 1 or prompt_len < UNCUT_PROMPT:
-        return []
-    k = max(1, min(2 * num_stages, prompt_len // MIN_CHUNK))
-    return [round(prompt_len * i / k) for i in range(1, k)]
-
-
-def aligned_cuts(cuts: list[int], prompt_len: int, block: int) -> list[int]:
-    """``cuts`` moved to the nearest multiple of ``block`` (dropping those that meet or fall off an end).
-
-    A packed stage computes whole position blocks together and any other row alone
-    (``decoding.batch``): a prompt cut only at block boundaries is then computed
-    exactly as one device computes it uncut, bit for bit.
-    """
-    out: list[int] = []
-    for c in cuts:
-        a = int(round(c / block)) * block
-        if 0 < a < prompt_len and (not out or a > out[-1]):
-            out.append(a)
-    return out
 
 
 class PipelineEngine(Engine):
@@ -74,6 +50,7 @@ class PipelineEngine(Engine):
         self.coordinator = coordinator
         self.cuts_for = cuts_for or (lambda n, route: default_cuts(n, len(route.stages)))
         self.wait_s = wait_s
+        self.totals = DecodingTotals()  # meshd status: what every request here speculated and outlined
         outline_router()  # read the router's weights now, not on the first request (a quarter second)
 
     @property
@@ -123,8 +100,7 @@ class PipelineEngine(Engine):
                                   penalties=req.sampling.penalties.active,
                                   tools=req.tools_offered)
         if not decision.use and decision.reason != "off":
-            declined = self.coordinator.outline_totals["declined"]
-            declined[decision.reason] = declined.get(decision.reason, 0) + 1
+            self.totals.outline.decline(decision.reason)
             log.debug("outline_declined", request_id=req.request_id, reason=decision.reason,
                       detail=decision.detail)
         return decision
@@ -176,17 +152,13 @@ class PipelineEngine(Engine):
         return budget > 0.0
 
     async def _cloud_ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
-        from meshd.cloud.home import draft_seed
-
-        sampling = req.sampling.params  # unshaped: a cloud-verified answer has no penalties or grammar
-        if not sampling.greedy and sampling.seed is None:
-            sampling = sampling.with_seed(secrets.randbits(63))
-        draft_sampling = sampling if sampling.greedy else sampling.with_seed(draft_seed(sampling.seed))
+        cloud = self.cloud  # the home may unpair or re-pair meanwhile: this answer keeps its verifier's link
+        # unshaped: a cloud-verified answer has no penalties or grammar
+        sampling, draft_sampling = cloud.samplings(req.sampling.params)
         capacity = min(len(req.prompt_ids) + req.max_tokens + 3 * GAMMA + 2, self.context_length)
         drafter = self.coordinator.drafter(req.request_id, capacity, draft_sampling, cuts=self.cuts_for,
                                            wait_s=self.wait_s)
         budget = req.cloud if isinstance(req.cloud, float) else None
-        cloud = self.cloud  # the home may unpair or re-pair meanwhile: this answer keeps its verifier's link
         decoder = cloud.decoder(drafter, sampling, self.eos_ids, budget)
         n = 0
         try:
@@ -200,35 +172,41 @@ class PipelineEngine(Engine):
 
     async def _outline_ids(self, req: GenerationRequest, decision: OutlineDecision,
                            report: Report) -> AsyncIterator[int]:
-        totals = self.coordinator.outline_totals
-        totals["requests"] += 1
+        totals = self.totals.outline
+        totals.attempt()
         stats = OutlineStats()
+        sessions: list[SpeculationSession] = []  # the points' branches: counted when the answer ends
+
+        def speculation(ids: list[int]) -> SpeculationSession | None:
+            session = self.speculation_for(req, ids)
+            if session is not None:
+                sessions.append(session)
+            return session
+
         decoder = OutlineDecoder(self.coordinator, self.tokenizer, self.eos_ids, self.wait_s,
-                                 speculation=(lambda ids: self.speculation_for(req, ids))
-                                 if req.speculative.enabled else None)
+                                 speculation=speculation if req.speculative.enabled else None)
         log.info("outline_attempt", request_id=req.request_id, mode=req.outline, reason=decision.reason,
                  detail=decision.detail, max_tokens=req.max_tokens)
         stream = await decoder.run(req.request_id, req.messages, req.max_tokens, req.sampling, stats,
                                    cuts=self.cuts_for)
         report(outline=stats.to_dict())
         if stream is None:  # no usable outline: the plain answer it is (the outline's time is lost)
-            totals["fallbacks"] += 1
-            reasons = totals["fallback_reasons"]
-            reasons[stats.fallback_reason] = reasons.get(stats.fallback_reason, 0) + 1
+            totals.fall_back(stats.fallback_reason)
             log.warning("outline_fallback", request_id=req.request_id, reason=stats.fallback_reason,
                         detail=stats.fallback, outline_tokens=stats.outline_tokens)
             stream = self._plain_ids(req, report)
         else:
-            totals["used"] += 1
-            totals["points"] += stats.points
-        async with contextlib.aclosing(stream) as ids:
-            async for t in ids:
-                yield t
+            totals.use(stats.points)
+        try:
+            async with contextlib.aclosing(stream) as ids:
+                async for t in ids:
+                    yield t
+        finally:
+            for session in sessions:
+                self.totals.speculative.add(session.stats())
 
     async def _plain_ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
         session = self.speculation_for(req)
-        if session is not None:
-            self.coordinator.spec_totals["requests"] += 1
         try:
             async for step in self.coordinator.steps(StepsRequest(
                     req.request_id, list(req.prompt_ids), req.max_tokens, req.sampling, self.eos_ids,
@@ -237,6 +215,7 @@ class PipelineEngine(Engine):
                 yield step.token
         finally:
             if session is not None:
+                self.totals.speculative.add(session.stats())
                 report(speculative=session.stats())
                 if session.model_drafter is not None:
                     session.model_drafter.close()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from meshd.log import get_logger
 from transport.link import Peer
 from transport.node import TransportNode
+from partition.ids import NodeId
 
 log = get_logger("meshd.links")
 
@@ -26,7 +27,7 @@ class Links:
         self.directory = directory
         self._peers: dict[str, tuple[tuple[str, str], Peer]] = {}
 
-    async def to(self, node_id: str, address: str | None = None) -> Peer:
+    async def to(self, node_id: NodeId, address: str | None = None) -> Peer:
         """The link to ``node_id`` (at ``address`` if given, else where the directory says).
 
         Raises KeyError when the directory does not know the node or where it listens (yet).
@@ -50,7 +51,7 @@ class Links:
         self._peers[key] = (target, peer)
         return peer
 
-    async def forget(self, node_id: str) -> None:
+    async def forget(self, node_id: NodeId) -> None:
         """Close every link to ``node_id`` (it left or restarted)."""
         for key in [k for k in self._peers if k == node_id or k.startswith(node_id + "|")]:
             _, peer = self._peers.pop(key)

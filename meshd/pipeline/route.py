@@ -36,7 +36,7 @@ class Route:
     weights: str = ""  # the plan's numeric mode ("": each stage its own)
     model: str = ""  # identity of the model every stage of the plan holds ("": the plan does not say)
 
-    def index_of(self, node_id: str) -> int | None:
+    def index_of(self, node_id: NodeId) -> int | None:
         for i, s in enumerate(self.stages):
             if s.node_id == node_id:
                 return i

@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 
 from decoding.sampling import SamplingSpec
-from decoding.batch import EXACT_BLOCK
 from meshd.log import get_logger
 from meshd.pipeline.coordinator import PipelineCoordinator, StepsRequest
-from meshd.pipeline.engine import UNCUT_PROMPT, aligned_cuts, default_cuts
+from meshd.pipeline.cuts import prompt_cuts
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.plan import cut_table_over, stage_timings_over
 from partition.plan import Plan
+from partition.ids import NodeId
 
 log = get_logger("meshd.serving")
 
@@ -38,6 +38,7 @@ class MeshDirectory:
     def __init__(self, view, listen: str):
         self.view = view  # meshd.mesh.view.MeshView
         self.listen = listen
+        self.own_port = 0  # where this device's stage listens (start_serving sets it)
 
     def own_host(self) -> str:
         if self.listen not in ("0.0.0.0", "", "::"):
@@ -47,10 +48,10 @@ class MeshDirectory:
                 return iface.addresses[0]
         return "127.0.0.1"
 
-    def __call__(self, node_id: str) -> tuple[str, str]:
+    def __call__(self, node_id: NodeId) -> tuple[str, str]:
         view = self.view
         if node_id == view.node_id:
-            return f"tcp://{self.own_host()}:{view.local.stage_port}", view.local.public_key
+            return f"tcp://{self.own_host()}:{self.own_port}", view.local.public_key
         member = view.members.get(node_id)
         if member is None:
             raise KeyError(f"{node_id} is not a member of this home")
@@ -59,7 +60,7 @@ class MeshDirectory:
             return "", member.public_key
         return f"tcp://{view.addresses[node_id][0]}:{port}", member.public_key
 
-    def version_of(self, node_id: str) -> str:
+    def version_of(self, node_id: NodeId) -> str:
         """The meshd version ``node_id`` announced in its heartbeats ("": not known)."""
         return str(self.view.info_of(node_id).get("version") or "")
 
@@ -123,6 +124,11 @@ class ServingRole:
         self.warm_version = 0
         self.model_mismatch = ""  # why this device cannot serve the current plan's model ("": it can)
 
+
+    @property
+    def stage_port(self) -> int:
+        """The port this device's stage listens on (its heartbeats announce it)."""
+        return self.directory.own_port
     def follow(self, plan) -> None:
         """A plan listener: adopt ``plan`` in the background (in order, see :meth:`adopt`)."""
         t = asyncio.get_running_loop().create_task(self.adopt(plan))
@@ -192,16 +198,9 @@ class ServingRole:
             log.info("pipeline_warm", plan_version=route.plan_version)
 
     def cuts(self, prompt_len: int, route: Route) -> list[int]:
-        if prompt_len < UNCUT_PROMPT or len(route.stages) <= 1:
-            return []
-        table = self._cut_tables.get(route.plan_version)
-        if table is not None and prompt_len <= table.max_seq:
-            cuts = list(table.lookup(prompt_len))
-        else:
-            cuts = default_cuts(prompt_len, len(route.stages))
-        if (route.weights or getattr(self.stage, "mode", "")).startswith("packed"):
-            cuts = aligned_cuts(cuts, prompt_len, EXACT_BLOCK)  # a packed stage's exactness (decoding.batch)
-        return cuts
+        """Where the engine cuts a prompt on ``route``: its plan's cut table (see ``meshd.pipeline.cuts``)."""
+        packed = (route.weights or getattr(self.stage, "mode", "")).startswith("packed")
+        return prompt_cuts(prompt_len, len(route.stages), self._cut_tables.get(route.plan_version), packed)
 
     async def aclose(self) -> None:
         await self.coordinator.close()
@@ -240,7 +239,7 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
                          peer_version=directory.version_of)
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
-    view.local.stage_port = int(address.rsplit(":", 1)[1])
+    directory.own_port = int(address.rsplit(":", 1)[1])
     coordinator = PipelineCoordinator(node, view.node_id, directory, resume_timeout_s=cfg.request_wait_s,
                                       model=source.identity, vocab_size=source.config.vocab_size)
     await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())

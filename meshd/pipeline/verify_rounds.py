@@ -74,10 +74,6 @@ async def verify_rounds(coord, slot: RequestSlot, session: SpeculationSession, f
             raise PipelineError("the last stage answered a verify round without an accepted path")
         verdict = Verdict(tuple(res.path), int(res.token_ids[-1]))
         toks = session.commit(tree, verdict)
-        if tree.num_candidates:
-            coord.spec_totals["rounds"] += 1
-            coord.spec_totals["drafted"] += tree.num_candidates
-            coord.spec_totals["accepted"] += verdict.accepted
         commit = (n, list(res.path))
 
 

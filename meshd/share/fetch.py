@@ -33,6 +33,7 @@ from meshd.log import get_logger
 from meshd.share.store import CachedModel, PieceCorrupt
 from meshd.share.throttle import AsyncLimiter
 from transport.errors import TransportError
+from partition.ids import NodeId
 
 log = get_logger("meshd.share.fetch")
 
@@ -46,7 +47,7 @@ class NoHolder(MeshdError):
 
 @dataclass
 class Holder:
-    node_id: str
+    node_id: NodeId
     has: Callable[[int], bool]  # does it hold piece i (from its advert)
     get: Callable[[int], Awaitable[bytes]]  # request piece i
 

@@ -28,6 +28,7 @@ from meshd.share.held import HeldModel
 from meshd.share.manifest import needed_tensors
 from meshd.share.messages import ShareAdvert, ShareTarget
 from meshd.share.peers import PeerBook
+from partition.ids import NodeId
 
 log = get_logger("meshd.share")
 
@@ -41,7 +42,7 @@ class FetchGate:
         self.waiting: dict[str, tuple[int, int]] = {}  # member -> the range the candidate plan waits for
         self.reason = ""
 
-    def covers(self, nid: str, first: int, end: int, num_layers: int) -> bool:
+    def covers(self, nid: NodeId, first: int, end: int, num_layers: int) -> bool:
         """Does ``nid`` hold verified what layers ``[first, end)`` need?"""
         if nid == self.deps.node_id:
             h = self.held.holdings()
@@ -58,7 +59,7 @@ class FetchGate:
             return False  # a whole-file fetch is planned once whole, like a download
         return h.covers(needed_tensors(self.held.tensor_names, num_layers, first, end))
 
-    def _complete(self, nid: str) -> bool:
+    def _complete(self, nid: NodeId) -> bool:
         if nid == self.deps.node_id:
             return self.held.holdings().complete
         return nid in self.peers.peers and self.peers.peers[nid].holdings.complete
@@ -82,7 +83,7 @@ class FetchGate:
             self.send_target(nid, f, e)
         return decision.adopt
 
-    def send_target(self, nid: str, first: int, end: int) -> None:
+    def send_target(self, nid: NodeId, first: int, end: int) -> None:
         if nid == self.deps.node_id:
             self.own.set_target(first, end, why="this leader's plan")
         else:

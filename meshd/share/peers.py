@@ -26,6 +26,7 @@ from meshd.share.manifest import Manifest
 from meshd.share.messages import ManifestReply, ManifestRequest, PieceReply, PieceRequest, ShareAdvert
 from meshd.share.runs import from_runs
 from transport.errors import TransportError
+from partition.ids import NodeId
 
 log = get_logger("meshd.share")
 
@@ -111,7 +112,7 @@ class PeerBook:
         return sha, digest, holders
 
     # -- asking ---------------------------------------------------------------------
-    async def client(self, nid: str) -> Any:
+    async def client(self, nid: NodeId) -> Any:
         where = self.deps.address_of(nid)
         if where is None:
             raise ShareError("unreachable", f"{nid} is not an active member with a known address")
@@ -125,7 +126,7 @@ class PeerBook:
         self._clients[nid] = (endpoint, peer)
         return peer
 
-    async def get_piece(self, nid: str, i: int) -> bytes:
+    async def get_piece(self, nid: NodeId, i: int) -> bytes:
         m = self._manifest()
         peer = await self.client(nid)
         reply = await peer.request(PieceRequest(m.sha256, i), timeout=REQUEST_TIMEOUT_S)
@@ -159,7 +160,7 @@ class PeerBook:
                     return m
             await asyncio.sleep(0.5)
 
-    async def _manifest_from(self, nid: str, sha: str, digest: str) -> Manifest | None:
+    async def _manifest_from(self, nid: NodeId, sha: str, digest: str) -> Manifest | None:
         peer = await self.client(nid)
         reply = await peer.request(ManifestRequest(sha), timeout=REQUEST_TIMEOUT_S)
         if not isinstance(reply, ManifestReply) or reply.data is None:

@@ -28,6 +28,10 @@ from meshd.share.manifest import ManifestError, check_against_header, needed_ten
 from meshd.share.store import CachedModel
 
 
+class TensorCorrupt(ModelLoadError):
+    """A fetched tensor's bytes on disk no longer match the manifest (its pieces were dropped: fetch them again)."""
+
+
 class PartialGGUFSource(GGUFSource):
     def __init__(self, entry: CachedModel, cache_root: Path | None = None,
                  ensure: Callable[[int, int], None] | None = None):
@@ -87,7 +91,7 @@ class PartialGGUFSource(GGUFSource):
             t = self._tensors[name]
             if hashlib.sha256(memoryview(t.data).cast("B")).hexdigest() != region.sha256:
                 self.entry.forget(region.piece_range)
-                raise ModelLoadError(f"{self.path}: tensor {gname} does not match its digest on disk; "
+                raise TensorCorrupt(f"{self.path}: tensor {gname} does not match its digest on disk; "
                                      f"its pieces will be fetched again")
             self._verified.add(gname)
 
@@ -100,7 +104,7 @@ class PartialGGUFSource(GGUFSource):
                 self.ensure(first, end)
             try:
                 return super().load_stage(first, end, dtype, device, packed)
-            except ModelLoadError as exc:
-                if attempt == 2 or self.ensure is None or "does not match its digest" not in str(exc):
+            except TensorCorrupt:
+                if attempt == 2 or self.ensure is None:
                     raise
         raise AssertionError("unreachable")

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from meshd.cloud.held import change_pairing, paired_cloud
 from meshd.cloud.record import CloudRecord, heartbeat_key, newer
 from meshd.cloud.sync import CloudSync
 from meshd.state import StateDir
@@ -71,20 +72,20 @@ def _sync(tmp_path, name) -> tuple[CloudSync, StateDir]:
 def test_members_converge_on_the_newest_record_through_their_heartbeats(tmp_path):
     alpha, alpha_state = _sync(tmp_path, "alpha")
     beta, beta_state = _sync(tmp_path, "beta")
-    alpha_state.set_cloud({"address": "tcp://v:5730", "server_key": KEY, "model": "big", "tokenizer": "t",
+    change_pairing(alpha_state, {"address": "tcp://v:5730", "server_key": KEY, "model": "big", "tokenizer": "t",
                            "paired_at": 100.0})  # `meshd cloud pair` on alpha
     alpha.tick()
     assert alpha.held.paired and beta.share_for(**_hb(alpha)) is None  # beta has nothing newer to offer
     share = alpha.share_for(**_hb(beta))
     assert share is not None
     beta.receive(share.record, "alpha")
-    assert beta.held == alpha.held and beta_state.cloud()["address"] == "tcp://v:5730"
+    assert beta.held == alpha.held and paired_cloud(beta_state)["address"] == "tcp://v:5730"
     assert alpha.share_for(**_hb(beta)) is None  # converged: nothing more is sent
 
-    beta_state.set_cloud(None)  # `meshd cloud unpair` on beta, later
+    change_pairing(beta_state, None)  # `meshd cloud unpair` on beta, later
     beta.tick()
     alpha.receive(beta.share_for(**_hb(alpha)).record, "beta")
-    assert alpha.held.paired is False and alpha_state.cloud() is None
+    assert alpha.held.paired is False and paired_cloud(alpha_state) is None
     alpha.receive(share.record, "gamma")  # a member back from a long absence offers the old pairing
     assert alpha.held.paired is False and json.loads((alpha_state.root / "cloud.json").read_text()).keys() == {
         "unpaired_at"}
@@ -108,7 +109,7 @@ def test_a_member_whose_clock_is_behind_still_makes_the_newest_change(tmp_path):
     ahead = CloudRecord(time.time() + 3600, "tcp://v:5730", KEY, "big", "t")  # from a member an hour ahead
     sync.receive(ahead.to_json(), "alpha")
     assert sync.held == ahead
-    state.set_cloud(None)  # `meshd cloud unpair` here, with a clock behind alpha's
+    change_pairing(state, None)  # `meshd cloud unpair` here, with a clock behind alpha's
     sync.tick()
     assert sync.held.paired is False and newer(sync.held, ahead)
     assert sync.share_for(*ahead.order) is not None  # and it tells alpha

@@ -222,14 +222,6 @@ def test_two_packed_stages_give_one_devices_tokens(real_source, packing):
                        one.stages[0].embed.lookup(torch.tensor([5, 900])))
 
 
-def test_cuts_in_a_packed_home_move_to_block_boundaries():
-    from meshd.pipeline.engine import aligned_cuts
-
-    assert aligned_cuts([100, 200, 300], 400, 64) == [128, 192, 320]
-    assert aligned_cuts([10, 20, 390], 400, 64) == [384]  # none may meet an end or repeat
-    assert aligned_cuts([], 50, 64) == []
-
-
 def test_packed_and_float32_pick_the_same_token_wherever_float32_is_not_a_near_tie(real_source, packed_stage, real_stage):
     """Teacher-forced over float32's own answer: wherever float32's top two tokens are clearly apart,
     the packed stage picks float32's token. (Near-ties may flip by rounding — on an AVX2 CPU "The"

@@ -111,19 +111,16 @@ def test_rollback_leaves_every_stages_kv_as_if_it_never_saw_the_rejected_tokens(
     torch.testing.assert_close(pipe.forward("s", nxt), clean.forward("s", nxt), atol=1e-5, rtol=1e-5)
 
 
-class _Vocab:
-    def __init__(self, pieces):
-        self._pieces = pieces
-
-    def get_vocab(self):
-        return dict(self._pieces)
-
-
 class FakeTokenizer:
+    """A tokenizer as far as the fingerprint looks: its pieces, its size, its EOS ids."""
+
     def __init__(self, pieces, eos=(0,)):
-        self._tok = _Vocab(pieces)
+        self._pieces = dict(pieces)
         self.vocab_size = len(pieces)
         self.eos_ids = eos
+
+    def pieces(self):
+        return dict(self._pieces)
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused():

@@ -162,7 +162,7 @@ def test_malformed_frames_and_unknown_types_from_a_member_are_logged_and_serving
     s.connect(f"tcp://127.0.0.1:{port}")
     s.send_multipart([b"\x00garbage", b"more"])
     s.send_multipart([b"\x93\xa4nope"])
-    s.send_multipart(encode_frames("NoSuchMessage", {"x": 1}, [], request_id=0, seq=1, sender="t"))
+    s.send_multipart(encode_frames("NoSuchMessage", {"x": 1}, [], call_id=0, seq=1, sender="t"))
     s.close()
     ctx.term()
 

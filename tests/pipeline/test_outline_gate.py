@@ -163,8 +163,8 @@ async def test_a_one_sentence_question_under_auto_is_answered_plainly_with_no_ou
         assert text.strip() and not text.lstrip().startswith("1."), text
         assert not [e for e in logs if e["event"] == "outline_attempt"], logs
         assert usage is None  # stopped after 12 tokens: no final event (the totals say no attempt was made)
-        totals = mesh.coord.outline_totals
-        assert totals["requests"] == 0 and totals["declined"] == {"brevity": 1}
+        totals = engine.totals.outline
+        assert totals.requests == 0 and totals.declined == {"brevity": 1}
 
 
 async def test_a_budget_too_small_for_an_outline_is_decided_before_generating(real_mesh_source):
@@ -186,10 +186,10 @@ async def test_a_budget_too_small_for_an_outline_is_decided_before_generating(re
         assert asked_for == ["small"]  # one plain sequence: no outline segment was ever started
         assert not [e for e in logs if e["event"] in ("outline_attempt", "outline_fallback")], logs
         assert usage is not None and "outline" not in usage.to_dict() and text.strip()
-        assert mesh.coord.outline_totals["declined"] == {"budget": 1}
+        assert engine.totals.outline.declined == {"budget": 1}
         with pytest.raises(BadEngineRequest, match="max_tokens of at least"):
             await _answer(engine, _request(tok, "on", LIST_QUESTION, 40, outline="on"))
-        assert asked_for == ["small"] and mesh.coord.outline_totals["requests"] == 0
+        assert asked_for == ["small"] and engine.totals.outline.requests == 0
 
 
 async def test_an_attempt_that_falls_back_anyway_is_counted_logged_and_reported_in_usage(real_mesh_source):
@@ -210,7 +210,7 @@ async def test_an_attempt_that_falls_back_anyway_is_counted_logged_and_reported_
         reported = usage.to_dict()["outline"]
         assert (reported["used"], reported["fallback"]) == (False, "budget") and reported["outline_tokens"] > 0
         assert text.strip()
-        totals = mesh.coord.outline_totals
+        totals = engine.totals.outline.to_dict()
         assert (totals["requests"], totals["fallbacks"], totals["fallback_reasons"]) == (1, 1, {"budget": 1})
 
 

@@ -246,15 +246,6 @@ async def test_engine_streams_text_through_the_mesh_and_maps_errors(tiny):
         assert err.value.retry_after_s
 
 
-def test_default_cuts_give_about_two_chunks_per_stage_and_none_too_short():
-    from meshd.pipeline.engine import default_cuts
-
-    assert default_cuts(1024, 2) == [256, 512, 768]
-    assert default_cuts(40, 2) == []
-    assert default_cuts(100, 2) == []  # short prompts go whole: cutting costs more than it overlaps
-    assert default_cuts(500, 1) == []
-
-
 async def test_last_stage_returns_only_the_requested_top_k_distribution(tiny):
     prompt = list(range(9, 30))
     ref = LocalPipeline.from_source(tiny, 1)

@@ -42,12 +42,10 @@ def sched() -> StageScheduler:
 def test_a_sequence_moves_from_prefilling_to_decoding_and_its_cache_goes_with_its_slot(sched):
     first = fwd("c/1/1", rows=4, is_last_chunk=False)
     slot = sched.admit(first, 4)
-    sched.place(slot, first, 4)
     assert slot.state is SeqState.PREFILLING and sched.sequences() == ["c/1/1"]
     grow(sched, "c/1/1", 4)
     step = fwd("c/1/1", offset=4)
     assert sched.admit(step, 1) is slot
-    sched.place(slot, step, 1)
     assert slot.state is SeqState.DECODING and slot.stepped is not None
     sched.free("c/1/1", "freed")
     assert slot.state is SeqState.FINISHED and sched.sequences() == [] and sched.tokens_in_use() == 0
@@ -58,10 +56,10 @@ def test_a_later_chunk_of_an_unknown_sequence_and_a_misplaced_one_are_refused(sc
     with pytest.raises(StageError) as err:
         sched.admit(fwd("c/1/2", offset=3), 1)
     assert err.value.code == "unknown_sequence"
-    msg = fwd("c/1/3", rows=2)
-    slot = sched.admit(msg, 2)
+    sched.admit(fwd("c/1/3", rows=2), 2)
+    grow(sched, "c/1/3", 2)
     with pytest.raises(StageError) as err:
-        sched.place(slot, fwd("c/1/3", offset=5), 1)
+        sched.admit(fwd("c/1/3", offset=5), 1)
     assert err.value.code == "position_mismatch"
 
 
@@ -71,9 +69,7 @@ def test_a_verify_round_keeps_the_accepted_nodes_of_the_last_one(sched):
     grow(sched, "c/1/4", 7)  # 3 prompt positions and a 4-node round
     nxt = fwd("c/1/4", offset=5, verify=True, commit_start=3, commit_keep=[0, 2])
     slot = sched.admit(nxt, 1)
-    assert sched.kv.length("c/1/4") == 5
-    sched.place(slot, nxt, 1)
-    assert slot.state is SeqState.VERIFYING
+    assert sched.kv.length("c/1/4") == 5 and slot.state is SeqState.VERIFYING
 
 
 def test_a_sequence_freed_during_its_pass_keeps_its_cache_until_the_pass_ends(sched):

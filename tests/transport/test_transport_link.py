@@ -342,7 +342,7 @@ async def test_malformed_message_gets_an_error_reply_and_never_reaches_the_handl
         env = await _recv_error(d)
         assert env.message.code == "protocol" and expected in env.message.message
         if b"Nope" in frames[0] or b"\x09" in frames[0]:
-            assert env.request_id == 11  # recovered so the sender can match it
+            assert env.call_id == 11  # recovered so the sender can match it
         assert h.calls == []
         assert (await peer.request(_fwd(1))).request_id == "req-1"  # still serving
     finally:
@@ -356,10 +356,10 @@ async def test_header_frame_count_mismatch_is_refused_with_error_reply(ctx):
     server, peer = await _pair(ctx, h)
     d = await _raw_dealer(ctx, server.address)
     try:
-        frames = encode(_fwd(1, hidden=torch.zeros(4, 4)), request_id=5)
+        frames = encode(_fwd(1, hidden=torch.zeros(4, 4)), call_id=5)
         await d.send_multipart(frames[:1])
         env = await _recv_error(d)
-        assert env.request_id == 5 and "tensor frame" in env.message.message
+        assert env.call_id == 5 and "tensor frame" in env.message.message
         assert h.calls == []
     finally:
         d.close(linger=0)

@@ -85,15 +85,15 @@ def test_every_message_of_the_mesh_has_an_example_here():
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_mesh_message_round_trips(msg):
-    env = decode(encode(msg, request_id=99, seq=5, sender="kitchen"))
+    env = decode(encode(msg, call_id=99, seq=5, sender="kitchen"))
     compact = type(msg).__name__.startswith("Cloud")  # the WAN messages: no sender, the CURVE key says who
-    assert (env.request_id, env.seq, env.sender) == (99, 0, "") if compact else (99, 5, "kitchen")
+    assert (env.call_id, env.seq, env.sender) == (99, 0, "") if compact else (99, 5, "kitchen")
     assert _same_message(env.message, msg)
 
 
 def test_envelope_and_keyword_forms_encode_the_same():
     msg = M.FreeSequence(1, "n/x/2")
-    assert encode(Envelope(msg, 7, 3, "n")) == encode(msg, request_id=7, seq=3, sender="n")
+    assert encode(Envelope(msg, 7, 3, "n")) == encode(msg, call_id=7, seq=3, sender="n")
 
 
 def test_numpy_scalars_in_header_fields_travel_as_python_values():
@@ -261,9 +261,9 @@ def _bits(x):
 )
 def test_encode_then_decode_is_the_identity(a, b, label, count, weights, extra, rid):
     msg = Probe(a, b, label, count, weights, extra)
-    env = decode(encode(msg, request_id=rid, seq=1, sender="s"))
+    env = decode(encode(msg, call_id=rid, seq=1, sender="s"))
     got = env.message
-    assert env.request_id == rid
+    assert env.call_id == rid
     assert (got.a is None) == (a is None) and (got.b is None) == (b is None)
     if a is not None:
         assert _bits(got.a) == _bits(a)
@@ -305,7 +305,7 @@ msgpack_values = st.recursive(
     max_leaves=8,
 )
 
-_VALID = [encode(m, request_id=3) for m in EXAMPLES if not type(m).__name__.startswith("Cloud")] + [
+_VALID = [encode(m, call_id=3) for m in EXAMPLES if not type(m).__name__.startswith("Cloud")] + [
     encode(Probe(torch.zeros(2, 3), np.ones(4, dtype=bool), "x", 1, [0.5], {"k": 1})),
     encode(Gossip("kitchen", 0.5)),
     encode(TensorGossip("kitchen", torch.ones(3))),
@@ -358,8 +358,8 @@ def test_decoder_never_crashes_on_corrupted_bytes(which, cuts, truncate, drop_fr
 
 def test_a_greedy_verification_round_fits_in_fifty_bytes_each_way():
     up = encode(M.CloudVerify(123, 4000, struct.pack("<5I", 151000, 151001, 151002, 151003, 151004), 4),
-                request_id=70000, seq=70000)
-    down = encode(M.CloudVerdict(123, 4, 151005, 0), request_id=70000, seq=70000)
+                call_id=70000, seq=70000)
+    down = encode(M.CloudVerdict(123, 4, 151005, 0), call_id=70000, seq=70000)
     assert len(up) == 1 and len(up[0]) <= 50
     assert len(down) == 1 and len(down[0]) <= 50
 
@@ -401,7 +401,7 @@ def test_a_compact_message_in_map_form_or_with_tensor_frames_is_refused():
         decode([msgpack.packb([1, "CloudClose", 0, [1]]), b"\x00" * 4])
 
 
-_COMPACT = [encode(m, request_id=3) for m in EXAMPLES if type(m).__name__.startswith("Cloud")]
+_COMPACT = [encode(m, call_id=3) for m in EXAMPLES if type(m).__name__.startswith("Cloud")]
 
 
 @FAST

@@ -159,7 +159,7 @@ async def test_plaintext_peer_cannot_get_a_frame_to_the_stage_and_is_logged(home
     with all_log_events() as logs:
         raw.connect(server.address)
         for i in range(3):
-            await raw.send_multipart(encode(FreeSequence(1, f"s{i}"), request_id=i + 1))
+            await raw.send_multipart(encode(FreeSequence(1, f"s{i}"), call_id=i + 1))
         await eventually(lambda: any(e["event"] == "handshake_failed" for e in logs), 10,
                          "the plaintext handshake to fail and be logged")
         assert await raw.poll(200) == 0  # no reply either

@@ -226,13 +226,13 @@ def _with_header(frames, **changes) -> list:
 
 
 def _probe_frames():
-    return encode(Probe(t=torch.arange(6, dtype=torch.float32).reshape(2, 3)), request_id=42)
+    return encode(Probe(t=torch.arange(6, dtype=torch.float32).reshape(2, 3)), call_id=42)
 
 
-def test_unknown_message_type_is_a_protocol_error_carrying_the_request_id():
+def test_unknown_message_type_is_a_protocol_error_carrying_the_call_id():
     with pytest.raises(ProtocolError, match="unknown message type 'Nope'") as e:
         decode(_with_header(_probe_frames(), type="Nope"))
-    assert e.value.request_id == 42
+    assert e.value.call_id == 42
 
 
 def test_wrong_protocol_version_is_a_protocol_error():
@@ -320,13 +320,13 @@ def test_stated_error_bounds_match_the_formats():
     assert set(DTYPES) >= {"float32", "float16", "bfloat16", "int64", "bool"}
 
 
-def test_an_oversized_header_is_refused_with_its_request_id_so_the_sender_fails_at_once():
+def test_an_oversized_header_is_refused_with_its_call_id_so_the_sender_fails_at_once():
     small = Limits(max_header_bytes=1024)
-    big_map = encode(StageForward("r" * 4000, 1, "n/x/0", 0), request_id=4242)
+    big_map = encode(StageForward("r" * 4000, 1, "n/x/0", 0), call_id=4242)
     with pytest.raises(ProtocolError) as err:
         decode(big_map, limits=small)
-    assert err.value.request_id == 4242
+    assert err.value.call_id == 4242
     big_array = [msgpack.packb([1, "CloudClose", 77, [b"\x00" * 4000]])]
     with pytest.raises(ProtocolError) as err:
         decode(big_array, limits=small)
-    assert err.value.request_id == 77
+    assert err.value.call_id == 77

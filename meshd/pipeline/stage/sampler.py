@@ -28,7 +28,7 @@ from transport.messages import StageForward, TokenResult
 
 log = get_logger("meshd.stage")
 
-__all__ = ["StageSampler", "selector_for", "tree_of"]
+__all__ = ["StageSampler", "selector_for"]
 
 
 def selector_for(msg: StageForward, source, vocab_size: int) -> TokenSelector:
@@ -41,20 +41,6 @@ def selector_for(msg: StageForward, source, vocab_size: int) -> TokenSelector:
     return TokenSelector.for_spec(spec, tokenizer=source.tokenizer if spec.constraint is not None else None,
                                   vocab_size=vocab_size, prompt_tail=msg.prompt_tail or (),
                                   history=msg.history or (), skip=msg.sample_step)
-
-
-def tree_of(msg: StageForward, x: torch.Tensor) -> DraftTree:
-    """The verify round's token tree, checked: hostile parents must fail here, not in attention."""
-    ids = msg.token_ids
-    if ids is None or ids.ndim != 1 or not 1 <= ids.numel() <= MAX_CANDIDATES + 1:
-        raise StageError("bad_input", f"a verify round needs 1..{MAX_CANDIDATES + 1} token ids")
-    if ids.numel() != x.shape[0]:
-        raise StageError("bad_input", "a verify round's token ids and hidden states differ in length")
-    parents = msg.tree_parents if msg.tree_parents is not None else list(range(-1, ids.numel() - 1))
-    try:
-        return DraftTree(tuple(int(t) for t in ids.tolist()), tuple(int(p) for p in parents))
-    except ValueError as exc:
-        raise StageError("bad_input", f"bad token tree: {exc}") from None
 
 
 class StageSampler:

@@ -113,7 +113,8 @@ class StageScheduler:
         return seq in self._tombstones
 
     def admit(self, msg: StageForward, rows: int) -> SeqSlot:
-        """The message's slot: created with its cache on a first chunk, the last verify round's outcome kept."""
+        """The message's slot, ready for its pass: created with its cache on a first chunk, the last
+        verify round's outcome kept, the cache checked to hold exactly the positions before the message."""
         seq, kv = msg.seq_id, self._kv
         if seq not in kv:
             if msg.position_offset != 0:
@@ -123,19 +124,16 @@ class StageScheduler:
         slot = self._slot(seq)
         if msg.commit_start >= 0:
             self._commit(seq, msg.commit_start, msg.commit_keep or [])
-        return slot
-
-    def place(self, slot: SeqSlot, msg: StageForward, rows: int) -> None:
-        """Check the cache holds exactly the positions before the message; the slot is active again."""
-        held = self._kv.length(slot.seq)
+        held = kv.length(seq)
         if held != msg.position_offset:
-            raise StageError("position_mismatch", f"sequence {slot.seq} holds {held} positions, "
+            raise StageError("position_mismatch", f"sequence {seq} holds {held} positions, "
                                                   f"message starts at {msg.position_offset}")
         slot.touched = time.monotonic()
         slot.state = (SeqState.VERIFYING if msg.verify else SeqState.DECODING if msg.is_last_chunk
                       else SeqState.PREFILLING)
         if msg.is_last_chunk and rows <= MAX_CANDIDATES + 1:  # a decode step or a verify round
             slot.stepped = slot.touched
+        return slot
 
     def _commit(self, seq: SeqKey, start: int, keep: list[int]) -> None:
         """Keep the verified nodes written at ``start`` (in order); roll the rest back."""

@@ -36,7 +36,7 @@ from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import coordinator_of
 from meshd.pipeline.stage.errors import HopUnreachable, StageError, error_code, failed_node, names_failed_node
-from meshd.pipeline.stage.sampler import StageSampler, tree_of
+from meshd.pipeline.stage.sampler import StageSampler
 from meshd.pipeline.stage.scheduler import MAX_BATCH_TOKENS, StageScheduler
 from meshd.pipeline.stage.stats import StageStats
 from meshd.pipeline.stage.worker import StageWorker, Work
@@ -316,9 +316,7 @@ class StageService:
         x = self.worker.input_of(msg)
         rows = int(x.shape[0])
         slot = self.scheduler.admit(msg, rows)
-        tree = tree_of(msg, x) if msg.verify else None
-        self.scheduler.place(slot, msg, rows)
-        return self.worker.work_for(msg, slot, x, tree)
+        return self.worker.work_for(msg, slot, x)
 
     async def _finish(self, msg: StageForward, stage: StageModel, out, want_logits: bool) -> None:
         if not stage.is_last:

@@ -21,6 +21,7 @@ import torch
 
 from decoding.device import CPU, DeviceError, default_dtype, dtype_name, resolve_weights, to_host
 from decoding.memory import release_free_memory
+from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.tree import DraftTree
 from decoding.batch import BatchItem
 from decoding.models import StageModel
@@ -32,7 +33,7 @@ from transport.messages import StageForward
 
 log = get_logger("meshd.stage")
 
-__all__ = ["Work", "StageWorker"]
+__all__ = ["Work", "StageWorker", "tree_of"]
 
 Outcome = tuple[Any, Exception | None]  # (activations or a TokenResult, None) or (None, what failed)
 
@@ -52,6 +53,20 @@ class Work:
     @property
     def rows(self) -> int:
         return self.item.tokens
+
+
+def tree_of(msg: StageForward, x: torch.Tensor) -> DraftTree:
+    """The verify round's token tree, checked: hostile parents must fail here, not in attention."""
+    ids = msg.token_ids
+    if ids is None or ids.ndim != 1 or not 1 <= ids.numel() <= MAX_CANDIDATES + 1:
+        raise StageError("bad_input", f"a verify round needs 1..{MAX_CANDIDATES + 1} token ids")
+    if ids.numel() != x.shape[0]:
+        raise StageError("bad_input", "a verify round's token ids and hidden states differ in length")
+    parents = msg.tree_parents if msg.tree_parents is not None else list(range(-1, ids.numel() - 1))
+    try:
+        return DraftTree(tuple(int(t) for t in ids.tolist()), tuple(int(p) for p in parents))
+    except ValueError as exc:
+        raise StageError("bad_input", f"bad token tree: {exc}") from None
 
 
 class StageWorker:
@@ -131,7 +146,9 @@ class StageWorker:
             raise StageError("bad_input", f"expected hidden states [n, {stage.config.hidden_size}]")
         return h
 
-    def work_for(self, msg: StageForward, slot: SeqSlot, x: torch.Tensor, tree: DraftTree | None) -> Work:
+    def work_for(self, msg: StageForward, slot: SeqSlot, x: torch.Tensor) -> Work:
+        """The message's share of the next pass; a verify round's token tree is checked here."""
+        tree = tree_of(msg, x) if msg.verify else None
         want_logits = self.stage.is_last and msg.is_last_chunk
         mask = tree.mask() if tree is not None else msg.tree_mask
         normed = want_logits and (msg.verify or msg.medusa_paths > 0)

@@ -1,0 +1,70 @@
+"""What this device's engine has decoded, summed over every request since start (``meshd status``).
+
+Owned by the :class:`~meshd.pipeline.engine.PipelineEngine` and fed from each
+request's own results — a speculation session's statistics when its request
+ends, an outline decision or outcome when it is made — so nothing below the
+engine (coordinator, verify rounds) keeps books for the status page.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from decoding.speculative.params import SpeculativeStats
+
+__all__ = ["DecodingTotals", "OutlineTotals", "SpeculationTotals"]
+
+
+@dataclass
+class SpeculationTotals:
+    requests: int = 0  # requests that speculated (an outline's branches count each)
+    rounds: int = 0  # verify rounds that carried candidates
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, stats: SpeculativeStats) -> None:
+        self.requests += 1
+        self.rounds += stats.rounds
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "rounds": self.rounds, "drafted": self.drafted,
+                "accepted": self.accepted,
+                "accepted_per_round": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else 0.0}
+
+
+@dataclass
+class OutlineTotals:
+    requests: int = 0  # attempts: used + fallbacks
+    used: int = 0
+    fallbacks: int = 0
+    points: int = 0
+    fallback_reasons: Counter = field(default_factory=Counter)
+    declined: Counter = field(default_factory=Counter)  # "auto" answered plainly, by the gate's reason
+
+    def decline(self, reason: str) -> None:
+        self.declined[reason] += 1
+
+    def attempt(self) -> None:
+        self.requests += 1
+
+    def use(self, points: int) -> None:
+        self.used += 1
+        self.points += points
+
+    def fall_back(self, reason: str) -> None:
+        self.fallbacks += 1
+        self.fallback_reasons[reason] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "used": self.used, "fallbacks": self.fallbacks, "points": self.points,
+                "fallback_reasons": dict(self.fallback_reasons), "declined": dict(self.declined)}
+
+
+@dataclass
+class DecodingTotals:
+    speculative: SpeculationTotals = field(default_factory=SpeculationTotals)
+    outline: OutlineTotals = field(default_factory=OutlineTotals)
