@@ -406,7 +406,7 @@ def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Hea
     if not isinstance(type_name, str) or not type_name:
         raise fail("header has no message type")
     if not _is_uint(raw.get("request_id", 0)):
-        raise fail("call_id must be an unsigned 64-bit integer")
+        raise fail("request_id must be an unsigned 64-bit integer")
     seq = raw.get("seq", 0)
     if not _is_uint(seq):
         raise fail("seq must be an unsigned 64-bit integer")
@@ -472,7 +472,7 @@ def _compact_header(raw: list, nframes: int) -> Header:
     if not isinstance(type_name, str) or not type_name:
         raise ProtocolError("header has no message type", call_id=rid)
     if not _is_uint(raw[2]):
-        raise ProtocolError("call_id must be an unsigned 64-bit integer", call_id=rid)
+        raise ProtocolError("request_id must be an unsigned 64-bit integer", call_id=rid)
     if not isinstance(values, list):
         raise ProtocolError(f"{type_name}: compact values must be a list", call_id=rid)
     if nframes != 1:

@@ -53,7 +53,6 @@ class CloudHome:
             raise ValueError(f"the verifier answered {type(reply).__name__} to the home's keys")
         return int(reply.detail or 0)
 
-
     @staticmethod
     def samplings(sampling: SamplingParams) -> tuple[SamplingParams, SamplingParams]:
         """(the verifier's sampling, the drafter's) for one answer: a seeded stream for each, the
@@ -61,6 +60,7 @@ class CloudHome:
         if not sampling.greedy and sampling.seed is None:
             sampling = sampling.with_seed(secrets.randbits(63))
         return sampling, sampling if sampling.greedy else sampling.with_seed(draft_seed(sampling.seed))
+
     def policy(self, budget: float | None) -> OffloadPolicy:
         b = round(self.budget if budget is None else float(budget), 2)  # one policy per percent, at most 101
         if b not in self._policies:

@@ -66,7 +66,7 @@ class Planner:
         self.listeners: list[Callable[[Plan], Any]] = []
         self._warned_model = ""  # the home model this device was last warned it does not hold
         self.issuer = PlanIssuer(self._send)  # the leader's plans leave with their cut table
-        self._profile_wait: dict[NodeId, float] = {}  # member -> when a plan first waited for its profile
+        self._profile_wait: dict[NodeId, tuple[str, float]] = {}  # member -> (digest, when a plan first waited)
 
     @property
     def plan(self) -> Plan | None:
@@ -93,7 +93,7 @@ class Planner:
         if not ready:
             log.info("replan_waiting", reason="no member has a model loaded yet", excluded=excluded)
             return
-        awaited = self._profiles_on_their_way(ready)
+        awaited = self.profiles_awaited(ready)
         if awaited:  # planning now would guess their speed, then re-plan (and reload) when it arrives
             log.info("replan_waiting", reason="profiles on their way", members=awaited)
             self.poke()
@@ -145,17 +145,25 @@ class Planner:
         """Stopping: a plan still being finished never goes out."""
         self.issuer.withdraw()
 
-    def _profiles_on_their_way(self, ids: list[NodeId]) -> list[NodeId]:
-        """Members whose heartbeat announced a profile this device has not received yet (asked for
-        on that heartbeat), each waited for at most ``PROFILE_WAIT_S``: then the plan guesses."""
-        now, waiting = self.clock(), []
+    def profiles_awaited(self, ids: list[NodeId]) -> list[NodeId]:
+        """Joining members whose heartbeat announced a profile this device has not received yet
+        (asked for on that heartbeat), each profile waited for at most ``PROFILE_WAIT_S``: then the
+        plan guesses. Members of the current plan are never waited for: a re-plan after a loss or
+        a conflict must not be delayed, and their new profile re-plans when it arrives."""
+        now, waiting, current = self.clock(), [], self.view.plan
+        planned = set(current.members) if current is not None else set()
+        waits: dict[NodeId, tuple[str, float]] = {}
         for nid in ids:
-            announced = self.view.info_of(nid).get("profile_digest") if nid != self.view.node_id else ""
-            if not announced or self.view.profile_digests.get(nid) == announced:
-                self._profile_wait.pop(nid, None)
+            announced = str(self.view.info_of(nid).get("profile_digest") or "") if nid != self.view.node_id else ""
+            if not announced or nid in planned or self.view.profile_digests.get(nid) == announced:
                 continue
-            if now - self._profile_wait.setdefault(nid, now) < PROFILE_WAIT_S:
+            digest, since = self._profile_wait.get(nid, (announced, now))
+            if digest != announced:  # a new profile (a restart, a re-measure): wait for this one
+                since = now
+            waits[nid] = (announced, since)
+            if now - since < PROFILE_WAIT_S:
                 waiting.append(nid)
+        self._profile_wait = waits  # members that left or whose profile came drop out
         return waiting
 
     def _plan_inputs(self, ids: list[NodeId]) -> list[MemberInput]:

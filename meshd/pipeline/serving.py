@@ -124,11 +124,11 @@ class ServingRole:
         self.warm_version = 0
         self.model_mismatch = ""  # why this device cannot serve the current plan's model ("": it can)
 
-
     @property
     def stage_port(self) -> int:
         """The port this device's stage listens on (its heartbeats announce it)."""
         return self.directory.own_port
+
     def follow(self, plan) -> None:
         """A plan listener: adopt ``plan`` in the background (in order, see :meth:`adopt`)."""
         t = asyncio.get_running_loop().create_task(self.adopt(plan))

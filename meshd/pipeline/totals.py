@@ -1,9 +1,10 @@
 """What this device's engine has decoded, summed over every request since start (``meshd status``).
 
 Owned by the :class:`~meshd.pipeline.engine.PipelineEngine` and fed from each
-request's own results — a speculation session's statistics when its request
-ends, an outline decision or outcome when it is made — so nothing below the
-engine (coordinator, verify rounds) keeps books for the status page.
+request's own results — a speculation session's statistics when its answer (or
+outline point) ends, an outline decision or outcome when it is made — so nothing
+below the engine (coordinator, verify rounds) keeps books for the status page.
+A long answer's rounds therefore show once it ends, not round by round.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ __all__ = ["DecodingTotals", "OutlineTotals", "SpeculationTotals"]
 
 @dataclass
 class SpeculationTotals:
-    requests: int = 0  # requests that speculated (an outline's branches count each)
+    requests: int = 0  # answers that speculated; each outline point that speculated counts as one
     rounds: int = 0  # verify rounds that carried candidates
     drafted: int = 0
     accepted: int = 0

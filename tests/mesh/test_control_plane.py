@@ -82,3 +82,35 @@ def test_a_message_no_handler_takes_goes_to_the_fallback_then_is_dropped(tmp_pat
     assert [type(m).__name__ for _, m in link.sent] == ["ProfileShare"] and len(taken) == 1
     gossip.on_message("key-unknown", Envelope(control.ProfileRequest("z")))  # not a member: dropped
     assert len(link.sent) == 1
+
+
+def _planner_at(tmp_path, now):
+    cfg = Config(state_dir=tmp_path, model="none")
+    local = LocalMember("a", 1000, "none", clock=lambda: now[0])
+    local.node_id = "a"
+    view = MeshView(StateDir(tmp_path), local, Membership("a", 3.0, 6.0))
+    return Planner(cfg, view, _Link(), Debouncer(0.01), clock=lambda: now[0]), view
+
+
+def test_a_plan_waits_a_few_seconds_for_a_joining_members_profile_not_for_its_own_members(tmp_path):
+    from meshd.mesh.planner import PROFILE_WAIT_S
+    from partition.plan import Plan, StageAssignment
+
+    now = [0.0]
+    planner, view = _planner_at(tmp_path, now)
+    view.membership.heartbeat("b", now[0], {"profile_digest": "d1"})
+    view.membership.heartbeat("c", now[0], {"profile_digest": ""})  # shares no profile: nothing to wait for
+    assert planner.profiles_awaited(["a", "b", "c"]) == ["b"]  # announced, asked for, not here yet
+    view.profile_digests["b"] = "d1"  # its ProfileShare arrived
+    assert planner.profiles_awaited(["a", "b", "c"]) == []
+
+    now[0] = 10.0  # b re-measured: a new profile is waited for afresh, then guessed past the deadline
+    view.membership.heartbeat("b", now[0], {"profile_digest": "d2"})
+    assert planner.profiles_awaited(["a", "b"]) == ["b"]
+    now[0] += PROFILE_WAIT_S
+    assert planner.profiles_awaited(["a", "b"]) == []
+
+    now[0] = 20.0  # a member of the current plan never holds up a re-plan (a loss, a conflict)
+    view.membership.heartbeat("b", now[0], {"profile_digest": "d3"})
+    view.plan = Plan(2, (StageAssignment("a", 0, 30),), 30, members=("a", "b"))
+    assert planner.profiles_awaited(["a", "b"]) == []

@@ -19,7 +19,6 @@ from decoding.sampling import filtered_probs
 from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
 from decoding.speculative.params import MAX_CANDIDATES
-from decoding.speculative.tree import DraftTree
 from decoding.models import StageModel
 from meshd.log import get_logger
 from meshd.pipeline.stage.errors import StageError

@@ -313,10 +313,9 @@ class StageService:
             log.debug("late_chunk_dropped", seq=msg.seq_id, offset=msg.position_offset)
             return None
         self._check_plan(msg.plan_version)
-        x = self.worker.input_of(msg)
-        rows = int(x.shape[0])
-        slot = self.scheduler.admit(msg, rows)
-        return self.worker.work_for(msg, slot, x)
+        x, tree = self.worker.input_of(msg)  # before the slot changes: a hostile tree is bad input, wherever it sits
+        slot = self.scheduler.admit(msg, int(x.shape[0]))
+        return self.worker.work_for(msg, slot, x, tree)
 
     async def _finish(self, msg: StageForward, stage: StageModel, out, want_logits: bool) -> None:
         if not stage.is_last:

@@ -129,8 +129,13 @@ class StageWorker:
         self.stage = None
 
     # -- one pass -------------------------------------------------------------------------------
-    def input_of(self, msg: StageForward) -> torch.Tensor:
-        """The message's payload, checked against this stage: token ids first, hidden states after."""
+    def input_of(self, msg: StageForward) -> tuple[torch.Tensor, DraftTree | None]:
+        """The message's payload, checked against this stage before anything changes: token ids first,
+        hidden states after, and a verify round's token tree."""
+        x = self._input(msg)
+        return x, tree_of(msg, x) if msg.verify else None
+
+    def _input(self, msg: StageForward) -> torch.Tensor:
         stage = self.stage
         if stage.is_first:
             ids = msg.token_ids
@@ -146,9 +151,8 @@ class StageWorker:
             raise StageError("bad_input", f"expected hidden states [n, {stage.config.hidden_size}]")
         return h
 
-    def work_for(self, msg: StageForward, slot: SeqSlot, x: torch.Tensor) -> Work:
-        """The message's share of the next pass; a verify round's token tree is checked here."""
-        tree = tree_of(msg, x) if msg.verify else None
+    def work_for(self, msg: StageForward, slot: SeqSlot, x: torch.Tensor, tree: DraftTree | None) -> Work:
+        """The message's share of the next pass."""
         want_logits = self.stage.is_last and msg.is_last_chunk
         mask = tree.mask() if tree is not None else msg.tree_mask
         normed = want_logits and (msg.verify or msg.medusa_paths > 0)
