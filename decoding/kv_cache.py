@@ -103,8 +103,10 @@ class KVCache:
         if not 0 <= prefix_len <= parent.total_length:
             raise CacheError(
                 f"cannot fork {parent_id!r} at {prefix_len}: it holds {parent.total_length} positions")
-        if prefix_len < parent.prefix_len:
-            raise CacheError("forking inside a grand-parent's prefix: fork the ancestor instead")
+        while prefix_len <= parent.prefix_len and parent.parent is not None:
+            # every position the child reads is an ancestor's: reference that one (a prefix cache
+            # forks a new request from any entry at any length)
+            parent = parent.parent
         child = self._alloc(child_id, capacity)
         child.parent, child.prefix_len = parent, prefix_len
         parent.children.append(child)
@@ -139,6 +141,40 @@ class KVCache:
             raise CacheError(
                 f"cannot roll {seq_id!r} back to {new_length}: a forked child uses its first {pinned} positions")
         s.length = new_length - s.prefix_len
+
+    @torch.inference_mode()
+    def trim(self, seq_id) -> int:
+        """Give back the positions reserved beyond what ``seq_id`` holds (a finished request kept as a
+        cached prefix no longer needs room for its answer); returns the positions given back.
+
+        A copy, so only when it pays: at least 64 positions and an eighth of the buffer. Children
+        read the parent's buffer anew on every pass, so a parent may move."""
+        s = self._get(seq_id)
+        spare = s.capacity - max(s.length, 1)
+        if spare < max(64, s.capacity // 8):
+            return 0
+        keep = max(s.length, 1)
+        s.k, s.v = s.k[:, :, :keep].clone(), s.v[:, :, :keep].clone()
+        self._reserved -= spare
+        return spare
+
+    def capacity(self, seq_id) -> int:
+        """Positions reserved for ``seq_id``'s own entries."""
+        return self._get(seq_id).capacity
+
+    def growth(self, seq_id, n: int) -> int:
+        """Positions :meth:`reserve` would add to the budget's use to make room for ``n`` more."""
+        s = self._get(seq_id)
+        need = s.length + n
+        return 0 if need <= s.capacity else max(need, 2 * s.capacity) - s.capacity
+
+    @property
+    def free_tokens(self) -> int:
+        return self.max_tokens - self._reserved
+
+    def has_children(self, seq_id) -> bool:
+        """Whether another sequence reads ``seq_id``'s positions in place (freeing it frees nothing)."""
+        return bool(self._get(seq_id).children)
 
     def length(self, seq_id) -> int:
         return self._get(seq_id).total_length

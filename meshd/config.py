@@ -71,6 +71,12 @@ class Config:
     share_fetch: str = "layers"  # no local model: fetch "layers" (only this device's) or the "whole" file; "off"
     medusa_heads: str | None = None  # Medusa heads file; None: the shipped heads of the embedded model; "none": off
     draft_model: str | None = None  # a smaller model of the same family, for speculative drafter "draft_model"
+    # Finished requests' KV kept in every stage for later prompts that start the same way (Home Assistant
+    # resends one long system prompt): the share of each stage's KV budget it may hold; 0 turns it off.
+    prefix_cache_share: float = 0.5
+    # Prompts whose prefix is never evicted once computed: files holding the text, or a JSON chat request
+    # ({"messages": [...], "tools": [...]}) rendered with the model's chat template.
+    pin_prompts: list[str] = field(default_factory=list)
     cloud_budget: float = 0.2  # share of drafted chunks a paired cloud verifier checks (0..1; 1 = every one)
     cloud_min_timeout_s: float = 1.0  # the shortest wait for a verdict before the chunk is committed locally
     invite_ttl_s: float = 15 * 60
@@ -116,6 +122,9 @@ class Config:
             raise ConfigError(f"log_format must be auto, json, console or journald, got {self.log_format!r}")
         if not 0.0 < self.cloud_min_timeout_s <= 3600.0:
             raise ConfigError(f"cloud_min_timeout_s must be in (0, 3600], got {self.cloud_min_timeout_s}")
+        if not 0.0 <= self.prefix_cache_share <= 1.0:
+            raise ConfigError(f"prefix_cache_share must be between 0 and 1, got {self.prefix_cache_share}")
+        self.pin_prompts = [str(p).strip() for p in self.pin_prompts if str(p).strip()]
         if not 0.0 <= self.cloud_budget <= 1.0:
             raise ConfigError(f"cloud_budget must be between 0 and 1, got {self.cloud_budget}")
         # Spelling only: whether CUDA is there is asked when the stage starts (torch is not imported here).

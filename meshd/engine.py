@@ -52,6 +52,7 @@ class Usage:
     speculative: SpeculativeStats | None = None  # how speculation went (None: not attempted)
     cloud: dict[str, Any] | None = None  # how a cloud verifier was used (None: it was not)
     outline: dict[str, Any] | None = None  # how an outline attempt went (None: none was attempted)
+    cached_tokens: int = 0  # prompt tokens taken from the mesh's prefix cache, not computed again
 
     @property
     def total_tokens(self) -> int:
@@ -62,6 +63,8 @@ class Usage:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
+            # OpenAI's name for prompt tokens served from a cache (its SDK reads it here)
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
         if self.speculative is not None:
             d["speculative"] = self.speculative.to_dict()
@@ -132,12 +135,14 @@ class GenerationStats:
 
     ``speculative``: how speculation went (None: not attempted); ``outline``: how an
     outline attempt went (None: none was made; its ``used`` says whether the answer
-    came from it); ``cloud``: how a cloud verifier was used (None: it was not).
+    came from it); ``cloud``: how a cloud verifier was used (None: it was not);
+    ``cached_tokens``: prompt tokens not computed again (a prefix cache held them).
     """
 
     speculative: SpeculativeStats | None = None
     outline: dict[str, Any] | None = None
     cloud: dict[str, Any] | None = None
+    cached_tokens: int = 0  # prompt tokens a prefix cache served (the first attempt's, if it was replayed)
 
 
 Report = Callable[..., None]
@@ -330,7 +335,7 @@ class Engine(abc.ABC):
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
         stats = stats_of(ids)
         yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, stats.speculative,
-                                                   stats.cloud, stats.outline))
+                                                   stats.cloud, stats.outline, stats.cached_tokens))
 
 
 def model_id_of(source) -> str:

@@ -163,6 +163,7 @@ class ModelHost:
         spec = {**totals.speculative.to_dict(), "round_cost_slope": round(coord.round_cost.slope, 4)}
         out = {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec,
                "outline": totals.outline.to_dict()}
+        out["prefix_cache"] = {**out.get("prefix_cache", {}), "requests": coord.prefixes.totals.to_dict()}
         cloud = self.cloud_sync.status()
         if cloud is not None:
             out["cloud"] = cloud

@@ -61,6 +61,10 @@ __all__ = [
     "Truncate",
     "FreeSequence",
     "ForkSequence",
+    "PrefixProbe",
+    "PrefixMatch",
+    "ReusePrefix",
+    "CacheSequence",
     "Ack",
     "ErrorReply",
     "PlanUpdate",
@@ -644,6 +648,49 @@ class ForkSequence:
     seq_id: SeqKey
     parent_id: SeqKey
     prefix_length: int
+
+
+@message
+@dataclass
+class PrefixProbe:
+    """How many leading ``token_ids`` does this stage hold the KV of (a finished or running request's)?
+    Answered with ``PrefixMatch`` at once (it overtakes queued work, like a free)."""
+
+    plan_version: PlanVersion
+    token_ids: torch.Tensor
+
+
+@message
+@dataclass
+class PrefixMatch:
+    plan_version: PlanVersion
+    length: int
+
+
+@message
+@dataclass
+class ReusePrefix:
+    """Start ``seq_id`` on the KV this stage holds for ``prefix_ids`` (forked, not copied), then pass it
+    on; a stage that no longer holds all of it answers ``prefix_miss`` and the request is prefilled in
+    full. Travels down the chain ahead of the sequence's first chunk, as a fork does."""
+
+    request_id: RequestId
+    plan_version: PlanVersion
+    seq_id: SeqKey
+    prefix_ids: torch.Tensor
+    capacity: int = 0  # KV positions the whole request may need (its prefix included)
+    reply_to: str = ""
+
+
+@message
+@dataclass
+class CacheSequence:
+    """The request of ``seq_id`` ended: keep what the sequence holds as a cached prefix (the stage
+    keeps only verified positions, within its cache's share of the KV budget) instead of freeing it.
+    Tombstones the key like ``FreeSequence``."""
+
+    plan_version: PlanVersion
+    seq_id: SeqKey
 
 
 @message

@@ -194,6 +194,7 @@ class MeshCollector:
                 b.add_metric(label, min(1.0, float(stage["busy_s"]) / up))
                 yield b
             yield from _outline_metrics(stage.get("outline"))
+            yield from _prefix_metrics(stage.get("prefix_cache"), label)
         links = s.get("links")
         if isinstance(links, dict) and links:
             links = sorted((str(p), i) for p, i in links.items() if isinstance(i, dict))
@@ -214,6 +215,41 @@ class MeshCollector:
             yield rtt
             yield up
             yield sent
+
+
+def _prefix_metrics(p: Any, label: list[str]):
+    """The prefix cache: this stage's entries (held, reused, evicted) and the requests this device
+    coordinated (how many reused a prefix, and how much)."""
+    if not isinstance(p, dict):
+        return
+    for key, name, doc, kind in (
+        ("held_tokens", "meshd_prefix_cache_held_tokens", "KV positions this stage keeps for later prompts",
+         GaugeMetricFamily),
+        ("entries", "meshd_prefix_cache_entries", "Finished requests this stage keeps as cached prefixes",
+         GaugeMetricFamily),
+        ("reused_tokens", "meshd_prefix_cache_stage_reused_tokens", "Positions this stage did not compute "
+         "again (requests forked from a cached prefix)", CounterMetricFamily),
+        ("evictions", "meshd_prefix_cache_evictions", "Cached prefixes this stage evicted", CounterMetricFamily),
+    ):
+        if _number(p.get(key)):
+            m = kind(name, doc, labels=["layers"])
+            m.add_metric(label, float(p[key]))
+            yield m
+    req = p.get("requests")
+    if isinstance(req, dict):
+        for key, name, doc, kind in (
+            ("requests", "meshd_prefix_cache_requests", "Requests this device coordinated that asked the "
+             "stages for a cached prefix", CounterMetricFamily),
+            ("hits", "meshd_prefix_cache_hits", "... and started on one", CounterMetricFamily),
+            ("reused_tokens", "meshd_prefix_cache_reused_tokens", "Prompt tokens those requests did not "
+             "compute again", CounterMetricFamily),
+            ("hit_rate", "meshd_prefix_cache_hit_rate", "Share of requests that started on a cached prefix",
+             GaugeMetricFamily),
+        ):
+            if _number(req.get(key)):
+                m = kind(name, doc)
+                m.add_metric([], float(req[key]))
+                yield m
 
 
 def _outline_metrics(o: Any):

@@ -62,6 +62,12 @@ _FLAGS = [
                                               "(e.g. llama3.2:3b,gpt-4o-mini; '*' accepts any); other "
                                               "names get a 404 'model not found'"),
     ("--share-rate", "share_rate", str, "cap on lending/fetching model pieces (50mbit, 12.5MB/s; default none)"),
+    ("--prefix-cache-share", "prefix_cache_share", float, "share of each stage's KV budget that finished "
+                                                          "requests may keep for later prompts starting the "
+                                                          "same way (default 0.5; 0 turns the prefix cache off)"),
+    ("--pin-prompt", "pin_prompts", str, "prompts whose prefix is never evicted once computed, comma-separated "
+                                         "files: the text, or a JSON chat request {\"messages\": [...], "
+                                         "\"tools\": [...]} (e.g. Home Assistant's system prompt)"),
     ("--cloud-budget", "cloud_budget", float, "share of drafted chunks a paired cloud verifier checks, "
                                               "0..1 (default 0.2; 1 = every chunk: the big model's output)"),
     ("--cloud-min-timeout", "cloud_min_timeout_s", float, "shortest wait in seconds for a cloud verdict "

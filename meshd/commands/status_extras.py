@@ -36,6 +36,22 @@ def outline_line(stage: Any) -> str:
     return line + (f"; declined before generating{declined}" if declined else "")
 
 
+def prefix_line(stage: Any) -> str:
+    """The prefix cache: how often requests started on a held prefix, and what this stage keeps."""
+    p = stage.get("prefix_cache") if isinstance(stage, dict) else None
+    if not isinstance(p, dict):
+        return ""
+    if not p.get("enabled", True):
+        return "prefix cache: off"
+    req = p.get("requests") if isinstance(p.get("requests"), dict) else {}
+    asked = req.get("requests", 0)
+    rate = f"{100 * req.get('hit_rate', 0):.0f}% of {asked} requests" if asked else "no requests yet"
+    pinned = f", {p.get('pinned')} pinned" if p.get("pinned") else ""
+    return (f"prefix cache: {rate} reused a prefix ({req.get('reused_tokens', 0)} prompt tokens not recomputed); "
+            f"this stage keeps {p.get('entries', 0)} prefixes, {p.get('held_tokens', 0)} tokens"
+            f"{pinned}, {p.get('evictions', 0)} evicted")
+
+
 def _by_reason(counts: Any) -> str:
     """``": brevity 3, budget 1"`` from ``{"brevity": 3, "budget": 1}`` (empty when there are none)."""
     if not isinstance(counts, dict) or not counts:

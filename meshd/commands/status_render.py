@@ -88,6 +88,9 @@ def render_status(s: dict[str, Any]) -> str:
     outline = extras.outline_line(s.get("stage"))
     if outline:
         lines.append(outline)
+    prefix = extras.prefix_line(s.get("stage"))
+    if prefix:
+        lines.append(prefix)
     cloud = extras.cloud_line(s.get("stage"))
     if cloud:
         lines.append(cloud)

@@ -25,6 +25,7 @@ still queued upstream cannot re-create a freed sequence).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -39,9 +40,10 @@ from meshd.engine import out_of_vocab
 from meshd.log import get_logger
 from meshd.pipeline.drafter import MeshDrafter
 from meshd.pipeline.failures import (BadTokens, Interrupted, ModelMismatch, NoRoute, PipelineBusy, PipelineError,
-                                     gone_message)
+                                     PrefixMiss, gone_message)
 from meshd.pipeline.flights import FlightTable, Replanned
 from meshd.pipeline.links import Directory, Links
+from meshd.pipeline.prefix_reuse import PrefixReuse
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import SeqKeys
 from meshd.pipeline.slot import Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest, TokenStep
@@ -49,7 +51,7 @@ from meshd.pipeline.verify_rounds import verify_rounds
 from partition.ids import NodeId, RequestId
 from transport.errors import TransportError
 from transport.link import Request
-from transport.messages import Ack, ErrorReply, ForkSequence, Hello, StageForward, TokenResult
+from transport.messages import Ack, ErrorReply, ForkSequence, Hello, ReusePrefix, StageForward, TokenResult
 from transport.node import TransportNode
 
 __all__ = ["BadTokens", "MeshDrafter", "ModelMismatch", "NoRoute", "PipelineBusy", "PipelineCoordinator",
@@ -67,9 +69,10 @@ class PipelineCoordinator:
     def __init__(self, node: TransportNode, node_id: NodeId, directory: Directory,
                  token_timeout_s: float = 30.0, send_timeout_s: float = 10.0,
                  activation_dtype: str | None = None, resume_timeout_s: float = 60.0,
-                 model: str = "", vocab_size: int = 0):
+                 model: str = "", vocab_size: int = 0, prefix_cache: bool = True):
         """``model``: identity of this device's model file (a plan for another is refused at
-        once); ``vocab_size``: its vocabulary, which bounds every prompt's token ids (0: unchecked)."""
+        once); ``vocab_size``: its vocabulary, which bounds every prompt's token ids (0: unchecked);
+        ``prefix_cache``: start requests on the prefix the stages hold of them (see PrefixReuse)."""
         self.node = node
         self.model = model
         self.vocab_size = vocab_size
@@ -86,6 +89,7 @@ class PipelineCoordinator:
         self.keys = SeqKeys(node_id)
         self.links = Links(node, directory)
         self.flights = FlightTable(self.keys, self.links, send_timeout_s)
+        self.prefixes = PrefixReuse(self.links, prefix_cache)
         self._ready_version = 0
         self._route_changed = asyncio.Event()
         self.waiting_on: str | None = None  # the stage a readiness probe waits for (named in errors)
@@ -239,6 +243,10 @@ class PipelineCoordinator:
                         slot.generated.append(step.token)
                         yield step
                     return
+                except PrefixMiss as exc:  # evicted since the probe: this request prefills in full
+                    self.prefixes.missed()
+                    slot.reuse = False
+                    log.info("prefix_missed", request_id=slot.request_id, reason=str(exc))
                 except Interrupted as exc:
                     if request.keep is not None or request.fork is not None:
                         raise PipelineError(f"a request sharing its prefix was interrupted ({exc}); retry it") \
@@ -285,44 +293,62 @@ class PipelineCoordinator:
         self.resumes += 1
 
     async def _attempt(self, slot: RequestSlot, route: Route) -> AsyncIterator[TokenStep]:
-        """One pass on one route: (re-)prefill prompt + generated tokens, then decode."""
+        """One pass on one route: (re-)prefill prompt + generated tokens, then decode.
+
+        The prompt starts on what every stage already holds of it (``reuse`` positions, see
+        :class:`PrefixReuse`); only the rest is prefilled. A request that ends well leaves its
+        sequence in the stages' prefix caches for the next one."""
         request, speculation, keep, fork = slot.request, slot.request.speculation, slot.request.keep, \
             slot.request.fork
         flight = slot.flight = self.open_flight(slot.request_id, route)
         slot.state = SlotState.RUNNING
         seq, first = flight.seq, route.stages[0].node_id
         base = 0  # positions before ours: a forked parent's, read in place
-        kept = False
+        kept = completed = caches = False
         fields = dict(request_id=slot.request_id, plan_version=route.plan_version, seq_id=seq,
                       reply_to=self.reply_to, capacity=slot.capacity(), sampling=slot.sampling.unshaped(),
                       return_topk=int(request.return_topk))
         medusa_paths = self.medusa_paths if speculation is not None and speculation.uses_medusa else 0
+        ids = slot.context
         try:
             if fork is not None:
                 if fork.seq is None or fork.route is None or fork.route.plan_version != route.plan_version:
                     raise PipelineError("the shared prefix is gone (the mesh re-planned); retry the request")
                 base = fork.length
                 await self.send(first, ForkSequence(route.plan_version, seq, fork.seq, base))
-            ids = slot.context
+                reuse = 0
+            else:
+                reuse, caches = await self._reuse(slot, route, seq, ids)
+                caches = caches and keep is None
+            prefill = ids[reuse:]
             cuts = request.cuts
-            cut_points = cuts(len(ids), route) if callable(cuts) else cuts  # fixed cuts stay valid on a replay
-            bounds = chunk_bounds(len(ids), request.chunks, cut_points)
+            cut_points = cuts(len(prefill), route) if callable(cuts) else cuts  # fixed cuts stay valid on a replay
+            bounds = chunk_bounds(len(prefill), request.chunks, cut_points)
             for j, (a, b) in enumerate(bounds):
                 last = j == len(bounds) - 1
                 shape = slot.shaping() if last else {}
                 await self.send(first, StageForward(
-                    position_offset=base + a, chunk_index=j, token_ids=torch.tensor(ids[a:b], dtype=torch.long),
-                    is_last_chunk=last, sample_step=len(slot.generated),
-                    medusa_paths=medusa_paths if last else 0, **{**fields, **shape}))
+                    position_offset=base + reuse + a, chunk_index=j,
+                    token_ids=torch.tensor(prefill[a:b], dtype=torch.long), is_last_chunk=last,
+                    sample_step=len(slot.generated), medusa_paths=medusa_paths if last else 0,
+                    **{**fields, **shape}))
             pos = base + len(ids)
             if speculation is not None:
+                first_step = True
                 async for step in verify_rounds(self, slot, speculation, fields, base):
+                    if first_step:
+                        self.prefixes.prefilled(slot.request_id)
+                        step, first_step = dataclasses.replace(step, cached=reuse), False
                     yield step
+                completed = True
                 return
-            work = len(ids)  # the first token waits for the whole prompt's prefill
+            work = len(prefill)  # the first token waits for the whole prompt's prefill
             while True:
                 result = await self.next_result(flight, work)
                 step, finished = TokenStep.of(result), result.finished
+                if work == len(prefill):
+                    self.prefixes.prefilled(slot.request_id)
+                    step = dataclasses.replace(step, cached=reuse)
                 work = 1
                 token = step.token
                 if keep is not None:
@@ -330,6 +356,7 @@ class PipelineCoordinator:
                     # positions (this token is not fed): that is the prefix it keeps.
                     keep.route, keep.seq, keep.length = route, seq, pos
                     kept = True
+                completed = True  # a caller that stops here ends the request well
                 yield step  # the caller appends it to ``slot.generated`` before resuming us
                 if slot.ends_with(token):
                     return
@@ -337,19 +364,38 @@ class PipelineCoordinator:
                     if request.eos_ids:
                         yield TokenStep(min(request.eos_ids))
                     return
-                kept = False  # feeding another token: what was kept moves on
+                kept = completed = False  # feeding another token: what was kept moves on
                 await self.send(first, StageForward(
                     position_offset=pos, chunk_index=0, token_ids=torch.tensor([token], dtype=torch.long),
                     is_last_chunk=True, sample_step=len(slot.generated), **fields))
                 pos += 1
         finally:
+            self.prefixes.prefilled(slot.request_id)
             slot.flight = None
             if kept:
                 self.flights.forget(flight)
             else:
                 if keep is not None:
                     keep.seq = None
-                await self.flights.end(flight)
+                await self.flights.end(flight, cache=caches and completed)
+
+    async def _reuse(self, slot: RequestSlot, route: Route, seq, ids: list[int]) -> tuple[int, bool]:
+        """(how many leading ``ids`` this attempt takes from the stages' caches, whether every stage
+        keeps prefixes): asked of every stage, then announced down the chain ahead of the first chunk."""
+        prefixes = self.prefixes
+        if not prefixes.enabled:
+            return 0, False
+        await prefixes.after_siblings(slot.request_id, ids, self.token_timeout_s
+                                      + len(ids) * PREFILL_BUDGET_S_PER_TOKEN)
+        prefixes.prefilling(slot.request_id, ids)  # before the probe: a sibling arriving now waits for us
+        reuse, speaks = await prefixes.reusable(route, ids)
+        if not reuse or not slot.reuse:
+            return 0, speaks
+        await self.send(route.stages[0].node_id, ReusePrefix(
+            slot.request_id, route.plan_version, seq, torch.tensor(ids[:reuse], dtype=torch.long),
+            slot.capacity(), self.reply_to))
+        prefixes.reused(reuse)
+        return reuse, speaks
 
     def drafter(self, request_id: RequestId, capacity: int, sampling: SamplingParams, cuts: Cuts = None,
                 wait_s: float | None = None) -> MeshDrafter:

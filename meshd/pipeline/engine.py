@@ -207,11 +207,15 @@ class PipelineEngine(Engine):
 
     async def _plain_ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
         session = self.speculation_for(req)
+        reported = False  # a replayed request reports what its first attempt reused
         try:
             async for step in self.coordinator.steps(StepsRequest(
                     req.request_id, list(req.prompt_ids), req.max_tokens, req.sampling, self.eos_ids,
                     cuts=self.cuts_for, wait_s=self.wait_s, speculation=session, typical=req.speculative.typical,
                     context_limit=self.context_length)):
+                if step.cached is not None and not reported:
+                    report(cached_tokens=step.cached)
+                    reported = True
                 yield step.token
         finally:
             if session is not None:

@@ -11,7 +11,7 @@ from meshd.errors import MeshdError
 from meshd.pipeline.route import Route
 from transport.messages import ErrorReply
 
-__all__ = ["BadTokens", "Interrupted", "ModelMismatch", "NoRoute", "PipelineBusy", "PipelineError",
+__all__ = ["BadTokens", "Interrupted", "ModelMismatch", "NoRoute", "PipelineBusy", "PipelineError", "PrefixMiss",
            "RESUMABLE_CODES", "failed_node", "gone_message", "legacy_failed_node", "reply_error"]
 
 # Stage error codes that mean "this sequence's cache is gone, the request itself is fine":
@@ -50,6 +50,10 @@ class Interrupted(Exception):
         self.device = device
 
 
+class PrefixMiss(Interrupted):
+    """A stage no longer holds the cached prefix the request was to reuse: prefill it in full."""
+
+
 def legacy_failed_node(message: str) -> str:
     """The node a 0.2 stage names at the head of its error text ("node: what happened")."""
     return message.split(":", 1)[0]
@@ -64,6 +68,8 @@ def reply_error(reply: ErrorReply) -> Exception:
     """What a stage's ``ErrorReply`` means for the request: replay it, back off, or fail."""
     if reply.code == "cache_full":
         return PipelineBusy(f"the mesh is busy: {reply.message}; retry shortly")
+    if reply.code == "prefix_miss":
+        return PrefixMiss(f"stage {reply.message}", failed_node(reply))
     if reply.code == "model_mismatch":
         return ModelMismatch(f"stage {reply.message}")
     if reply.code in RESUMABLE_CODES:

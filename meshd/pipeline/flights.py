@@ -20,7 +20,7 @@ from meshd.pipeline.failures import Interrupted, PipelineError, reply_error
 from meshd.pipeline.slot import Flight
 from partition.ids import RequestId
 from transport.errors import TransportError
-from transport.messages import ErrorReply, FreeSequence, TokenResult
+from transport.messages import CacheSequence, ErrorReply, FreeSequence, TokenResult
 
 log = get_logger("meshd.coordinator")
 
@@ -50,10 +50,11 @@ class FlightTable:
         """Stop routing results to ``flight`` (its sequence stays on the stages)."""
         self._flights.pop(flight.seq, None)
 
-    async def end(self, flight: Flight) -> None:
-        """Stop routing results to ``flight`` and free its sequence on every stage."""
+    async def end(self, flight: Flight, cache: bool = False) -> None:
+        """Stop routing results to ``flight`` and free its sequence on every stage (``cache``: every
+        stage keeps what it holds as a cached prefix instead)."""
         self.forget(flight)
-        await self.free(flight.route, flight.seq)
+        await self.free(flight.route, flight.seq, cache)
 
     def deliver(self, msg: TokenResult | ErrorReply) -> bool:
         """Put a last stage's result (or a stage's error) in its flight's queue; False: none awaits it."""
@@ -91,10 +92,10 @@ class FlightTable:
             if which(f):
                 f.queue.put_nowait(event(f))
 
-    async def free(self, route: Route, seq: SeqKey) -> None:
+    async def free(self, route: Route, seq: SeqKey, cache: bool = False) -> None:
         """Free even when the caller is being cancelled (a client hanging up is cancelled
         by the HTTP server, sometimes more than once): the free runs as its own task."""
-        task = asyncio.get_running_loop().create_task(self._free(route, seq))
+        task = asyncio.get_running_loop().create_task(self._free(route, seq, cache))
         self._freeing.add(task)
         task.add_done_callback(self._freeing.discard)
         try:
@@ -104,12 +105,14 @@ class FlightTable:
                 log.debug("free_continues_after_cancel", seq=seq)
             raise
 
-    async def _free(self, route: Route, seq: SeqKey) -> None:
+    async def _free(self, route: Route, seq: SeqKey, cache: bool = False) -> None:
         """Release the sequence's cache on every stage (directly: the chain may be broken)."""
+        msg = CacheSequence(route.plan_version, seq) if cache else FreeSequence(route.plan_version, seq)
+
         async def one(node_id):
             try:
                 peer = await self.links.to(node_id)
-                await asyncio.wait_for(peer.send(FreeSequence(route.plan_version, seq),
+                await asyncio.wait_for(peer.send(msg,
                                                  timeout=self.send_timeout_s), 2.0)
             except (TransportError, TimeoutError, KeyError) as exc:
                 log.info("free_unreachable", node=node_id, seq=seq, error=str(exc))

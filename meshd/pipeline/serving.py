@@ -221,7 +221,9 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
     from meshd.config import placement_of
     from meshd.drafting import medusa_factory
     from meshd.model_store import open_model
+    from meshd.pipeline.pins import pinned_prefixes
     from meshd.pipeline.stage import StageService
+    from meshd.pipeline.stage.prefix_cache import PrefixCache
     from meshd.plan import DEFAULT_LINK, default_profile
 
     source = await (sharing.obtain_source() if sharing is not None else
@@ -232,16 +234,19 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
     directory = MeshDirectory(view, cfg.listen)
     placement = placement_of(cfg)
     wire = getattr(cfg, "wire_dtype", "float32")
+    share = float(getattr(cfg, "prefix_cache_share", 0.5))
+    pins = await asyncio.to_thread(pinned_prefixes, list(getattr(cfg, "pin_prompts", []) or []), source.tokenizer)
     stage = StageService(node, view.node_id, source, directory, dtype=placement.dtype, device=placement.device,
                          packed=placement.packed,
                          activation_dtype=None if wire == "float32" else wire,
                          medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)),
-                         peer_version=directory.version_of)
+                         peer_version=directory.version_of, prefix_cache=PrefixCache(share, pins))
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
     directory.own_port = int(address.rsplit(":", 1)[1])
     coordinator = PipelineCoordinator(node, view.node_id, directory, resume_timeout_s=cfg.request_wait_s,
-                                      model=source.identity, vocab_size=source.config.vocab_size)
+                                      model=source.identity, vocab_size=source.config.vocab_size,
+                                      prefix_cache=share > 0)
     await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
 
     def profiles_for() -> dict[str, dict]:

@@ -35,6 +35,7 @@ class TokenStep:
     token: int
     topk_ids: list[int] | None = None
     topk_probs: list[float] | None = None
+    cached: int | None = None  # on an attempt's first step: prompt positions it reused from the stages' caches
 
     @classmethod
     def of(cls, result: TokenResult) -> TokenStep:
@@ -122,6 +123,7 @@ class RequestSlot:
     state: SlotState = SlotState.WAITING
     flight: Flight | None = None
     replays: int = 0
+    reuse: bool = True  # may still start on the stages' cached prefix (False after a stage missed it)
 
     @property
     def request_id(self) -> RequestId:

@@ -46,7 +46,7 @@ async def test_drafting_through_two_stages_equals_drafting_in_process_with_rollb
             assert g.token == w.token and g.ids[:5] == w.ids[:5]
             assert torch.allclose(torch.tensor(g.probs[:5]), torch.tensor(w.probs[:5]), atol=1e-4)
             assert torch.allclose(torch.tensor(g.attention), torch.tensor(w.attention), atol=1e-4)
-        assert await eventually(lambda: all(not s.kv.sequences() for s in mesh.services))  # closed: freed
+        assert await eventually(lambda: all(not s.sequences() for s in mesh.services))  # closed: freed
 
 
 async def test_budget_one_through_the_mesh_is_the_big_models_greedy_answer_even_when_a_device_leaves(tiny, big):

@@ -39,7 +39,7 @@ async def test_eight_concurrent_requests_are_batched_and_each_equals_its_referen
     async with Mesh(tiny, 2) as mesh:
         got = await asyncio.gather(*(mesh.run(p, 24, sp, rid=f"r{i}", chunks=2)
                                      for i, (p, sp) in enumerate(zip(prompts, params))))
-        assert await eventually(lambda: all(svc.kv.sequences() == [] for svc in mesh.services))
+        assert await eventually(lambda: all(svc.sequences() == [] for svc in mesh.services))
         assert all(_batched_passes(svc) > 0 for svc in mesh.services), [s.stats.batches for s in mesh.services]
     assert got == refs
 

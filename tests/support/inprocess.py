@@ -8,15 +8,18 @@ from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.pipeline.coordinator import PipelineCoordinator
 from meshd.pipeline.route import Route, StageEndpoint
 from meshd.pipeline.stage import StageService
+from meshd.pipeline.stage.prefix_cache import PrefixCache
 from transport.node import TransportNode
 
 
 class Mesh:
     """N stage services and a coordinator on loopback, CURVE off (in-process test harness)."""
 
-    def __init__(self, source, n, version=1, max_kv_tokens=1 << 16, **stage_kw):
+    def __init__(self, source, n, version=1, max_kv_tokens=1 << 16, prefix_share=0.5, **stage_kw):
+        """``prefix_share``: each stage's prefix cache share of its KV budget (0: the cache off)."""
         self.source, self.n, self.version = source, n, version
         self.max_kv_tokens = max_kv_tokens
+        self.prefix_share = prefix_share
         self.stage_kw = stage_kw
         self.dir = {}
 
@@ -25,10 +28,12 @@ class Mesh:
         self.services = []
         for i in range(self.n):
             svc = StageService(self.nodes[i], f"dev{i}", self.source, self.dir.__getitem__,
-                               max_kv_tokens=self.max_kv_tokens, **self.stage_kw)
+                               max_kv_tokens=self.max_kv_tokens, prefix_cache=PrefixCache(self.prefix_share),
+                               **self.stage_kw)
             self.dir[f"dev{i}"] = (await svc.start(), "")
             self.services.append(svc)
-        self.coord = PipelineCoordinator(self.nodes[-1], "coord", self.dir.__getitem__, token_timeout_s=20)
+        self.coord = PipelineCoordinator(self.nodes[-1], "coord", self.dir.__getitem__, token_timeout_s=20,
+                                         prefix_cache=self.prefix_share > 0)
         self.dir["coord"] = (await self.coord.start(), "")
         ranges = even_split(self.source.config.num_layers, self.n)
         self.route = Route(self.version, tuple(StageEndpoint(f"dev{i}", self.dir[f"dev{i}"][0], "", a, b)

@@ -17,6 +17,11 @@ Three rules keep the cache honest under hang-ups, failures and restarts:
 - **Nothing lives forever.** A sequence untouched for ``idle_seq_timeout_s``
   is reaped (its coordinator vanished without freeing it).
 
+Every slot also knows the token id at each position it holds (token ids travel
+to every stage with each chunk): that is what the prefix cache
+(:mod:`~meshd.pipeline.stage.prefix_cache`) keys a finished request's KV on, so
+a stage never trusts anyone else's word for what its cache holds.
+
 Batching, like vLLM's engine core, happens between passes: everything queued
 at once is split into runs (:meth:`StageScheduler.runs`), and a pass may wait a
 moment for decoding sequences that usually join it (:meth:`StageScheduler.linger`).
@@ -28,7 +33,7 @@ import asyncio
 import enum
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from decoding.speculative.params import MAX_CANDIDATES
@@ -36,8 +41,9 @@ from decoding.selector import TokenSelector
 from meshd.log import get_logger
 from partition.ids import SeqKey
 from meshd.pipeline.stage.errors import StageError
+from meshd.pipeline.stage.prefix_cache import CacheKey, PrefixCache
 from meshd.pipeline.stage.stats import StageStats
-from transport.messages import StageForward
+from transport.messages import ReusePrefix, StageForward
 
 log = get_logger("meshd.stage")
 
@@ -65,6 +71,9 @@ class SeqSlot:
     stepped: float | None = None  # when it last ran a decode step or verify round here
     busy: bool = False  # in the compute thread's current pass
     selector: TokenSelector | None = None  # last stage: logits -> tokens, built on its first sample
+    tokens: list[int] | None = field(default_factory=list)  # the token id at each position (None: unknown)
+    unverified_from: int | None = None  # a verify round's nodes from here on await the next commit
+    indexed: int = 0  # positions shared with other requests while this one runs (its computed prompt)
 
 
 def _rows(msg: StageForward) -> int:
@@ -74,13 +83,17 @@ def _rows(msg: StageForward) -> int:
 
 class StageScheduler:
     def __init__(self, stats: StageStats, max_kv_tokens: int = 1 << 16,
-                 max_batch_tokens: int = MAX_BATCH_TOKENS, idle_seq_timeout_s: float = 300.0):
+                 max_batch_tokens: int = MAX_BATCH_TOKENS, idle_seq_timeout_s: float = 300.0,
+                 prefix: PrefixCache | None = None):
         self.stats = stats
+        self.prefix = prefix if prefix is not None else PrefixCache()
+        self._promised = 0  # positions this pass's sequences will grow by (reserved in the compute thread)
         self.max_kv_tokens = max_kv_tokens
         # 0 or 1: no batching (one message per pass, the way every stage used to run).
         self.max_batch_tokens = int(max_batch_tokens)
         self.idle_seq_timeout_s = idle_seq_timeout_s
         self._kv = None
+        self._key: CacheKey | None = None
         self._depth = 1  # stages in the plan served
         self._slots: dict[SeqKey, SeqSlot] = {}
         self._tombstones: OrderedDict[SeqKey, None] = OrderedDict()
@@ -97,17 +110,30 @@ class StageScheduler:
         """The stage's KV cache (None while no layers are served); read it, change it through here."""
         return self._kv
 
-    def reset(self, stage, depth: int) -> None:
-        """A new plan: a fresh cache for ``stage`` (None: none), every slot dropped (coordinators replay)."""
-        self._kv = stage.new_cache(self.max_kv_tokens) if stage is not None else None
+    def reset(self, stage, depth: int, key: CacheKey | None = None) -> None:
+        """A new plan: every slot dropped (coordinators replay). The cache's entries survive only when
+        the plan keeps ``key`` (what this stage's KV depends on); otherwise a fresh cache for ``stage``."""
+        keep = stage is not None and self._kv is not None and key is not None and key == self._key
+        if keep:
+            for seq in list(self._slots):
+                if seq in self._kv and not self.prefix.is_entry(seq):
+                    self._kv.free(seq)
+        else:
+            self._kv = stage.new_cache(self.max_kv_tokens) if stage is not None else None
+        self._key = key
+        self.prefix.adopt(self._kv, key)
         self._slots.clear()
         self._depth = depth
 
     def tokens_in_use(self) -> int:
-        return int(self._kv.reserved_tokens) if self._kv is not None else 0
+        """KV positions reserved for running sequences (not the prefix cache's entries)."""
+        return int(self._kv.reserved_tokens) - self.prefix.held_tokens() if self._kv is not None else 0
 
     def sequences(self) -> list[SeqKey]:
-        return list(self._kv.sequences()) if self._kv is not None else []
+        """Running sequences (the prefix cache's entries are not anyone's request)."""
+        if self._kv is None:
+            return []
+        return [s for s in self._kv.sequences() if not self.prefix.is_entry(s)]
 
     def is_freed(self, seq: SeqKey) -> bool:
         return seq in self._tombstones
@@ -120,14 +146,21 @@ class StageScheduler:
             if msg.position_offset != 0:
                 raise StageError("unknown_sequence", f"sequence {seq} is not in this stage's cache "
                                                      f"(offset {msg.position_offset})")
-            kv.create(seq, max(int(msg.capacity), rows, 16))
+            capacity = max(int(msg.capacity), rows, 16)
+            self.prefix.make_room(capacity, self._promised)
+            kv.create(seq, capacity)
         slot = self._slot(seq)
         if msg.commit_start >= 0:
-            self._commit(seq, msg.commit_start, msg.commit_keep or [])
+            self._commit(slot, msg.commit_start, msg.commit_keep or [])
         held = kv.length(seq)
         if held != msg.position_offset:
             raise StageError("position_mismatch", f"sequence {seq} holds {held} positions, "
                                                   f"message starts at {msg.position_offset}")
+        growth = kv.growth(seq, rows)
+        if growth:  # the forward grows the buffer in the compute thread: make room for it now
+            self.prefix.make_room(growth, self._promised)
+            self._promised += growth
+        self._note_tokens(slot, msg, held, rows)
         slot.touched = time.monotonic()
         slot.state = (SeqState.VERIFYING if msg.verify else SeqState.DECODING if msg.is_last_chunk
                       else SeqState.PREFILLING)
@@ -135,24 +168,119 @@ class StageScheduler:
             slot.stepped = slot.touched
         return slot
 
-    def _commit(self, seq: SeqKey, start: int, keep: list[int]) -> None:
+    def _note_tokens(self, slot: SeqSlot, msg: StageForward, held: int, rows: int) -> None:
+        """Record the token ids the message writes at [held, held + rows)."""
+        ids = msg.token_ids
+        if slot.tokens is not None and (ids is None or ids.ndim != 1 or ids.numel() != rows
+                                        or len(slot.tokens) != held):
+            slot.tokens = None  # a sender that does not pass token ids on: this sequence is never shared
+        if slot.tokens is not None:
+            slot.tokens.extend(int(t) for t in ids.tolist())
+        slot.unverified_from = held if msg.verify else None
+
+    def _rolled_back(self, slot: SeqSlot, length: int) -> None:
+        """Positions from ``length`` on are gone or moved: token ids and sharing follow."""
+        if slot.tokens is not None:
+            del slot.tokens[length:]
+        if slot.indexed > length:
+            self.prefix.forget(slot.seq)
+            slot.indexed = 0
+
+    def _commit(self, slot: SeqSlot, start: int, keep: list[int]) -> None:
         """Keep the verified nodes written at ``start`` (in order); roll the rest back."""
-        kv = self._kv
+        seq, kv = slot.seq, self._kv
         if start + len(keep) > kv.length(seq) or start < 0 or any(not 0 <= k < kv.length(seq) - start for k in keep):
             raise StageError("position_mismatch", f"cannot keep {keep} at {start}: sequence {seq} holds "
                                                   f"{kv.length(seq)} positions")
+        tokens = slot.tokens
+        kept_ids = [tokens[start + k] for k in keep] if tokens is not None and len(tokens) == kv.length(seq) \
+            else None
         if keep == list(range(len(keep))):
             kv.truncate(seq, start + len(keep))  # a chain's accepted prefix: nothing moves
         else:
             kv.keep(seq, start, keep)
+        self._rolled_back(slot, start)
+        if slot.tokens is not None:
+            if kept_ids is None:
+                slot.tokens = None
+            else:
+                slot.tokens.extend(kept_ids)
+        slot.unverified_from = None
 
     def truncate(self, seq: SeqKey, length: int) -> None:
         self._kv.truncate(seq, length)
+        slot = self._slots.get(seq)
+        if slot is not None:
+            self._rolled_back(slot, length)
 
     def fork(self, parent: SeqKey, child: SeqKey, prefix_length: int) -> None:
         """``child`` reads ``parent``'s first ``prefix_length`` positions in place."""
         self._kv.fork(parent, child, prefix_length)
-        self._slot(child)
+        tokens = self._tokens_of(parent)
+        self._slot(child).tokens = list(tokens[:prefix_length]) if tokens is not None else None
+
+    def _tokens_of(self, seq: SeqKey) -> list[int] | tuple[int, ...] | None:
+        slot = self._slots.get(seq)
+        if slot is not None:
+            return slot.tokens
+        return self.prefix.tokens_of(seq) if self.prefix.is_entry(seq) else None
+
+    # -- the prefix cache -------------------------------------------------------------------------
+    def probe(self, ids: list[int]) -> int:
+        """How many leading ``ids`` this stage holds (0 while it serves no layers)."""
+        return self.prefix.probe(ids) if self._kv is not None else 0
+
+    def reuse(self, msg: ReusePrefix) -> None:
+        """Start ``msg.seq_id`` on the held KV of its prefix (a ``prefix_miss`` if it is gone)."""
+        seq, kv = msg.seq_id, self._kv
+        ids = msg.prefix_ids
+        if ids is None or ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point():
+            raise StageError("bad_input", "a reused prefix needs a non-empty 1-d tensor of token ids")
+        if seq in kv:
+            raise StageError("bad_input", f"sequence {seq} already exists here: a prefix starts a sequence")
+        ids = [int(t) for t in ids.tolist()]
+        holder = self.prefix.holder(ids)
+        if holder is None:
+            raise StageError("prefix_miss", f"this stage no longer holds the {len(ids)}-token prefix "
+                                            f"(evicted, or a new plan)")
+        capacity = max(int(msg.capacity) - len(ids), 16)
+        self.prefix.make_room(capacity, self._promised, protect=holder)
+        kv.fork(holder, seq, len(ids), capacity=capacity)
+        slot = self._slot(seq)
+        slot.tokens = ids
+        self.prefix.reused(len(ids))
+
+    def prompt_done(self, slot: SeqSlot) -> None:
+        """A pass wrote the sequence's last prompt chunk: share its prompt while it decodes."""
+        if slot.indexed or slot.tokens is None or slot.state is SeqState.FINISHED or slot.unverified_from is not None:
+            return
+        self.prefix.index_live(slot.seq, slot.tokens)
+        slot.indexed = len(slot.tokens)
+
+    def keep(self, seq: SeqKey) -> bool:
+        """The request of ``seq`` ended: keep its verified positions as a cached prefix (tombstoning the
+        key as a free does). False: nothing kept (unknown tokens, busy, the cache off): freed instead."""
+        slot, kv = self._slots.get(seq), self._kv
+        if (slot is None or slot.busy or slot.tokens is None or not self.prefix.enabled or kv is None
+                or seq not in kv):
+            self.free(seq, "freed")
+            return False
+        n = len(slot.tokens) if slot.unverified_from is None else min(slot.unverified_from, len(slot.tokens))
+        if n == 0 or self.prefix.covered(slot.tokens[:n]):  # another entry holds all of it already
+            self.free(seq, "freed")
+            return False
+        try:
+            kv.truncate(seq, n)
+        except Exception:  # noqa: BLE001 - a child still reads past n: keep nothing rather than guess
+            self.free(seq, "freed")
+            return False
+        self._tombstone(seq)
+        del self._slots[seq]
+        self.prefix.keep(seq, slot.tokens[:n])
+        return True
+
+    def enforce_share(self) -> None:
+        self.prefix.enforce_share()
 
     def _slot(self, seq: SeqKey) -> SeqSlot:
         slot = self._slots.get(seq)
@@ -160,18 +288,25 @@ class StageScheduler:
             slot = self._slots[seq] = SeqSlot(seq, time.monotonic())
         return slot
 
-    def free(self, seq: SeqKey, why: str) -> None:
-        """Forget ``seq`` for good (tombstoned); its cache goes now, or when the pass using it ends."""
+    def _tombstone(self, seq: SeqKey) -> None:
         self._tombstones[seq] = None
         self._tombstones.move_to_end(seq)
         while len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)
+
+    def free(self, seq: SeqKey, why: str) -> None:
+        """Forget ``seq`` for good (tombstoned); its cache goes now, or when the pass using it ends.
+        A cached prefix's entry is not the request's to free: only eviction removes it."""
+        if self.prefix.is_entry(seq):
+            return
+        self._tombstone(seq)
         slot = self._slots.get(seq)
         if slot is not None:
             slot.state = SeqState.FINISHED
             if slot.busy:  # the compute thread is using its cache: free it when the pass ends
                 return
             del self._slots[seq]
+        self.prefix.forget(seq)
         if self._kv is not None and seq in self._kv:
             self._kv.free(seq)
             log.debug("sequence_freed", seq=seq, why=why)
@@ -183,6 +318,7 @@ class StageScheduler:
 
     def end_pass(self, slots: list[SeqSlot]) -> None:
         """The compute thread is done with these slots: frees that waited for it land now."""
+        self._promised = 0
         for slot in slots:
             slot.busy = False
             if slot.state is SeqState.FINISHED:

@@ -36,6 +36,7 @@ from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import coordinator_of
 from meshd.pipeline.stage.errors import HopUnreachable, StageError, error_code, failed_node, names_failed_node
+from meshd.pipeline.stage.prefix_cache import CacheKey, PrefixCache
 from meshd.pipeline.stage.sampler import StageSampler
 from meshd.pipeline.stage.scheduler import MAX_BATCH_TOKENS, StageScheduler
 from meshd.pipeline.stage.stats import StageStats
@@ -43,8 +44,8 @@ from meshd.pipeline.stage.worker import StageWorker, Work
 from partition.ids import NodeId, SeqKey
 from transport.errors import TransportError
 from transport.link import Request, StageServer
-from transport.messages import (Ack, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply, StageForward,
-                                Truncate)
+from transport.messages import (Ack, CacheSequence, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply,
+                                PrefixMatch, PrefixProbe, ReusePrefix, StageForward, Truncate)
 from transport.node import TransportNode
 
 log = get_logger("meshd.stage")
@@ -58,8 +59,9 @@ class StageService:
                  activation_dtype: str | None = None, send_timeout_s: float = 5.0,
                  idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS,
                  device: torch.device | None = None, packed: str = "",
-                 peer_version: Callable[[NodeId], str] | None = None):
-        """``device``/``dtype``/``packed``: see :class:`StageWorker`; ``medusa``: see :class:`StageSampler`.
+                 peer_version: Callable[[NodeId], str] | None = None, prefix_cache: PrefixCache | None = None):
+        """``device``/``dtype``/``packed``: see :class:`StageWorker`; ``medusa``: see :class:`StageSampler`;
+        ``prefix_cache``: finished requests' KV kept for later ones (default: half the KV budget).
         ``peer_version``: the meshd version a member announced ("": unknown), so an error names the failed
         node only to coordinators that decode it (None: every peer runs this code)."""
         self.node = node
@@ -69,7 +71,8 @@ class StageService:
         self.activation_dtype = activation_dtype
         self.send_timeout_s = send_timeout_s
         self.stats = StageStats()
-        self.scheduler = StageScheduler(self.stats, max_kv_tokens, max_batch_tokens, idle_seq_timeout_s)
+        self.scheduler = StageScheduler(self.stats, max_kv_tokens, max_batch_tokens, idle_seq_timeout_s,
+                                        prefix_cache)
         self.worker = StageWorker(model_source, device, dtype, packed)
         self.sampler = StageSampler(model_source, medusa)
         self.route: Route | None = None
@@ -87,7 +90,8 @@ class StageService:
         # costing compute at once, and a probe is not stuck behind a long prefill.
         batching = self.scheduler.max_batch_tokens > 1
         self.server = await self.node.serve(self.handle, address, ordered=True,
-                                            urgent=lambda m: isinstance(m, (FreeSequence, Hello)),
+                                            urgent=lambda m: isinstance(m, (FreeSequence, CacheSequence, Hello,
+                                                                            PrefixProbe)),
                                             batch_handler=self.handle_batch if batching else None,
                                             batch_linger=self.scheduler.linger if batching else None)
         self._reaper = asyncio.create_task(self.scheduler.reap_forever(), name="stage-reaper")
@@ -131,9 +135,18 @@ class StageService:
                 stage = await self.worker.load(rng, route)
                 if stage.lm_head is not None:
                     self.sampler.warm_grammar(stage)
-            self.scheduler.reset(self.worker.stage, len(route.stages))
+            self.scheduler.reset(self.worker.stage, len(route.stages), self._cache_key(route, idx))
             self.sampler.reset()
             self.route, self.index = route, idx
+
+    def _cache_key(self, route: Route, idx: int | None) -> CacheKey | None:
+        """What this stage's KV depends on under ``route`` besides token ids (None: no layers here)."""
+        stage = self.worker.stage
+        if stage is None or idx is None:
+            return None
+        upstream = tuple((s.node_id, tuple(s.layers)) for s in route.stages[:idx])
+        return CacheKey(str(getattr(self.source, "identity", "") or ""), (stage.first, stage.end), self.mode,
+                        upstream + ((route.weights or "", self.activation_dtype or ""),))
 
     # -- what the daemon, status and tests read ----------------------------------------
     @property
@@ -165,6 +178,7 @@ class StageService:
         return {"plan_version": self.serving_version,
                 "layers": [stage.first, stage.end] if stage is not None else None,
                 "sequences": len(self.sequences()), "kv_tokens_in_use": self.kv_tokens_in_use(),
+                "prefix_cache": self.scheduler.prefix.status(),
                 "kv_tokens_max": self.scheduler.max_kv_tokens, "device": str(self.worker.device),
                 "dtype": dtype_name(self.worker.dtype), "weights": self.mode,
                 **self.stats.to_dict()}
@@ -183,6 +197,20 @@ class StageService:
                 case FreeSequence():
                     # Frees come straight from the coordinator to every stage, whatever the plan.
                     self.scheduler.free(msg.seq_id, "freed")
+                case CacheSequence():
+                    await self._keep(msg)
+                case PrefixProbe():
+                    ids = msg.token_ids
+                    ok = (self.route is not None and self.stage is not None and not self._refusal(msg.plan_version)
+                          and msg.plan_version == self.route.plan_version and ids is not None and ids.ndim == 1
+                          and not ids.is_floating_point())
+                    return PrefixMatch(self.serving_version, self.scheduler.probe(ids.tolist()) if ok else 0)
+                case ReusePrefix() if self.scheduler.is_freed(msg.seq_id):
+                    self.stats.late_dropped += 1  # its request ended while this was queued
+                case ReusePrefix():
+                    self._check_plan(msg.plan_version)
+                    self.scheduler.reuse(msg)
+                    await self._pass_on(msg)
                 case ForkSequence() if self.scheduler.is_freed(msg.seq_id):
                     # freed (its request ended) while the fork was queued: creating it now would leak it
                     self.stats.late_dropped += 1
@@ -202,6 +230,17 @@ class StageService:
         except Exception as exc:  # the one error path: report at once, free the sequence, keep serving
             return await self._fail(msg, exc)
         return Ack(self.serving_version)
+
+    async def _keep(self, msg: CacheSequence) -> None:
+        """Keep a finished request's KV as a cached prefix: its spare room given back (a copy, in the
+        compute thread), then the cache held within its share of the budget."""
+        if self.route is None or msg.plan_version != self.route.plan_version or not self.scheduler.keep(msg.seq_id):
+            self.scheduler.free(msg.seq_id, "freed")
+            return
+        kv = self.kv
+        if self.scheduler.prefix.is_entry(msg.seq_id):
+            await self.worker.in_compute(kv.trim, msg.seq_id)
+        self.scheduler.enforce_share()
 
     async def handle_batch(self, msgs: list, reqs: list) -> list:
         """Everything queued at once: forwards of different sequences share one pass (see
@@ -298,6 +337,8 @@ class StageService:
                 replies[w.index] = await self._fail(msg, exc)
                 continue
             self.stats.tokens += w.rows
+            if msg.is_last_chunk and not msg.verify:
+                self.scheduler.prompt_done(w.slot)
             if self.scheduler.is_freed(msg.seq_id):  # freed while computing: do not pass stale work on
                 continue
             try:
@@ -319,9 +360,9 @@ class StageService:
 
     async def _finish(self, msg: StageForward, stage: StageModel, out, want_logits: bool) -> None:
         if not stage.is_last:
-            # Everything travels on (sampling, verify tree, commit, shaping); only the payload changes:
-            # our activations, and token ids only where the last stage needs them (a verify round).
-            nxt = dataclasses.replace(msg, hidden=out, token_ids=msg.token_ids if msg.verify else None)
+            # Everything travels on (sampling, verify tree, commit, shaping, the token ids every stage's
+            # prefix cache keys on); only the payload changes: our activations.
+            nxt = dataclasses.replace(msg, hidden=out)
             to = await self._send_next(nxt)
             elem = 2 if self.activation_dtype in ("float16", "bfloat16") else out.element_size()
             self.stats.count_sent(to, out.numel() * elem)

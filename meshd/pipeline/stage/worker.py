@@ -167,6 +167,10 @@ class StageWorker:
         return await asyncio.get_running_loop().run_in_executor(
             self._compute, self._compute_group, stage, kv, works, answer)
 
+    async def in_compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in the compute thread, between passes (work on the KV cache's buffers)."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
     def _compute_group(self, stage: StageModel, kv, works: list[Work], answer) -> list[Outcome]:
         """The forward, and on the last stage sampling / acceptance / drafting, in one hop (compute thread).
 

@@ -1,0 +1,138 @@
+"""The coordinator's side of the stages' prefix caches: how much of a prompt a request reuses.
+
+Every stage keeps finished requests' KV keyed on exact token ids
+(:mod:`meshd.pipeline.stage.prefix_cache`), but each evicts on its own, so the
+coordinator *asks* before a request starts: a ``PrefixProbe`` to every stage of
+the route at once, and the request reuses the shortest answer (what every
+stage holds), at most all but the prompt's last token (its logits must be
+computed). It then sends ``ReusePrefix`` down the chain ahead of the first
+chunk; a stage that evicted the prefix meanwhile answers ``prefix_miss``, and
+the request is prefilled in full on a fresh sequence — never a silent mismatch.
+
+Two requests that share a long prefix and arrive together (two people asking
+at once, Home Assistant's parallel agents) would both compute it. So a request
+whose prompt shares at least ``MIN_SHARED`` tokens with one still prefilling
+here waits for that prefill (bounded), then forks from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from meshd.log import get_logger
+from meshd.pipeline.links import Links
+from meshd.pipeline.route import Route
+from partition.ids import RequestId
+from transport.errors import TransportError
+from transport.messages import PrefixMatch, PrefixProbe
+
+log = get_logger("meshd.coordinator")
+
+__all__ = ["MIN_REUSE", "MIN_SHARED", "PrefixReuse", "ReuseTotals", "common_prefix"]
+
+MIN_REUSE = 16  # shorter shared prefixes are recomputed (a fork costs a segment in every attention)
+MIN_SHARED = 64  # a prefilling request this close to ours is worth waiting for
+PROBE_TIMEOUT_S = 2.0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class ReuseTotals:
+    """What reuse did for this coordinator's requests (``meshd status``, ``/metrics``)."""
+
+    requests: int = 0  # requests that asked the stages
+    hits: int = 0  # ... and reused some prefix
+    prompt_tokens: int = 0  # prompt positions of those requests
+    reused_tokens: int = 0  # positions not computed again
+    misses: int = 0  # a stage had evicted the prefix: prefilled in full instead
+    waits: int = 0  # requests that waited for a sibling's prefill to share it
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "hit_rate": round(self.hit_rate, 4)}
+
+
+class PrefixReuse:
+    def __init__(self, links: Links, enabled: bool = True):
+        self.links = links
+        self.enabled = enabled
+        self.totals = ReuseTotals()
+        self._prefilling: dict[RequestId, tuple[list[int], asyncio.Event]] = {}
+
+    async def reusable(self, route: Route, ids: Sequence[int]) -> tuple[int, bool]:
+        """(positions of ``ids`` every stage of ``route`` holds — 0 below MIN_REUSE —, whether every stage
+        keeps prefixes at all). A stage that does not answer counts as holding nothing."""
+        if not self.enabled or len(ids) <= MIN_REUSE:
+            return 0, self.enabled
+        probe = PrefixProbe(route.plan_version, torch.tensor(list(ids), dtype=torch.long))
+
+        async def ask(node_id) -> int | None:
+            try:
+                peer = await self.links.to(node_id)
+                reply = await peer.request(probe, timeout=PROBE_TIMEOUT_S)
+            except (TransportError, KeyError, TimeoutError) as exc:  # a 0.2 member: "unknown_type"
+                log.debug("prefix_probe_failed", node=node_id, error=str(exc))
+                return None
+            return reply.length if isinstance(reply, PrefixMatch) and reply.plan_version == route.plan_version \
+                else 0
+
+        answers = await asyncio.gather(*(ask(s.node_id) for s in route.stages))
+        speaks = all(a is not None for a in answers)
+        n = min((a or 0) for a in answers)
+        n = min(n, len(ids) - 1)
+        self.totals.requests += 1
+        self.totals.prompt_tokens += len(ids)
+        if n < MIN_REUSE:
+            return 0, speaks
+        return n, speaks
+
+    def reused(self, n: int) -> None:
+        """A request's prompt started ``n`` positions in (``n`` > 0)."""
+        self.totals.hits += 1
+        self.totals.reused_tokens += n
+
+    def missed(self) -> None:
+        self.totals.misses += 1
+
+    # -- siblings prefilling at once ---------------------------------------------------------------
+    async def after_siblings(self, request_id: RequestId, ids: Sequence[int], wait_s: float) -> None:
+        """Wait (at most ``wait_s``) for requests prefilling a long prefix of ``ids`` here."""
+        if not self.enabled:
+            return
+        events = [ev for rid, (other, ev) in self._prefilling.items()
+                  if rid != request_id and common_prefix(other, ids) >= MIN_SHARED]
+        if not events:
+            return
+        self.totals.waits += 1
+        try:
+            async with asyncio.timeout(wait_s):
+                await asyncio.gather(*(ev.wait() for ev in events))
+        except TimeoutError:
+            log.info("prefix_sibling_wait_expired", request_id=request_id, waited_s=wait_s)
+
+    def prefilling(self, request_id: RequestId, ids: Sequence[int]) -> asyncio.Event:
+        """Announce a prefill of ``ids``; set the returned event once its prompt is computed (or it ends)."""
+        ev = asyncio.Event()
+        self._prefilling[request_id] = (list(ids), ev)
+        return ev
+
+    def prefilled(self, request_id: RequestId) -> None:
+        entry = self._prefilling.pop(request_id, None)
+        if entry is not None:
+            entry[1].set()

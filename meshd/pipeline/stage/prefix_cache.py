@@ -1,0 +1,223 @@
+"""The stage's prefix cache: finished requests' KV kept, keyed on their exact token ids.
+
+Home Assistant resends one 2–3.5k-token system prompt with every request; a
+turn that recomputes it costs seconds. So a request's KV is not freed when it
+ends: its coordinator asks every stage to *keep* it (``CacheSequence``), and
+the sequence becomes an **entry** here, indexed by the token ids it holds
+(:class:`~decoding.prefix_index.PrefixIndex`). A later request whose ids start
+the same way forks from the entry — referencing its positions, not copying
+them — and only the rest is prefilled.
+
+What the cache promises:
+
+- **Bounded.** Entries live inside the stage's KV token budget, and at most
+  ``share`` of it. Whenever a request needs room, entries nobody reads are
+  evicted least recently used first; cached content never makes an admission
+  fail. A pinned entry (an operator's system prompt) is never evicted.
+- **Keyed on everything that changes the KV.** The token ids exactly, and the
+  cache's :class:`CacheKey` (model, this stage's layer range and numeric mode,
+  and every stage upstream of it with its layers): a new plan that changes any
+  of them drops every entry, one that keeps them all keeps them.
+- **Running requests share too.** A sequence whose prompt is fully computed is
+  indexed while it decodes, so a second request with the same prompt forks
+  from it instead of computing it again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from decoding.prefix_index import PrefixIndex
+from meshd.log import get_logger
+from partition.ids import SeqKey
+
+log = get_logger("meshd.stage")
+
+__all__ = ["CacheKey", "PrefixCache", "PrefixStats", "DEFAULT_SHARE"]
+
+DEFAULT_SHARE = 0.5  # of the KV token budget that finished requests may keep
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """What the KV this stage computes depends on, besides the token ids."""
+
+    model: str
+    layers: tuple[int, int]
+    mode: str  # this stage's numeric mode (weights and KV dtype)
+    upstream: tuple  # (node id, layers) of every stage before this one, in order, and the plan's mode
+
+
+@dataclass
+class PrefixStats:
+    probes: int = 0  # coordinators asked how much of a prompt is held here
+    probe_hits: int = 0  # ... and some was
+    reuses: int = 0  # requests that forked from a held prefix
+    reused_tokens: int = 0  # positions those requests did not compute
+    misses: int = 0  # a request asked for a prefix no longer held (it fell back to a full prefill)
+    kept: int = 0  # finished requests kept as entries
+    evictions: int = 0
+    evicted_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(eq=False)
+class _Entry:
+    seq: SeqKey
+    tokens: int
+    used: float = field(default_factory=time.monotonic)
+    pinned: bool = False
+
+
+class PrefixCache:
+    def __init__(self, share: float = DEFAULT_SHARE, pins: Sequence[Sequence[int]] = ()):
+        """``share``: the fraction of the KV budget entries may hold (0: keep nothing); ``pins``:
+        token-id prefixes (system prompts) whose first entry is never evicted."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError("the prefix cache's share of the KV budget must be in [0, 1]")
+        self.share = float(share)
+        self.pins = [tuple(int(t) for t in p) for p in pins if len(p)]
+        self.stats = PrefixStats()
+        self._kv = None
+        self._key: CacheKey | None = None
+        self._index = PrefixIndex()
+        self._entries: OrderedDict[SeqKey, _Entry] = OrderedDict()  # least recently used first
+        self._pinned: set[tuple[int, ...]] = set()  # pins some entry holds
+
+    @property
+    def enabled(self) -> bool:
+        return self.share > 0.0
+
+    # -- a new plan -----------------------------------------------------------------------------
+    def adopt(self, kv, key: CacheKey | None) -> bool:
+        """Serve ``kv`` under ``key``. Returns whether the entries survive (same key, same cache):
+        otherwise every entry is dropped with the old cache."""
+        same = kv is not None and kv is self._kv and key == self._key
+        if not same:
+            if self._entries:
+                log.info("prefix_cache_dropped", entries=len(self._entries), reason="plan_changed")
+            self._entries.clear()
+            self._index = PrefixIndex()
+            self._pinned.clear()
+        else:  # live sequences go (coordinators replay them); entries stay
+            for holder in [h for h in self._index.holders() if h not in self._entries]:
+                self._index.remove(holder)
+        self._kv, self._key = kv, key
+        return same
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def probe(self, ids: Sequence[int]) -> int:
+        """How many leading ``ids`` are held here (live or kept)."""
+        self.stats.probes += 1
+        n, _ = self._index.longest(ids) if self.enabled else (0, set())
+        self.stats.probe_hits += n > 0
+        return n
+
+    def holder(self, ids: Sequence[int]) -> SeqKey | None:
+        """A sequence holding all of ``ids`` (marked used), or None (evicted since the probe)."""
+        n, holders = self._index.longest(ids) if self.enabled else (0, set())
+        if n < len(ids) or not holders:
+            self.stats.misses += 1
+            return None
+        now = time.monotonic()
+        for h in holders:
+            e = self._entries.get(h)
+            if e is not None:
+                e.used = now
+                self._entries.move_to_end(h)
+        # Prefer a running sequence or the most recently used entry: both stay longest.
+        live = [h for h in holders if h not in self._entries]
+        return live[0] if live else next(h for h in reversed(self._entries) if h in holders)
+
+    def reused(self, n: int) -> None:
+        self.stats.reuses += 1
+        self.stats.reused_tokens += n
+
+    # -- what is held ------------------------------------------------------------------------------
+    def index_live(self, seq: SeqKey, tokens: Sequence[int]) -> None:
+        """A running sequence's computed prompt, shared while it decodes."""
+        if self.enabled and tokens:
+            self._index.insert(seq, tokens)
+
+    def keep(self, seq: SeqKey, tokens: Sequence[int]) -> None:
+        """``seq`` (finished, holding exactly ``tokens``) becomes an entry."""
+        self._index.insert(seq, tokens)
+        entry = self._entries[seq] = _Entry(seq, len(tokens))
+        self._entries.move_to_end(seq)
+        self.stats.kept += 1
+        for pin in self.pins:
+            if pin not in self._pinned and tuple(tokens[:len(pin)]) == pin:
+                entry.pinned = True
+                self._pinned.add(pin)
+                log.info("prefix_pinned", seq=seq, tokens=len(pin))
+
+    def forget(self, seq: SeqKey) -> None:
+        """``seq`` no longer holds what it was indexed with (freed, rolled back)."""
+        self._index.remove(seq)
+        entry = self._entries.pop(seq, None)
+        if entry is not None and entry.pinned:
+            self._pinned -= {p for p in self._pinned if self._index.longest(p)[0] < len(p)}
+
+    def covered(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry already holds all of ``tokens``."""
+        n, holders = self._index.longest(tokens)
+        return n == len(tokens) and any(h in self._entries for h in holders)
+
+    def tokens_of(self, seq: SeqKey) -> tuple[int, ...]:
+        return self._index.tokens_of(seq)
+
+    def is_entry(self, seq: SeqKey) -> bool:
+        return seq in self._entries
+
+    def is_indexed(self, seq: SeqKey) -> bool:
+        return seq in self._index
+
+    # -- room -------------------------------------------------------------------------------------
+    def held_tokens(self) -> int:
+        """KV positions reserved by entries (what the cache keeps of the budget)."""
+        return sum(self._kv.capacity(s) for s in self._entries) if self._kv is not None else 0
+
+    def make_room(self, need: int, promised: int = 0, protect: SeqKey | None = None) -> None:
+        """Evict entries until ``need`` more positions fit beside ``promised`` ones (or nothing is left
+        to evict: then the request meets a full cache of running sequences, as before); ``protect``:
+        an entry about to be forked from."""
+        kv = self._kv
+        while kv is not None and kv.free_tokens - promised < need and self._evict_one("room", protect):
+            pass
+
+    def enforce_share(self) -> None:
+        """Keep entries within their share of the budget."""
+        if self._kv is None:
+            return
+        limit = int(self.share * self._kv.max_tokens)
+        held = self.held_tokens()
+        while held > limit:
+            before = held
+            if not self._evict_one("share"):
+                return
+            held = self.held_tokens()
+            if held >= before:  # what was evicted is still read by a child: nothing came back
+                return
+
+    def _evict_one(self, why: str, protect: SeqKey | None = None) -> bool:
+        """Evict the least recently used entry nobody reads; False: there is none."""
+        kv = self._kv
+        for seq, e in self._entries.items():
+            if e.pinned or seq == protect or kv.has_children(seq):
+                continue
+            self.forget(seq)
+            kv.free(seq)
+            self.stats.evictions += 1
+            self.stats.evicted_tokens += e.tokens
+            log.debug("prefix_evicted", seq=seq, tokens=e.tokens, why=why)
+            return True
+        return False
+
+    def status(self) -> dict:
+        return {"enabled": self.enabled, "share": self.share, "entries": len(self._entries),
+                "held_tokens": self.held_tokens(), "pinned": len(self._pinned), **self.stats.to_dict()}
