@@ -51,7 +51,7 @@ from meshd.pipeline.verify_rounds import verify_rounds
 from partition.ids import NodeId, RequestId
 from transport.errors import TransportError
 from transport.link import Request
-from transport.messages import Ack, ErrorReply, ForkSequence, Hello, ReusePrefix, StageForward, TokenResult
+from transport.messages import Ack, ErrorReply, ForkSequence, Hello, StageForward, TokenResult
 from transport.node import TransportNode
 
 __all__ = ["BadTokens", "MeshDrafter", "ModelMismatch", "NoRoute", "PipelineBusy", "PipelineCoordinator",
@@ -318,7 +318,9 @@ class PipelineCoordinator:
                 await self.send(first, ForkSequence(route.plan_version, seq, fork.seq, base))
                 reuse = 0
             else:
-                reuse, caches = await self._reuse(slot, route, seq, ids)
+                reuse, caches = await self.prefixes.start(
+                    slot.request_id, route, seq, ids, slot.capacity(), self.send, self.reply_to,
+                    self.token_timeout_s + len(ids) * PREFILL_BUDGET_S_PER_TOKEN, allowed=slot.reuse)
                 caches = caches and keep is None
             prefill = ids[reuse:]
             cuts = request.cuts
@@ -339,7 +341,9 @@ class PipelineCoordinator:
                     if first_step:
                         self.prefixes.prefilled(slot.request_id)
                         step, first_step = dataclasses.replace(step, cached=reuse), False
+                    completed = True  # a caller that stops here ends it well (stages keep verified positions)
                     yield step
+                    completed = False
                 completed = True
                 return
             work = len(prefill)  # the first token waits for the whole prompt's prefill
@@ -379,24 +383,6 @@ class PipelineCoordinator:
                     keep.seq = None
                 await self.flights.end(flight, cache=caches and completed)
 
-    async def _reuse(self, slot: RequestSlot, route: Route, seq, ids: list[int]) -> tuple[int, bool]:
-        """(how many leading ``ids`` this attempt takes from the stages' caches, whether every stage
-        keeps prefixes): asked of every stage, then announced down the chain ahead of the first chunk."""
-        prefixes = self.prefixes
-        if not prefixes.enabled:
-            return 0, False
-        await prefixes.after_siblings(slot.request_id, ids, self.token_timeout_s
-                                      + len(ids) * PREFILL_BUDGET_S_PER_TOKEN)
-        prefixes.prefilling(slot.request_id, ids)  # before the probe: a sibling arriving now waits for us
-        reuse, speaks = await prefixes.reusable(route, ids)
-        if not reuse or not slot.reuse:
-            return 0, speaks
-        await self.send(route.stages[0].node_id, ReusePrefix(
-            slot.request_id, route.plan_version, seq, torch.tensor(ids[:reuse], dtype=torch.long),
-            slot.capacity(), self.reply_to))
-        prefixes.reused(reuse)
-        return reuse, speaks
-
     def drafter(self, request_id: RequestId, capacity: int, sampling: SamplingParams, cuts: Cuts = None,
                 wait_s: float | None = None) -> MeshDrafter:
         """Draft through the mesh for a cloud verifier (see :class:`MeshDrafter`); close it when done."""
@@ -417,9 +403,10 @@ class PipelineCoordinator:
         """A fresh sequence for ``request_id`` on ``route``; its results arrive in its queue."""
         return self.flights.open(request_id, route)
 
-    async def end_flight(self, flight: Flight) -> None:
-        """Stop listening for ``flight`` and free its sequence on every stage of its route."""
-        await self.flights.end(flight)
+    async def end_flight(self, flight: Flight, cache: bool = False) -> None:
+        """Stop listening for ``flight`` and free its sequence on every stage of its route (``cache``:
+        every stage keeps it as a cached prefix instead)."""
+        await self.flights.end(flight, cache)
 
     async def next_result(self, flight: Flight, work_tokens: int = 1) -> TokenResult:
         """The next result of ``flight``, which was just sent ``work_tokens`` positions to compute.

@@ -14,7 +14,7 @@ from decoding.pipeline_local import chunk_bounds
 from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.engine import out_of_vocab
 from meshd.log import get_logger
-from meshd.pipeline.failures import BadTokens, Interrupted, PipelineError
+from meshd.pipeline.failures import BadTokens, Interrupted, PipelineError, PrefixMiss
 from meshd.pipeline.slot import Cuts, Flight
 from partition.ids import RequestId
 from transport.messages import StageForward
@@ -43,6 +43,9 @@ class MeshDrafter:
         self.held: list[int] = []  # the tokens in the stages' caches, in order
         self.steps = 0
         self.flight: Flight | None = None
+        self.reuse = True  # may start on the stages' cached prefix (False once a stage missed it)
+        self.caches = False  # every stage of the flight keeps prefixes: leave ours in their caches
+        self.settled = False  # the last feed's result came back: the stages hold exactly ``held``
 
     async def feed(self, tokens, at: int) -> DraftStep:
         tokens = [int(t) for t in tokens]
@@ -56,6 +59,12 @@ class MeshDrafter:
                 self.flight = self.coord.open_flight(self.request_id, await self.coord.serving_route(self.wait_s))
             try:
                 return await self._feed(self.flight, tokens, at)
+            except PrefixMiss:
+                self.reuse = False
+                await self._drop()
+                tokens, at = self.held[:at] + tokens, 0
+                self.held = []
+                continue
             except Interrupted as exc:
                 log.info("drafter_replaying", request_id=self.request_id, held=len(self.held), reason=str(exc))
                 await self._drop()
@@ -72,28 +81,41 @@ class MeshDrafter:
     async def _feed(self, flight: Flight, tokens: list[int], at: int) -> DraftStep:
         first = flight.route.stages[0].node_id
         fields = self._fields(flight)
+        self.settled = False
         rollback = at < len(self.held)
-        bounds = chunk_bounds(len(tokens), None, (self.cuts(len(tokens), flight.route) if callable(self.cuts)
-                                                  else self.cuts) if at == 0 and len(tokens) > 1 else None)
+        skip = 0  # leading tokens the stages' prefix caches already hold (a fresh sequence's prompt)
+        if at == 0 and not self.held and len(tokens) > 1:
+            skip, self.caches = await self.coord.prefixes.start(
+                self.request_id, flight.route, flight.seq, tokens, self.capacity, self.coord.send,
+                self.coord.reply_to, self.wait_s, allowed=self.reuse)
+        rest = tokens[skip:]
+        bounds = chunk_bounds(len(rest), None, (self.cuts(len(rest), flight.route) if callable(self.cuts)
+                                                else self.cuts) if at == 0 and len(rest) > 1 else None)
         for j, (a, b) in enumerate(bounds):
             commit = dict(commit_start=at, commit_keep=[]) if rollback and j == 0 else {}
             await self.coord.send(first, StageForward(
-                position_offset=at + a, chunk_index=j, token_ids=torch.tensor(tokens[a:b], dtype=torch.long),
+                position_offset=at + skip + a, chunk_index=j, token_ids=torch.tensor(rest[a:b], dtype=torch.long),
                 is_last_chunk=j == len(bounds) - 1, sample_step=self.steps, **commit, **fields))
         self.held = self.held[:at] + tokens
-        res = await self.coord.next_result(flight, len(tokens))
+        try:
+            res = await self.coord.next_result(flight, len(rest))
+        finally:
+            self.coord.prefixes.prefilled(self.request_id)
         self.steps += 1
+        self.settled = True
         ids = res.topk_ids.tolist() if res.topk_ids is not None else [int(res.token_ids[0])]
         probs = res.topk_probs.tolist() if res.topk_probs is not None else [1.0]
         return draft_step(int(res.token_ids[0]), ids, probs, res.attention)
 
-    async def _drop(self) -> None:
+    async def _drop(self, cache: bool = False) -> None:
         flight, self.flight = self.flight, None
         if flight is not None:
-            await self.coord.end_flight(flight)
+            await self.coord.end_flight(flight, cache and self.caches and self.settled)
 
     async def close(self) -> None:
+        """The answer is done: what the stages hold of it (any fed tokens' KV is valid for those
+        tokens) stays in their prefix caches for the next request, unless a feed was cut short."""
         try:
-            await self._drop()
+            await self._drop(cache=True)
         finally:
             self.coord.discharge(self.request_id)

@@ -18,7 +18,7 @@ here waits for that prefill (bounded), then forks from it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +28,7 @@ from meshd.pipeline.links import Links
 from meshd.pipeline.route import Route
 from partition.ids import RequestId
 from transport.errors import TransportError
-from transport.messages import PrefixMatch, PrefixProbe
+from transport.messages import PrefixMatch, PrefixProbe, ReusePrefix
 
 log = get_logger("meshd.coordinator")
 
@@ -74,6 +74,25 @@ class PrefixReuse:
         self.enabled = enabled
         self.totals = ReuseTotals()
         self._prefilling: dict[RequestId, tuple[list[int], asyncio.Event]] = {}
+
+    async def start(self, request_id: RequestId, route: Route, seq, ids: list[int], capacity: int,
+                    send: Callable[[str, object], Awaitable[None]], reply_to: str, wait_s: float,
+                    allowed: bool = True) -> tuple[int, bool]:
+        """Where a request's sequence ``seq`` starts: (how many leading ``ids`` it takes from the stages'
+        caches, whether every stage keeps prefixes). Asked of every stage once siblings prefilling the
+        same prefix are done (at most ``wait_s``), then announced down the chain (``send`` to the first
+        stage) ahead of the first chunk. ``allowed`` False (a stage missed before): nothing reused."""
+        if not self.enabled:
+            return 0, False
+        await self.after_siblings(request_id, ids, wait_s)
+        self.prefilling(request_id, ids)  # before the probe: a sibling arriving now waits for us
+        reuse, speaks = await self.reusable(route, ids)
+        if not reuse or not allowed:
+            return 0, speaks
+        await send(route.stages[0].node_id, ReusePrefix(
+            request_id, route.plan_version, seq, torch.tensor(ids[:reuse], dtype=torch.long), capacity, reply_to))
+        self.reused(reuse)
+        return reuse, speaks
 
     async def reusable(self, route: Route, ids: Sequence[int]) -> tuple[int, bool]:
         """(positions of ``ids`` every stage of ``route`` holds — 0 below MIN_REUSE —, whether every stage

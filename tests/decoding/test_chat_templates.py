@@ -87,3 +87,15 @@ def test_the_pulled_1_5b_template_is_the_0_5b_one_once_repaired():
         pytest.skip("needs both Qwen2.5-Coder models pulled (meshd model pull NAME)")
     big = open_model("qwen2.5-coder-1.5b-instruct").tokenizer.meta.chat_template
     assert big == open_model(TOOL_MODEL).tokenizer.meta.chat_template
+
+
+@pytest.mark.parametrize("model", ["embedded", pytest.param("tool", marks=pytest.mark.slow)])
+def test_each_request_of_a_conversation_renders_as_a_token_prefix_of_the_next(model, real_source):
+    """What the prefix cache relies on: Home Assistant's request after a tool result or a new user
+    turn starts with the previous request's tokens, so it reuses all of them (docs/prefix-cache.md)."""
+    tok = real_source.tokenizer if model == "embedded" else _tool_model_tokenizer()
+    tools = TOOLS if model == "tool" else None
+    sends = [i + 1 for i, m in enumerate(CONVERSATION) if m["role"] in ("user", "tool")]
+    prompts = [tok.apply_chat(CONVERSATION[:i], tools=tools) for i in sends]
+    for before, after in zip(prompts, prompts[1:]):
+        assert after[:len(before)] == before

@@ -17,7 +17,7 @@ import pytest
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import MeshdClient
-from tests.support.clients import sdk
+from tests.support.clients import metrics, ollama_client, sdk
 from tests.support.daemons import StreamInBackground, both_ready, plan_nodes, HALF_THE_MODEL, Mesh, summary
 from tests.support.waiting import wait_until
 
@@ -315,3 +315,42 @@ def test_metrics_show_the_round_trip_and_the_activation_bytes_to_the_other_daemo
     by_id = {a.node_id(): a, b.node_id(): b}
     assert _link_samples(by_id[first])["meshd_link_activation_bytes_sent_total"][second] > 0
     assert by_id[first].status()["links"][second]["bytes_sent"] > 0
+
+
+def test_a_home_assistant_turn_reuses_its_system_prompt_and_answers_as_one_device(home, real_source, served_stage):
+    """Home Assistant resends one long system prompt with every request: the second request of a
+    conversation (over the openai SDK) and the third (over the ollama client) compute only what is
+    new, report it as OpenAI's ``cached_tokens`` and Ollama's ``prompt_eval_count``, and answer
+    exactly as one device does."""
+    _, a, b, _ = home
+    tok = real_source.tokenizer
+    system = ("You are a voice assistant for Home Assistant. Answer in one short sentence. Exposed entities: "
+              + " ".join(f"Light {i} is in room {i % 7}." for i in range(60)))
+    turn = [{"role": "system", "content": system}, {"role": "user", "content": "Turn on light 3."}]
+
+    def reference(messages, n=12) -> str:
+        return generate(LocalPipeline([served_stage]), tok.apply_chat(messages), n, eos_ids=tok.eos_ids,
+                        tokenizer=tok).text
+
+    client = sdk(a.socket, timeout=240)
+    first = client.chat.completions.create(model="meshd", messages=turn, max_tokens=12, temperature=0)
+    assert first.choices[0].message.content == reference(turn)
+    turn += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And light 4?"}]
+    second = client.chat.completions.create(model="meshd", messages=turn, max_tokens=12, temperature=0)
+    assert second.choices[0].message.content == reference(turn)
+    system_tokens = len(tok.apply_chat(turn[:1], add_generation_prompt=False))
+    assert second.usage.prompt_tokens_details.cached_tokens >= system_tokens
+
+    turn += [{"role": "assistant", "content": second.choices[0].message.content},
+             {"role": "user", "content": "Thanks."}]
+    parts = list(ollama_client(a.socket).chat(model="meshd", messages=turn, stream=True,
+                                             options={"temperature": 0, "num_predict": 12}))
+    assert "".join(p.message.content or "" for p in parts) == reference(turn)
+    prompt_tokens = len(tok.apply_chat(turn))
+    assert 0 < parts[-1].prompt_eval_count < prompt_tokens - system_tokens  # only the new tokens evaluated
+
+    status = a.status()["stage"]["prefix_cache"]
+    assert status["requests"]["hits"] >= 2 and status["entries"] >= 1
+    assert metrics(a.socket)["meshd_prefix_cache_hits_total"][()] >= 2
+    wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every running sequence freed")
