@@ -52,6 +52,7 @@ async def test_schema_constrained_answers_match_the_local_engine_and_parse(real_
             if got[-1] in eos:  # finished inside the budget: it must be a valid object
                 obj = json.loads(tok.decode([t for t in got if t not in eos]))
                 assert set(obj) == {"room", "on"}
+        assert mesh.coord.prefixes.totals.hits == 2  # seeds 2 and 3 started on the cached prompt
 
 
 async def test_tool_calls_through_the_mesh_match_the_local_engine_and_parse(real_source, local):

@@ -16,6 +16,11 @@ from meshd.pipeline.slot import StepsRequest
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
 SYSTEM = [(7 * i + 3) % 200 + 2 for i in range(180)]  # a long shared "system prompt"
 
 
@@ -136,3 +141,33 @@ async def test_a_client_hanging_up_mid_prefill_leaves_no_entry_behind(tiny):
         assert await eventually(lambda: all(svc.sequences() == [] and svc.kv.reserved_tokens == 0
                                             for svc in mesh.services))
         assert all(svc.scheduler.prefix.status()["entries"] == 0 for svc in mesh.services)
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory):
+    """The tiny model with room for 2,000-token prompts."""
+    from tests.support.models import build_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-long")
+    build_tiny_checkpoint(path, "llama", max_position_embeddings=2304)
+    return open_model(path)
+
+
+async def test_a_thousand_distinct_2000_token_prompts_stay_within_every_stages_budget_and_keep_serving(tiny_long):
+    budget = 12_000
+    async with Mesh(tiny_long, 2, max_kv_tokens=budget) as mesh:
+        for i in range(1000):
+            if i == 100:
+                rss_at_100 = rss_mb()
+            prompt = [2 + i % 200, 2 + (i // 200) % 200] + [(i * 13 + k) % 200 + 2 for k in range(1998)]
+            got, cached = await steps(mesh, prompt, 1, rid=f"p{i}", chunks=1)
+            assert len(got) == 1 and cached == 0
+            for svc in mesh.services:
+                assert svc.kv.reserved_tokens <= budget
+                assert svc.scheduler.prefix.held_tokens() <= budget // 2
+        # what 1,000 leaked entries would hold: 3 GB; the cache's share of both budgets: 9 MB
+        assert rss_mb() - rss_at_100 < 64
+        for svc in mesh.services:
+            status = svc.scheduler.prefix.status()
+            assert status["evictions"] >= 990 and status["entries"] <= 3
+        assert await eventually(lambda: all(svc.sequences() == [] for svc in mesh.services))

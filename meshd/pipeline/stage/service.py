@@ -232,15 +232,14 @@ class StageService:
         return Ack(self.serving_version)
 
     async def _keep(self, msg: CacheSequence) -> None:
-        """Keep a finished request's KV as a cached prefix: its spare room given back (a copy, in the
-        compute thread), then the cache held within its share of the budget."""
+        """Keep a finished request's KV as a cached prefix: the cache held within its share of the
+        budget, then the entry's spare room given back (a copy, in the compute thread)."""
         if self.route is None or msg.plan_version != self.route.plan_version or not self.scheduler.keep(msg.seq_id):
             self.scheduler.free(msg.seq_id, "freed")
             return
-        kv = self.kv
+        self.scheduler.enforce_share()  # at once, counting the new entry at its untrimmed size
         if self.scheduler.prefix.is_entry(msg.seq_id):
-            await self.worker.in_compute(kv.trim, msg.seq_id)
-        self.scheduler.enforce_share()
+            await self.worker.in_compute(self.kv.trim, msg.seq_id)
 
     async def handle_batch(self, msgs: list, reqs: list) -> list:
         """Everything queued at once: forwards of different sequences share one pass (see
