@@ -11,8 +11,9 @@ the request is prefilled in full on a fresh sequence — never a silent mismatch
 
 Two requests that share a long prefix and arrive together (two people asking
 at once, Home Assistant's parallel agents) would both compute it. So a request
-whose prompt shares at least ``MIN_SHARED`` tokens with one still prefilling
-here waits for that prefill (bounded), then forks from it.
+whose prompt shares at least ``MIN_SHARED`` more tokens than the stages hold
+with one that started prefilling here before it waits for that prefill
+(bounded), then asks again and forks from it.
 """
 
 from __future__ import annotations
@@ -84,9 +85,10 @@ class PrefixReuse:
         stage) ahead of the first chunk. ``allowed`` False (a stage missed before): nothing reused."""
         if not self.enabled:
             return 0, False
-        await self.after_siblings(request_id, ids, wait_s)
-        self.prefilling(request_id, ids)  # before the probe: a sibling arriving now waits for us
+        self.prefilling(request_id, ids)  # a request arriving after us may wait for our prefill
         reuse, speaks = await self.reusable(route, ids)
+        if await self.after_siblings(request_id, ids, reuse, wait_s):
+            reuse, speaks = await self.reusable(route, ids, count=False)
         if not reuse or not allowed:
             return 0, speaks
         await send(route.stages[0].node_id, ReusePrefix(
@@ -94,9 +96,10 @@ class PrefixReuse:
         self.reused(reuse)
         return reuse, speaks
 
-    async def reusable(self, route: Route, ids: Sequence[int]) -> tuple[int, bool]:
+    async def reusable(self, route: Route, ids: Sequence[int], count: bool = True) -> tuple[int, bool]:
         """(positions of ``ids`` every stage of ``route`` holds — 0 below MIN_REUSE —, whether every stage
-        keeps prefixes at all). A stage that does not answer counts as holding nothing."""
+        keeps prefixes at all). A stage that does not answer counts as holding nothing. ``count``: a
+        request's first question (the second, after waiting for a sibling, is not another request)."""
         if not self.enabled or len(ids) <= MIN_REUSE:
             return 0, self.enabled
         probe = PrefixProbe(route.plan_version, torch.tensor(list(ids), dtype=torch.long))
@@ -115,8 +118,9 @@ class PrefixReuse:
         speaks = all(a is not None for a in answers)
         n = min((a or 0) for a in answers)
         n = min(n, len(ids) - 1)
-        self.totals.requests += 1
-        self.totals.prompt_tokens += len(ids)
+        if count:
+            self.totals.requests += 1
+            self.totals.prompt_tokens += len(ids)
         if n < MIN_REUSE:
             return 0, speaks
         return n, speaks
@@ -130,20 +134,25 @@ class PrefixReuse:
         self.totals.misses += 1
 
     # -- siblings prefilling at once ---------------------------------------------------------------
-    async def after_siblings(self, request_id: RequestId, ids: Sequence[int], wait_s: float) -> None:
-        """Wait (at most ``wait_s``) for requests prefilling a long prefix of ``ids`` here."""
-        if not self.enabled:
-            return
-        events = [ev for rid, (other, ev) in self._prefilling.items()
-                  if rid != request_id and common_prefix(other, ids) >= MIN_SHARED]
+    async def after_siblings(self, request_id: RequestId, ids: Sequence[int], held: int, wait_s: float) -> bool:
+        """Wait (at most ``wait_s``) for requests that announced their prefill before ours and share at
+        least ``MIN_SHARED`` more of ``ids`` than the stages hold (``held``). True: we waited (ask again).
+        Only earlier ones: two requests arriving together never wait for each other."""
+        events = []
+        for rid, (other, ev) in self._prefilling.items():
+            if rid == request_id:
+                break
+            if common_prefix(other, ids) >= held + MIN_SHARED:
+                events.append(ev)
         if not events:
-            return
+            return False
         self.totals.waits += 1
         try:
             async with asyncio.timeout(wait_s):
                 await asyncio.gather(*(ev.wait() for ev in events))
         except TimeoutError:
             log.info("prefix_sibling_wait_expired", request_id=request_id, waited_s=wait_s)
+        return True
 
     def prefilling(self, request_id: RequestId, ids: Sequence[int]) -> asyncio.Event:
         """Announce a prefill of ``ids``; set the returned event once its prompt is computed (or it ends)."""
