@@ -10,7 +10,8 @@ Setup: 2 devices, each a real ``meshd join`` daemon (loopback, ``--port 0``, pai
 invite token) pinned to its own core with one torch thread (``sched_setaffinity`` in the child,
 ``OMP_NUM_THREADS=1``), a memory budget that makes the plan split the model between them
 (checked: the plan must have 2 stages, loaded and unchanged for a few seconds, before anything
-is measured); the embedded SmolLM2-135M unless ``--model``. Requests go over loopback TCP
+is measured); the embedded SmolLM2-135M unless ``--model``, in the daemons' numeric mode
+(``--weights``: theirs, packed on a CPU; float32 with ``--quick``). Requests go over loopback TCP
 (``--api-listen``) to the first daemon, which coordinates.
 
 Conversations (bench/ha_home.py: 71 entities in 13 areas, the 16 Assist tools, its commands
@@ -35,14 +36,17 @@ many token ids as that request prefilled, sharing no prefix with anything cached
 ``/v1/completions`` (max_tokens 1): the median TTFT of those, i.e. what prefilling only the new
 tokens costs. Targets (the issue): warm median TTFT <= 0.15x cold and <= 1.2x new-token prefill.
 
-Parity: the same conversations, same order, on a fresh 2-device home started with
-``--prefix-cache-share 0`` (cache off); every answer (text and tool calls) must be equal.
+Parity: the same conversations (the first ``--parity-conversations``; all but with ``--quick``), same
+order, on a fresh 2-device home started with ``--prefix-cache-share 0`` (cache off; started beside the
+first home, on the same two cores, and idle until the first home is done and stopped); every answer
+(text and tool calls) must be equal.
 
-    .venv/bin/python bench/home_assistant.py [--quick] [--json] [--model NAME_OR_PATH]
-        [--conversations N] [--max-tokens N] [--probes N] [--no-parity] [--memory-budget-mb N]
+    .venv/bin/python bench/home_assistant.py [--quick] [--json] [--model NAME_OR_PATH] [--weights MODE]
+        [--conversations N] [--max-tokens N] [--probes N] [--no-parity] [--parity-conversations N]
+        [--memory-budget-mb N]
 
-``--quick``: 10 conversations (20 requests), max_tokens 32, 8 probes: within 5 minutes on an idle
-2-core machine with the embedded model.
+``--quick``: 10 conversations (20 requests), max_tokens 32, 8 probes, float32 weights, parity on the
+first 5 conversations: for 5 minutes on an idle 2-core machine with the embedded model.
 """
 
 from __future__ import annotations
@@ -379,22 +383,30 @@ def _find_keys(obj, words: tuple[str, ...], path: str = "") -> dict:
     return found
 
 
-def start_home(root: Path, label: str, model: str, budget_mb: int, cores: list[int], extra: list[str],
-               spawned: list[Daemon], timeout_s: float) -> Home:
-    """Two daemons (``--new-home``, then ``--token``), each on its own core; waits for a 2-stage plan."""
+def start_homes(root: Path, extras: dict[str, list[str]], daemon_args: list[str], cores: list[int],
+                spawned: list[Daemon], timeout_s: float) -> list[Home]:
+    """One 2-device home per label in ``extras`` (its extra daemon flags), started side by side: in
+    each, daemon a (``--new-home``, core 0) and daemon b (``--token``, core 1); waits until each home
+    has a plan of 2 stages, loaded and stable."""
     t = time.monotonic()
-    args = ["--model", model, "--memory-budget-mb", str(budget_mb), "--self-profile", "off", *extra]
-    a = Daemon(root / label, f"{label}-a", cores[0], args)
-    b = Daemon(root / label, f"{label}-b", cores[1 % len(cores)], args)
-    spawned += [a, b]
-    a.start(["--new-home", f"ha-{label}"], api=True)
-    wait_for(f"{a.name} to serve its API", a.status, timeout_s, [a])
-    b.start(["--token", invite(a)])
-    st = wait_for(f"a plan over {a.name} and {b.name} (2 stages, loaded, stable {PLAN_STABLE_S:.0f} s)",
-                  PlanWatch([a, b]), max(30.0, timeout_s - (time.monotonic() - t)), [a, b])
-    home = Home(label, [a, b], st["plan"], time.monotonic() - t)
-    wait_for(f"{a.name}'s TCP API", lambda: _tcp_health(a.api_port), 30, [a, b])
-    return home
+    pairs = []
+    for label, extra in extras.items():
+        a = Daemon(root / label, f"{label}-a", cores[0], [*daemon_args, *extra])
+        b = Daemon(root / label, f"{label}-b", cores[1 % len(cores)], [*daemon_args, *extra])
+        spawned += [a, b]
+        a.start(["--new-home", f"ha-{label}"], api=True)
+        pairs.append((label, a, b))
+    for _, a, _ in pairs:
+        wait_for(f"{a.name} to serve its API", a.status, timeout_s, [a])
+    for _, a, b in pairs:
+        b.start(["--token", invite(a)])
+    homes = []
+    for label, a, b in pairs:
+        st = wait_for(f"a plan over {a.name} and {b.name} (2 stages, loaded, stable {PLAN_STABLE_S:.0f} s)",
+                      PlanWatch([a, b]), max(30.0, timeout_s - (time.monotonic() - t)), [a, b])
+        wait_for(f"{a.name}'s TCP API", lambda: _tcp_health(a.api_port), 30, [a, b])
+        homes.append(Home(label, [a, b], st["plan"], time.monotonic() - t))
+    return homes
 
 
 def _tcp_health(port: int) -> bool:
@@ -593,17 +605,18 @@ def resolve(name: str | None) -> Path:
     return Path(resolve_model(None if name in (None, "", EMBEDDED) else name)).resolve()
 
 
-def default_budget_mb(model: Path, num_layers: int) -> int:
+def default_budget_mb(model: Path, num_layers: int, weights: str) -> int:
     """A memory budget that makes the planner split the model in two: halfway between what the larger
     stage of the most even 2-way split needs and what the whole model needs (weights + KV for the plan's
-    longest prompt + workspace, by the shipped profile of this model, packed first, as the planner counts)."""
+    longest prompt + workspace), by the shipped profile of this model the planner takes for ``weights``
+    (that mode's, else float32's, else the first: ``meshd.plan.prefer_mode``)."""
     from meshd.plan import PLAN_MAX_SEQ, shipped_profiles
     from partition.layers import stage_memory_bytes
     from partition.profile import DeviceProfile
 
     same = [d for d in shipped_profiles()
             if str((d.get("model") or {}).get("identity", "")).split("@")[0] == model.name]
-    same.sort(key=lambda d: d.get("dtype") != "packed")
+    same.sort(key=lambda d: (d.get("dtype") != weights, d.get("dtype") != "float32"))
     if not same:
         raise SystemExit(f"no shipped profile of {model.name} to size a split budget: pass --memory-budget-mb "
                          "(between what half the model and what all of it needs)")
@@ -638,7 +651,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def parity_of(on: list[dict], off: list[dict]) -> tuple[bool, int, list[str]]:
-    """Request by request: the same text and the same tool calls (errors never match)."""
+    """Request by request over the ``off`` rows (the first conversations, when the parity home replayed
+    fewer): the same text and the same tool calls (errors never match)."""
     same, diffs = 0, []
     for a, b in zip(on, off):
         ok = not a["error"] and not b["error"] and a["text"] == b["text"] and \
@@ -647,7 +661,7 @@ def parity_of(on: list[dict], off: list[dict]) -> tuple[bool, int, list[str]]:
         if not ok:
             diffs.append(f"{a['conversation']}.{a['request']}: cache on {a['calls'] or a['text']!r} "
                          f"{a['error'] or ''} vs off {b['calls'] or b['text']!r} {b['error'] or ''}"[:300])
-    return same == len(on) == len(off), same, diffs
+    return same == len(off) > 0, same, diffs
 
 
 def summarize(on: list[dict], probes: list[dict], off: list[dict] | None) -> dict:
@@ -662,6 +676,9 @@ def summarize(on: list[dict], probes: list[dict], off: list[dict] | None) -> dic
         "new_tokens_prefill_s": new_tok,
         "warm_vs_cold": round(warm_med / cold_s, 4) if warm_med and cold_s else None,
         "warm_vs_new_tokens": round(warm_med / new_tok, 4) if warm_med and new_tok else None,
+        # the same comparison request by request: each probed warm request over its own fresh prompt
+        "warm_vs_new_tokens_paired_median": _med(r["ttft_s"] / r["probe_ttft_s"] for r in warm
+                                                 if r.get("probe_ttft_s") and r["ttft_s"] is not None),
         "cached_tokens_total": sum(r["cached"] or 0 for r in on),
         "warm_prefilled_median": _med(r["prefilled"] for r in warm),
         "warm_cached_median": _med(r["cached"] for r in warm),
@@ -675,7 +692,7 @@ def summarize(on: list[dict], probes: list[dict], off: list[dict] | None) -> dic
         and out["warm_vs_new_tokens"] <= NEW_TOKENS_TARGET}
     if off is not None:
         parity, same, diffs = parity_of(on, off)
-        out.update({"parity": parity, "parity_count": f"{same}/{len(on)}", "parity_diffs": diffs,
+        out.update({"parity": parity, "parity_count": f"{same}/{len(off)}", "parity_diffs": diffs,
                     "off_cold_ttft_s": off[0]["ttft_s"], "off_ttft_median_s": _med(r["ttft_s"] for r in off[1:]),
                     "off_cached_tokens_total": sum(r["cached"] or 0 for r in off),
                     "off_errors": sum(1 for r in off if r["error"])})
@@ -697,31 +714,40 @@ def run(args, root: Path, spawned: list[Daemon], t_begin: float) -> dict:
     prompting = Prompting("tools" if tok.supports_tools else "inline")
     sys_tokens = len(tok.apply_chat(prompting.template_messages(), add_generation_prompt=False,
                                     tools=prompting.tools()))
-    budget = args.memory_budget_mb or default_budget_mb(model, num_layers)
+    mode = args.weights if args.weights not in (None, "auto") else "packed"  # auto is packed on a CPU
+    budget = args.memory_budget_mb or default_budget_mb(model, num_layers, mode)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     convs = conversations(args.conversations)
     setup = {**machine_banner(), "devices": 2, "daemon_cores": cores[:2] if len(cores) > 1 else cores * 2,
              "pinning": "sched_setaffinity in each daemon (one core each), OMP_NUM_THREADS=1",
              "torch_threads_per_daemon": 1, "model": model.name, "memory_budget_mb": budget,
              "self_profile": "off (the shipped profile plans)", "tools_mode": prompting.mode,
+             "weights": args.weights or "the daemon's default (auto)",
              "conversations": len(convs), "requests": 2 * len(convs), "max_tokens": args.max_tokens,
              "decoding": "greedy (temperature 0, seed 0)", "apis": "alternating ollama (/api/chat, streamed) / "
              "openai (/v1/chat/completions, streamed + include_usage)", "prefix_cache_share": "default (0.5)",
-             "parity_home": "--prefix-cache-share 0" if args.parity else "skipped", "quick": args.quick}
+             "parity_home": f"--prefix-cache-share 0, the first {args.parity_conversations} conversations"
+             if args.parity else "skipped", "quick": args.quick}
     log(f"setup: 2 devices, each a meshd daemon pinned to its own core, 1 torch thread; "
         f"{'embedded model' if resolve(None) == model else 'model'} {model.name} (tools {prompting.mode}); "
-        f"memory budget {budget} MB each; {len(convs)} conversations x 2 requests, greedy, max_tokens "
-        f"{args.max_tokens}; machine {setup['cores']} cores ({setup['cpu']}), load {setup['load_avg_1m']:.2f}")
+        f"weights {args.weights or 'auto'}; memory budget {budget} MB each; {len(convs)} conversations x 2 "
+        f"requests, greedy, max_tokens {args.max_tokens}; machine {setup['cores']} cores ({setup['cpu']}), "
+        f"load {setup['load_avg_1m']:.2f}")
     log(f"system prompt + tools: {sys_tokens} tokens after {model.name}'s chat template "
         f"({'>= 2000: ok' if sys_tokens >= 2000 else 'UNDER 2000'})")
     if len(cores) < 2:
         log("note: fewer than 2 cores available: both daemons share one")
 
-    log("starting the home (prefix cache on) ...")
-    home = start_home(root, "on", str(model), budget, cores, [], spawned, args.start_timeout)
+    extras = {"on": [], **({"off": ["--prefix-cache-share", "0"]} if args.parity else {})}
+    log("starting the home (prefix cache on)" + (" and, beside it, the parity home (--prefix-cache-share 0; "
+                                                 "idle until its turn)" if args.parity else "") + " ...")
+    daemon_args = ["--model", str(model), "--memory-budget-mb", str(budget), "--self-profile", "off",
+                   *(["--weights", args.weights] if args.weights else [])]
+    homes = start_homes(root, extras, daemon_args, cores, spawned, args.start_timeout)
+    home = homes[0]
     setup["plan_on"] = home.layout()
-    setup["daemon_affinity"] = {d.name: d.affinity() for d in home.daemons}
-    log(f"home up in {home.up_s:.1f} s: plan v{home.plan.get('version')} {home.layout()} "
+    setup["daemon_affinity"] = {d.name: d.affinity() for h in homes for d in h.daemons}
+    log(f"up in {home.up_s:.1f} s: plan v{home.plan.get('version')} {home.layout()} "
         f"({home.plan.get('reason')}); affinity {setup['daemon_affinity']}")
     v0 = home.plan.get("version")
     on = replay(home, convs, prompting, args.max_tokens)
@@ -735,12 +761,13 @@ def run(args, root: Path, spawned: list[Daemon], t_begin: float) -> dict:
 
     off = None
     if args.parity:
-        log("starting the parity home (--prefix-cache-share 0) ...")
-        home_off = start_home(root, "off", str(model), budget, cores, ["--prefix-cache-share", "0"], spawned,
-                              args.start_timeout)
+        home_off = homes[1]
+        st = wait_for("the parity home's plan (2 stages, loaded, stable)", PlanWatch(home_off.daemons),
+                      args.start_timeout, home_off.daemons)
+        home_off.plan = st["plan"]
         setup["plan_off"] = home_off.layout()
-        log(f"home up in {home_off.up_s:.1f} s: plan v{home_off.plan.get('version')} {home_off.layout()}")
-        off = replay(home_off, convs, prompting, args.max_tokens)
+        log(f"parity home (--prefix-cache-share 0): plan v{home_off.plan.get('version')} {home_off.layout()}")
+        off = replay(home_off, convs[:args.parity_conversations], prompting, args.max_tokens)
         setup["prefix_cache_status_off"] = home_off.cache_status()
         stop_all(home_off.daemons)
 
@@ -767,6 +794,8 @@ def report(res: dict, on: list[dict]) -> None:
     for name, ok in res["targets"].items():
         value = res["warm_vs_cold"] if "cold" in name else res["warm_vs_new_tokens"]
         log(f"target {name}: {_f(value, '{:.3f}')}x {'PASS' if ok else 'FAIL'}")
+    log(f"warm / fresh TTFT request by request (probed ones), median: "
+        f"{_f(res['warm_vs_new_tokens_paired_median'], '{:.3f}')}x")
     log(f"parity with the cache off: {res['parity']} ({res['parity_count']})")
     for d in res.get("parity_diffs") or []:
         log(f"  differs {d}")
@@ -783,7 +812,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 48; --quick 32)")
     ap.add_argument("--probes", type=int, default=None,
                     help="new-token prefill probes, spread over the warm requests' sizes (default: all; --quick 8)")
+    ap.add_argument("--weights", default=None,
+                    help="the daemons' --weights (default: theirs, auto; --quick: float32, whose prefill is ~4x "
+                         "packed's on CPUs without AVX-512/AMX)")
     ap.add_argument("--no-parity", dest="parity", action="store_false", help="skip the cache-off home")
+    ap.add_argument("--parity-conversations", type=int, default=None,
+                    help="conversations the cache-off home replays, the first ones (default: all; --quick 5: its "
+                         "20 full prefills of ~3,300 tokens alone take ~4 min on a 2-core AVX2 VM)")
     ap.add_argument("--memory-budget-mb", type=int, default=0,
                     help="each daemon's budget (default: one that makes the planner split the model in two)")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a home to be up and planned")
@@ -791,6 +826,9 @@ def main() -> int:
     args = ap.parse_args()
     args.conversations = args.conversations or (10 if args.quick else 16)
     args.max_tokens = args.max_tokens or (32 if args.quick else 48)
+    args.weights = args.weights or ("float32" if args.quick else None)
+    args.parity_conversations = min(args.conversations, args.parity_conversations
+                                    or (5 if args.quick else args.conversations))
     args.probes = args.probes if args.probes is not None else (8 if args.quick else 2 * args.conversations)
 
     t_begin = time.monotonic()
