@@ -102,7 +102,8 @@ class PrefixReuse:
         request's first question (the second, after waiting for a sibling, is not another request)."""
         if not self.enabled or len(ids) <= MIN_REUSE:
             return 0, self.enabled
-        probe = PrefixProbe(route.plan_version, torch.tensor(list(ids), dtype=torch.long))
+        # the last token is computed whatever is held (its logits are the answer's first)
+        probe = PrefixProbe(route.plan_version, torch.tensor(list(ids[:-1]), dtype=torch.long))
 
         async def ask(node_id) -> int | None:
             try:

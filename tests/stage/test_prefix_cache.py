@@ -169,3 +169,24 @@ def test_a_thousand_distinct_long_prompts_keep_the_cache_within_its_budget():
         s.enforce_share()
         assert s.prefix.held_tokens() <= 8192
     assert s.prefix.stats.evictions >= 990 and s.sequences() == []
+
+
+class PackedTinyStage(TinyStage):
+    packing = "packed"  # an exact stage: rows computed in whole 64-position blocks or alone
+
+
+def test_an_exact_stage_shares_only_whole_blocks_a_cold_prompt_computes_the_same_way():
+    s = StageScheduler(StageStats(), max_kv_tokens=4096, idle_seq_timeout_s=60, prefix=PrefixCache(0.5))
+    s.reset(PackedTinyStage(), depth=1, key=KEY)
+    prompt = list(range(3000, 3150))  # 150 positions: blocks [0, 128) dense, 22 rows alone
+    prefill(s, "c/1", prompt[:128], last=False, capacity=300)
+    prefill(s, "c/1", prompt[128:], offset=128)
+    for t, pos in ((7, 150), (8, 151)):  # answer tokens fed one by one: alone, never shared
+        prefill(s, "c/1", [t], offset=pos)
+    assert s.probe(prompt + [7, 8, 9]) == 128
+    assert s.keep("c/1") and s.kv.length("c/1") == 128
+    with pytest.raises(StageError) as err:
+        reuse(s, "c/2", prompt[:100])  # not at a block boundary: a cold prompt computes it otherwise
+    assert err.value.code == "prefix_miss"
+    reuse(s, "c/3", prompt[:128])
+    assert s.kv.length("c/3") == 128

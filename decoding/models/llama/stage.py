@@ -20,6 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from decoding.attention import attention_tail, exact_attention, segmented_attention
+
+# A forked sequence's chunk of this many rows or more attends over its segments joined (one fused call);
+# fewer (a decode step) reads them in place (joining would copy the whole prefix for one row).
+JOIN_SEGMENTS_FROM_ROWS = 16
 from decoding.batch import BatchItem, RowPlan
 from decoding.config import ModelConfig
 from decoding.errors import ContextOverflow
@@ -205,7 +209,14 @@ class StageModel:
         nh, nkv = self.config.num_heads, self.config.num_kv_heads
         kv.write(seq_id, li, p.offset, k, v)
         segments = kv.segments(seq_id, li, p.offset + p.n)
-        if p.exact and len(segments) == 1 and not (p.probe_tail and probes is not None):
+        probing = p.probe_tail and probes is not None
+        if len(segments) > 1 and not probing and (p.exact or p.n >= JOIN_SEGMENTS_FROM_ROWS):
+            # A forked sequence (a cached prefix, an outline's prompt) read as one run of keys: an exact
+            # stage's rows then get the very bits an unforked sequence gets (a prefix cache must not
+            # change an answer), and a prefill chunk gets the fused kernel. The copy is one layer's
+            # keys and values, dwarfed by a chunk's attention over them.
+            segments = [(torch.cat([k for k, _ in segments], dim=1), torch.cat([v for _, v in segments], dim=1))]
+        if p.exact and len(segments) == 1 and not probing:
             return exact_attention(p, q, *segments[0], self.scale, nkv != nh)
         if p.exact and p.mask is None:  # a forked sequence (shared prefix): one chunk mask for its rows
             p = dataclasses.replace(p, mask=chunk_mask(p.past, p.n, q.device))

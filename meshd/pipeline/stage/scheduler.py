@@ -36,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from decoding.batch import EXACT_BLOCK
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.selector import TokenSelector
 from meshd.log import get_logger
@@ -74,6 +75,7 @@ class SeqSlot:
     tokens: list[int] | None = field(default_factory=list)  # the token id at each position (None: unknown)
     unverified_from: int | None = None  # a verify round's nodes from here on await the next commit
     indexed: int = 0  # positions shared with other requests while this one runs (its computed prompt)
+    dense_upto: int = 0  # exact stages: positions below this were computed in whole blocks, as a cold prompt's are
 
 
 def _rows(msg: StageForward) -> int:
@@ -93,6 +95,7 @@ class StageScheduler:
         self.max_batch_tokens = int(max_batch_tokens)
         self.idle_seq_timeout_s = idle_seq_timeout_s
         self._kv = None
+        self._block = 0
         self._key: CacheKey | None = None
         self._depth = 1  # stages in the plan served
         self._slots: dict[SeqKey, SeqSlot] = {}
@@ -121,6 +124,9 @@ class StageScheduler:
         else:
             self._kv = stage.new_cache(self.max_kv_tokens) if stage is not None else None
         self._key = key
+        # A packed stage computes a row in a whole block or alone, by its position (decoding.batch.RowPlan):
+        # only positions a cold prompt would compute the same way are shared, at block boundaries.
+        self._block = EXACT_BLOCK if stage is not None and getattr(stage, "packing", "") else 0
         self.prefix.adopt(self._kv, key)
         self._slots.clear()
         self._depth = depth
@@ -177,11 +183,15 @@ class StageScheduler:
         if slot.tokens is not None:
             slot.tokens.extend(int(t) for t in ids.tolist())
         slot.unverified_from = held if msg.verify else None
+        b = self._block
+        if b and not msg.verify and msg.tree_mask is None and held == slot.dense_upto and held % b == 0:
+            slot.dense_upto = (held + rows) // b * b
 
     def _rolled_back(self, slot: SeqSlot, length: int) -> None:
         """Positions from ``length`` on are gone or moved: token ids and sharing follow."""
         if slot.tokens is not None:
             del slot.tokens[length:]
+        slot.dense_upto = min(slot.dense_upto, length)
         if slot.indexed > length:
             self.prefix.forget(slot.seq)
             slot.indexed = 0
@@ -217,7 +227,10 @@ class StageScheduler:
         """``child`` reads ``parent``'s first ``prefix_length`` positions in place."""
         self._kv.fork(parent, child, prefix_length)
         tokens = self._tokens_of(parent)
-        self._slot(child).tokens = list(tokens[:prefix_length]) if tokens is not None else None
+        slot = self._slot(child)
+        slot.tokens = list(tokens[:prefix_length]) if tokens is not None else None
+        parent_slot = self._slots.get(parent)
+        slot.dense_upto = min(parent_slot.dense_upto if parent_slot is not None else 0, prefix_length)
 
     def _tokens_of(self, seq: SeqKey) -> list[int] | tuple[int, ...] | None:
         slot = self._slots.get(seq)
@@ -227,8 +240,16 @@ class StageScheduler:
 
     # -- the prefix cache -------------------------------------------------------------------------
     def probe(self, ids: list[int]) -> int:
-        """How many leading ``ids`` this stage holds (0 while it serves no layers)."""
-        return self.prefix.probe(ids) if self._kv is not None else 0
+        """How many leading ``ids`` this stage holds (0 while it serves no layers); an exact stage
+        answers at a block boundary."""
+        if self._kv is None:
+            return 0
+        n = self.prefix.probe(ids)
+        return n // self._block * self._block if self._block else n
+
+    def _shared(self, slot: SeqSlot, n: int) -> list[int]:
+        """The token ids of ``slot``'s first ``n`` positions other requests may start on."""
+        return slot.tokens[:min(n, slot.dense_upto)] if self._block else slot.tokens[:n]
 
     def reuse(self, msg: ReusePrefix) -> None:
         """Start ``msg.seq_id`` on the held KV of its prefix (a ``prefix_miss`` if it is gone)."""
@@ -239,7 +260,7 @@ class StageScheduler:
         if seq in kv:
             raise StageError("bad_input", f"sequence {seq} already exists here: a prefix starts a sequence")
         ids = [int(t) for t in ids.tolist()]
-        holder = self.prefix.holder(ids)
+        holder = self.prefix.holder(ids) if not self._block or len(ids) % self._block == 0 else None
         if holder is None:
             raise StageError("prefix_miss", f"this stage no longer holds the {len(ids)}-token prefix "
                                             f"(evicted, or a new plan)")
@@ -248,14 +269,16 @@ class StageScheduler:
         kv.fork(holder, seq, len(ids), capacity=capacity)
         slot = self._slot(seq)
         slot.tokens = ids
+        slot.dense_upto = len(ids)
         self.prefix.reused(len(ids))
 
     def prompt_done(self, slot: SeqSlot) -> None:
         """A pass wrote the sequence's last prompt chunk: share its prompt while it decodes."""
         if slot.indexed or slot.tokens is None or slot.state is SeqState.FINISHED or slot.unverified_from is not None:
             return
-        self.prefix.index_live(slot.seq, slot.tokens)
-        slot.indexed = len(slot.tokens)
+        shared = self._shared(slot, len(slot.tokens))
+        self.prefix.index_live(slot.seq, shared)
+        slot.indexed = len(shared)
 
     def keep(self, seq: SeqKey) -> bool:
         """The request of ``seq`` ended: keep its verified positions as a cached prefix (tombstoning the
@@ -266,17 +289,18 @@ class StageScheduler:
             self.free(seq, "freed")
             return False
         n = len(slot.tokens) if slot.unverified_from is None else min(slot.unverified_from, len(slot.tokens))
-        if n == 0 or self.prefix.covered(slot.tokens[:n]):  # another entry holds all of it already
+        shared = self._shared(slot, n)
+        if not shared or self.prefix.covered(shared):  # another entry holds all of it already
             self.free(seq, "freed")
             return False
         try:
-            kv.truncate(seq, n)
+            kv.truncate(seq, len(shared))  # what no later request may start on is given back
         except Exception:  # noqa: BLE001 - a child still reads past n: keep nothing rather than guess
             self.free(seq, "freed")
             return False
         self._tombstone(seq)
         del self._slots[seq]
-        self.prefix.keep(seq, slot.tokens[:n])
+        self.prefix.keep(seq, shared)
         return True
 
     def enforce_share(self) -> None:
