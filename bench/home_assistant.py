@@ -30,11 +30,14 @@ TTFT is the coordinator's own (``request_done ttft_s`` in its log, matched by ``
 the request entering the engine to its first token) because Ollama's stream holds back text
 that may be a tool call, so its first line can come at the end of the answer; the client's
 time to the first streamed chunk is printed beside it. The run's first request (nothing
-cached) is the cold one; all later ones are warm. ``new_tokens_prefill_s``: for each warm
-request (at most ``--probes`` of them, spread over their sizes), a fresh prompt of exactly as
-many token ids as that request prefilled, sharing no prefix with anything cached, through
-``/v1/completions`` (max_tokens 1): the median TTFT of those, i.e. what prefilling only the new
-tokens costs. Targets (the issue): warm median TTFT <= 0.15x cold and <= 1.2x new-token prefill.
+cached) is the cold one; all later ones are warm. ``new_tokens_prefill_s``: what prefilling only
+a warm request's new tokens costs with nothing in the way — each stage of the plan, in its own
+process on its daemon's core with one thread and the daemons' numeric mode, times the forward of
+those tokens after as many held positions as the request reused; summed over the stages (one
+chunk crosses them in turn); the median over the warm requests. A warm request's TTFT over it is
+what the cache's machinery (probe, fork, hops, the API) adds. Beside it, ``fresh_prompt_prefill_s``:
+a fresh prompt of as many tokens, sharing no prefix with anything cached (``--probes`` of them,
+through ``/v1/completions``): cheaper, as it attends to no context. Targets (the issue): warm median TTFT <= 0.15x cold and <= 1.2x new-token prefill.
 
 Parity: the same conversations (the first ``--parity-conversations``; all but with ``--quick``), same
 order, on a fresh 2-device home started with ``--prefix-cache-share 0`` (cache off; started beside the
@@ -596,6 +599,89 @@ def probe_new_tokens(home: Home, rows: list[dict], tok, max_probes: int) -> list
     return probes
 
 
+def _stage_forward_times(model: str, weights: str, layers: tuple[int, int], core: int,
+                         cases: list[tuple[int, int]], out) -> None:
+    """(child process) One stage of the plan on its own core, one thread, in the daemons' numeric mode:
+    for each (cached, new) case, the forward of ``new`` rows after ``cached`` held positions (best of 2)."""
+    import torch
+
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    from decoding.device import resolve_weights
+    from decoding.loader import open_model
+
+    src = open_model(model)
+    dtype, packed = resolve_weights(weights, torch.device("cpu"))
+    stage = src.load_stage(layers[0], layers[1], dtype, packed=packed)
+    longest = max(c + n for c, n in cases)
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(n):
+        if stage.is_first:
+            return torch.randint(100, 20000, (n,), generator=gen)
+        return torch.randn(n, src.config.hidden_size, generator=gen)
+
+    kv = stage.new_cache(longest + 64)
+    kv.create("s", longest + 64)
+    with torch.inference_mode():
+        stage.forward(kv, "s", rows(max(c for c, _ in cases)), all_logits=False, head=False)
+        times = []
+        for cached, new in cases:
+            best = None
+            for _ in range(2):
+                kv.truncate("s", cached)
+                t = time.perf_counter()
+                stage.forward(kv, "s", rows(new), all_logits=False, head=stage.is_last)
+                best = min(best or 1e9, time.perf_counter() - t)
+            times.append(best)
+    out.put((layers, times))
+
+
+def in_context_prefill(model: Path, weights: str, plan: dict, cores: list[int], rows: list[dict]) -> list[float]:
+    """What prefilling only a warm request's new tokens costs on this plan with nothing in the way: each
+    stage's forward of those rows after the cached positions (its own layers, its own core, one thread, the
+    daemons' mode), summed over the stages (one chunk crosses them in turn). The warm request's TTFT over
+    this is what the cache's machinery (probe, fork, hops, the API) adds."""
+    import multiprocessing as mp
+
+    cases = [(r["cached"], r["prefilled"]) for r in rows]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    stages = [tuple(st["layers"]) for st in plan.get("stages", [])]
+    procs = [ctx.Process(target=_stage_forward_times, args=(str(model), weights, lay, cores[i % len(cores)],
+                                                             cases, q)) for i, lay in enumerate(stages)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return [round(sum(times[i] for _, times in results), 4) for i in range(len(cases))]
+
+
+def llama_cpp_anchor(model: Path, convs: list[Conversation], prompting: Prompting, max_tokens: int,
+                     core: int) -> dict:
+    """The same conversations through llama.cpp's server on one core, one thread (the bar: what a home
+    gets from its best device alone). Its slot keeps the last prompt (``cache_prompt``), so it too
+    prefills only a warm request's new tokens."""
+    from bench.llama_server import LlamaServer
+
+    if not LlamaServer.available():
+        return {"llama_cpp": "not built (bench/build_llama_cpp.sh)"}
+    rows = []
+    with LlamaServer(model, core=core) as srv:
+        for conv in convs:
+            for step in (1, 2):
+                shaped = Conversation(conv.index, conv.cmd, "openai")  # llama-server speaks OpenAI's shapes
+                r = srv.chat(prompting.messages(shaped, step), prompting.tools(), max_tokens)
+                rows.append({"conversation": conv.index + 1, "request": step, "ttft_s": round(r.ttft_s, 4),
+                             "prompt_tokens": r.prompt_tokens, "evaluated": r.evaluated, "cached": r.cached})
+                log(f"  [llama.cpp] {conv.index + 1:2d}.{step} prompt {r.prompt_tokens} cached {r.cached} "
+                    f"ttft {r.ttft_s:.3f} s")
+    return {"llama_cpp_cold_ttft_s": rows[0]["ttft_s"], "llama_cpp_warm_ttft_median_s": _med(r["ttft_s"] for r in rows[1:]),
+            "llama_cpp_setup": f"llama-server (bench/build_llama_cpp.sh), 1 thread pinned to core {core}, "
+                               "cache_prompt on, one slot, the same GGUF", "llama_cpp_rows": rows}
+
+
 # --------------------------------------------------------------------------- model, budget, summary
 
 
@@ -668,7 +754,10 @@ def summarize(on: list[dict], probes: list[dict], off: list[dict] | None) -> dic
     cold = on[0]
     warm = [r for r in on[1:] if not r["error"]]
     warm_med = _med(r["ttft_s"] for r in warm)
-    new_tok = _med(p["ttft_s"] for p in probes if not p["error"])
+    # prefilling only the new tokens: each stage's forward of them after the cached positions (no probe,
+    # fork, hop or API); a fresh prompt of as many tokens (no context to attend to) is shown beside it
+    new_tok = _med(r.get("in_context_prefill_s") for r in warm)
+    fresh = _med(p["ttft_s"] for p in probes if not p["error"])
     cold_s = cold["ttft_s"] if not cold["error"] else None
     out = {
         "cold_ttft_s": cold_s,
@@ -676,9 +765,12 @@ def summarize(on: list[dict], probes: list[dict], off: list[dict] | None) -> dic
         "new_tokens_prefill_s": new_tok,
         "warm_vs_cold": round(warm_med / cold_s, 4) if warm_med and cold_s else None,
         "warm_vs_new_tokens": round(warm_med / new_tok, 4) if warm_med and new_tok else None,
-        # the same comparison request by request: each probed warm request over its own fresh prompt
-        "warm_vs_new_tokens_paired_median": _med(r["ttft_s"] / r["probe_ttft_s"] for r in warm
-                                                 if r.get("probe_ttft_s") and r["ttft_s"] is not None),
+        # the same comparison request by request: each warm request over its own in-context prefill
+        "warm_vs_new_tokens_paired_median": _med(r["ttft_s"] / r["in_context_prefill_s"] for r in warm
+                                                 if r.get("in_context_prefill_s") and r["ttft_s"] is not None),
+        "fresh_prompt_prefill_s": fresh,
+        "warm_vs_fresh_prompt_paired_median": _med(r["ttft_s"] / r["probe_ttft_s"] for r in warm
+                                                   if r.get("probe_ttft_s") and r["ttft_s"] is not None),
         "cached_tokens_total": sum(r["cached"] or 0 for r in on),
         "warm_prefilled_median": _med(r["prefilled"] for r in warm),
         "warm_cached_median": _med(r["cached"] for r in warm),
@@ -771,7 +863,15 @@ def run(args, root: Path, spawned: list[Daemon], t_begin: float) -> dict:
         setup["prefix_cache_status_off"] = home_off.cache_status()
         stop_all(home_off.daemons)
 
+    warm_rows = [r for r in on[1:] if not r["error"] and r["prefilled"]]
+    log(f"in-context prefill: each stage's forward of every warm request's new tokens after its cached "
+        f"positions ({len(warm_rows)} requests; plan {home.layout()}, {mode}) ...")
+    for r, t in zip(warm_rows, in_context_prefill(model, mode, home.plan, setup["daemon_cores"], warm_rows)):
+        r["in_context_prefill_s"] = t
     summary = summarize(on, probes, off)
+    if args.llama_cpp:
+        log("llama.cpp anchor: the same conversations through llama-server on one core ...")
+        summary.update(llama_cpp_anchor(model, convs, prompting, args.max_tokens, setup["daemon_cores"][0]))
     result = {"bench": "home_assistant", "model": model.name, "system_prompt_tokens": sys_tokens,
               "requests": len(on), **summary, "setup": setup, "rows": on, "probes": probes,
               "rows_off": off, "plan_changed_during_run": v1 != v0,
@@ -794,9 +894,15 @@ def report(res: dict, on: list[dict]) -> None:
     for name, ok in res["targets"].items():
         value = res["warm_vs_cold"] if "cold" in name else res["warm_vs_new_tokens"]
         log(f"target {name}: {_f(value, '{:.3f}')}x {'PASS' if ok else 'FAIL'}")
-    log(f"warm / fresh TTFT request by request (probed ones), median: "
-        f"{_f(res['warm_vs_new_tokens_paired_median'], '{:.3f}')}x")
+    log(f"warm TTFT / in-context prefill of its new tokens, request by request, median: "
+        f"{_f(res['warm_vs_new_tokens_paired_median'], '{:.3f}')}x; fresh prompt of as many tokens (no context): "
+        f"{_f(res['fresh_prompt_prefill_s'])} s, warm / fresh paired median "
+        f"{_f(res['warm_vs_fresh_prompt_paired_median'], '{:.3f}')}x")
     log(f"parity with the cache off: {res['parity']} ({res['parity_count']})")
+    if res.get("llama_cpp_cold_ttft_s") is not None:
+        log(f"llama.cpp, one core: cold TTFT {_f(res['llama_cpp_cold_ttft_s'])} s, warm median "
+            f"{_f(res['llama_cpp_warm_ttft_median_s'])} s (meshd 2 devices: {_f(res['cold_ttft_s'])} s, "
+            f"{_f(res['warm_ttft_median_s'])} s)")
     for d in res.get("parity_diffs") or []:
         log(f"  differs {d}")
     log(f"total {res['seconds']:.0f} s")
@@ -816,6 +922,8 @@ def main() -> int:
                     help="the daemons' --weights (default: theirs, auto; --quick: float32, whose prefill is ~4x "
                          "packed's on CPUs without AVX-512/AMX)")
     ap.add_argument("--no-parity", dest="parity", action="store_false", help="skip the cache-off home")
+    ap.add_argument("--llama-cpp", action="store_true", help="also replay the conversations through llama.cpp's "
+                    "server on one core (the anchor; needs bench/build_llama_cpp.sh's cached build)")
     ap.add_argument("--parity-conversations", type=int, default=None,
                     help="conversations the cache-off home replays, the first ones (default: all; --quick 5: its "
                          "20 full prefills of ~3,300 tokens alone take ~4 min on a 2-core AVX2 VM)")
