@@ -77,6 +77,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import finish, machine_banner  # noqa: E402
 from bench.ha_home import COMMANDS, HOME, TOOLS, Command, system_prompt  # noqa: E402
+from bench.soak import invite, stop_all  # noqa: E402 - the soak's daemon handling: stop by pid, invite
 
 EMBEDDED = "smollm2-135m-instruct"  # the embedded default model, by a name (the daemon takes its path)
 MODEL_NAME = "meshd"  # the API's name for "whatever this home serves"
@@ -271,35 +272,6 @@ class Daemon:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
-
-
-def stop_all(daemons: list[Daemon], deadline_s: float = 20.0) -> list:
-    """SIGTERM every daemon (by its process id), SIGKILL what still runs after ``deadline_s``."""
-    for d in daemons:
-        if d.alive():
-            with contextlib.suppress(OSError):
-                d.proc.send_signal(signal.SIGTERM)
-    end, codes = time.monotonic() + deadline_s, []
-    for d in daemons:
-        if d.proc is None:
-            codes.append(None)
-            continue
-        try:
-            codes.append(d.proc.wait(max(0.1, end - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            d.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                d.proc.wait(10)
-            codes.append("SIGKILL")
-    return codes
-
-
-def invite(member: Daemon) -> str:
-    out = subprocess.run([sys.executable, "-m", "meshd", "invite", "--state-dir", str(member.state), "--json"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
-    if out.returncode != 0:
-        raise RuntimeError(f"meshd invite failed: {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["token"]
 
 
 def wait_for(what: str, cond, timeout: float, daemons: list[Daemon], interval: float = 0.25):
