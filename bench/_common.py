@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import platform
 import resource
 import statistics
@@ -57,3 +59,28 @@ def finish(result: dict, out: str | None, as_json: bool) -> None:
             f.write(json.dumps(result, indent=1))
     if as_json:
         emit_json(result)
+
+
+try:  # Linux: a daemon a benchmark starts dies with it
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def daemon_env(root) -> dict:
+    """The environment of a ``meshd join`` a benchmark starts: no inherited MESHD_ settings (but MESHD_HOME),
+    one OpenMP thread, quick re-plans, this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_") or k == "MESHD_HOME"}
+    env.update(OMP_NUM_THREADS="1", MESHD_REPLAN_DEBOUNCE_S="0.5")
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def pinned_child(core: int):
+    """A ``preexec_fn``: the child runs on ``core`` only and is killed when the benchmark dies."""
+    def preexec():
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {core})
+        if _prctl is not None:
+            _prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    return preexec

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import random
@@ -75,7 +74,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._common import finish, machine_banner  # noqa: E402
+from bench._common import daemon_env, finish, machine_banner, pinned_child  # noqa: E402
 from bench.ha_home import COMMANDS, HOME, TOOLS, Command, system_prompt  # noqa: E402
 from bench.soak import invite, stop_all  # noqa: E402 - the soak's daemon handling: stop by pid, invite
 
@@ -87,11 +86,6 @@ WARM_TARGET = 0.15  # warm median TTFT / cold TTFT, at most
 NEW_TOKENS_TARGET = 1.2  # warm median TTFT / new-token prefill TTFT, at most
 PLAN_STABLE_S = 3.0
 REQUEST_TIMEOUT_S = 600.0
-
-try:  # the daemons die with us even if we are SIGKILLed (set between fork and exec)
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    _prctl = None
 
 
 def log(msg: str) -> None:
@@ -215,16 +209,8 @@ class Daemon:
         cmd = [sys.executable, "-m", "meshd", "join", "--state-dir", str(self.state), "--socket", str(self.socket),
                "--name", self.name, "--port", "0", "--pairing-port", "0", "--interface", "127.0.0.1",
                "--listen", "127.0.0.1", "--log-format", "json", *MEMBERSHIP, *self.args, *extra, *first]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_") or k == "MESHD_HOME"}
-        env.update(OMP_NUM_THREADS="1", MESHD_REPLAN_DEBOUNCE_S="0.5")
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        core = self.core
-
-        def preexec():
-            if hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, {core})
-            if _prctl is not None:
-                _prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        env = daemon_env(ROOT)
+        preexec = pinned_child(self.core)
 
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                      preexec_fn=preexec, start_new_session=True)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import datetime as dt
 import json
 import os
@@ -46,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import emit_json, machine_banner  # noqa: E402
+from bench._common import daemon_env, emit_json, machine_banner, pinned_child  # noqa: E402
 from decoding.device import served_reference_stage  # noqa: E402
 from meshd.commands.demo import FAST  # noqa: E402 - the demo's membership timings
 
@@ -72,11 +71,6 @@ HOSTILE: dict[str, tuple[str, bytes]] = {
 
 OUTCOMES = ("completed", "mismatched", "failed_clearly", "hung_up", "rejected_hostile",
             "coordinator_killed", "lost", "unfinished")
-
-try:  # the child dies with us even if we are SIGKILLed (set between fork and exec)
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    _prctl = None
 
 
 def log(msg: str) -> None:
@@ -112,16 +106,8 @@ class Daemon:
         cmd = [sys.executable, "-m", "meshd", "join", "--state-dir", str(self.state), "--socket", str(self.socket),
                "--name", self.name, "--port", "0", "--pairing-port", "0", "--interface", "127.0.0.1",
                "--listen", "127.0.0.1", "--model", self.model, *self.budget, *FAST, *(first or [])]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MESHD_") or k == "MESHD_HOME"}
-        env.update(OMP_NUM_THREADS="1", MESHD_REPLAN_DEBOUNCE_S="0.5")
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        core = self.core
-
-        def preexec():
-            if hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, {core})
-            if _prctl is not None:
-                _prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        env = daemon_env(ROOT)
+        preexec = pinned_child(self.core)
 
         self.incarnation += 1
         with open(self.log, "ab") as f:
