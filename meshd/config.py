@@ -77,6 +77,10 @@ class Config:
     # Prompts whose prefix is never evicted once computed: files holding the text, or a JSON chat request
     # ({"messages": [...], "tools": [...]}) rendered with the model's chat template.
     pin_prompts: list[str] = field(default_factory=list)
+    # How the home lays the model out: "auto" (priced per workload: whole-model replicas, one pipeline, or
+    # both), "pipeline" (every member holds a layer range of one pipeline), "replicas" (every member that
+    # holds the whole model runs it alone). The leader's setting decides.
+    layout: str = "auto"
     cloud_budget: float = 0.2  # share of drafted chunks a paired cloud verifier checks (0..1; 1 = every one)
     cloud_min_timeout_s: float = 1.0  # the shortest wait for a verdict before the chunk is committed locally
     invite_ttl_s: float = 15 * 60
@@ -124,6 +128,8 @@ class Config:
             raise ConfigError(f"cloud_min_timeout_s must be in (0, 3600], got {self.cloud_min_timeout_s}")
         if not 0.0 <= self.prefix_cache_share <= 1.0:
             raise ConfigError(f"prefix_cache_share must be between 0 and 1, got {self.prefix_cache_share}")
+        if self.layout not in ("auto", "pipeline", "replicas"):
+            raise ConfigError(f"layout must be auto, pipeline or replicas, got {self.layout!r}")
         self.pin_prompts = [str(p).strip() for p in self.pin_prompts if str(p).strip()]
         if not 0.0 <= self.cloud_budget <= 1.0:
             raise ConfigError(f"cloud_budget must be between 0 and 1, got {self.cloud_budget}")

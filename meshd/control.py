@@ -44,6 +44,8 @@ class MeshHeartbeat:
     cloud_changed_at: float = 0.0  # the cloud pairing record it holds (meshd.cloud.record): when made,
     cloud_digest: str = ""  # and its digest; a member holding a newer one sends it (CloudShare)
     plan_digest: str = ""  # Plan.digest() of the plan it serves: same version, other digest = a conflict
+    layouts: int = 0  # 1: it serves plans of several routes (replicas, mixed); 0: one pipeline only
+    workload: dict = field(default_factory=dict)  # what its coordinator observes (meshd.pipeline.workload)
 
 
 @message

@@ -123,14 +123,16 @@ def _device_profiles(members: list[MemberInput], weights: str, model: str) -> li
 
 
 def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int,
-              weights: str = "", model: str = "") -> Plan:
+              weights: str = "", model: str = "", layout: str = "pipeline", workload=None) -> Plan:
     """The leader's plan over ``members``, without its cut table (:class:`PlanIssuer` adds that).
 
-    ``partition.planner.make_plan`` when every member has a usable profile, else an
-    equal split that says why in ``reason``.
+    ``layout`` "pipeline": ``partition.planner.make_plan`` (one pipeline); "auto"/"replicas":
+    ``make_layout_plan`` priced for ``workload`` (a ``partition.layout.Workload``; None: a
+    PLAN_SEQ_LEN-token request at a time). Either needs every member's usable profile; else an
+    equal split (one pipeline) that says why in ``reason``.
     """
     from partition.link import parse_link
-    from partition.planner import make_plan
+    from partition.planner import make_layout_plan, make_plan
 
     ids = tuple(sorted(m.node_id for m in members))
     planned = Plan(version, tuple(equal_split(list(ids), num_layers)), num_layers, None,
@@ -143,8 +145,13 @@ def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
         if devs is not None:
             if devs[0].num_layers != num_layers:
                 raise ValueError(f"profiles are for {devs[0].num_layers} layers, model has {num_layers}")
-            best = make_plan(devs, parse_link(DEFAULT_LINK), PLAN_MAX_SEQ, plan_seq_len=PLAN_SEQ_LEN,
-                             with_cut_table=False, version=version)
+            if layout == "pipeline":
+                best = make_plan(devs, parse_link(DEFAULT_LINK), PLAN_MAX_SEQ, plan_seq_len=PLAN_SEQ_LEN,
+                                 with_cut_table=False, version=version)
+            else:
+                best = make_layout_plan(devs, parse_link(DEFAULT_LINK), PLAN_MAX_SEQ, workload=workload,
+                                        layout=layout, plan_seq_len=PLAN_SEQ_LEN, with_cut_table=False,
+                                        version=version)
             planned = dataclasses.replace(best, leader=leader, members=ids, weights=weights, model=model)
     except Exception as exc:  # planner refused or profiles unusable: still have a plan
         log.warning("planner_fallback", error=str(exc))
@@ -190,7 +197,7 @@ def cut_table_over(stages, profiles: dict[str, dict], num_layers: int,
 def chunks_prompts(plan: Plan) -> bool:
     """Whether members cut prompts under ``plan``: it has stages to pipeline and a model to serve
     (a control-plane-only home, model "none", serves nothing)."""
-    return len(plan.stages) > 1 and bool(plan.model)
+    return len(plan.pipeline_route) > 1 and bool(plan.model)
 
 
 def home_cut_table(plan: Plan, members: list[MemberInput]) -> CutTable | None:
@@ -200,7 +207,7 @@ def home_cut_table(plan: Plan, members: list[MemberInput]) -> CutTable | None:
         return None
     fallback = default_profile(plan.weights, plan.model)
     profiles = {m.node_id: m.profile or fallback for m in members if m.profile or fallback}
-    return cut_table_over(plan.stages, profiles, plan.num_layers)
+    return cut_table_over(plan.pipeline_route, profiles, plan.num_layers)
 
 
 class PlanIssuer:

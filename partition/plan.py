@@ -94,6 +94,7 @@ class StageAssignment:
     transfer_s: float = 0.0
     memory_bytes: int = 0
     memory_budget_bytes: int = 0
+    route: int = 0  # which of the plan's routes (a replica or a pipeline group) this stage belongs to
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -127,6 +128,7 @@ class StageAssignment:
             "transfer_s": self.transfer_s,
             "memory_bytes": self.memory_bytes,
             "memory_budget_bytes": self.memory_budget_bytes,
+            "route": self.route,
         }
 
     @classmethod
@@ -134,21 +136,33 @@ class StageAssignment:
         first, end = range_from_wire(d)
         return cls(NodeId(d["device"]), first, end, float(d.get("compute_s", 0)),
                    float(d.get("transfer_s", 0)), int(d.get("memory_bytes", 0)),
-                   int(d.get("memory_budget_bytes", 0)))
+                   int(d.get("memory_budget_bytes", 0)), int(d.get("route", 0)))
+
+
+def group_routes(stages: Iterable[StageAssignment]) -> tuple[tuple[StageAssignment, ...], ...]:
+    """The stages of each route, routes in order of their number, stages in pipeline order."""
+    routes: dict[int, list[StageAssignment]] = {}
+    for s in stages:
+        routes.setdefault(s.route, []).append(s)
+    return tuple(tuple(routes[r]) for r in sorted(routes))
 
 
 def check_tiling(stages: Iterable[StageAssignment], num_layers: int) -> None:
-    """Stages must tile ``[0, num_layers)`` contiguously, one range per node (else ValueError)."""
+    """Each route's stages must tile ``[0, num_layers)`` contiguously, and no node may be in two
+    stages (else ValueError)."""
     stages = tuple(stages)
     if not stages or num_layers <= 0:
         raise ValueError("a plan needs at least one stage and one layer")
-    pos = 0
-    for s in stages:
-        if s.first != pos or s.end <= s.first:
-            raise ValueError(f"plan stages do not tile the layers: {stages}")
-        pos = s.end
-    if pos != num_layers or len({s.node_id for s in stages}) != len(stages):
-        raise ValueError(f"plan does not cover {num_layers} layers once: {stages}")
+    for route in group_routes(stages):
+        pos = 0
+        for s in route:
+            if s.first != pos or s.end <= s.first:
+                raise ValueError(f"plan stages do not tile the layers: {stages}")
+            pos = s.end
+        if pos != num_layers:
+            raise ValueError(f"plan does not cover {num_layers} layers once: {stages}")
+    if len({s.node_id for s in stages}) != len(stages):
+        raise ValueError(f"a node holds two stages of the plan: {stages}")
 
 
 #: the most a shipped cut table may take of a message header (capped at 64 KiB by transport.wire)
@@ -188,11 +202,26 @@ class Plan:
     planning_seconds: float = 0.0
     schema_version: int = PLAN_SCHEMA_VERSION
     extras: dict = field(default_factory=dict)
+    layout: str = ""  # "pipeline" | "replicas" | "mixed" ("": a plan from before layouts, one pipeline)
 
     # -- reading it
     @property
     def devices(self) -> tuple[NodeId, ...]:
         return tuple(s.node_id for s in self.stages)
+
+    @property
+    def routes(self) -> tuple[tuple[StageAssignment, ...], ...]:
+        """The plan's routes: each a whole-model chain (one stage: a replica; several: a pipeline)."""
+        return group_routes(self.stages)
+
+    def route_of(self, node_id: str) -> int | None:
+        """The route ``node_id``'s stage belongs to (None: it holds no layers)."""
+        return next((s.route for s in self.stages if s.node_id == node_id), None)
+
+    @property
+    def pipeline_route(self) -> tuple[StageAssignment, ...]:
+        """The first route with more than one stage (the one prompts are cut for); () when none."""
+        return next((r for r in self.routes if len(r) > 1), ())
 
     def layers_of(self, node_id: str) -> tuple[int, int] | None:
         """``[first, end)`` of ``node_id``'s stage, or None when it runs no layers."""
@@ -219,14 +248,17 @@ class Plan:
         ones on the digest of the same stages (the leader compares mode and model itself
         before re-issuing a plan).
         """
-        return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
+        if all(s.route == 0 for s in self.stages):  # one route: the digest every meshd has computed
+            return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
+        return json_digest([self.num_layers, [[s.node_id, s.first, s.end, s.route] for s in self.stages]])
 
     def to_status(self) -> dict[str, Any]:
         """The plan in ``meshd status`` (the same document on members of every version)."""
         return {
             "version": self.version,
             # half-open [first, end) per stage
-            "stages": [{"node_id": s.node_id, "layers": list(s.layers)} for s in self.stages],
+            "stages": [{"node_id": s.node_id, "layers": list(s.layers), "route": s.route} for s in self.stages],
+            "layout": self.layout or "pipeline",
             "num_layers": self.num_layers,
             # seconds the slowest stage takes (compute + hand-off) for one prefill of
             # PLAN_SEQ_LEN prompt tokens: the planner's objective, not a per-token time
@@ -253,13 +285,13 @@ class Plan:
                 "stage": i, **range_to_wire(s.first, s.end), "num_layers": self.num_layers,
                 "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
                 "leader": self.leader, "members": list(self.members), "weights": self.weights,
-                "model": self.model,
+                "model": self.model, "route": s.route, "layout": self.layout,
             }
         if self.cut_table is not None and self.stages:
             wire = self.cut_table.to_wire()
             size = len(wire["cuts"]) + len(wire["latency_s"])
             if size <= MAX_SHIPPED_TABLE_BYTES:
-                rows[self.stages[0].node_id]["cut_table"] = wire
+                rows[(self.pipeline_route or self.stages)[0].node_id]["cut_table"] = wire
             else:  # members build their own, as for a leader that ships none
                 log.warning("cut_table_not_shipped", plan_version=self.version, bytes=size,
                             limit=MAX_SHIPPED_TABLE_BYTES)
@@ -274,7 +306,8 @@ class Plan:
         """
         try:
             rows = sorted(assignment.items(), key=lambda kv: int(kv[1]["stage"]))
-            stages = tuple(StageAssignment(NodeId(str(n)), *range_from_wire(d)) for n, d in rows)
+            stages = tuple(StageAssignment(NodeId(str(n)), *range_from_wire(d), route=int(d.get("route", 0)))
+                           for n, d in rows)
             any_row = rows[0][1] if rows else {}
             num_layers = int(any_row.get("num_layers", stages[-1].end if stages else 0))
             bottleneck = any_row.get("predicted_bottleneck_s")
@@ -283,7 +316,8 @@ class Plan:
                         str(any_row.get("reason", "")), NodeId(str(any_row.get("leader", ""))),
                         tuple(NodeId(str(m)) for m in any_row.get("members", ())),
                         str(any_row.get("weights", "") or ""), str(any_row.get("model", "") or ""),
-                        _shipped_cut_table(int(version), [d for _, d in rows]))
+                        _shipped_cut_table(int(version), [d for _, d in rows]),
+                        layout=str(any_row.get("layout", "") or ""))
         except (KeyError, TypeError, IndexError, ValueError) as exc:
             raise ValueError(f"malformed plan assignment: {exc}") from None
         plan.check()
@@ -315,6 +349,7 @@ class Plan:
             "leader": self.leader,
             "members": list(self.members),
             "weights": self.weights,
+            "layout": self.layout,
         }
         if include_cut_table and self.cut_table is not None:
             d["cut_table"] = self.cut_table.to_dict()
@@ -350,6 +385,7 @@ class Plan:
             exact_search=bool(d.get("exact_search", True)),
             planning_seconds=float(d.get("planning_seconds", 0.0)),
             extras=dict(d.get("extras") or {}),
+            layout=str(d.get("layout", "")),
         )
 
     @classmethod

@@ -7,6 +7,7 @@ plan is reproducible from the profiles the daemon has gathered.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from partition.plan import Plan, StageAssignment
 from partition.profile import DeviceProfile
 from partition.sequence import StageTiming, build_cut_table, flow_shop_latency, pipeline_timings
 from partition.stagecount import plan_layers
+from partition.layout import Layout, Workload, choose_layout
 
 
 def stage_timings(stages: tuple[StageAssignment, ...], profiles: dict[str, DeviceProfile],
@@ -86,6 +88,64 @@ def make_plan(
         exact_search=res.exact,
         planning_seconds=time.perf_counter() - t0,
     )
+
+
+def make_layout_plan(
+    profiles: list[DeviceProfile],
+    link: LinkModel,
+    max_seq: int = 2048,
+    *,
+    workload: Workload | None = None,
+    layout: str = "auto",
+    plan_seq_len: int | None = None,
+    with_cut_table: bool = True,
+    version: PlanVersion = PlanVersion(0),
+) -> Plan:
+    """The plan of the layout :func:`partition.layout.choose_layout` picks for ``workload``.
+
+    A pipeline is :func:`make_plan` over the members it uses (so its account is the layer DP's);
+    replicas and mixed layouts number their routes, replicas first, and say why in ``reason``.
+    """
+    t0 = time.perf_counter()
+    check_same_model(profiles)
+    work = workload or Workload(plan_seq_len or max_seq)
+    chosen = choose_layout(profiles, link, work, max_seq, force=layout)
+    by_id = {p.device_id: p for p in profiles}
+    if chosen.kind == "pipeline":
+        used = [by_id[n] for n in chosen.groups[0].members]
+        plan = make_plan(used, link, max_seq, plan_seq_len=plan_seq_len, with_cut_table=with_cut_table,
+                         version=version)
+        return replace(plan, layout="pipeline", reason=f"{chosen.reason}; {plan.reason}",
+                       unused_devices=tuple(NodeId(p.device_id) for p in profiles
+                                            if p.device_id not in plan.devices),
+                       extras={**plan.extras, "layout": layout_account(chosen)})
+    stages = []
+    for r, group in enumerate(chosen.groups):
+        for node, first, end in group.stages:
+            stages.append(StageAssignment(node, first, end, memory_budget_bytes=by_id[node].memory_budget_bytes,
+                                          route=r))
+    stages_t = tuple(stages)
+    pipe = next((g for g in chosen.groups if not g.is_replica), None)
+    table = None
+    if with_cut_table and pipe is not None:
+        pipe_stages = tuple(s for s in stages_t if s.route == chosen.groups.index(pipe))
+        table = plan_cut_table(pipe_stages, by_id, link, max_seq)
+    return Plan(
+        version=version, stages=stages_t, num_layers=profiles[0].num_layers,
+        predicted_bottleneck_s=None, reason=chosen.reason, model=profiles[0].model.identity,
+        cut_table=table, plan_seq_len=plan_seq_len or max_seq, max_seq=max_seq, link=link,
+        bottleneck_reason="layout", explanation=chosen.reason,
+        unused_devices=chosen.unused, planning_seconds=time.perf_counter() - t0,
+        extras={"layout": layout_account(chosen)}, layout=chosen.kind)
+
+
+def layout_account(chosen: Layout) -> dict:
+    """The layout's prices as ``meshd plan`` prints them: what it predicts and what it compared."""
+    w = chosen.workload
+    return {"kind": chosen.kind, "predicted_latency_s": chosen.latency_s, "shares": list(chosen.shares),
+            "alternatives_s": dict(chosen.alternatives),
+            "workload": {"prompt_tokens": w.prompt_tokens, "answer_tokens": w.answer_tokens,
+                         "cached_fraction": w.cached_fraction, "in_flight": w.in_flight}}
 
 
 def plan_cut_table(stages: tuple[StageAssignment, ...], profiles: dict[str, DeviceProfile], link: LinkModel,

@@ -68,6 +68,9 @@ _FLAGS = [
     ("--pin-prompt", "pin_prompts", str, "prompts whose prefix is never evicted once computed, comma-separated "
                                          "files: the text, or a JSON chat request {\"messages\": [...], "
                                          "\"tools\": [...]} (e.g. Home Assistant's system prompt)"),
+    ("--layout", "layout", str, "how the home lays the model out (the leader's setting decides): auto "
+                                "(default: priced per workload), pipeline (one pipeline over the members), "
+                                "replicas (every member holding the whole model runs it alone)"),
     ("--cloud-budget", "cloud_budget", float, "share of drafted chunks a paired cloud verifier checks, "
                                               "0..1 (default 0.2; 1 = every chunk: the big model's output)"),
     ("--cloud-min-timeout", "cloud_min_timeout_s", float, "shortest wait in seconds for a cloud verdict "

@@ -105,7 +105,8 @@ class Gossip:
                 "incarnation": msg.incarnation, "load_state": msg.load_state, "model": msg.model,
                 "model_layers": msg.model_layers, "version": msg.version,
                 "uptime_s": msg.uptime_s, "kv_tokens": msg.kv_tokens, "last_error": msg.last_error,
-                "profile_digest": msg.profile_digest}
+                "profile_digest": msg.profile_digest, "layouts": int(getattr(msg, "layouts", 0) or 0),
+                "workload": dict(getattr(msg, "workload", None) or {})}
         before = dict(self.view.info_of(sender))
         self.apply(self.view.membership.heartbeat(sender, now, info))
         self._on_peer_info(sender, before, info)

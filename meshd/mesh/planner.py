@@ -67,6 +67,8 @@ class Planner:
         self._warned_model = ""  # the home model this device was last warned it does not hold
         self.issuer = PlanIssuer(self._send)  # the leader's plans leave with their cut table
         self._profile_wait: dict[NodeId, tuple[str, float]] = {}  # member -> (digest, when a plan first waited)
+        self._said_old: list[NodeId] = []
+        self.observe_workload: Callable[[], Any] | None = None  # the home's workload (None: the default)
 
     @property
     def plan(self) -> Plan | None:
@@ -102,8 +104,9 @@ class Planner:
                 for n in all_ready if n in view.membership.peers]
         current = view.plan
         version = max([current.version if current else 0, *seen]) + 1
+        layout = self.layout_for(ready)
         plan_over = lambda ids: plan_home(version, node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
-                                          self.weights_mode, model)
+                                          self.weights_mode, model, layout, self.workload())
         plan = plan_over(ready)
         if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
             plan = self.sharing.gate(plan, current, ready, model, plan_over)
@@ -130,6 +133,25 @@ class Planner:
         log.info("replan", version=version, members=ready, model=model, reason=plan.reason,
                  stages=[[s.node_id, s.first, s.end] for s in plan.stages])
         self.issuer.issue(plan, self._plan_inputs(list(plan.members)))
+
+    def layout_for(self, ready: list[NodeId]) -> str:
+        """The layout this leader plans: the configured one, but one pipeline while a member runs a
+        meshd that follows only one (it would refuse a plan of several routes)."""
+        wanted = str(getattr(self.config, "layout", "pipeline") or "pipeline")
+        if wanted == "pipeline":
+            return wanted
+        old = [n for n in ready if n != self.view.node_id and not self.view.info_of(n).get("layouts")]
+        if old:
+            if old != self._said_old:
+                log.info("layout_pipeline_only", members=old, wanted=wanted,
+                         reason="these members follow one pipeline only (an older meshd)")
+            self._said_old = old
+            return "pipeline"
+        return wanted
+
+    def workload(self):
+        """What the home's coordinators observe (``meshd.pipeline.workload``), priced by the layout planner."""
+        return self.observe_workload() if self.observe_workload is not None else None
 
     def _send(self, plan: Plan) -> None:
         """Adopt and broadcast a plan this leader decided, unless leadership or a newer plan came first

@@ -45,6 +45,7 @@ from meshd.pipeline.flights import FlightTable, Replanned
 from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.prefix_reuse import PrefixReuse
 from meshd.pipeline.route import Route, model_mismatch
+from meshd.pipeline.routing import RouteCounts, RouteLoad, pick_route
 from meshd.pipeline.seqkey import SeqKeys
 from meshd.pipeline.slot import Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest, TokenStep
 from meshd.pipeline.verify_rounds import verify_rounds
@@ -82,7 +83,8 @@ class PipelineCoordinator:
         self.send_timeout_s = send_timeout_s
         self.activation_dtype = activation_dtype
         self.resume_timeout_s = resume_timeout_s
-        self.route: Route | None = None
+        self.routes: tuple[Route, ...] = ()  # the current plan's routes (one, or replicas and a pipeline)
+        self.route_counts = RouteCounts()
         self.address: str | None = None
         self._server = None
         self._requests: set[RequestId] = set()
@@ -90,7 +92,7 @@ class PipelineCoordinator:
         self.links = Links(node, directory)
         self.flights = FlightTable(self.keys, self.links, send_timeout_s)
         self.prefixes = PrefixReuse(self.links, prefix_cache)
-        self._ready_version = 0
+        self._ready: set[tuple[int, int]] = set()  # routes whose stages all serve their plan
         self._route_changed = asyncio.Event()
         self.waiting_on: str | None = None  # the stage a readiness probe waits for (named in errors)
         self.resumes = 0
@@ -123,19 +125,30 @@ class PipelineCoordinator:
     def in_flight(self) -> int:
         return len(self._requests)
 
+    @property
+    def route(self) -> Route | None:
+        """The current plan's first route (None: no plan serving)."""
+        return self.routes[0] if self.routes else None
+
     def set_route(self, route: Route | None) -> None:
-        """A new plan (or none while one deploys): requests on the old one replay on the next."""
-        old, self.route = self.route, route
-        if route is None or old is None or route.plan_version != old.plan_version:
-            self._ready_version = 0
-            self.flights.tell(lambda f: route is None or f.route.plan_version != route.plan_version,
-                              lambda f: Replanned(f.route.plan_version, route.plan_version if route else None))
+        """A plan of one route (or none while one deploys); see :meth:`set_routes`."""
+        self.set_routes((route,) if route is not None else ())
+
+    def set_routes(self, routes: tuple[Route, ...]) -> None:
+        """A new plan's routes (or none while one deploys): requests on the old one replay on the next."""
+        old = self.route
+        self.routes = tuple(routes)
+        new = self.route
+        if new is None or old is None or new.plan_version != old.plan_version:
+            self._ready.clear()
+            self.flights.tell(lambda f: new is None or f.route.plan_version != new.plan_version,
+                              lambda f: Replanned(f.route.plan_version, new.plan_version if new else None))
         self._route_changed.set()
         self._route_changed = asyncio.Event()
 
     def stage_restarted(self, node_id: NodeId) -> None:
         """A member came back with a new incarnation: its caches are gone; re-probe before use."""
-        self._ready_version = 0
+        self._ready.clear()
         self.flights.tell(lambda f: f.route.index_of(node_id) is not None,
                           lambda f: Interrupted(f"{node_id} restarted", node_id))
 
@@ -163,13 +176,13 @@ class PipelineCoordinator:
         After a re-plan, stages may still be loading weights; a request arriving
         then waits (bounded) instead of failing on a half-deployed pipeline.
         """
-        if self._ready_version == route.plan_version:
+        if route.key in self._ready:
             return
         async with asyncio.timeout(timeout_s):
             for st in route.stages:
                 self.waiting_on = st.node_id
                 while True:
-                    if self.route is not route:  # re-planned (e.g. a stage's device left): stop waiting
+                    if route not in self.routes:  # re-planned (e.g. a stage's device left): stop waiting
                         raise Interrupted(f"the mesh re-planned while plan {route.plan_version} loaded")
                     try:
                         peer = await self.links.to(st.node_id)
@@ -181,12 +194,35 @@ class PipelineCoordinator:
                     except (TransportError, KeyError) as exc:
                         log.debug("stage_not_ready", node=st.node_id, error=str(exc))
                     await asyncio.sleep(poll_s)
-        self._ready_version = route.plan_version
+        self._ready.add(route.key)
         self.waiting_on = None
-        log.info("pipeline_ready", plan_version=route.plan_version, stages=[s.node_id for s in route.stages])
+        log.info("pipeline_ready", plan_version=route.plan_version, route=route.index,
+                 stages=[s.node_id for s in route.stages])
 
-    async def serving_route(self, timeout_s: float) -> Route:
-        """The current route once all its stages serve it; waits (bounded) through re-plans."""
+    async def pick_route(self, slot: RequestSlot | None) -> Route:
+        """The route ``slot``'s request takes among the current ones (see :mod:`meshd.pipeline.routing`)."""
+        routes = self.routes
+        if len(routes) == 1 or slot is None:
+            return routes[0]
+        fork = slot.request.fork
+        if fork is not None and fork.route in routes:
+            return fork.route  # a child reads its parent's positions in place
+        ids = slot.context
+        held = await asyncio.gather(*(self.prefixes.reusable(r, ids, count=False) for r in routes)) \
+            if self.prefixes.enabled and slot.reuse else [(0, False)] * len(routes)
+        routes = tuple(r for r in routes if r in self.routes)  # a re-plan during the probes
+        if not routes:
+            return self.routes[0]
+        loads = [RouteLoad(r, self.route_counts.running(r), h) for r, (h, _) in zip(routes, held)]
+        route = pick_route(loads, len(ids))
+        log.debug("route_picked", request_id=slot.request_id, route=route.index,
+                  loads=[(load.route.index, load.running, load.held) for load in loads])
+        return route
+
+    async def serving_route(self, timeout_s: float, slot: RequestSlot | None = None) -> Route:
+        """A current route (the one ``slot`` takes, :meth:`pick_route`) once all its stages serve it;
+        waits (bounded) through re-plans. With a ``slot``, the route is counted as running it from the
+        moment it is picked (so a burst spreads over the routes): ``route_counts.give`` it back."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -195,7 +231,7 @@ class PipelineCoordinator:
                        if self.waiting_on and self.route is not None
                        else "devices still joining, loading layers or re-planning")
                 raise NoRoute(f"no pipeline plan could serve within {timeout_s:g}s ({why}); retry")
-            route = self.route
+            route = self.route if len(self.routes) <= 1 else await self.pick_route(slot)
             mismatch = model_mismatch(route.model, self.model) if route is not None else ""
             if mismatch:
                 from meshd.model_store import model_flag_for
@@ -211,11 +247,19 @@ class PipelineCoordinator:
                 except TimeoutError:
                     pass
                 continue
+            if slot is not None:
+                self.route_counts.take(route)
             try:
                 await self.wait_ready(route, timeout_s=left)
                 return route
             except (Interrupted, TimeoutError):
+                if slot is not None:
+                    self.route_counts.give(route)
                 continue
+            except BaseException:
+                if slot is not None:
+                    self.route_counts.give(route)
+                raise
 
     # -- the request loop ------------------------------------------------------------
     async def generate(self, request_id: RequestId, prompt_ids: list[int], max_tokens: int,
@@ -235,8 +279,11 @@ class PipelineCoordinator:
         :meth:`~meshd.engine.Engine.stream` only labels how it ended.
         """
         slot = self.admit(request)
+        running: Route | None = None
         try:
-            route = await self.serving_route(self.resume_timeout_s if request.wait_s is None else request.wait_s)
+            route = await self.serving_route(self.resume_timeout_s if request.wait_s is None else request.wait_s,
+                                             slot)
+            running = route  # counted in route_counts until given back
             while True:
                 try:
                     async for step in self._attempt(slot, route):
@@ -253,14 +300,18 @@ class PipelineCoordinator:
                             from None
                     slot.state, slot.replays = SlotState.REPLAYING, slot.replays + 1
                     self.note_replay()
-                    self._ready_version = 0  # re-probe the route before the replay uses it
+                    self._ready.discard(route.key)  # re-probe the route before the replay uses it
                     log.info("request_replaying", request_id=slot.request_id, generated=len(slot.generated),
                              reason=str(exc), device=exc.device, plan_version=route.plan_version)
+                    self.route_counts.give(running)
+                    running = None
                     try:
-                        route = await self.serving_route(self.resume_timeout_s)
+                        route = running = await self.serving_route(self.resume_timeout_s, slot)
                     except NoRoute:
                         raise PipelineError(gone_message(route, self.route, exc, self.resume_timeout_s)) from None
         finally:
+            if running is not None:
+                self.route_counts.give(running)
             slot.state = SlotState.DONE
             self.discharge(slot.request_id)
 
@@ -312,7 +363,7 @@ class PipelineCoordinator:
         ids = slot.context
         try:
             if fork is not None:
-                if fork.seq is None or fork.route is None or fork.route.plan_version != route.plan_version:
+                if fork.seq is None or fork.route is None or fork.route.key != route.key:
                     raise PipelineError("the shared prefix is gone (the mesh re-planned); retry the request")
                 base = fork.length
                 await self.send(first, ForkSequence(route.plan_version, seq, fork.seq, base))

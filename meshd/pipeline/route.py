@@ -1,4 +1,7 @@
-"""Where the stages of the current plan live: an ordered list of endpoints.
+"""Where the stages of one route of the current plan live: an ordered list of endpoints.
+
+A plan has one route per whole-model chain: one pipeline, or a replica per member
+holding the whole model, or both (``partition.layout``).
 
 A route is derived from the plan (layer ranges per node) and the membership
 directory (address and CURVE key per node). It is versioned with the plan so
@@ -35,6 +38,12 @@ class Route:
     stages: tuple[StageEndpoint, ...]
     weights: str = ""  # the plan's numeric mode ("": each stage its own)
     model: str = ""  # identity of the model every stage of the plan holds ("": the plan does not say)
+    index: int = 0  # which of the plan's routes this is (a replica, a pipeline group; see partition.layout)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(plan version, route number): unique in a home."""
+        return (int(self.plan_version), self.index)
 
     def index_of(self, node_id: NodeId) -> int | None:
         for i, s in enumerate(self.stages):

@@ -65,18 +65,32 @@ class MeshDirectory:
         return str(self.view.info_of(node_id).get("version") or "")
 
 
-def route_from_plan(plan: Plan, directory) -> Route:
-    """The plan's stages (same ``[first, end)`` ranges) with each node's address and key."""
+def routes_from_plan(plan: Plan, directory) -> tuple[Route, ...]:
+    """Each of the plan's routes (same ``[first, end)`` ranges), with each node's address and key."""
     from meshd.pipeline.route import StageEndpoint
 
-    stages = []
-    for s in plan.stages:
-        try:
-            address, key = directory(s.node_id)
-        except KeyError:
-            address, key = "", ""
-        stages.append(StageEndpoint(s.node_id, address, key, s.first, s.end))
-    return Route(plan.version, tuple(stages), getattr(plan, "weights", "") or "", getattr(plan, "model", "") or "")
+    routes = []
+    for stages in plan.routes:
+        endpoints = []
+        for s in stages:
+            try:
+                address, key = directory(s.node_id)
+            except KeyError:
+                address, key = "", ""
+            endpoints.append(StageEndpoint(s.node_id, address, key, s.first, s.end))
+        routes.append(Route(plan.version, tuple(endpoints), getattr(plan, "weights", "") or "",
+                            getattr(plan, "model", "") or "", stages[0].route))
+    return tuple(routes)
+
+
+def route_from_plan(plan: Plan, directory) -> Route:
+    """The plan's first route (its only one, for a plan of one pipeline); see :func:`routes_from_plan`."""
+    return routes_from_plan(plan, directory)[0]
+
+
+def own_route(routes: tuple[Route, ...], node_id: NodeId) -> Route:
+    """The route this node's stage belongs to (the first when it holds no layers)."""
+    return next((r for r in routes if r.index_of(node_id) is not None), routes[0])
 
 
 def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
@@ -140,7 +154,8 @@ class ServingRole:
             if plan.version <= self._deployed:
                 log.info("plan_not_newer", plan_version=plan.version, deployed=self._deployed)
                 return
-            route = route_from_plan(plan, self.directory)
+            routes = routes_from_plan(plan, self.directory)
+            route = own_route(routes, getattr(self.stage, "node_id", None))
             self.model_mismatch = model_mismatch(route.model, str(getattr(self.source, "identity", "") or ""))
             if self.model_mismatch:
                 # (the daemon's model_differs_from_home warning says what to do about it)
@@ -148,17 +163,18 @@ class ServingRole:
             # Requests running on the old plan pause now (they replay on this one once it
             # serves), rather than keep a vanished device's stage in their path.
             self.coordinator.set_route(None)
-            if len(route.stages) > 1:
-                await self._plan_cut_table(plan, route)
+            pipeline = next((r for r in routes if len(r.stages) > 1), None)
+            if pipeline is not None:
+                await self._plan_cut_table(plan, pipeline)
             try:
                 await self.stage.deploy(route)
             except Exception:  # a bad plan must not kill the daemon; the next plan may fix it
                 log.exception("stage_deploy_failed", plan_version=route.plan_version)
                 return
             self._deployed = route.plan_version
-            self.coordinator.set_route(route)
+            self.coordinator.set_routes(routes)
         if not self.model_mismatch:  # (requests here are refused at once: nothing to warm)
-            await self.warm_up(route)
+            await self.warm_up(routes)
 
     async def _plan_cut_table(self, plan: Plan, route: Route) -> None:
         """Use the cut table the leader shipped; build one here only for a plan that carries none."""
@@ -173,7 +189,7 @@ class ServingRole:
                 table = await asyncio.to_thread(cut_table_for, route, profiles, self.source.config.num_layers,
                                                 self.link_spec)
             if table is not None:
-                self._cut_tables = {route.plan_version: table}
+                self._cut_tables = {route.key: table}
             slope = None if profiles is None else verify_cost_slope(
                 route, profiles, self.source.config.num_layers, self.link_spec)
             if slope is not None:
@@ -182,13 +198,19 @@ class ServingRole:
             self.cut_table_errors += 1
             log.warning("cut_table_failed", plan_version=route.plan_version, error=str(exc))
 
-    async def warm_up(self, route: Route) -> None:
-        """One tiny greedy request through every stage of ``route`` (best effort)."""
+    async def warm_up(self, routes: tuple[Route, ...] | Route) -> None:
+        """One tiny greedy request through every stage of every route (best effort), at once: the
+        coordinator spreads simultaneous requests over the routes (``meshd.pipeline.routing``)."""
+        routes = (routes,) if isinstance(routes, Route) else tuple(routes)
+        route = routes[0]
         ids = list(self.source.tokenizer.encode("Hello"))[:4] or [0]
-        try:
-            async for _ in self.coordinator.steps(StepsRequest(f"warmup-{route.plan_version}-{id(self)}", ids, 2,
-                                                               SamplingSpec(), wait_s=self.wait_s)):
+
+        async def one(k: int) -> None:
+            async for _ in self.coordinator.steps(StepsRequest(f"warmup-{route.plan_version}-{k}-{id(self)}", ids,
+                                                               2, SamplingSpec(), wait_s=self.wait_s)):
                 pass
+        try:
+            await asyncio.gather(*(one(k) for k in range(len(routes))))
         except Exception as exc:  # a newer plan, a device leaving: the next plan warms up again
             log.info("warm_up_skipped", plan_version=route.plan_version, error=str(exc))
             return
@@ -200,7 +222,7 @@ class ServingRole:
     def cuts(self, prompt_len: int, route: Route) -> list[int]:
         """Where the engine cuts a prompt on ``route``: its plan's cut table (see ``meshd.pipeline.cuts``)."""
         packed = (route.weights or getattr(self.stage, "mode", "")).startswith("packed")
-        return prompt_cuts(prompt_len, len(route.stages), self._cut_tables.get(route.plan_version), packed)
+        return prompt_cuts(prompt_len, len(route.stages), self._cut_tables.get(route.key), packed)
 
     async def aclose(self) -> None:
         await self.coordinator.close()

@@ -30,6 +30,9 @@ class Stub:
     def set_route(self, route):
         self.routes.append(route)
 
+    def set_routes(self, routes):
+        self.routes.append(routes[0] if routes else None)
+
     async def deploy(self, route):
         pass
 

@@ -15,9 +15,13 @@ from transport.node import TransportNode
 class Mesh:
     """N stage services and a coordinator on loopback, CURVE off (in-process test harness)."""
 
-    def __init__(self, source, n, version=1, max_kv_tokens=1 << 16, prefix_share=0.5, **stage_kw):
-        """``prefix_share``: each stage's prefix cache share of its KV budget (0: the cache off)."""
+    def __init__(self, source, n, version=1, max_kv_tokens=1 << 16, prefix_share=0.5, groups=None, **stage_kw):
+        """``prefix_share``: each stage's prefix cache share of its KV budget (0: the cache off);
+        ``groups``: how many devices each route has, in order (default: one pipeline over all n;
+        ``[1, 1]``: two whole-model replicas; ``[1, 2]``: a replica and a 2-stage pipeline)."""
         self.source, self.n, self.version = source, n, version
+        self.groups = list(groups) if groups is not None else [n]
+        assert sum(self.groups) == n
         self.max_kv_tokens = max_kv_tokens
         self.prefix_share = prefix_share
         self.stage_kw = stage_kw
@@ -35,13 +39,35 @@ class Mesh:
         self.coord = PipelineCoordinator(self.nodes[-1], "coord", self.dir.__getitem__, token_timeout_s=20,
                                          prefix_cache=self.prefix_share > 0)
         self.dir["coord"] = (await self.coord.start(), "")
-        ranges = even_split(self.source.config.num_layers, self.n)
-        self.route = Route(self.version, tuple(StageEndpoint(f"dev{i}", self.dir[f"dev{i}"][0], "", a, b)
-                                               for i, (a, b) in enumerate(ranges)))
+        self.routes = self.layout(self.version, [f"dev{i}" for i in range(self.n)], self.groups)
+        self.route = self.routes[0]
         for s in self.services:
-            await s.deploy(self.route)
-        self.coord.set_route(self.route)
+            await s.deploy(next(r for r in self.routes if r.index_of(s.node_id) is not None))
+        self.coord.set_routes(self.routes)
         return self
+
+    def layout(self, version, nodes, groups):
+        """Routes of ``version`` over ``nodes`` in order, ``groups`` devices per route, layers split evenly."""
+        routes, k = [], 0
+        for index, size in enumerate(groups):
+            ranges = even_split(self.source.config.num_layers, size)
+            routes.append(Route(version, tuple(StageEndpoint(nodes[k + j], self.dir[nodes[k + j]][0], "", a, b)
+                                               for j, (a, b) in enumerate(ranges)), index=index))
+            k += size
+        return tuple(routes)
+
+    async def replan(self, version, nodes, groups, gone=()):
+        """The devices ``gone`` leave; the leader re-plans ``version`` over ``nodes`` in ``groups``."""
+        for i in gone:
+            await self.services[i].server.close()
+        self.routes = self.layout(version, nodes, groups)
+        self.route = self.routes[0]
+        self.coord.set_route(None)
+        for svc in self.services:
+            own = next((r for r in self.routes if r.index_of(svc.node_id) is not None), None)
+            if own is not None:
+                await svc.deploy(own)
+        self.coord.set_routes(self.routes)
 
     async def __aexit__(self, *exc):
         await self.coord.close()

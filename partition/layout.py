@@ -1,0 +1,336 @@
+"""Layouts: whole-model replicas, one pipeline, or both — priced end to end for a workload.
+
+One pipeline over every member wins a lone long prompt (its prefill is split over the
+devices) but loses everything else: every decoded token crosses every stage and every
+hop, and with several requests in flight each stage reads its weights for the same rows
+the others do, so the home batches no better than its best device. Members that can hold
+the whole model can instead each run it alone (replicas), batching their own requests;
+members that only hold it together form a pipeline group beside them (mixed).
+
+This module prices each layout for a :class:`Workload` — prefill of the prompt's new
+tokens after what the prefix cache holds, plus answer tokens × the decode step at the
+batch the group would run, plus the wait behind the other requests' prefills — and
+keeps the cheapest. A request router spreads the workload's in-flight requests over the
+layout's groups the way the coordinator does per request (each to the group where it
+adds least), so the price is the mean latency a request would see. Pure: profiles, a
+link and a workload in, a :class:`Layout` out; :func:`brute_force_layout` is the
+exhaustive reference the tests hold it against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from partition.ids import NodeId
+from partition.layers import PlanError, stage_memory_bytes
+from partition.link import LinkModel
+from partition.profile import DeviceProfile
+from partition.sequence import equal_starts, flow_shop_latency, pipeline_timings
+from partition.stagecount import MIN_COMPARE_CHUNK, plan_layers
+
+LAYOUT_KINDS = ("auto", "pipeline", "replicas")
+
+#: predicted prices this close count as a tie (the prediction is not finer than that)
+SIMPLER_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the home asks of its mesh, as the planner prices it.
+
+    ``prompt_tokens`` of which ``cached_fraction`` the prefix cache already holds,
+    ``answer_tokens`` decoded, ``in_flight`` requests at once on average (1: one at a
+    time). Observed by the coordinators; the defaults are a home's voice request.
+    """
+
+    prompt_tokens: int = 512
+    answer_tokens: int = 64
+    cached_fraction: float = 0.0
+    in_flight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.answer_tokens < 0 or self.in_flight <= 0:
+            raise ValueError(f"a workload needs a prompt, answers and requests: {self}")
+        if not 0.0 <= self.cached_fraction < 1.0:
+            raise ValueError(f"cached_fraction must be in [0, 1): {self.cached_fraction}")
+
+    @property
+    def new_tokens(self) -> int:
+        """Prompt tokens a request prefills (the rest is reused from the prefix cache)."""
+        return max(1, round(self.prompt_tokens * (1.0 - self.cached_fraction)))
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prompt_tokens - self.new_tokens
+
+    @property
+    def requests(self) -> int:
+        """Requests in flight the price is computed for (whole requests)."""
+        return max(1, math.ceil(self.in_flight - 1e-9))
+
+    def describe(self) -> str:
+        cached = f", {self.cached_fraction:.0%} cached" if self.cached_fraction else ""
+        return (f"{self.in_flight:g} request(s) in flight, {self.prompt_tokens}-token prompts{cached}, "
+                f"{self.answer_tokens} answer tokens")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One route of a layout: a replica (one member, every layer) or a pipeline (``[first, end)`` each).
+
+    ``prefill_s``: the workload's new tokens, alone on the group; ``step_s[b - 1]``: one
+    decode step with ``b`` requests decoding on it at once.
+    """
+
+    stages: tuple[tuple[NodeId, int, int], ...]
+    prefill_s: float
+    step_s: tuple[float, ...]
+
+    @property
+    def members(self) -> tuple[NodeId, ...]:
+        return tuple(n for n, _, _ in self.stages)
+
+    @property
+    def is_replica(self) -> bool:
+        return len(self.stages) == 1
+
+    def latency_s(self, requests: int, answer_tokens: int) -> float:
+        """Mean latency of ``requests`` arriving together: prefills queue one behind another
+        (the k-th waits for k-1), decode steps batch all of them."""
+        if requests <= 0:
+            return 0.0
+        step = self.step_s[min(requests, len(self.step_s)) - 1]
+        return self.prefill_s * (requests + 1) / 2 + answer_tokens * step
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Routes the home serves on, the requests the router would give each, and the predicted price."""
+
+    kind: str  # "pipeline" | "replicas" | "mixed"
+    groups: tuple[Group, ...]
+    shares: tuple[int, ...]  # requests of the workload routed to each group
+    latency_s: float  # mean predicted latency of a request at the workload
+    workload: Workload
+    unused: tuple[NodeId, ...] = ()
+    reason: str = ""
+    alternatives: dict = field(default_factory=dict, compare=False)  # kind -> predicted latency
+
+    @property
+    def routes(self) -> tuple[tuple[tuple[NodeId, int, int], ...], ...]:
+        return tuple(g.stages for g in self.groups)
+
+
+def replica_fits(profile: DeviceProfile, max_seq: int) -> bool:
+    """Whether ``profile``'s device holds the whole model with a ``max_seq``-token KV cache."""
+    return stage_memory_bytes(profile, 0, profile.num_layers, max_seq) <= profile.memory_budget_bytes
+
+
+def _batch_ratio(p: DeviceProfile, rows: int, context: int) -> float:
+    """How much longer a layer takes for ``rows`` decoding rows than for one (weights are read once)."""
+    one = float(p.q_layer(1, context))
+    return float(p.q_layer(rows, context)) / one if one > 0 else float(rows)
+
+
+def _prefill_s(stages: list[tuple[DeviceProfile, int, int]], link: LinkModel, work: Workload) -> float:
+    """The workload's new tokens after its cached ones, pipelined over equal chunks (best count)."""
+    timings = pipeline_timings(stages, link)
+    new, cached = work.new_tokens, work.cached_tokens
+    best = math.inf
+    for k in range(1, 4 * len(stages) + 1):
+        if k > 1 and new // k < MIN_COMPARE_CHUNK:
+            break
+        starts = cached + equal_starts(k, new + 1)[-1:]
+        best = min(best, float(flow_shop_latency(timings, starts, np.array([cached + new]))[0]))
+    return best
+
+
+def _step_s(stages: list[tuple[DeviceProfile, int, int]], link: LinkModel, work: Workload) -> tuple[float, ...]:
+    """Decode step for 1..requests rows: each stage's share of its device's measured step, scaled by
+    what extra rows cost there, plus its per-message cost and one hop per boundary.
+
+    Rows of a pipeline travel together (the stages' schedulers batch what arrives together), so
+    a step costs the sum of the stages: a pipeline batches no better than one device does.
+    """
+    context = work.prompt_tokens + work.answer_tokens // 2
+    out = []
+    for rows in range(1, work.requests + 1):
+        total = 0.0
+        for k, (p, first, end) in enumerate(stages):
+            layers = float(p.q_layer(1, context))
+            ends = float(p.embed_time(1)), float(p.head_time(1))
+            whole = p.num_layers * layers + sum(ends)
+            part = (end - first) * layers + (ends[0] if first == 0 else 0.0) \
+                + (ends[1] if end == p.num_layers else 0.0)
+            share = part / whole if whole > 0 else (end - first) / p.num_layers
+            total += float(p.decode_step(context)) * share * _batch_ratio(p, rows, context)
+            if len(stages) > 1:
+                total += p.chunk_overhead_s
+            if k < len(stages) - 1:
+                total += float(link.activation_transfer_s(rows, p.model.hidden_size, p.dtype_bytes))
+        out.append(total)
+    return tuple(out)
+
+
+def price_group(stages: list[tuple[DeviceProfile, int, int]], link: LinkModel, work: Workload) -> Group:
+    """A route's :class:`Group` from its stages (profile, first, end) in order."""
+    return Group(tuple((NodeId(p.device_id), f, e) for p, f, e in stages),
+                 _prefill_s(stages, link, work), _step_s(stages, link, work))
+
+
+def route_requests(groups: tuple[Group, ...], work: Workload) -> tuple[tuple[int, ...], float]:
+    """(requests per group, mean latency): each of the workload's requests goes where it adds least,
+    as the coordinator routes them one by one."""
+    shares = [0] * len(groups)
+    total = 0.0
+    for _ in range(work.requests):
+        costs = [g.latency_s(s + 1, work.answer_tokens) * (s + 1) - g.latency_s(s, work.answer_tokens) * s
+                 for g, s in zip(groups, shares)]
+        k = min(range(len(groups)), key=lambda i: (costs[i], i))
+        shares[k] += 1
+        total += costs[k]
+    return tuple(shares), total / work.requests
+
+
+def _pipeline_group(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
+                    cache: dict) -> Group | None:
+    """The layer DP's pipeline over ``profiles`` (it may leave slow ones out); None if they cannot hold it."""
+    key = frozenset(p.device_id for p in profiles)
+    if key not in cache:
+        try:
+            res = plan_layers(profiles, link, work.prompt_tokens, max_seq)
+        except PlanError:
+            cache[key] = None
+        else:
+            cache[key] = price_group([(profiles[d], i, j) for d, i, j in res.split.stages], link, work)
+    return cache[key]
+
+
+def _layout(groups: list[Group], work: Workload, everyone: list[DeviceProfile]) -> Layout:
+    groups_t = tuple(groups)
+    shares, latency = route_requests(groups_t, work)
+    used = {n for g in groups_t for n in g.members}
+    replicas = sum(1 for g in groups_t if g.is_replica)
+    kind = "pipeline" if replicas == 0 else "replicas" if replicas == len(groups_t) else "mixed"
+    return Layout(kind, groups_t, shares, latency, work,
+                  tuple(NodeId(p.device_id) for p in everyone if p.device_id not in used))
+
+
+def _pick(layouts: list[Layout], margin: float, prefer) -> Layout:
+    """The cheapest layout, with two tie-breaks within ``margin`` of it: the routes the home serves
+    now (``prefer``: a re-plan reloads weights, a coin flip is not worth one), else the one with the
+    most routes (spare routes take a burst, and stay when a device leaves)."""
+    best = min(layouts, key=lambda lay: lay.latency_s)
+    close = [lay for lay in layouts if lay.latency_s <= best.latency_s * (1 + margin)]
+    same = [lay for lay in close if prefer is not None and set(lay.routes) == set(prefer)]
+    if same:
+        return same[0]
+    return min(close, key=lambda lay: (-len(lay.groups), lay.latency_s))
+
+
+def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
+                  force: str = "auto", *, margin: float = SIMPLER_MARGIN, prefer=None) -> Layout:
+    """The layout with the lowest predicted mean latency for ``work``.
+
+    Candidates: one pipeline over every member (the layer DP, which may leave slow members out);
+    the k fastest members that hold the whole model as replicas (k = 1..all of them), each with or
+    without a pipeline group of the members left. ``force``: "pipeline" keeps only the first,
+    "replicas" only replicas of every member that holds the model (the pipeline when none does).
+    Raises :class:`PlanError` when no candidate holds the model.
+    """
+    if force not in LAYOUT_KINDS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUT_KINDS)}, not {force!r}")
+    cache: dict = {}
+    L = profiles[0].num_layers
+    fits = [p for p in profiles if replica_fits(p, max_seq)]
+    solo = {p.device_id: price_group([(p, 0, L)], link, work) for p in fits}
+    fits.sort(key=lambda p: (solo[p.device_id].latency_s(1, work.answer_tokens), p.device_id))
+    candidates: list[Layout] = []
+    pipe = _pipeline_group(profiles, link, work, max_seq, cache)
+    if pipe is not None:
+        candidates.append(_layout([pipe], work, profiles))
+    if force == "replicas" and fits:
+        candidates = [_layout([solo[p.device_id] for p in fits], work, profiles)]
+    elif force == "auto":
+        for k in range(1, len(fits) + 1):
+            replicas = [solo[p.device_id] for p in fits[:k]]
+            candidates.append(_layout(replicas, work, profiles))
+            rest = [p for p in profiles if p not in fits[:k]]
+            group = _pipeline_group(rest, link, work, max_seq, cache) if len(rest) > 1 else None
+            if group is not None and not group.is_replica:
+                candidates.append(_layout([*replicas, group], work, profiles))
+    if not candidates:
+        raise PlanError("no member, and no pipeline of members, holds the model")
+    chosen = _pick(candidates, margin, prefer)
+    alternatives: dict[str, float] = {}
+    for lay in candidates:
+        alternatives[lay.kind] = min(alternatives.get(lay.kind, math.inf), lay.latency_s)
+    return _explained(chosen, alternatives, fits, force, profiles, link, max_seq, cache)
+
+
+def _explained(lay: Layout, alternatives: dict, fits: list[DeviceProfile], force: str,
+               profiles: list[DeviceProfile], link: LinkModel, max_seq: int, cache: dict) -> Layout:
+    work = lay.workload
+    replicas = [g.members[0] for g in lay.groups if g.is_replica]
+    pipes = [g for g in lay.groups if not g.is_replica]
+    parts = []
+    if replicas:
+        parts.append(f"{len(replicas)} replica(s) ({', '.join(replicas)}): each holds the whole model")
+    for g in pipes:
+        parts.append(f"a pipeline over {', '.join(g.members)}")
+    others = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(alternatives.items()) if k != lay.kind)
+    why = (f"{'; '.join(parts)}; predicted {lay.latency_s:.2f} s per request at {work.describe()}"
+           + (f" (best {others})" if others else ""))
+    if force != "auto":
+        why += f"; layout forced to {force}"
+    if not fits:
+        why += "; no member holds the whole model alone, so the pipeline is the only layout"
+    elif replicas and not pipes:
+        n = crossover_prompt(profiles, link, work, max_seq, lay, cache)
+        if n is not None:
+            why += f"; a pipeline would pay for prompts of more than {n} new tokens at this load"
+    return Layout(lay.kind, lay.groups, lay.shares, lay.latency_s, lay.workload, lay.unused, why, alternatives)
+
+
+def crossover_prompt(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
+                     chosen: Layout, cache: dict | None = None) -> int | None:
+    """The fewest new prompt tokens (doubling, up to ``max_seq``) at which one pipeline would beat
+    ``chosen`` at the same load (None: never within ``max_seq``)."""
+    n = 128
+    while n <= max_seq:
+        w = Workload(n, work.answer_tokens, 0.0, work.in_flight)
+        pipe = _pipeline_group(profiles, link, w, max_seq, {})
+        here = [price_group([(next(p for p in profiles if p.device_id == nid), f, e) for nid, f, e in g.stages],
+                            link, w) for g in chosen.groups]
+        if pipe is not None and len(pipe.stages) > 1 and \
+                route_requests((pipe,), w)[1] < route_requests(tuple(here), w)[1]:
+            return n
+        n *= 2
+    return None
+
+
+def brute_force_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload,
+                       max_seq: int) -> float:
+    """The least predicted mean latency over every way to give each member a role — replica (if it
+    holds the model), member of the one pipeline group (laid out by the layer DP), or unused.
+    Exponential: the tests' reference for :func:`choose_layout`."""
+    L = profiles[0].num_layers
+    best = math.inf
+    cache: dict = {}
+    for roles in itertools.product("rpu", repeat=len(profiles)):
+        if any(r == "r" and not replica_fits(p, max_seq) for r, p in zip(roles, profiles)):
+            continue
+        groups = [price_group([(p, 0, L)], link, work) for r, p in zip(roles, profiles) if r == "r"]
+        pipe_members = [p for r, p in zip(roles, profiles) if r == "p"]
+        if pipe_members:
+            g = _pipeline_group(pipe_members, link, work, max_seq, cache)
+            if g is None:
+                continue
+            groups.append(g)
+        if groups:
+            best = min(best, route_requests(tuple(groups), work)[1])
+    return best

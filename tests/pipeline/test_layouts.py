@@ -1,0 +1,90 @@
+"""Plans of several routes: replicas and a pipeline side by side, each request on one, the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decoding.generate import generate
+from decoding.loader import open_model
+from decoding.pipeline_local import LocalPipeline
+from decoding.sampling import SamplingSpec
+from meshd.pipeline.slot import StepsRequest
+from tests.support.inprocess import Mesh
+from tests.support.waiting import eventually
+
+SYSTEM = [(5 * i + 7) % 200 + 2 for i in range(120)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return open_model(tiny_llama[0])
+
+
+def reference(source, prompt, n):
+    return generate(LocalPipeline.from_source(source, 1), prompt, n).token_ids
+
+
+async def steps(mesh, prompt, n=10, rid="r"):
+    out, cached = [], None
+    async for s in mesh.coord.steps(StepsRequest(rid, prompt, n, SamplingSpec())):
+        out.append(s.token)
+        cached = s.cached if cached is None else cached
+    return out, cached
+
+
+async def test_requests_at_once_spread_over_two_replicas_and_each_equals_one_device(tiny):
+    prompts = [SYSTEM[: 40 + 7 * k] + [k + 3] for k in range(4)]
+    async with Mesh(tiny, 2, groups=[1, 1], prefix_share=0.0) as mesh:
+        assert [len(r.stages) for r in mesh.routes] == [1, 1]
+        assert all(r.stages[0].layers == (0, tiny.config.num_layers) for r in mesh.routes)
+        before = [svc.stats.to_dict() for svc in mesh.services]
+        outs = await asyncio.gather(*(steps(mesh, p, rid=f"q{k}") for k, p in enumerate(prompts)))
+        after = [svc.stats.to_dict() for svc in mesh.services]
+        for (got, _), p in zip(outs, prompts):
+            assert got == reference(tiny, p, 10)
+        # both replicas computed: the burst was spread, not queued on the first route
+        assert all(a != b for a, b in zip(before, after))
+
+
+async def test_a_conversation_returns_to_the_replica_that_holds_its_prompt(tiny):
+    first = SYSTEM + [9, 8, 7]
+    async with Mesh(tiny, 2, groups=[1, 1]) as mesh:
+        answer, cached = await steps(mesh, first, rid="t1")
+        assert cached == 0
+        await eventually(lambda: sum(s.scheduler.prefix.status()["entries"] for s in mesh.services) > 0)
+        second = first + answer + [5, 6]
+        got, cached = await steps(mesh, second, rid="t2")
+        assert got == reference(tiny, second, 10)
+        assert cached >= len(first) - 1  # it went where its prefix is
+
+
+async def test_a_replica_and_a_pipeline_group_serve_side_by_side_with_identical_tokens(tiny):
+    prompts = [SYSTEM[: 30 + 11 * k] for k in range(3)]
+    async with Mesh(tiny, 3, groups=[1, 2], prefix_share=0.0) as mesh:
+        assert [len(r.stages) for r in mesh.routes] == [1, 2]
+        outs = await asyncio.gather(*(steps(mesh, p, rid=f"m{k}") for k, p in enumerate(prompts)))
+        for (got, _), p in zip(outs, prompts):
+            assert got == reference(tiny, p, 10)
+
+
+async def test_a_replica_lost_mid_request_resumes_on_the_other_with_identical_tokens(tiny):
+    prompt = SYSTEM[:60]
+    want = reference(tiny, prompt, 40)
+    async with Mesh(tiny, 2, groups=[1, 1], prefix_share=0.0) as mesh:
+        got: list[int] = []
+
+        async def run():
+            async for s in mesh.coord.steps(StepsRequest("long", prompt, 40, SamplingSpec())):
+                got.append(s.token)
+
+        task = asyncio.create_task(run())
+        await eventually(lambda: len(got) >= 5)
+        route_of_request = next(r for r in mesh.routes if mesh.coord.route_counts.running(r))
+        lost = int(route_of_request.stages[0].node_id.removeprefix("dev"))
+        survivor = f"dev{1 - lost}"
+        await mesh.replan(2, [survivor], [1], gone=[lost])
+        await asyncio.wait_for(task, 120)
+        assert got == want
+        assert mesh.coord.resumes >= 1
