@@ -133,6 +133,7 @@ class Daemon:
                              send_timeout_s=max(0.2, cfg.heartbeat_interval_s),
                              probe_interval_s=probe_s, probe_timeout_s=min(2.0, probe_s), clock=self.clock)
         self.planner = Planner(cfg, view, self.link, self.debounce, self.clock, say_status=self.notifier.status)
+        self.planner.observe_workload = self._home_workload
         self.gossip = Gossip(view, self.planner, self.link, self.cloud_sync, self.clock, extras=self._heartbeat_extras,
                              on_members_learned=lambda: self.admission.reclassify(),
                              on_peer_restarted=lambda nid: self.models.peer_restarted(nid))
@@ -149,7 +150,15 @@ class Daemon:
         return {"state": "draining" if self.stopping.is_set() else "ready",
                 "requests_in_flight": self.models.in_flight(),
                 "kv_tokens": int((self.models.stage_status() or {}).get("kv_tokens_in_use") or 0),
+                "layouts": 1, "workload": self.models.workload(),
                 **self.cloud_sync.heartbeat_fields()}
+
+    def _home_workload(self):
+        """The home's workload: this coordinator's and every ready member's, as heartbeats carry them."""
+        from meshd.pipeline.workload import combine
+
+        peers = [self.view.info_of(n).get("workload") or {} for n in self.view.ready_ids() if n != self.view.node_id]
+        return combine([self.models.workload(), *peers])
 
     def _share_deps(self) -> ShareDeps:
         """What model sharing needs of this device: its transport, the view's members and addresses,
@@ -271,6 +280,7 @@ class Daemon:
                 self.gossip.apply(self.view.membership.tick(now))
                 if self.debounce.due(now):
                     self.planner.maybe_replan()
+                self.planner.check_workload()
             except Exception:  # never let one bad tick end liveness tracking
                 log.exception("maintenance_failed")
             await asyncio.sleep(step)

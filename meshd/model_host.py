@@ -151,6 +151,10 @@ class ModelHost:
             return True
         return self.view.plan is not None and self.serving.warm_version == self.view.plan.version
 
+    def workload(self) -> dict:
+        """What this device's coordinator saw of the home's requests ({}: not enough yet, or no pipeline)."""
+        return self.serving.coordinator.workload.snapshot() if self.serving is not None else {}
+
     def stage_status(self) -> dict[str, Any] | None:
         """This device's stage: plan served, layers, sequences and KV tokens in use."""
         if self.serving is None:

@@ -123,12 +123,14 @@ def _device_profiles(members: list[MemberInput], weights: str, model: str) -> li
 
 
 def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int,
-              weights: str = "", model: str = "", layout: str = "pipeline", workload=None) -> Plan:
+              weights: str = "", model: str = "", layout: str = "pipeline", workload=None,
+              current: Plan | None = None) -> Plan:
     """The leader's plan over ``members``, without its cut table (:class:`PlanIssuer` adds that).
 
     ``layout`` "pipeline": ``partition.planner.make_plan`` (one pipeline); "auto"/"replicas":
     ``make_layout_plan`` priced for ``workload`` (a ``partition.layout.Workload``; None: a
-    PLAN_SEQ_LEN-token request at a time). Either needs every member's usable profile; else an
+    PLAN_SEQ_LEN-token request at a time), keeping ``current``'s routes unless another layout is
+    clearly faster (``partition.planner.REPLAN_MARGIN``). Either needs every member's usable profile; else an
     equal split (one pipeline) that says why in ``reason``.
     """
     from partition.link import parse_link
@@ -151,13 +153,20 @@ def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
             else:
                 best = make_layout_plan(devs, parse_link(DEFAULT_LINK), PLAN_MAX_SEQ, workload=workload,
                                         layout=layout, plan_seq_len=PLAN_SEQ_LEN, with_cut_table=False,
-                                        version=version)
+                                        version=version, prefer=served_routes(current))
             planned = dataclasses.replace(best, leader=leader, members=ids, weights=weights, model=model)
     except Exception as exc:  # planner refused or profiles unusable: still have a plan
         log.warning("planner_fallback", error=str(exc))
         planned = dataclasses.replace(planned, reason=f"equal split: planner failed ({exc})")
     planned.check()
     return planned
+
+
+def served_routes(plan: Plan | None):
+    """``plan``'s routes as ``partition.layout.Layout.routes`` spells them (None: no plan)."""
+    if plan is None:
+        return None
+    return tuple(tuple((s.node_id, s.first, s.end) for s in r) for r in plan.routes)
 
 
 def stage_timings_over(stages, profiles: dict[str, dict], num_layers: int, link_spec: str = DEFAULT_LINK):

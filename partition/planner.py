@@ -21,6 +21,9 @@ from partition.sequence import StageTiming, build_cut_table, flow_shop_latency, 
 from partition.stagecount import plan_layers
 from partition.layout import Layout, Workload, choose_layout
 
+#: how much faster another layout must be predicted than the one served now to re-plan for it
+REPLAN_MARGIN = 0.15
+
 
 def stage_timings(stages: tuple[StageAssignment, ...], profiles: dict[str, DeviceProfile],
                   link: LinkModel) -> list[StageTiming]:
@@ -100,16 +103,20 @@ def make_layout_plan(
     plan_seq_len: int | None = None,
     with_cut_table: bool = True,
     version: PlanVersion = PlanVersion(0),
+    prefer=None,
 ) -> Plan:
     """The plan of the layout :func:`partition.layout.choose_layout` picks for ``workload``.
 
     A pipeline is :func:`make_plan` over the members it uses (so its account is the layer DP's);
     replicas and mixed layouts number their routes, replicas first, and say why in ``reason``.
+    ``prefer``: the routes served now (``Layout.routes``), kept unless another layout is predicted
+    REPLAN_MARGIN faster (a re-plan reloads weights and replays the requests in flight).
     """
     t0 = time.perf_counter()
     check_same_model(profiles)
     work = workload or Workload(plan_seq_len or max_seq)
-    chosen = choose_layout(profiles, link, work, max_seq, force=layout)
+    chosen = choose_layout(profiles, link, work, max_seq, force=layout, prefer=prefer,
+                           **({"margin": REPLAN_MARGIN} if prefer else {}))
     by_id = {p.device_id: p for p in profiles}
     if chosen.kind == "pipeline":
         used = [by_id[n] for n in chosen.groups[0].members]

@@ -722,6 +722,7 @@ class ErrorReply:
     message: str
     request_id: RequestId = RequestId("")  # the generation request concerned, if any
     node: str = ""  # the node that failed ("": not said)
+    seq_id: str = ""  # the sequence concerned ("": not said): a request's earlier sequence is not its current one
 
 
 @message

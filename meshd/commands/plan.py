@@ -38,6 +38,13 @@ def register(subparsers) -> None:
                    help="also print the chunk cut points and predicted prefill latency for this prompt")
     p.add_argument("--exact-limit", type=int, default=None,
                    help="search device subsets and orders exactly up to this many devices (default 10)")
+    p.add_argument("--layout", choices=("auto", "pipeline", "replicas"), default="auto",
+                   help="layout to price for the workload below (default auto: the cheapest of replicas, one "
+                        "pipeline, or both; the stage table above is always the one pipeline's)")
+    p.add_argument("--in-flight", type=float, default=1.0, help="requests in flight at once (default 1)")
+    p.add_argument("--answer-tokens", type=int, default=64, help="answer tokens per request (default 64)")
+    p.add_argument("--cached", type=float, default=0.0,
+                   help="share of each prompt the prefix cache holds, 0..0.99 (default 0)")
     p.add_argument("--out", default=None, help="write the full plan JSON (with cut table) here")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run)
@@ -91,7 +98,8 @@ def resolve_profile_arg(arg: str) -> str:
 def run(args) -> int:
     from meshd.errors import MeshdError
     from partition.link import parse_link
-    from partition.planner import make_plan, predict_decode_step_s, predict_prefill_s
+    from partition.layout import Workload, choose_layout
+    from partition.planner import layout_account, make_plan, predict_decode_step_s, predict_prefill_s
     from partition.profile import parse_profile_arg
 
     if args.max_seq < 1:
@@ -149,6 +157,16 @@ def run(args) -> int:
               f"predicted prefill {ttft:.3f} s (unchunked {single:.3f} s)", file=out)
         summary.update({"prompt_len": y, "cuts": list(cuts), "chunks": chunks,
                         "predicted_ttft_s": ttft, "unchunked_prefill_s": single})
+    try:
+        work = Workload(args.prompt_len or plan.plan_seq_len, args.answer_tokens, args.cached, args.in_flight)
+    except ValueError as exc:
+        raise MeshdError(str(exc)) from None
+    chosen = choose_layout(profiles, link, work, args.max_seq, force=args.layout)
+    routes = "; ".join(" -> ".join(f"{n} [{a},{b})" for n, a, b in g.stages) for g in chosen.groups)
+    print(f"layout {chosen.kind}: {routes}", file=out)
+    print(f"  {chosen.reason}", file=out)
+    summary["layout"] = {**layout_account(chosen), "reason": chosen.reason,
+                         "routes": [[[n, a, b] for n, a, b in g.stages] for g in chosen.groups]}
     if args.out:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)

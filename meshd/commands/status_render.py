@@ -135,6 +135,9 @@ def _plan(p: Any) -> str:
     parts = [f"plan v{cell.text(p.get('version'))}"]
     stages = p.get("stages")
     if isinstance(stages, list):
+        routes = {st.get("route", 0) for st in stages if isinstance(st, dict)}
+        if p.get("layout") and p.get("layout") != "pipeline":
+            parts.append(f"layout {p['layout']} ({len(routes)} routes)")
         parts.append(f"{len(stages)} stage{'s' if len(stages) != 1 else ''}")
     elif stages is not None:
         parts.append(f"{stages} stages")

@@ -23,6 +23,19 @@ from transport.messages import PlanUpdate
 
 log = get_logger("meshd.planner")
 
+WORKLOAD_CHECK_S = 30.0  # how often the leader looks whether the home's workload moved
+
+
+def moved(before, now) -> bool:
+    """Whether the workload changed enough since ``before`` (None: the default) to price layouts again."""
+    if before is None:
+        return True
+    ratio = lambda a, b: max(a, b) / max(1e-9, min(a, b))  # noqa: E731
+    return (ratio(before.in_flight, now.in_flight) >= 1.5 or ratio(before.prompt_tokens, now.prompt_tokens) >= 1.5
+            or ratio(max(1, before.answer_tokens), max(1, now.answer_tokens)) >= 1.5
+            or abs(before.cached_fraction - now.cached_fraction) >= 0.2)
+
+
 PROFILE_WAIT_S = 5.0  # how long a plan waits for a joining member's profile (asked for on its first heartbeat)
 
 
@@ -68,6 +81,8 @@ class Planner:
         self.issuer = PlanIssuer(self._send)  # the leader's plans leave with their cut table
         self._profile_wait: dict[NodeId, tuple[str, float]] = {}  # member -> (digest, when a plan first waited)
         self._said_old: list[NodeId] = []
+        self._planned_for = None  # the workload the last plan was priced for (None: the default)
+        self._workload_checked = 0.0
         self.observe_workload: Callable[[], Any] | None = None  # the home's workload (None: the default)
 
     @property
@@ -106,7 +121,7 @@ class Planner:
         version = max([current.version if current else 0, *seen]) + 1
         layout = self.layout_for(ready)
         plan_over = lambda ids: plan_home(version, node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
-                                          self.weights_mode, model, layout, self.workload())
+                                          self.weights_mode, model, layout, self.workload(), current)
         plan = plan_over(ready)
         if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
             plan = self.sharing.gate(plan, current, ready, model, plan_over)
@@ -151,7 +166,25 @@ class Planner:
 
     def workload(self):
         """What the home's coordinators observe (``meshd.pipeline.workload``), priced by the layout planner."""
-        return self.observe_workload() if self.observe_workload is not None else None
+        work = self.observe_workload() if self.observe_workload is not None else None
+        self._planned_for = work
+        return work
+
+    def check_workload(self) -> None:
+        """The leader of an "auto" home re-plans when the workload moved a lot since its plan (the
+        planner then keeps the served routes unless another layout is clearly faster); at most once
+        per WORKLOAD_CHECK_S."""
+        now = self.clock()
+        if now - self._workload_checked < WORKLOAD_CHECK_S or self.observe_workload is None:
+            return
+        self._workload_checked = now
+        if self.view.leader() != self.view.node_id or self.plan is None or \
+                str(getattr(self.config, "layout", "pipeline")) == "pipeline":
+            return
+        work = self.observe_workload()
+        if work is not None and moved(self._planned_for, work):
+            log.info("workload_moved", planned_for=str(self._planned_for), now=str(work))
+            self.poke()
 
     def _send(self, plan: Plan) -> None:
         """Adopt and broadcast a plan this leader decided, unless leadership or a newer plan came first

@@ -46,6 +46,7 @@ from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.prefix_reuse import PrefixReuse
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.routing import RouteCounts, RouteLoad, pick_route
+from meshd.pipeline.workload import WorkloadMeter
 from meshd.pipeline.seqkey import SeqKeys
 from meshd.pipeline.slot import Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest, TokenStep
 from meshd.pipeline.verify_rounds import verify_rounds
@@ -85,6 +86,7 @@ class PipelineCoordinator:
         self.resume_timeout_s = resume_timeout_s
         self.routes: tuple[Route, ...] = ()  # the current plan's routes (one, or replicas and a pipeline)
         self.route_counts = RouteCounts()
+        self.workload = WorkloadMeter()  # what requests here look like (the layout planner prices it)
         self.address: str | None = None
         self._server = None
         self._requests: set[RequestId] = set()
@@ -280,6 +282,7 @@ class PipelineCoordinator:
         """
         slot = self.admit(request)
         running: Route | None = None
+        arrived_with, cached = self.in_flight, 0
         try:
             route = await self.serving_route(self.resume_timeout_s if request.wait_s is None else request.wait_s,
                                              slot)
@@ -288,6 +291,8 @@ class PipelineCoordinator:
                 try:
                     async for step in self._attempt(slot, route):
                         slot.generated.append(step.token)
+                        if len(slot.generated) == 1:
+                            cached = step.cached or 0
                         yield step
                     return
                 except PrefixMiss as exc:  # evicted since the probe: this request prefills in full
@@ -312,6 +317,8 @@ class PipelineCoordinator:
         finally:
             if running is not None:
                 self.route_counts.give(running)
+            if slot.generated and not str(request.request_id).startswith("warmup-"):
+                self.workload.record(len(request.prompt_ids), cached, len(slot.generated), arrived_with)
             slot.state = SlotState.DONE
             self.discharge(slot.request_id)
 

@@ -58,8 +58,10 @@ class FlightTable:
 
     def deliver(self, msg: TokenResult | ErrorReply) -> bool:
         """Put a last stage's result (or a stage's error) in its flight's queue; False: none awaits it."""
-        flight = self._flights.get(msg.seq_id) if isinstance(msg, TokenResult) else None
-        if flight is None and isinstance(msg, ErrorReply):
+        flight = self._flights.get(msg.seq_id) if isinstance(msg, TokenResult) or msg.seq_id else None
+        if flight is None and isinstance(msg, ErrorReply) and not msg.seq_id:
+            # (an error naming a sequence that has ended — a request's earlier attempt, before a re-plan —
+            # is late: it must not fail the attempt that replaced it)
             flight = next((f for f in self._flights.values() if f.request_id == msg.request_id), None)
         if flight is None:
             return False

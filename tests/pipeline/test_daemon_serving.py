@@ -23,6 +23,7 @@ from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
+NOT_THE_WHOLE_MODEL = ("--memory-budget-mb", "145", "--layout", "auto")
 QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.",
              "How many legs does a spider have?"]
 
@@ -55,14 +56,23 @@ def home(real_source):
     mesh = Mesh()
     try:
         model = str(real_source.path)
-        a = mesh.spawn("alpha", "--model", model, *HALF_THE_MODEL, new_home="serving-test")
+        # layout "auto" (the default): neither holds the whole model (154 MiB with a 2048-token cache in the
+        # packed mode), each holds half of it (125-137 MiB), so the layout planner must pipeline it
+        a = mesh.spawn("alpha", "--model", model, *NOT_THE_WHOLE_MODEL, new_home="serving-test")
         a.wait_serving(60)
-        b = mesh.spawn("beta", "--model", model, *HALF_THE_MODEL, token=mesh.invite(a))
+        b = mesh.spawn("beta", "--model", model, *NOT_THE_WHOLE_MODEL, token=mesh.invite(a))
         b.wait_serving(60)
         wait_until(lambda: both_ready(a, b), 120, what="a warm two-stage plan", explain=lambda: summary(a, b))
         yield [mesh, a, b, model]
     finally:
         mesh.cleanup()
+
+
+def test_a_model_no_member_holds_alone_is_served_by_a_pipeline_and_the_plan_says_why(home):
+    _, a, _, _ = home
+    plan = a.status()["plan"]
+    assert plan["layout"] == "pipeline" and len(plan["stages"]) == 2
+    assert "no member holds the whole model alone" in plan["reason"]
 
 
 def test_two_people_asking_two_devices_at_once_both_get_the_reference_answer(home, reference):

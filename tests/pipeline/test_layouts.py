@@ -88,3 +88,21 @@ async def test_a_replica_lost_mid_request_resumes_on_the_other_with_identical_to
         await asyncio.wait_for(task, 120)
         assert got == want
         assert mesh.coord.resumes >= 1
+
+
+async def test_two_requests_on_two_replicas_both_finish_identically_when_one_replica_is_lost(tiny):
+    prompts = [SYSTEM[:70], SYSTEM[10:90]]
+    want = [reference(tiny, p, 40) for p in prompts]
+    async with Mesh(tiny, 2, groups=[1, 1]) as mesh:
+        got: list[list[int]] = [[], []]
+
+        async def run(k):
+            async for s in mesh.coord.steps(StepsRequest(f"long{k}", prompts[k], 40, SamplingSpec())):
+                got[k].append(s.token)
+
+        tasks = [asyncio.create_task(run(k)) for k in range(2)]
+        await eventually(lambda: min(len(g) for g in got) >= 5)
+        assert all(mesh.coord.route_counts.running(r) == 1 for r in mesh.routes)
+        await mesh.replan(2, ["dev0"], [1], gone=[1])
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert got == want

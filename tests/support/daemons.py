@@ -44,7 +44,9 @@ class DaemonProc:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cmd = [*prefix, sys.executable, "-m", "meshd", "join", "--state-dir", str(self.state_dir),
                     "--socket", str(self.socket), "--name", name, "--model", "none",
-                    "--port", "0", "--pairing-port", "0", *args]
+                    "--port", "0", "--pairing-port", "0",
+                    # one pipeline, as these tests were written for, unless a test picks a layout
+                    *([] if "--layout" in args else ["--layout", "pipeline"]), *args]
         self.env = env
         self.proc: subprocess.Popen | None = None
 

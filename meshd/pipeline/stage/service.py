@@ -264,8 +264,9 @@ class StageService:
                     message_type=type(msg).__name__, exc_info=code == "internal")
         reply_to = getattr(msg, "reply_to", "")
         told = reply_to.partition("|")[0] if reply_to else coordinator_of(seq) if isinstance(seq, str) else ""
+        new = self._decodes_node(told)
         reply = ErrorReply(code, f"{self.node_id}: {text}", rid if isinstance(rid, str) else "",
-                           node=failed if self._decodes_node(told) else "")
+                           node=failed if new else "", seq_id=seq if new and isinstance(seq, str) else "")
         if isinstance(seq, str) and seq and not isinstance(msg, ForkSequence):
             # (a failed fork created nothing: the child's first chunk then fails as unknown, reported)
             self.scheduler.free(seq, "failed")

@@ -1,0 +1,118 @@
+"""The layout planner: replicas, one pipeline or both, priced end to end and checked against brute force."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from partition.layers import PlanError, stage_memory_bytes
+from partition.layout import Workload, brute_force_layout, choose_layout, replica_fits
+from partition.link import parse_link
+from partition.plan import Plan
+from partition.planner import make_layout_plan
+from partition.synthetic import small_model, synthetic_profile
+
+LINK = parse_link("100mbit,2ms")
+MODEL = small_model(8)
+MAX_SEQ = 2048
+WHOLE = stage_memory_bytes(synthetic_profile("x", model=MODEL), 0, 8, MAX_SEQ)
+
+
+def device(name, speed=1.0, holds=3.0):
+    """A device ``speed`` times the default, whose budget is ``holds`` times the whole model's need
+    (a stage's activations for a full context are most of it: a half needs 0.81, a third 0.76)."""
+    return replace(synthetic_profile(name, model=MODEL, speed=speed), memory_budget_bytes=int(WHOLE * holds))
+
+
+def test_the_chosen_layout_is_the_brute_force_optimum_on_small_homes():
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(30):
+        profiles = [device(f"d{i}", rng.choice([0.5, 1, 1.5, 2]), rng.choice([0.78, 0.85, 1.3, 3]))
+                    for i in range(rng.randint(2, 4))]
+        work = Workload(rng.choice([128, 512, 2000]), rng.choice([16, 64, 128]), rng.choice([0, 0.5, 0.9]),
+                        rng.choice([1, 2, 4, 8]))
+        try:
+            best = brute_force_layout(profiles, LINK, work, MAX_SEQ)
+        except PlanError:
+            continue
+        if best == float("inf"):
+            with pytest.raises(PlanError):
+                choose_layout(profiles, LINK, work, MAX_SEQ, margin=0.0)
+            continue
+        lay = choose_layout(profiles, LINK, work, MAX_SEQ, margin=0.0)
+        assert lay.latency_s == pytest.approx(best, rel=1e-9), (work, [p.device_id for p in profiles])
+        # with the default tie margin it is never worse than the margin allows
+        assert choose_layout(profiles, LINK, work, MAX_SEQ).latency_s <= best * 1.03 + 1e-12
+        checked += 1
+    assert checked >= 15
+
+
+def test_requests_in_flight_on_equal_devices_get_replicas_and_a_lone_long_cold_prompt_a_pipeline():
+    home = [device("a"), device("b")]
+    busy = choose_layout(home, LINK, Workload(512, 64, 0.9, 4), MAX_SEQ)
+    assert busy.kind == "replicas" and busy.shares == (2, 2)
+    lone = choose_layout(home, LINK, Workload(3000, 16, 0.0, 1), MAX_SEQ)
+    assert lone.kind == "pipeline" and len(lone.groups[0].stages) == 2
+    assert "replica" in busy.reason and "predicted" in busy.reason
+
+
+def test_members_that_only_hold_the_model_together_form_a_pipeline_beside_the_replicas():
+    home = [device("big", holds=3), device("s1", holds=0.85), device("s2", holds=0.85)]
+    lay = choose_layout(home, LINK, Workload(512, 64, 0.5, 4), MAX_SEQ)
+    assert lay.kind == "mixed"
+    assert {g.members for g in lay.groups if g.is_replica} == {("big",)}
+    assert {frozenset(g.members) for g in lay.groups if not g.is_replica} == {frozenset({"s1", "s2"})}
+
+
+def test_a_model_bigger_than_every_member_is_still_served_by_a_pipeline():
+    home = [device("a", holds=0.8), device("b", holds=0.8), device("c", holds=0.8)]
+    assert not any(replica_fits(p, MAX_SEQ) for p in home)
+    for force in ("auto", "replicas"):
+        lay = choose_layout(home, LINK, Workload(512, 64, 0.0, 8), MAX_SEQ, force=force)
+        assert lay.kind == "pipeline" and "no member holds the whole model" in lay.reason
+
+
+def test_a_forced_layout_is_kept_and_said():
+    home = [device("a"), device("b")]
+    lay = choose_layout(home, LINK, Workload(512, 64, 0.9, 4), MAX_SEQ, force="pipeline")
+    assert lay.kind == "pipeline" and "forced to pipeline" in lay.reason
+
+
+def test_the_routes_served_now_win_a_tie():
+    home = [device("a"), device("b")]
+    work = Workload(512, 64, 0.0, 1)
+    now = choose_layout(home, LINK, work, MAX_SEQ)
+    assert choose_layout(home, LINK, work, MAX_SEQ, prefer=now.routes).routes == now.routes
+    one = tuple(g.stages for g in now.groups[:1])
+    assert choose_layout(home, LINK, work, MAX_SEQ, prefer=one).routes == one  # as fast for one at a time
+
+
+def test_a_replicas_plan_numbers_its_routes_and_travels_on_the_wire():
+    home = [device("a"), device("b"), device("c", holds=0.85), device("d", holds=0.85)]
+    plan = make_layout_plan(home, LINK, MAX_SEQ, workload=Workload(512, 64, 0.5, 6), with_cut_table=True)
+    assert plan.layout == "mixed"
+    assert [len(r) for r in plan.routes] == [1, 1, 2]
+    plan.check()
+    back = Plan.from_assignment(plan.version, plan.to_assignment())
+    assert [[(s.node_id, s.first, s.end) for s in r] for r in back.routes] == \
+        [[(s.node_id, s.first, s.end) for s in r] for r in plan.routes]
+    assert back.layout == "mixed" and back.digest() == plan.digest()
+    assert back.cut_table is not None  # the pipeline group's
+    assert Plan.from_dict(plan.to_dict()).routes == plan.routes
+
+
+def test_a_one_pipeline_plan_keeps_the_digest_older_members_compute():
+    from partition.plan import StageAssignment, json_digest
+
+    p = Plan(3, (StageAssignment("a", 0, 10), StageAssignment("b", 10, 30)), 30)
+    assert p.digest() == json_digest([30, [["a", 0, 10], ["b", 10, 30]]])
+
+
+def test_a_node_may_not_hold_two_stages():
+    from partition.plan import StageAssignment
+
+    with pytest.raises(ValueError):
+        Plan(1, (StageAssignment("a", 0, 30), StageAssignment("a", 0, 30, route=1)), 30).check()
