@@ -334,3 +334,11 @@ def brute_force_layout(profiles: list[DeviceProfile], link: LinkModel, work: Wor
         if groups:
             best = min(best, route_requests(tuple(groups), work)[1])
     return best
+
+
+def kv_handoff_s(profile: DeviceProfile, link: LinkModel, tokens: int) -> float:
+    """Seconds to move ``tokens`` positions of every layer's keys and values over ``link``: what a
+    pipeline that prefilled a long prompt would pay to hand its decoding to a replica. It pays only
+    when it is less than the prefill time the pipeline saved (it is priced, and measured in
+    ``bench/layouts.py``, rather than built)."""
+    return float(link.transfer_s(profile.kv_bytes_per_token_per_layer * profile.num_layers * tokens))

@@ -254,11 +254,15 @@ class Plan:
 
     def to_status(self) -> dict[str, Any]:
         """The plan in ``meshd status`` (the same document on members of every version)."""
+        several = len(self.routes) > 1
         return {
             "version": self.version,
             # half-open [first, end) per stage
-            "stages": [{"node_id": s.node_id, "layers": list(s.layers), "route": s.route} for s in self.stages],
-            "layout": self.layout or "pipeline",
+            # (routes and the layout only for a plan of several routes: members of every version
+            # show a one-pipeline plan alike)
+            "stages": [{"node_id": s.node_id, "layers": list(s.layers),
+                        **({"route": s.route} if several else {})} for s in self.stages],
+            **({"layout": self.layout or "mixed"} if several else {}),
             "num_layers": self.num_layers,
             # seconds the slowest stage takes (compute + hand-off) for one prefill of
             # PLAN_SEQ_LEN prompt tokens: the planner's objective, not a per-token time

@@ -206,7 +206,8 @@ class Gossip:
         if self.link is None:
             return
         hb = self.heartbeat()
-        legacy = dataclasses.replace(hb, plan_digest="")  # left out on the wire: strict 0.1 daemons refuse it
+        # fields at their default are left out on the wire: strict 0.1 daemons refuse any they lack
+        legacy = dataclasses.replace(hb, plan_digest="", layouts=0, workload=None)
         for peer in ([node_id] if node_id is not None else list(self.link.peers)):
             self.link.send(peer, hb if self._takes_extended_heartbeats(peer) else legacy)
 

@@ -52,6 +52,9 @@ class ProcessMesh:
     weights: str | None = None  # each stage's numeric mode (None: the stage process's default, float32)
     device: str | None = None  # each stage's device ("cuda" puts every stage on the GPU; None: the CPU)
     ready_timeout_s: float = 180.0
+    # devices per route, in order (None: one pipeline over every stage; [1, 1]: two replicas, whose
+    # ``ranges`` each cover every layer); the coordinator routes each request (meshd.pipeline.routing)
+    groups: list[int] | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
 
@@ -82,15 +85,23 @@ class ProcessMesh:
             rip, rport = reach(i, hosts[i], port)
             stages.append(StageEndpoint(f"dev{i}", f"tcp://{rip}:{rport}", keys[f"dev{i}"], a, b))
         stages = tuple(stages)
-        self.route = Route(1, stages)
+        groups = self.groups or [n]
+        assert sum(groups) == n, "groups must add up to the stages"
+        self.routes, k = [], 0
+        for index, size in enumerate(groups):
+            self.routes.append(Route(1, stages[k:k + size], index=index))
+            k += size
+        self.route = self.routes[0]
         coord_port = free_port(self.coordinator_host)
         coord_bind = f"tcp://{self.coordinator_host}:{coord_port}"
         cip, cport = reach(-1, self.coordinator_host, coord_port)
         coord_addr = f"tcp://{cip}:{cport}"
-        route_file = self.root / "route.json"
-        route_file.write_text(json.dumps({
-            "plan_version": 1, "stages": [s.__dict__ for s in stages],
-            "directory": {"coord": [coord_addr, keys["coord"]]}}))
+        route_files = {}
+        for route in self.routes:
+            route_files[route.index] = self.root / f"route{route.index}.json"
+            route_files[route.index].write_text(json.dumps({
+                "plan_version": 1, "index": route.index, "stages": [s.__dict__ for s in route.stages],
+                "directory": {"coord": [coord_addr, keys["coord"]]}}))
         self.node = TransportNode("coord", state_dir=dirs["coord"], curve=self.curve)
         await self.node.start()
         directory = {s.node_id: (s.address, s.public_key) for s in stages}
@@ -101,7 +112,8 @@ class ProcessMesh:
         for i, st in enumerate(stages):
             cores = self.cores[i] if self.cores else [i % ncpu]
             argv = [sys.executable, "-m", "meshd.pipeline.stage_proc", "--node-id", st.node_id,
-                    "--state-dir", str(dirs[st.node_id]), "--bind", binds[i], "--route", str(route_file),
+                    "--state-dir", str(dirs[st.node_id]), "--bind", binds[i],
+                    "--route", str(route_files[next(r.index for r in self.routes if st in r.stages)]),
                     "--threads", str(self.threads), "--cores", ",".join(map(str, cores))]
             if self.model:
                 argv += ["--model", str(self.model)]
@@ -128,8 +140,9 @@ class ProcessMesh:
                     await self.__aexit__(None, None, None)
                     raise RuntimeError(f"stage process {p.args[4]} did not become ready")
                 line = p.stdout.readline().strip()
-        self.coord.set_route(self.route)
-        await self.coord.wait_ready(self.route)
+        self.coord.set_routes(tuple(self.routes))
+        for route in self.routes:
+            await self.coord.wait_ready(route)
         return self
 
     async def __aexit__(self, *exc) -> None:

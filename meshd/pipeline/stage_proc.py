@@ -31,7 +31,8 @@ def load_route(path: str):
     from meshd.pipeline.route import Route, StageEndpoint
 
     raw = json.loads(open(path).read())
-    route = Route(int(raw["plan_version"]), tuple(StageEndpoint(**s) for s in raw["stages"]))
+    route = Route(int(raw["plan_version"]), tuple(StageEndpoint(**s) for s in raw["stages"]),
+                  index=int(raw.get("index", 0)))
     directory = {k: tuple(v) for k, v in raw.get("directory", {}).items()}
     for s in route.stages:
         directory.setdefault(s.node_id, (s.address, s.public_key))

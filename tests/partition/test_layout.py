@@ -116,3 +116,13 @@ def test_a_node_may_not_hold_two_stages():
 
     with pytest.raises(ValueError):
         Plan(1, (StageAssignment("a", 0, 30), StageAssignment("a", 0, 30, route=1)), 30).check()
+
+
+def test_handing_a_long_prompts_kv_to_a_replica_costs_its_bytes_over_the_link():
+    from partition.layout import kv_handoff_s
+
+    p = device("a")
+    per_token = p.kv_bytes_per_token_per_layer * p.num_layers
+    slow, fast = parse_link("100mbit,2ms"), parse_link("1gbit,1ms")
+    assert kv_handoff_s(p, slow, 2000) == pytest.approx(slow.transfer_s(per_token * 2000))
+    assert kv_handoff_s(p, slow, 2000) > 9 * kv_handoff_s(p, fast, 2000)

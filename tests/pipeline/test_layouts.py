@@ -106,3 +106,44 @@ async def test_two_requests_on_two_replicas_both_finish_identically_when_one_rep
         await mesh.replan(2, ["dev0"], [1], gone=[1])
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
         assert got == want
+
+
+async def test_speculative_requests_on_replicas_equal_plain_greedy(tiny):
+    from decoding.speculative.generate import MedusaSource
+    from decoding.speculative.session import SpeculationSession
+    from tests.support.speculative import PROMPTS, MirrorHeads
+
+    async with Mesh(tiny, 2, groups=[1, 1], medusa=lambda st: MedusaSource(MirrorHeads(), st.lm_head)) as mesh:
+        async def one(i, prompt, drafter):
+            session = SpeculationSession(drafter, list(prompt), cost=mesh.coord.round_cost)
+            return [s.token async for s in mesh.coord.steps(
+                StepsRequest(f"s{i}", prompt, 30, SamplingSpec(), speculation=session))]
+        outs = await asyncio.gather(*(one(i, p, d) for i, (p, d) in
+                                      enumerate(zip(PROMPTS[:2], ["lookup", "medusa"]))))
+        for out, prompt in zip(outs, PROMPTS[:2]):
+            assert out == reference(tiny, prompt, 30)
+        assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services))
+
+
+async def test_children_of_a_kept_prefix_run_on_the_replica_that_keeps_it(tiny):
+    from meshd.pipeline.slot import SharedPrefix
+
+    prompt = SYSTEM[:30]
+    async with Mesh(tiny, 2, groups=[1, 1], prefix_share=0.0) as mesh:
+        prefix = SharedPrefix("parent")
+        got = [s.token async for s in mesh.coord.steps(StepsRequest("parent", prompt, 6, SamplingSpec(), keep=prefix))]
+        held = prompt + got[:-1]
+        holder = prefix.route
+        # the parent's replica is now busier than the other one: children must still go where the prefix is
+        mesh.coord.route_counts.take(holder)
+        children = await asyncio.gather(*(
+            _children(mesh, f"c{i}", [70 + i, 71], prefix) for i in range(2)))
+        for i, child in enumerate(children):
+            assert child == reference(tiny, held + [70 + i, 71], 8)
+        mesh.coord.route_counts.give(holder)
+        await mesh.coord.release(prefix)
+        assert await eventually(lambda: all(svc.kv_tokens_in_use() == 0 for svc in mesh.services))
+
+
+async def _children(mesh, rid, suffix, prefix):
+    return [s.token async for s in mesh.coord.steps(StepsRequest(rid, suffix, 8, SamplingSpec(), fork=prefix))]

@@ -45,8 +45,9 @@ class DaemonProc:
         self.cmd = [*prefix, sys.executable, "-m", "meshd", "join", "--state-dir", str(self.state_dir),
                     "--socket", str(self.socket), "--name", name, "--model", "none",
                     "--port", "0", "--pairing-port", "0",
-                    # one pipeline, as these tests were written for, unless a test picks a layout
-                    *([] if "--layout" in args else ["--layout", "pipeline"]), *args]
+                    # one pipeline, as these tests were written for, unless a test picks a layout (a
+                    # daemon of an older tree, run through ``prefix``, knows no layouts)
+                    *([] if "--layout" in args or prefix else ["--layout", "pipeline"]), *args]
         self.env = env
         self.proc: subprocess.Popen | None = None
 

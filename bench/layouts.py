@@ -1,0 +1,264 @@
+"""Layouts side by side: one device, one pipeline over two, two replicas — and the planner's pick.
+
+Setup: the embedded SmolLM2-135M-Instruct (float32) as stage *processes* on this
+machine, each pinned to its own core with one torch thread, CURVE on, the
+coordinator (the one daemons run, routing per request) in this process.
+Configurations, each in one session of this run:
+
+  single/unbatched  one device, the whole model, one message per forward
+  single/batched    one device, the whole model, queued work run in one forward (a lone member today)
+  pipeline          two devices (one core each), layers split evenly, batched
+  replicas          two devices, each the whole model, batched; the coordinator routes each request
+
+Cases: bursts of 1, 4 and 8 requests arriving together (home prompts, ``--tokens`` answer
+tokens each) and one long prompt (Home Assistant's system prompt and a command, 32 answer
+tokens). Every prompt is unique (no prefix-cache hits flatter a layout), and every answer is
+compared with that prompt decoded alone on one device. Per case: mean request latency
+(arrival to last token) and throughput (answer tokens / burst wall time).
+
+The planner's choice is ``partition.layout.choose_layout`` over this machine's shipped profile
+(two copies), the link the daemon prices (100 Mbit/s, 2 ms) and the case's workload; its
+measured figure is the forced layout it picks, from the same run.
+
+    .venv/bin/python bench/layouts.py [--quick] [--json] [--tokens 64] [--reps 2]
+
+``--json`` keys: speedup_4_vs_unbatched and speedup_4_vs_batched (throughput of the choice at 4
+in flight over one device's), single_vs_best_member (one short request: the best member alone's
+latency over the choice's; >= 1 means no slower), choice_vs_best_forced (worst case over cases of
+the choice's latency over the best forced layout's; <= 1.10 is the target), parity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import finish, machine_banner  # noqa: E402
+
+FORCED = ("pipeline", "replicas")
+PROFILE = ROOT / "profiles" / "x86_64-2core-1thread.json"
+LONG_TOKENS = 32
+
+
+def home_texts() -> list[str]:
+    rows = [json.loads(x) for x in (ROOT / "bench" / "prompts" / "home.jsonl").read_text().splitlines() if x]
+    return [r["prompt"] for r in rows]
+
+
+def prompts_for(tok, cases: list[tuple[str, int]], reps: int) -> dict[tuple[str, int, int], list[list[int]]]:
+    """Unique prompts per (case, rep): a numbered system line makes every prompt differ from its start."""
+    from bench.ha_home import system_prompt
+
+    texts, out, k = home_texts(), {}, 0
+    for name, n in cases:
+        for rep in range(reps):
+            batch = []
+            for i in range(n):
+                if name == "long":
+                    msgs = [{"role": "system", "content": f"Session {rep}.{i}. {system_prompt()}"},
+                            {"role": "user", "content": "Turn on the kitchen lights and tell me the temperature."}]
+                else:
+                    msgs = [{"role": "system", "content": f"Request {k}: answer briefly."},
+                            {"role": "user", "content": texts[k % len(texts)]}]
+                k += 1
+                batch.append(tok.apply_chat(msgs))
+            out[(name, n, rep)] = batch
+    return out
+
+
+async def burst(coord, prompts: list[list[int]], tokens: int) -> dict:
+    from decoding.sampling import SamplingSpec
+
+    t0 = time.perf_counter()
+    outs: list[list[int]] = [[] for _ in prompts]
+    ends: list[float] = [0.0] * len(prompts)
+    firsts: list[float] = [0.0] * len(prompts)
+
+    async def one(i, ids):
+        async for t in coord.generate(f"l{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), ()):
+            if not outs[i]:
+                firsts[i] = time.perf_counter() - t0
+            outs[i].append(t)
+        ends[i] = time.perf_counter() - t0
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    wall = max(ends)
+    return {"latency_s": statistics.mean(ends), "ttft_s": statistics.mean(firsts), "wall_s": wall,
+            "tok_s": sum(len(o) for o in outs) / wall, "outs": outs}
+
+
+def mesh_for(config: str, n_layers: int):
+    from decoding.pipeline_local import even_split
+    from meshd.pipeline.proc_mesh import ProcessMesh
+
+    whole = [(0, n_layers)]
+    if config == "single/unbatched":
+        return ProcessMesh(whole, threads=1, cores=[[0]], heads="none", max_batch_tokens=0)
+    if config == "single/batched":
+        return ProcessMesh(whole, threads=1, cores=[[0]], heads="none")
+    if config == "pipeline":
+        return ProcessMesh(even_split(n_layers, 2), threads=1, cores=[[0], [1]], heads="none")
+    return ProcessMesh(whole * 2, threads=1, cores=[[0], [1]], heads="none", groups=[1, 1])
+
+
+async def measure(cases, configs, prompts, tokens_for, reps, refs, log=print) -> dict:
+    from meshd.model_store import open_model
+
+    n_layers = open_model(None).config.num_layers
+    results: dict = {}
+    for config in configs:
+        async with mesh_for(config, n_layers) as mesh:
+            await burst(mesh.coord, [[1, 2, 3, 4]] * len(mesh.routes), 4)  # warm-up: every route
+            for name, n in cases:
+                if config == "single/unbatched" and name == "long":
+                    continue  # one request: batching has nothing to batch
+                runs, ok = [], True
+                for rep in range(reps):
+                    ps = prompts[(name, n, rep)]
+                    r = await burst(mesh.coord, ps, tokens_for(name))
+                    ok &= all(o == refs[tuple(p)] for o, p in zip(r.pop("outs"), ps))
+                    runs.append(r)
+                row = {k: round(statistics.median(r[k] for r in runs), 3) for k in ("latency_s", "ttft_s", "tok_s")}
+                row["parity"] = ok
+                results[(config, name, n)] = row
+                log(f"{config:>17} {name}x{n}: latency {row['latency_s']:7.2f} s  ttft {row['ttft_s']:6.2f} s  "
+                    f"{row['tok_s']:6.1f} tok/s  parity={ok}", flush=True)
+    return results
+
+
+def planner_choices(cases, prompts, tokens_for, link_spec: str) -> dict:
+    """The layout the planner picks for each case's workload, with its predicted prices."""
+    import dataclasses
+
+    from partition.layout import Workload, choose_layout
+    from partition.link import parse_link
+    from partition.plan import PLAN_MAX_SEQ
+    from partition.profile import load
+
+    base = load(PROFILE)
+    home = [dataclasses.replace(base, device_id=f"dev{i}") for i in range(2)]
+    out = {}
+    for name, n in cases:
+        ps = prompts[(name, n, 0)]
+        work = Workload(round(statistics.mean(len(p) for p in ps)), tokens_for(name), 0.0, n)
+        lay = choose_layout(home, parse_link(link_spec), work, max(PLAN_MAX_SEQ, work.prompt_tokens + 64))
+        out[(name, n)] = {"kind": lay.kind, "predicted_s": round(lay.latency_s, 3),
+                          "alternatives_s": {k: round(v, 3) for k, v in lay.alternatives.items()},
+                          "reason": lay.reason, "workload": dataclasses.asdict(work)}
+    return out
+
+
+def handoff_account(res: dict, prompt_tokens: int) -> dict:
+    """Would a pipeline prefill then a replica decode pay? The TTFT the pipeline saved on the long
+    prompt (measured) against moving its KV to a replica (priced: ``partition.layout.kv_handoff_s``)."""
+    from partition.layout import kv_handoff_s
+    from partition.link import parse_link
+    from partition.profile import load
+
+    p = load(PROFILE)
+    saved = res[("replicas", "long", 1)]["ttft_s"] - res[("pipeline", "long", 1)]["ttft_s"]
+    links = ("100mbit,2ms", "1gbit,1ms")
+    cost = {spec: round(kv_handoff_s(p, parse_link(spec), prompt_tokens), 3) for spec in links}
+    return {"prompt_tokens": prompt_tokens, "prefill_saved_s": round(saved, 3),
+            "kv_mib": round(p.kv_bytes_per_token_per_layer * p.num_layers * prompt_tokens / 2**20, 1),
+            "transfer_s": cost, "pays_on": [spec for spec in links if cost[spec] < saved]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="32 answer tokens, one rep (under 5 minutes)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--tokens", type=int, default=64, help="answer tokens per home request (32-128)")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--link", default="100mbit,2ms", help="the link the planner prices (the daemon's default)")
+    ap.add_argument("--out", default=None, help="also write the JSON object here")
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.reps = 32, 1
+    import torch
+
+    from decoding.generate import generate
+    from decoding.pipeline_local import LocalPipeline
+    from meshd.model_store import open_model
+
+    torch.set_num_threads(1)
+    cases = [("burst", 1), ("burst", 4), ("burst", 8), ("long", 1)]
+    configs = ["single/unbatched", "single/batched", *FORCED]
+    tokens_for = lambda name: LONG_TOKENS if name == "long" else args.tokens  # noqa: E731
+    setup = {**machine_banner(), "model": "SmolLM2-135M-Instruct Q4_1 (embedded), float32 stages",
+             "threads_per_stage": 1, "cores": "single: [0]; two devices: [0], [1]", "curve": True,
+             "sampling": "greedy", "answer_tokens": args.tokens, "long_answer_tokens": LONG_TOKENS,
+             "reps": args.reps, "planner_profile": PROFILE.name, "planner_link": args.link,
+             "coordinator": "in this process (routes per request)"}
+    print("# setup", json.dumps(setup), flush=True)
+    source = open_model(None)
+    prompts = prompts_for(source.tokenizer, cases, args.reps)
+    setup["prompt_tokens"] = {f"{k[0]}x{k[1]}": round(statistics.mean(len(p) for p in v))
+                              for k, v in prompts.items() if k[2] == 0}
+    print("# prompt tokens", json.dumps(setup["prompt_tokens"]), flush=True)
+    t0 = time.perf_counter()
+    ref_pipe = LocalPipeline.from_source(source, 1)
+    refs = {}
+    for (name, _, _), batch in prompts.items():
+        for p in batch:
+            refs[tuple(p)] = generate(ref_pipe, p, tokens_for(name)).token_ids
+    del ref_pipe
+    print(f"# references: {len(refs)} prompts decoded alone in {time.perf_counter() - t0:.0f} s", flush=True)
+    choices = planner_choices(cases, prompts, tokens_for, args.link)
+    res = asyncio.run(measure(cases, configs, prompts, tokens_for, args.reps, refs))
+
+    rows, worst = [], 0.0
+    print("\n| case | single, unbatched | single, batched | pipeline | replicas | planner picks | "
+          "choice / best forced |")
+    print("|---|---:|---:|---:|---:|---|---:|")
+    for name, n in cases:
+        get = lambda c: res.get((c, name, n))  # noqa: E731
+        best = min(FORCED, key=lambda c: get(c)["latency_s"])
+        pick = choices[(name, n)]["kind"]
+        pick_cfg = pick if pick in FORCED else "single/batched"
+        ratio = get(pick_cfg)["latency_s"] / get(best)["latency_s"]
+        worst = max(worst, ratio)
+        cell = lambda c: "—" if get(c) is None else f"{get(c)['latency_s']:.2f} s, {get(c)['tok_s']:.1f} tok/s"  # noqa: E731
+        print(f"| {name} ×{n} | {cell('single/unbatched')} | {cell('single/batched')} | {cell('pipeline')} | "
+              f"{cell('replicas')} | {pick} | {ratio:.3f} |")
+        rows.append({"case": name, "requests": n, "choice": pick, "best_forced": best,
+                     "choice_over_best": round(ratio, 3), **{c: get(c) for c in configs if get(c) is not None},
+                     "planner": choices[(name, n)]})
+    handoff = handoff_account(res, setup["prompt_tokens"]["longx1"])
+    print(f"\nlong prompt: the pipeline's first token came {handoff['prefill_saved_s']:.2f} s before a replica's; "
+          f"handing its KV ({handoff['kv_mib']:.0f} MiB) to a replica for decoding would take "
+          f"{handoff['transfer_s']['100mbit,2ms']:.2f} s at 100 Mbit/s, {handoff['transfer_s']['1gbit,1ms']:.2f} s "
+          f"at 1 Gbit/s; pays on: {', '.join(handoff['pays_on']) or 'neither'}")
+    b4 = lambda c: res[(c, "burst", 4)]  # noqa: E731
+    pick4 = choices[("burst", 4)]["kind"]
+    pick1 = choices[("burst", 1)]["kind"]
+    parity = all(v["parity"] for v in res.values())
+    out = {
+        "setup": setup,
+        "speedup_4_vs_unbatched": round(b4(pick4)["tok_s"] / b4("single/unbatched")["tok_s"], 3),
+        "speedup_4_vs_batched": round(b4(pick4)["tok_s"] / b4("single/batched")["tok_s"], 3),
+        "single_vs_best_member": round(res[("single/batched", "burst", 1)]["latency_s"]
+                                       / res[(pick1, "burst", 1)]["latency_s"], 3),
+        "choice_vs_best_forced": round(worst, 3),
+        "parity": parity,
+        "kv_handoff": handoff,
+        "cases": rows,
+    }
+    print(f"\n4 in flight, the planner's {pick4}: {out['speedup_4_vs_unbatched']}x one unbatched device, "
+          f"{out['speedup_4_vs_batched']}x one batched device; one short request: the best member alone takes "
+          f"{out['single_vs_best_member']}x the planner's {pick1}; worst choice / best forced "
+          f"{out['choice_vs_best_forced']}; parity {parity}")
+    finish(out, args.out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Per-request routing over a plan's routes, and the workload the coordinators report to the planner."""
+
+from meshd.mesh.planner import moved
+from meshd.pipeline.route import Route, StageEndpoint
+from meshd.pipeline.routing import RouteCounts, RouteLoad, pick_route
+from meshd.pipeline.workload import MIN_REQUESTS, WorkloadMeter, combine
+from partition.layout import Workload
+
+
+def route(index, *nodes):
+    return Route(1, tuple(StageEndpoint(n, "", "", 0, 30) for n in nodes), index=index)
+
+
+A, B, P = route(0, "a"), route(1, "b"), route(2, "c", "d")
+
+
+def test_an_idle_home_sends_a_request_to_the_first_replica_and_a_busy_replica_is_passed_by():
+    assert pick_route([RouteLoad(A, 0), RouteLoad(B, 0)], 100) is A
+    assert pick_route([RouteLoad(A, 1), RouteLoad(B, 0)], 100) is B
+
+
+def test_a_prompt_goes_where_its_prefix_is_cached_unless_that_route_is_busier_by_a_whole_request():
+    assert pick_route([RouteLoad(A, 0, 0), RouteLoad(B, 0, 90)], 100) is B
+    assert pick_route([RouteLoad(A, 0, 0), RouteLoad(B, 1, 90)], 100) is A
+
+
+def test_a_cold_long_prompt_prefers_the_pipeline_group_when_the_replicas_are_as_busy():
+    assert pick_route([RouteLoad(A, 1), RouteLoad(P, 1)], 3000) is P
+    assert pick_route([RouteLoad(A, 0, 2990), RouteLoad(P, 0)], 3000) is A  # but a warm replica wins
+
+
+def test_counts_spread_a_burst_and_go_back_to_zero():
+    counts = RouteCounts()
+    picks = []
+    for _ in range(4):
+        r = pick_route([RouteLoad(x, counts.running(x)) for x in (A, B)], 50)
+        counts.take(r)
+        picks.append(r.index)
+    assert sorted(picks) == [0, 0, 1, 1]
+    for r in (A, A, B, B):
+        counts.give(r)
+    assert counts.to_dict() == {}
+
+
+def test_the_workload_is_said_only_after_enough_requests_and_the_home_adds_up_concurrency():
+    meter = WorkloadMeter()
+    for _ in range(MIN_REQUESTS - 1):
+        meter.record(1000, 900, 40, 2)
+    assert meter.snapshot() == {}
+    meter.record(1000, 900, 40, 2)
+    snap = meter.snapshot()
+    assert snap["prompt_tokens"] == 1000 and snap["cached_fraction"] == 0.9 and snap["in_flight"] == 2
+    home = combine([snap, snap, {}, {"requests": 1}])
+    assert home == Workload(1000, 40, 0.9, 4.0)
+    assert combine([{}, {"requests": 9, "prompt_tokens": "x"}]) is None
+
+
+def test_a_re_plan_is_priced_only_when_the_workload_moved_a_lot():
+    w = Workload(1000, 40, 0.9, 2)
+    assert moved(None, w)
+    assert not moved(w, Workload(1100, 44, 0.85, 2.5))
+    assert moved(w, Workload(1000, 40, 0.9, 4))
+    assert moved(w, Workload(1000, 40, 0.5, 2))
