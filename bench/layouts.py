@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import finish, machine_banner  # noqa: E402
+from bench._common import finish, machine_banner, pin  # noqa: E402
 
 FORCED = ("pipeline", "replicas")
 PROFILE = ROOT / "profiles" / "x86_64-2core-1thread.json"
@@ -49,8 +49,9 @@ LONG_TOKENS = 32
 
 
 def home_texts() -> list[str]:
+    """The home's short requests (a voice command, a question): the bursts' prompts."""
     rows = [json.loads(x) for x in (ROOT / "bench" / "prompts" / "home.jsonl").read_text().splitlines() if x]
-    return [r["prompt"] for r in rows]
+    return [r["prompt"] for r in rows if r.get("category") == "short"]
 
 
 def prompts_for(tok, cases: list[tuple[str, int]], reps: int) -> dict[tuple[str, int, int], list[list[int]]]:
@@ -58,15 +59,16 @@ def prompts_for(tok, cases: list[tuple[str, int]], reps: int) -> dict[tuple[str,
     from bench.ha_home import system_prompt
 
     texts, out, k = home_texts(), {}, 0
-    for name, n in cases:
-        for rep in range(reps):
+    for name, n in [*cases, ("warm", max(n for _, n in cases))]:
+        for rep in range(1 if name == "warm" else reps):
             batch = []
             for i in range(n):
                 if name == "long":
                     msgs = [{"role": "system", "content": f"Session {rep}.{i}. {system_prompt()}"},
                             {"role": "user", "content": "Turn on the kitchen lights and tell me the temperature."}]
                 else:
-                    msgs = [{"role": "system", "content": f"Request {k}: answer briefly."},
+                    word = "Warm-up" if name == "warm" else "Request"
+                    msgs = [{"role": "system", "content": f"{word} {k}: answer briefly."},
                             {"role": "user", "content": texts[k % len(texts)]}]
                 k += 1
                 batch.append(tok.apply_chat(msgs))
@@ -74,25 +76,28 @@ def prompts_for(tok, cases: list[tuple[str, int]], reps: int) -> dict[tuple[str,
     return out
 
 
-async def burst(coord, prompts: list[list[int]], tokens: int) -> dict:
+async def burst(coord, prompts: list[list[int]], tokens: int, cuts=None) -> dict:
     from decoding.sampling import SamplingSpec
 
     t0 = time.perf_counter()
     outs: list[list[int]] = [[] for _ in prompts]
     ends: list[float] = [0.0] * len(prompts)
     firsts: list[float] = [0.0] * len(prompts)
+    spread: dict = {}
 
     async def one(i, ids):
-        async for t in coord.generate(f"l{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), ()):
+        async for t in coord.generate(f"l{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), (), cuts=cuts):
             if not outs[i]:
                 firsts[i] = time.perf_counter() - t0
+                if not spread:  # requests per route when the first token arrives
+                    spread.update(coord.route_counts.to_dict())
             outs[i].append(t)
         ends[i] = time.perf_counter() - t0
 
     await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     wall = max(ends)
     return {"latency_s": statistics.mean(ends), "ttft_s": statistics.mean(firsts), "wall_s": wall,
-            "tok_s": sum(len(o) for o in outs) / wall, "outs": outs}
+            "tok_s": sum(len(o) for o in outs) / wall, "outs": outs, "spread": spread}
 
 
 def mesh_for(config: str, n_layers: int):
@@ -109,29 +114,49 @@ def mesh_for(config: str, n_layers: int):
     return ProcessMesh(whole * 2, threads=1, cores=[[0], [1]], heads="none", groups=[1, 1])
 
 
-async def measure(cases, configs, prompts, tokens_for, reps, refs, log=print) -> dict:
+async def measure(cases, configs, prompts, tokens_for, reps, refs, skip=frozenset(), log=print) -> dict:
     from meshd.model_store import open_model
 
     n_layers = open_model(None).config.num_layers
     results: dict = {}
     for config in configs:
         async with mesh_for(config, n_layers) as mesh:
-            await burst(mesh.coord, [[1, 2, 3, 4]] * len(mesh.routes), 4)  # warm-up: every route
+            cuts = cuts_for(mesh, n_layers)
+            # Warm-up (a process's first forwards of each shape are several times slower): a burst as
+            # wide as the widest case, then one request per route, on prompts no case uses.
+            widest = max(n for _, n in cases)
+            await burst(mesh.coord, prompts[("warm", widest, 0)], 16, cuts)
+            await burst(mesh.coord, prompts[("warm", widest, 0)][:len(mesh.routes)], 16, cuts)
             for name, n in cases:
-                if config == "single/unbatched" and name == "long":
-                    continue  # one request: batching has nothing to batch
+                if (config == "single/unbatched" and name == "long") or (config, name, n) in skip:
+                    continue  # (one request: batching has nothing to batch)
                 runs, ok = [], True
                 for rep in range(reps):
                     ps = prompts[(name, n, rep)]
-                    r = await burst(mesh.coord, ps, tokens_for(name))
+                    r = await burst(mesh.coord, ps, tokens_for(name), cuts)
                     ok &= all(o == refs[tuple(p)] for o, p in zip(r.pop("outs"), ps))
+                    spread = r.pop("spread")
                     runs.append(r)
                 row = {k: round(statistics.median(r[k] for r in runs), 3) for k in ("latency_s", "ttft_s", "tok_s")}
                 row["parity"] = ok
                 results[(config, name, n)] = row
-                log(f"{config:>17} {name}x{n}: latency {row['latency_s']:7.2f} s  ttft {row['ttft_s']:6.2f} s  "
-                    f"{row['tok_s']:6.1f} tok/s  parity={ok}", flush=True)
+                row["requests_per_route"] = list(spread.values())
+                log(f"{config:>17} {name}x{n}: per route {list(spread.values())}; latency {row['latency_s']:7.2f} s  "
+                    f"ttft {row['ttft_s']:6.2f} s  {row['tok_s']:6.1f} tok/s  parity={ok}", flush=True)
+        log(f"{config:>17}: tokens computed per stage process {[s.get('tokens') for s in mesh.stats]}", flush=True)
     return results
+
+
+def cuts_for(mesh, n_layers: int):
+    """Where the daemon would cut a prompt on each route: the cut table its leader builds from the
+    members' profiles (here the shipped one for both), none on a one-stage route."""
+    from meshd.pipeline.cuts import prompt_cuts
+    from meshd.plan import cut_table_over
+
+    profile = json.loads(PROFILE.read_text())
+    tables = {r.index: cut_table_over(r.stages, {s.node_id: profile for s in r.stages}, n_layers)
+              for r in mesh.routes if len(r.stages) > 1}
+    return lambda n, route: prompt_cuts(n, len(route.stages), tables.get(route.index), False)
 
 
 def planner_choices(cases, prompts, tokens_for, link_spec: str) -> dict:
@@ -190,11 +215,12 @@ def main() -> int:
     from meshd.model_store import open_model
 
     torch.set_num_threads(1)
-    cases = [("burst", 1), ("burst", 4), ("burst", 8), ("long", 1)]
+    cases = [("burst", 1), ("burst", 2), ("burst", 4), ("burst", 8), ("long", 1)]
     configs = ["single/unbatched", "single/batched", *FORCED]
     tokens_for = lambda name: LONG_TOKENS if name == "long" else args.tokens  # noqa: E731
     setup = {**machine_banner(), "model": "SmolLM2-135M-Instruct Q4_1 (embedded), float32 stages",
-             "threads_per_stage": 1, "cores": "single: [0]; two devices: [0], [1]", "curve": True,
+             "threads_per_stage": 1, "cores": "single: [0]; two devices: [0], [1]; coordinator: core 0",
+             "curve": True, "cuts": "the cut table a leader builds from the shipped profile",
              "sampling": "greedy", "answer_tokens": args.tokens, "long_answer_tokens": LONG_TOKENS,
              "reps": args.reps, "planner_profile": PROFILE.name, "planner_link": args.link,
              "coordinator": "in this process (routes per request)"}
@@ -208,12 +234,18 @@ def main() -> int:
     ref_pipe = LocalPipeline.from_source(source, 1)
     refs = {}
     for (name, _, _), batch in prompts.items():
+        if name == "warm":
+            continue
         for p in batch:
             refs[tuple(p)] = generate(ref_pipe, p, tokens_for(name)).token_ids
     del ref_pipe
     print(f"# references: {len(refs)} prompts decoded alone in {time.perf_counter() - t0:.0f} s", flush=True)
     choices = planner_choices(cases, prompts, tokens_for, args.link)
-    res = asyncio.run(measure(cases, configs, prompts, tokens_for, args.reps, refs))
+    # The coordinator lives in a daemon on a device: here device 0's core, in every configuration.
+    pin([0], 1)
+    # --quick: the unbatched device only where a figure needs it (4 in flight)
+    skip = {("single/unbatched", "burst", n) for n in (1, 2, 8)} if args.quick else set()
+    res = asyncio.run(measure(cases, configs, prompts, tokens_for, args.reps, refs, skip))
 
     rows, worst = [], 0.0
     print("\n| case | single, unbatched | single, batched | pipeline | replicas | planner picks | "
@@ -241,6 +273,10 @@ def main() -> int:
     pick4 = choices[("burst", 4)]["kind"]
     pick1 = choices[("burst", 1)]["kind"]
     parity = all(v["parity"] for v in res.values())
+    one = lambda n: res[("single/batched", "burst", n)]["tok_s"]  # noqa: E731
+    # Two replicas at 4 in flight each batch 2: at best twice one device's rate with 2 requests. Over one
+    # device batching all 4, that is 2·T(2)/T(4) — the ceiling batching on this device leaves.
+    bound = round(2 * one(2) / one(4), 3)
     out = {
         "setup": setup,
         "speedup_4_vs_unbatched": round(b4(pick4)["tok_s"] / b4("single/unbatched")["tok_s"], 3),
@@ -248,6 +284,7 @@ def main() -> int:
         "single_vs_best_member": round(res[("single/batched", "burst", 1)]["latency_s"]
                                        / res[(pick1, "burst", 1)]["latency_s"], 3),
         "choice_vs_best_forced": round(worst, 3),
+        "replica_ceiling_4_vs_batched": bound,
         "parity": parity,
         "kv_handoff": handoff,
         "cases": rows,
@@ -256,6 +293,8 @@ def main() -> int:
           f"{out['speedup_4_vs_batched']}x one batched device; one short request: the best member alone takes "
           f"{out['single_vs_best_member']}x the planner's {pick1}; worst choice / best forced "
           f"{out['choice_vs_best_forced']}; parity {parity}")
+    print(f"ceiling for two replicas at 4 in flight over one batched device, from this device's own batching "
+          f"(2 x {one(2):.1f} tok/s at 2 / {one(4):.1f} at 4): {bound}x")
     finish(out, args.out, args.json)
     return 0
 
