@@ -47,6 +47,29 @@ def test_plan_with_prompt_length_gives_cuts_and_predicted_ttft(profiles, capsys)
     assert 0 < summary["predicted_ttft_s"] < summary["unchunked_prefill_s"]
 
 
+def test_plan_prices_layouts_for_a_workload_and_says_which_and_why(tmp_path, capsys):
+    a = pf.save(synthetic_profile("a"), tmp_path / "a.json")
+    b = pf.save(synthetic_profile("b"), tmp_path / "b.json")
+    args = ["plan", "--profile", str(a), "--profile", str(b), "--prompt-len", "512", "--json"]
+    assert main([*args, "--in-flight", "4", "--cached", "0.9"]) == 0
+    out = capsys.readouterr().out
+    busy = last_json(out)["layout"]
+    assert busy["kind"] == "replicas" and busy["routes"] == [[["a", 0, 30]], [["b", 0, 30]]]
+    assert "layout replicas" in out and "each holds the whole model" in out
+    assert main([*args, "--layout", "pipeline"]) == 0
+    forced = last_json(capsys.readouterr().out)["layout"]
+    assert forced["kind"] == "pipeline" and "forced to pipeline" in forced["reason"]
+
+
+def test_status_names_a_plan_of_several_routes_by_its_layout():
+    from meshd.commands.status_render import render_status
+
+    text = render_status({"plan": {"version": 4, "layout": "replicas", "reason": "2 replica(s) (a, b)",
+                                   "stages": [{"node_id": "a", "layers": [0, 30], "route": 0},
+                                              {"node_id": "b", "layers": [0, 30], "route": 1}]}})
+    assert "layout replicas (2 routes)" in text and "2 replica(s)" in text
+
+
 def test_plan_scales_unmeasured_devices_and_names_identical_ones_apart(profiles, capsys):
     a, _ = profiles
     assert main(["plan", "--profile", str(a), "--profile", str(a),
