@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from partition.ids import NodeId
-from partition.layers import PlanError, stage_memory_bytes
+from partition.layers import PlanError, partition_layers, stage_memory_bytes
 from partition.link import LinkModel
 from partition.profile import DeviceProfile
 from partition.sequence import equal_starts, flow_shop_latency, pipeline_timings
@@ -196,17 +196,23 @@ def route_requests(groups: tuple[Group, ...], work: Workload) -> tuple[tuple[int
     return tuple(shares), total / work.requests
 
 
-def _pipeline_group(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
-                    cache: dict) -> Group | None:
-    """The layer DP's pipeline over ``profiles`` (it may leave slow ones out); None if they cannot hold it."""
+def _pipeline_groups(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
+                     cache: dict) -> list[Group]:
+    """Pipelines over ``profiles`` by two layer DPs: the one whose device count makes the prompt's
+    prefill fastest (it may leave members out: a short prompt runs on one device) and the
+    bottleneck DP over every member ([] if they cannot hold the model; one if both agree)."""
     key = frozenset(p.device_id for p in profiles)
     if key not in cache:
-        try:
-            res = plan_layers(profiles, link, work.prompt_tokens, max_seq)
-        except PlanError:
-            cache[key] = None
-        else:
-            cache[key] = price_group([(profiles[d], i, j) for d, i, j in res.split.stages], link, work)
+        options: list[Group] = []
+        for plan in (plan_layers, partition_layers):
+            try:
+                res = plan(profiles, link, work.prompt_tokens, max_seq)
+            except PlanError:
+                continue
+            group = price_group([(profiles[d], i, j) for d, i, j in res.split.stages], link, work)
+            if all(g.stages != group.stages for g in options):
+                options.append(group)
+        cache[key] = options
     return cache[key]
 
 
@@ -250,8 +256,7 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
     solo = {p.device_id: price_group([(p, 0, L)], link, work) for p in fits}
     fits.sort(key=lambda p: (solo[p.device_id].latency_s(1, work.answer_tokens), p.device_id))
     candidates: list[Layout] = []
-    pipe = _pipeline_group(profiles, link, work, max_seq, cache)
-    if pipe is not None:
+    for pipe in _pipeline_groups(profiles, link, work, max_seq, cache):
         candidates.append(_layout([pipe], work, profiles))
     if force == "replicas" and fits:
         candidates = [_layout([solo[p.device_id] for p in fits], work, profiles)]
@@ -260,9 +265,9 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
             replicas = [solo[p.device_id] for p in fits[:k]]
             candidates.append(_layout(replicas, work, profiles))
             rest = [p for p in profiles if p not in fits[:k]]
-            group = _pipeline_group(rest, link, work, max_seq, cache) if len(rest) > 1 else None
-            if group is not None and not group.is_replica:
-                candidates.append(_layout([*replicas, group], work, profiles))
+            for group in _pipeline_groups(rest, link, work, max_seq, cache) if len(rest) > 1 else ():
+                if not group.is_replica:
+                    candidates.append(_layout([*replicas, group], work, profiles))
     if not candidates:
         raise PlanError("no member, and no pipeline of members, holds the model")
     chosen = _pick(candidates, margin, prefer)
@@ -303,11 +308,10 @@ def crossover_prompt(profiles: list[DeviceProfile], link: LinkModel, work: Workl
     n = 128
     while n <= max_seq:
         w = Workload(n, work.answer_tokens, 0.0, work.in_flight)
-        pipe = _pipeline_group(profiles, link, w, max_seq, {})
         here = [price_group([(next(p for p in profiles if p.device_id == nid), f, e) for nid, f, e in g.stages],
                             link, w) for g in chosen.groups]
-        if pipe is not None and len(pipe.stages) > 1 and \
-                route_requests((pipe,), w)[1] < route_requests(tuple(here), w)[1]:
+        if any(len(pipe.stages) > 1 and route_requests((pipe,), w)[1] < route_requests(tuple(here), w)[1]
+               for pipe in _pipeline_groups(profiles, link, w, max_seq, {})):
             return n
         n *= 2
     return None
@@ -326,13 +330,11 @@ def brute_force_layout(profiles: list[DeviceProfile], link: LinkModel, work: Wor
             continue
         groups = [price_group([(p, 0, L)], link, work) for r, p in zip(roles, profiles) if r == "r"]
         pipe_members = [p for r, p in zip(roles, profiles) if r == "p"]
-        if pipe_members:
-            g = _pipeline_group(pipe_members, link, work, max_seq, cache)
-            if g is None:
-                continue
-            groups.append(g)
-        if groups:
-            best = min(best, route_requests(tuple(groups), work)[1])
+        options = _pipeline_groups(pipe_members, link, work, max_seq, cache) if pipe_members else [None]
+        for g in options:
+            layout = [*groups, g] if g is not None else groups
+            if layout:
+                best = min(best, route_requests(tuple(layout), work)[1])
     return best
 
 

@@ -45,7 +45,8 @@ from meshd.pipeline.flights import FlightTable, Replanned
 from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.prefix_reuse import PrefixReuse
 from meshd.pipeline.route import Route, model_mismatch
-from meshd.pipeline.routing import RouteCounts, RouteLoad, pick_route
+from meshd.pipeline.routes import RouteTable
+from meshd.pipeline.routing import RouteCounts
 from meshd.pipeline.workload import WorkloadMeter
 from meshd.pipeline.seqkey import SeqKeys
 from meshd.pipeline.slot import Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest, TokenStep
@@ -53,7 +54,7 @@ from meshd.pipeline.verify_rounds import verify_rounds
 from partition.ids import NodeId, RequestId
 from transport.errors import TransportError
 from transport.link import Request
-from transport.messages import Ack, ErrorReply, ForkSequence, Hello, StageForward, TokenResult
+from transport.messages import Ack, ErrorReply, ForkSequence, StageForward, TokenResult
 from transport.node import TransportNode
 
 __all__ = ["BadTokens", "MeshDrafter", "ModelMismatch", "NoRoute", "PipelineBusy", "PipelineCoordinator",
@@ -84,8 +85,6 @@ class PipelineCoordinator:
         self.send_timeout_s = send_timeout_s
         self.activation_dtype = activation_dtype
         self.resume_timeout_s = resume_timeout_s
-        self.routes: tuple[Route, ...] = ()  # the current plan's routes (one, or replicas and a pipeline)
-        self.route_counts = RouteCounts()
         self.workload = WorkloadMeter()  # what requests here look like (the layout planner prices it)
         self.address: str | None = None
         self._server = None
@@ -94,9 +93,7 @@ class PipelineCoordinator:
         self.links = Links(node, directory)
         self.flights = FlightTable(self.keys, self.links, send_timeout_s)
         self.prefixes = PrefixReuse(self.links, prefix_cache)
-        self._ready: set[tuple[int, int]] = set()  # routes whose stages all serve their plan
-        self._route_changed = asyncio.Event()
-        self.waiting_on: str | None = None  # the stage a readiness probe waits for (named in errors)
+        self.table = RouteTable(node_id, self.links, self.prefixes)  # the plan's routes, which serve, which to take
         self.resumes = 0
         # What a verify round of m tokens costs on this mesh, learnt from every round any request runs.
         self.round_cost = RoundCost()
@@ -114,7 +111,7 @@ class PipelineCoordinator:
     async def close(self) -> None:
         self._closing = True
         self.flights.tell(lambda f: True, lambda f: PipelineError("the coordinator is shutting down"))
-        self._route_changed.set()
+        self.table.wake()
         await self.links.close()
         if self._server is not None:
             await self._server.close()
@@ -128,9 +125,22 @@ class PipelineCoordinator:
         return len(self._requests)
 
     @property
+    def routes(self) -> tuple[Route, ...]:
+        """The current plan's routes (one pipeline, or replicas and a pipeline group; () while one deploys)."""
+        return self.table.routes
+
+    @property
     def route(self) -> Route | None:
         """The current plan's first route (None: no plan serving)."""
-        return self.routes[0] if self.routes else None
+        return self.table.first
+
+    @property
+    def route_counts(self) -> RouteCounts:
+        return self.table.counts
+
+    @property
+    def waiting_on(self) -> str | None:
+        return self.table.waiting_on
 
     def set_route(self, route: Route | None) -> None:
         """A plan of one route (or none while one deploys); see :meth:`set_routes`."""
@@ -138,19 +148,14 @@ class PipelineCoordinator:
 
     def set_routes(self, routes: tuple[Route, ...]) -> None:
         """A new plan's routes (or none while one deploys): requests on the old one replay on the next."""
-        old = self.route
-        self.routes = tuple(routes)
-        new = self.route
-        if new is None or old is None or new.plan_version != old.plan_version:
-            self._ready.clear()
+        if self.table.set(routes):
+            new = self.route
             self.flights.tell(lambda f: new is None or f.route.plan_version != new.plan_version,
                               lambda f: Replanned(f.route.plan_version, new.plan_version if new else None))
-        self._route_changed.set()
-        self._route_changed = asyncio.Event()
 
     def stage_restarted(self, node_id: NodeId) -> None:
         """A member came back with a new incarnation: its caches are gone; re-probe before use."""
-        self._ready.clear()
+        self.table.probe_again()
         self.flights.tell(lambda f: f.route.index_of(node_id) is not None,
                           lambda f: Interrupted(f"{node_id} restarted", node_id))
 
@@ -173,56 +178,11 @@ class PipelineCoordinator:
             raise Interrupted(f"could not reach {node_id}: {exc}", node_id) from exc
 
     async def wait_ready(self, route: Route, timeout_s: float = 120.0, poll_s: float = 0.1) -> None:
-        """Wait until every stage of ``route`` has loaded its layers for that plan version.
-
-        After a re-plan, stages may still be loading weights; a request arriving
-        then waits (bounded) instead of failing on a half-deployed pipeline.
-        """
-        if route.key in self._ready:
-            return
-        async with asyncio.timeout(timeout_s):
-            for st in route.stages:
-                self.waiting_on = st.node_id
-                while True:
-                    if route not in self.routes:  # re-planned (e.g. a stage's device left): stop waiting
-                        raise Interrupted(f"the mesh re-planned while plan {route.plan_version} loaded")
-                    try:
-                        peer = await self.links.to(st.node_id)
-                        reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=2.0)
-                        if reply.plan_version == route.plan_version:
-                            break
-                        if not reply.accepted and reply.reason:  # it holds another model: it never will
-                            raise ModelMismatch(f"stage {st.node_id} {reply.reason}")
-                    except (TransportError, KeyError) as exc:
-                        log.debug("stage_not_ready", node=st.node_id, error=str(exc))
-                    await asyncio.sleep(poll_s)
-        self._ready.add(route.key)
-        self.waiting_on = None
-        log.info("pipeline_ready", plan_version=route.plan_version, route=route.index,
-                 stages=[s.node_id for s in route.stages])
-
-    async def pick_route(self, slot: RequestSlot | None) -> Route:
-        """The route ``slot``'s request takes among the current ones (see :mod:`meshd.pipeline.routing`)."""
-        routes = self.routes
-        if len(routes) == 1 or slot is None:
-            return routes[0]
-        fork = slot.request.fork
-        if fork is not None and fork.route in routes:
-            return fork.route  # a child reads its parent's positions in place
-        ids = slot.context
-        held = await asyncio.gather(*(self.prefixes.reusable(r, ids, count=False) for r in routes)) \
-            if self.prefixes.enabled and slot.reuse else [(0, False)] * len(routes)
-        routes = tuple(r for r in routes if r in self.routes)  # a re-plan during the probes
-        if not routes:
-            return self.routes[0]
-        loads = [RouteLoad(r, self.route_counts.running(r), h) for r, (h, _) in zip(routes, held)]
-        route = pick_route(loads, len(ids))
-        log.debug("route_picked", request_id=slot.request_id, route=route.index,
-                  loads=[(load.route.index, load.running, load.held) for load in loads])
-        return route
+        """Wait until every stage of ``route`` serves its plan (see :meth:`RouteTable.wait_ready`)."""
+        await self.table.wait_ready(route, timeout_s, poll_s)
 
     async def serving_route(self, timeout_s: float, slot: RequestSlot | None = None) -> Route:
-        """A current route (the one ``slot`` takes, :meth:`pick_route`) once all its stages serve it;
+        """A current route (the one ``slot`` takes, :meth:`RouteTable.pick`) once all its stages serve it;
         waits (bounded) through re-plans. With a ``slot``, the route is counted as running it from the
         moment it is picked (so a burst spreads over the routes): ``route_counts.give`` it back."""
         deadline = time.monotonic() + timeout_s
@@ -233,7 +193,7 @@ class PipelineCoordinator:
                        if self.waiting_on and self.route is not None
                        else "devices still joining, loading layers or re-planning")
                 raise NoRoute(f"no pipeline plan could serve within {timeout_s:g}s ({why}); retry")
-            route = self.route if len(self.routes) <= 1 else await self.pick_route(slot)
+            route = await self.table.pick(slot)
             mismatch = model_mismatch(route.model, self.model) if route is not None else ""
             if mismatch:
                 from meshd.model_store import model_flag_for
@@ -242,12 +202,7 @@ class PipelineCoordinator:
                                     f"{model_flag_for(route.model)} (every member of a home holds the same "
                                     f"model) or send requests to another member")
             if route is None or not route.stages:
-                changed = self._route_changed
-                try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (a hang-up)
-                    async with asyncio.timeout(left):
-                        await changed.wait()
-                except TimeoutError:
-                    pass
+                await self.table.changed(left)
                 continue
             if slot is not None:
                 self.route_counts.take(route)
@@ -305,7 +260,7 @@ class PipelineCoordinator:
                             from None
                     slot.state, slot.replays = SlotState.REPLAYING, slot.replays + 1
                     self.note_replay()
-                    self._ready.discard(route.key)  # re-probe the route before the replay uses it
+                    self.table.probe_again(route)  # re-probe the route before the replay uses it
                     log.info("request_replaying", request_id=slot.request_id, generated=len(slot.generated),
                              reason=str(exc), device=exc.device, plan_version=route.plan_version)
                     self.route_counts.give(running)

@@ -29,7 +29,7 @@ def device(name, speed=1.0, holds=3.0):
 def test_the_chosen_layout_is_the_brute_force_optimum_on_small_homes():
     rng = random.Random(7)
     checked = 0
-    for _ in range(30):
+    for _ in range(18):
         profiles = [device(f"d{i}", rng.choice([0.5, 1, 1.5, 2]), rng.choice([0.78, 0.85, 1.3, 3]))
                     for i in range(rng.randint(2, 4))]
         work = Workload(rng.choice([128, 512, 2000]), rng.choice([16, 64, 128]), rng.choice([0, 0.5, 0.9]),
@@ -47,7 +47,7 @@ def test_the_chosen_layout_is_the_brute_force_optimum_on_small_homes():
         # with the default tie margin it is never worse than the margin allows
         assert choose_layout(profiles, LINK, work, MAX_SEQ).latency_s <= best * 1.03 + 1e-12
         checked += 1
-    assert checked >= 15
+    assert checked >= 9
 
 
 def test_requests_in_flight_on_equal_devices_get_replicas_and_a_lone_long_cold_prompt_a_pipeline():

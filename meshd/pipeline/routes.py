@@ -1,0 +1,122 @@
+"""The current plan's routes as one coordinator sees them: which serve, which one a request takes.
+
+A plan has one route (a pipeline) or several (whole-model replicas, a pipeline
+group: ``partition.layout``). The table follows the plans the serving role
+adopts, probes each route's stages before its first use (after a re-plan they
+may still be loading layers), and picks a route per request from what the
+coordinator sees live (:mod:`meshd.pipeline.routing`). The request loop itself
+stays in the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from meshd.log import get_logger
+from meshd.pipeline.failures import Interrupted, ModelMismatch
+from meshd.pipeline.links import Links
+from meshd.pipeline.prefix_reuse import PrefixReuse
+from meshd.pipeline.route import Route
+from meshd.pipeline.routing import RouteCounts, RouteLoad, pick_route
+from meshd.pipeline.slot import RequestSlot
+from partition.ids import NodeId
+from transport.errors import TransportError
+from transport.messages import Hello
+
+log = get_logger("meshd.coordinator")
+
+
+class RouteTable:
+    def __init__(self, node_id: NodeId, links: Links, prefixes: PrefixReuse):
+        self.node_id = node_id
+        self.links = links
+        self.prefixes = prefixes
+        self.routes: tuple[Route, ...] = ()
+        self.counts = RouteCounts()  # this coordinator's requests on each route
+        self.waiting_on: str | None = None  # the stage a readiness probe waits for (named in errors)
+        self._ready: set[tuple[int, int]] = set()  # routes whose stages all serve their plan
+        self._changed = asyncio.Event()
+
+    @property
+    def first(self) -> Route | None:
+        return self.routes[0] if self.routes else None
+
+    def set(self, routes: tuple[Route, ...]) -> bool:
+        """Follow a new plan's routes (() while one deploys); True when the plan version changed."""
+        old = self.first
+        self.routes = tuple(routes)
+        new = self.first
+        moved = new is None or old is None or new.plan_version != old.plan_version
+        if moved:
+            self._ready.clear()
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return moved
+
+    def probe_again(self, route: Route | None = None) -> None:
+        """Ask ``route``'s stages (every route's: None) whether they serve before the next use."""
+        if route is None:
+            self._ready.clear()
+        else:
+            self._ready.discard(route.key)
+
+    def wake(self) -> None:
+        """Wake every request waiting for a plan (the coordinator is closing)."""
+        self._changed.set()
+
+    async def changed(self, timeout_s: float) -> None:
+        """Return when the routes change, or after ``timeout_s``."""
+        changed = self._changed
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (a hang-up)
+            async with asyncio.timeout(timeout_s):
+                await changed.wait()
+        except TimeoutError:
+            pass
+
+    async def wait_ready(self, route: Route, timeout_s: float = 120.0, poll_s: float = 0.1) -> None:
+        """Wait until every stage of ``route`` has loaded its layers for that plan version.
+
+        After a re-plan, stages may still be loading weights; a request arriving
+        then waits (bounded) instead of failing on a half-deployed pipeline.
+        """
+        if route.key in self._ready:
+            return
+        async with asyncio.timeout(timeout_s):
+            for st in route.stages:
+                self.waiting_on = st.node_id
+                while True:
+                    if route not in self.routes:  # re-planned (e.g. a stage's device left): stop waiting
+                        raise Interrupted(f"the mesh re-planned while plan {route.plan_version} loaded")
+                    try:
+                        peer = await self.links.to(st.node_id)
+                        reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=2.0)
+                        if reply.plan_version == route.plan_version:
+                            break
+                        if not reply.accepted and reply.reason:  # it holds another model: it never will
+                            raise ModelMismatch(f"stage {st.node_id} {reply.reason}")
+                    except (TransportError, KeyError) as exc:
+                        log.debug("stage_not_ready", node=st.node_id, error=str(exc))
+                    await asyncio.sleep(poll_s)
+        self._ready.add(route.key)
+        self.waiting_on = None
+        log.info("pipeline_ready", plan_version=route.plan_version, route=route.index,
+                 stages=[s.node_id for s in route.stages])
+
+    async def pick(self, slot: RequestSlot | None) -> Route | None:
+        """The route ``slot``'s request takes among the current ones (None: no plan serves)."""
+        routes = self.routes
+        if len(routes) <= 1 or slot is None:
+            return self.first
+        fork = slot.request.fork
+        if fork is not None and fork.route in routes:
+            return fork.route  # a child reads its parent's positions in place
+        ids = slot.context
+        held = await asyncio.gather(*(self.prefixes.reusable(r, ids, count=False) for r in routes)) \
+            if self.prefixes.enabled and slot.reuse else [(0, False)] * len(routes)
+        loads = [RouteLoad(r, self.counts.running(r), h) for r, (h, _) in zip(routes, held) if r in self.routes]
+        if not loads:  # re-planned during the probes
+            return self.first
+        route = pick_route(loads, len(ids))
+        log.debug("route_picked", request_id=slot.request_id, route=route.index,
+                  loads=[(load.route.index, load.running, load.held) for load in loads])
+        return route
