@@ -226,26 +226,49 @@ def _layout(groups: list[Group], work: Workload, everyone: list[DeviceProfile]) 
                   tuple(NodeId(p.device_id) for p in everyone if p.device_id not in used))
 
 
-def _pick(layouts: list[Layout], margin: float, prefer) -> Layout:
-    """The cheapest layout, with two tie-breaks within ``margin`` of it: the routes the home serves
-    now (``prefer``: a re-plan reloads weights, a coin flip is not worth one), else the one with the
-    most routes (spare routes take a burst, and stay when a device leaves)."""
+def _pick(layouts: list[Layout], margin: float, served: Layout | None, keep_margin: float) -> Layout:
+    """Among layouts within ``margin`` of the cheapest, the one with the most routes (spare routes
+    take a burst, and stay when a device leaves) — but the routes the home serves now (``served``)
+    while within ``keep_margin`` of the cheapest and with as many routes (a re-plan reloads weights
+    and replays what is in flight; a member that joined is still put to use)."""
     best = min(layouts, key=lambda lay: lay.latency_s)
     close = [lay for lay in layouts if lay.latency_s <= best.latency_s * (1 + margin)]
-    same = [lay for lay in close if prefer is not None and set(lay.routes) == set(prefer)]
-    if same:
-        return same[0]
-    return min(close, key=lambda lay: (-len(lay.groups), lay.latency_s))
+    pick = min(close, key=lambda lay: (-len(lay.groups), lay.latency_s))
+    if served is not None and served.latency_s <= best.latency_s * (1 + keep_margin) \
+            and len(served.groups) >= len(pick.groups):
+        return served
+    return pick
+
+
+def _served(prefer, profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
+            everyone: list[DeviceProfile]) -> Layout | None:
+    """The routes served now, priced for ``work`` (None: none, or they no longer fit these members)."""
+    if not prefer:
+        return None
+    by_id = {p.device_id: p for p in profiles}
+    L = profiles[0].num_layers
+    groups = []
+    for route in prefer:
+        stages = [(by_id.get(n), f, e) for n, f, e in route]
+        if any(p is None or stage_memory_bytes(p, f, e, max_seq) > p.memory_budget_bytes for p, f, e in stages):
+            return None
+        if [f for _, f, _ in stages] != [0, *[e for _, _, e in stages[:-1]]] or stages[-1][2] != L:
+            return None
+        groups.append(price_group(stages, link, work))
+    return _layout(groups, work, everyone)
 
 
 def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
-                  force: str = "auto", *, margin: float = SIMPLER_MARGIN, prefer=None) -> Layout:
+                  force: str = "auto", *, margin: float = SIMPLER_MARGIN, prefer=None,
+                  keep_margin: float | None = None) -> Layout:
     """The layout with the lowest predicted mean latency for ``work``.
 
     Candidates: one pipeline over every member (the layer DP, which may leave slow members out);
     the k fastest members that hold the whole model as replicas (k = 1..all of them), each with or
     without a pipeline group of the members left. ``force``: "pipeline" keeps only the first,
     "replicas" only replicas of every member that holds the model (the pipeline when none does).
+    ``prefer``: the routes served now (``Layout.routes``), priced too and kept while within
+    ``keep_margin`` (default ``margin``) of the best; ``margin``: ties, see :func:`_pick`.
     Raises :class:`PlanError` when no candidate holds the model.
     """
     if force not in LAYOUT_KINDS:
@@ -268,9 +291,12 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
             for group in _pipeline_groups(rest, link, work, max_seq, cache) if len(rest) > 1 else ():
                 if not group.is_replica:
                     candidates.append(_layout([*replicas, group], work, profiles))
+    served = _served(prefer, profiles, link, work, max_seq, profiles) if force == "auto" else None
+    if served is not None:
+        candidates.append(served)
     if not candidates:
         raise PlanError("no member, and no pipeline of members, holds the model")
-    chosen = _pick(candidates, margin, prefer)
+    chosen = _pick(candidates, margin, served, margin if keep_margin is None else keep_margin)
     alternatives: dict[str, float] = {}
     for lay in candidates:
         alternatives[lay.kind] = min(alternatives.get(lay.kind, math.inf), lay.latency_s)

@@ -115,8 +115,7 @@ def make_layout_plan(
     t0 = time.perf_counter()
     check_same_model(profiles)
     work = workload or Workload(plan_seq_len or max_seq)
-    chosen = choose_layout(profiles, link, work, max_seq, force=layout, prefer=prefer,
-                           **({"margin": REPLAN_MARGIN} if prefer else {}))
+    chosen = choose_layout(profiles, link, work, max_seq, force=layout, prefer=prefer, keep_margin=REPLAN_MARGIN)
     by_id = {p.device_id: p for p in profiles}
     if chosen.kind == "pipeline":
         used = [by_id[n] for n in chosen.groups[0].members]
@@ -127,15 +126,18 @@ def make_layout_plan(
                                             if p.device_id not in plan.devices),
                        extras={**plan.extras, "layout": layout_account(chosen)})
     stages = []
-    for r, group in enumerate(chosen.groups):
+    # Routes numbered in a fixed order (replicas by node id, then pipeline groups): the same layout
+    # chosen again is the same plan, whatever the workload made fastest first.
+    ordered = sorted(chosen.groups, key=lambda g: (not g.is_replica, g.members))
+    for r, group in enumerate(ordered):
         for node, first, end in group.stages:
             stages.append(StageAssignment(node, first, end, memory_budget_bytes=by_id[node].memory_budget_bytes,
                                           route=r))
     stages_t = tuple(stages)
-    pipe = next((g for g in chosen.groups if not g.is_replica), None)
+    pipe = next((g for g in ordered if not g.is_replica), None)
     table = None
     if with_cut_table and pipe is not None:
-        pipe_stages = tuple(s for s in stages_t if s.route == chosen.groups.index(pipe))
+        pipe_stages = tuple(s for s in stages_t if s.route == ordered.index(pipe))
         table = plan_cut_table(pipe_stages, by_id, link, max_seq)
     return Plan(
         version=version, stages=stages_t, num_layers=profiles[0].num_layers,

@@ -125,7 +125,7 @@ class Gossip:
         if old_inc and old_inc != info.get("incarnation"):
             log.info("peer_restarted", peer=node_id, stage_port=info.get("stage_port"))
             self.on_peer_restarted(node_id)
-        if any(before.get(k) != info.get(k) for k in ("load_state", "model", "model_layers")):
+        if any(before.get(k) != info.get(k) for k in ("load_state", "model", "model_layers", "layouts")):
             self.planner.poke()  # who can be planned over changed
             self.planner.check_home_model()
 

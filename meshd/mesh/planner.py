@@ -24,6 +24,9 @@ from transport.messages import PlanUpdate
 log = get_logger("meshd.planner")
 
 WORKLOAD_CHECK_S = 30.0  # how often the leader looks whether the home's workload moved
+# after a re-plan for the workload, the next waits this long: a faster layout lowers the requests in
+# flight it was chosen for (Little's law), which must not swing the home back at once
+WORKLOAD_HOLD_S = 300.0
 
 
 def moved(before, now) -> bool:
@@ -83,6 +86,7 @@ class Planner:
         self._said_old: list[NodeId] = []
         self._planned_for = None  # the workload the last plan was priced for (None: the default)
         self._workload_checked = 0.0
+        self._workload_poked = -WORKLOAD_HOLD_S
         self.observe_workload: Callable[[], Any] | None = None  # the home's workload (None: the default)
 
     @property
@@ -172,10 +176,11 @@ class Planner:
 
     def check_workload(self) -> None:
         """The leader of an "auto" home re-plans when the workload moved a lot since its plan (the
-        planner then keeps the served routes unless another layout is clearly faster); at most once
-        per WORKLOAD_CHECK_S."""
+        planner then keeps the served routes unless another layout is clearly faster); it looks at
+        most once per WORKLOAD_CHECK_S, and after such a re-plan not again for WORKLOAD_HOLD_S."""
         now = self.clock()
-        if now - self._workload_checked < WORKLOAD_CHECK_S or self.observe_workload is None:
+        if now - self._workload_checked < WORKLOAD_CHECK_S or self.observe_workload is None \
+                or now - self._workload_poked < WORKLOAD_HOLD_S:
             return
         self._workload_checked = now
         if self.view.leader() != self.view.node_id or self.plan is None or \
@@ -184,6 +189,7 @@ class Planner:
         work = self.observe_workload()
         if work is not None and moved(self._planned_for, work):
             log.info("workload_moved", planned_for=str(self._planned_for), now=str(work))
+            self._workload_poked = now
             self.poke()
 
     def _send(self, plan: Plan) -> None:

@@ -261,6 +261,7 @@ class PipelineCoordinator:
                     slot.state, slot.replays = SlotState.REPLAYING, slot.replays + 1
                     self.note_replay()
                     self.table.probe_again(route)  # re-probe the route before the replay uses it
+                    slot.avoid = exc.device
                     log.info("request_replaying", request_id=slot.request_id, generated=len(slot.generated),
                              reason=str(exc), device=exc.device, plan_version=route.plan_version)
                     self.route_counts.give(running)

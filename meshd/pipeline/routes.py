@@ -116,6 +116,11 @@ class RouteTable:
         loads = [RouteLoad(r, self.counts.running(r), h) for r, (h, _) in zip(routes, held) if r in self.routes]
         if not loads:  # re-planned during the probes
             return self.first
+        # Routes known to serve first (one still loading, or whose stage failed to deploy, would hold
+        # the request for its whole wait), and not through a device that just failed this request.
+        for keep in (lambda load: load.route.key in self._ready,
+                     lambda load: slot.avoid is None or load.route.index_of(slot.avoid) is None):
+            loads = [load for load in loads if keep(load)] or loads
         route = pick_route(loads, len(ids))
         log.debug("route_picked", request_id=slot.request_id, route=route.index,
                   loads=[(load.route.index, load.running, load.held) for load in loads])

@@ -124,6 +124,7 @@ class RequestSlot:
     flight: Flight | None = None
     replays: int = 0
     reuse: bool = True  # may still start on the stages' cached prefix (False after a stage missed it)
+    avoid: str | None = None  # a device that just failed this request: its replay takes another route if any
 
     @property
     def request_id(self) -> RequestId:

@@ -9,11 +9,14 @@ Warm-up requests are not the home's workload and are not counted.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 #: requests a mean is taken over (a home's pattern changes over minutes, not over one request)
 WINDOW = 32
+#: requests older than this say nothing about the home now
+MAX_AGE_S = 600.0
 #: fewer requests than this say nothing yet: the planner's default workload stands
 MIN_REQUESTS = 4
 
@@ -24,21 +27,24 @@ class Seen:
     cached_tokens: int
     answer_tokens: int
     in_flight: int  # requests running here when it arrived, itself included
+    at: float = 0.0  # when it ended (monotonic seconds)
 
 
 class WorkloadMeter:
-    def __init__(self, window: int = WINDOW):
+    def __init__(self, window: int = WINDOW, clock=time.monotonic):
         self._seen: deque[Seen] = deque(maxlen=window)
+        self.clock = clock
         self.total = 0
 
     def record(self, prompt_tokens: int, cached_tokens: int, answer_tokens: int, in_flight: int) -> None:
         self._seen.append(Seen(max(1, prompt_tokens), max(0, min(cached_tokens, prompt_tokens)),
-                               max(0, answer_tokens), max(1, in_flight)))
+                               max(0, answer_tokens), max(1, in_flight), self.clock()))
         self.total += 1
 
     def snapshot(self) -> dict:
-        """The means over the window ({} until MIN_REQUESTS requests were seen)."""
-        seen = list(self._seen)
+        """The means over the window's requests of the last MAX_AGE_S ({} under MIN_REQUESTS of them)."""
+        now = self.clock()
+        seen = [s for s in self._seen if now - s.at <= MAX_AGE_S]
         if len(seen) < MIN_REQUESTS:
             return {}
         n = len(seen)

@@ -147,3 +147,18 @@ async def test_children_of_a_kept_prefix_run_on_the_replica_that_keeps_it(tiny):
 
 async def _children(mesh, rid, suffix, prefix):
     return [s.token async for s in mesh.coord.steps(StepsRequest(rid, suffix, 8, SamplingSpec(), fork=prefix))]
+
+
+async def test_requests_take_a_route_known_to_serve_over_one_that_never_answered(tiny):
+    async with Mesh(tiny, 2, groups=[1, 1], prefix_share=0.0) as mesh:
+        await steps(mesh, SYSTEM[:20], rid="first")  # route 0 answered: known to serve
+        await mesh.services[1].server.close()  # route 1's device is gone, and no re-plan came yet
+        prompts = [SYSTEM[5 * k: 5 * k + 25] for k in range(3)]
+        outs = await asyncio.wait_for(asyncio.gather(*(
+            _steps_within(mesh, p, f"b{k}") for k, p in enumerate(prompts))), 60)
+        for got, p in zip(outs, prompts):
+            assert got == reference(tiny, p, 10)
+
+
+async def _steps_within(mesh, prompt, rid):
+    return [s.token async for s in mesh.coord.steps(StepsRequest(rid, prompt, 10, SamplingSpec(), wait_s=20))]

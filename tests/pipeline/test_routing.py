@@ -61,3 +61,13 @@ def test_a_re_plan_is_priced_only_when_the_workload_moved_a_lot():
     assert not moved(w, Workload(1100, 44, 0.85, 2.5))
     assert moved(w, Workload(1000, 40, 0.9, 4))
     assert moved(w, Workload(1000, 40, 0.5, 2))
+
+
+def test_old_requests_leave_the_workload():
+    now = [0.0]
+    meter = WorkloadMeter(clock=lambda: now[0])
+    for _ in range(MIN_REQUESTS):
+        meter.record(100, 0, 10, 3)
+    assert meter.snapshot()["in_flight"] == 3
+    now[0] += 3600
+    assert meter.snapshot() == {}
