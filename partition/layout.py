@@ -300,11 +300,11 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
     alternatives: dict[str, float] = {}
     for lay in candidates:
         alternatives[lay.kind] = min(alternatives.get(lay.kind, math.inf), lay.latency_s)
-    return _explained(chosen, alternatives, fits, force, profiles, link, max_seq, cache)
+    return _explained(chosen, alternatives, fits, force, profiles, link, max_seq)
 
 
 def _explained(lay: Layout, alternatives: dict, fits: list[DeviceProfile], force: str,
-               profiles: list[DeviceProfile], link: LinkModel, max_seq: int, cache: dict) -> Layout:
+               profiles: list[DeviceProfile], link: LinkModel, max_seq: int) -> Layout:
     work = lay.workload
     replicas = [g.members[0] for g in lay.groups if g.is_replica]
     pipes = [g for g in lay.groups if not g.is_replica]
@@ -321,14 +321,14 @@ def _explained(lay: Layout, alternatives: dict, fits: list[DeviceProfile], force
     if not fits:
         why += "; no member holds the whole model alone, so the pipeline is the only layout"
     elif replicas and not pipes:
-        n = crossover_prompt(profiles, link, work, max_seq, lay, cache)
+        n = crossover_prompt(profiles, link, work, max_seq, lay)
         if n is not None:
             why += f"; a pipeline would pay for prompts of more than {n} new tokens at this load"
     return Layout(lay.kind, lay.groups, lay.shares, lay.latency_s, lay.workload, lay.unused, why, alternatives)
 
 
 def crossover_prompt(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
-                     chosen: Layout, cache: dict | None = None) -> int | None:
+                     chosen: Layout) -> int | None:
     """The fewest new prompt tokens (doubling, up to ``max_seq``) at which one pipeline would beat
     ``chosen`` at the same load (None: never within ``max_seq``)."""
     n = 128
