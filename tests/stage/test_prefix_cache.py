@@ -159,6 +159,15 @@ def test_a_new_plan_keeps_the_entries_only_when_nothing_they_depend_on_changed()
     assert s.probe(list(range(100))) == 0 and s.prefix.status()["entries"] == 0 and s.kv.reserved_tokens == 0
 
 
+def test_a_stage_reloaded_on_another_device_starts_a_fresh_cache():
+    """Found on a GPU: the same layers and mode reloaded on CUDA kept a host KV cache, and attention mixed devices."""
+    s = make()
+    prefill(s, "c/1", list(range(100)))
+    assert s.keep("c/1")
+    s.reset(TinyStage(), depth=1, key=CacheKey("model-sha", (0, 2), "float32", (), "cuda:0"))
+    assert s.probe(list(range(100))) == 0 and s.prefix.status()["entries"] == 0
+
+
 def test_a_thousand_distinct_long_prompts_keep_the_cache_within_its_budget():
     s = make(budget=16_384, share=0.5)
     for i in range(1000):

@@ -49,6 +49,7 @@ class CacheKey:
     layers: tuple[int, int]
     mode: str  # this stage's numeric mode (weights and KV dtype)
     upstream: tuple  # (node id, layers) of every stage before this one, in order, and the plan's mode
+    device: str = "cpu"  # where the KV lives: a stage reloaded on another device computes (and holds) it anew
 
 
 @dataclass

@@ -146,7 +146,7 @@ class StageService:
             return None
         upstream = tuple((s.node_id, tuple(s.layers)) for s in route.stages[:idx])
         return CacheKey(str(getattr(self.source, "identity", "") or ""), (stage.first, stage.end), self.mode,
-                        upstream + ((route.weights or "", self.activation_dtype or ""),))
+                        upstream + ((route.weights or "", self.activation_dtype or ""),), str(stage.device))
 
     # -- what the daemon, status and tests read ----------------------------------------
     @property
