@@ -33,6 +33,13 @@ class BatchItem:
     return_normed: bool = False
     logit_rows: int = 0  # with all_logits: only the last this many rows (0: all)
     attention_tail: int = 0  # see the stage's forward_batch ``probes``
+    exit_threshold: float = 0.0  # a decode step may leave at an exit layer with this top-2 margin (0: never)
+
+    @property
+    def may_exit(self) -> bool:
+        """A plain one-token decode step that asked for early exits (never a prompt, a tree or a probe)."""
+        return (self.exit_threshold > 0 and self.head and not self.all_logits and not self.return_normed
+                and self.tree_mask is None and self.attention_tail == 0 and self.x.shape[0] == 1)
 
     @property
     def tokens(self) -> int:

@@ -71,6 +71,10 @@ class Config:
     share_fetch: str = "layers"  # no local model: fetch "layers" (only this device's) or the "whole" file; "off"
     medusa_heads: str | None = None  # Medusa heads file; None: the shipped heads of the embedded model; "none": off
     draft_model: str | None = None  # a smaller model of the same family, for speculative drafter "draft_model"
+    # Early exits (Synera; lossy): a request that does not say decodes with this top-2 margin threshold
+    # (0: off); ``exit_heads``: their file (None: the ones shipped with the embedded model; "none": off).
+    exit_threshold: float = 0.0
+    exit_heads: str | None = None
     # Finished requests' KV kept in every stage for later prompts that start the same way (Home Assistant
     # resends one long system prompt): the share of each stage's KV budget it may hold; 0 turns it off.
     prefix_cache_share: float = 0.5
@@ -131,6 +135,8 @@ class Config:
         if self.layout not in ("auto", "pipeline", "replicas"):
             raise ConfigError(f"layout must be auto, pipeline or replicas, got {self.layout!r}")
         self.pin_prompts = [str(p).strip() for p in self.pin_prompts if str(p).strip()]
+        if not 0.0 <= self.exit_threshold <= 1.0:
+            raise ConfigError(f"exit_threshold must be between 0 (off) and 1, got {self.exit_threshold}")
         if not 0.0 <= self.cloud_budget <= 1.0:
             raise ConfigError(f"cloud_budget must be between 0 and 1, got {self.cloud_budget}")
         # Spelling only: whether CUDA is there is asked when the stage starts (torch is not imported here).

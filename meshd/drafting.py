@@ -46,6 +46,27 @@ def medusa_factory(source, setting: str | None):
     return make
 
 
+def exit_heads_for(source, setting: str | None = None):
+    """The early-exit heads for ``source`` (a configured file, or the ones shipped with the embedded model)."""
+    from decoding.exits import ExitHeads
+    from meshd import heads as shipped
+
+    cfg = source.config
+    if setting == "none":
+        raise DrafterError("early-exit heads are turned off in this device's config")
+    if setting:
+        return ExitHeads.load(setting, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                              vocab_size=cfg.vocab_size)
+    return shipped.embedded_exits(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                                  vocab_size=cfg.vocab_size, model_identity=getattr(source, "identity", None))
+
+
+def exits_factory(source, setting: str | None):
+    """How the last stage gets its early-exit heads: ``make(stage)`` -> ExitHeads, or DrafterError (the
+    stage then says why in its status, and requests that ask for exits decode at full depth)."""
+    return lambda stage: exit_heads_for(source, setting)
+
+
 class DraftModels:
     """A draft model loaded once on this device, lent to requests (each gets its own sequence)."""
 

@@ -51,6 +51,7 @@ class DrainingEngine(Engine):
     supports_penalties = property(lambda self: getattr(self.inner, "supports_penalties", False))
     supports_outline = property(lambda self: getattr(self.inner, "supports_outline", False))
     supports_cloud = property(lambda self: getattr(self.inner, "supports_cloud", False))
+    supports_exits = property(lambda self: getattr(self.inner, "supports_exits", False))
 
     def token_ids(self, req: GenerationRequest) -> TokenStream:
         return TokenStream.relay(self.inner.token_ids(req), self._guarded)  # the inner engine's stats ride along

@@ -53,6 +53,7 @@ class Usage:
     cloud: dict[str, Any] | None = None  # how a cloud verifier was used (None: it was not)
     outline: dict[str, Any] | None = None  # how an outline attempt went (None: none was attempted)
     cached_tokens: int = 0  # prompt tokens taken from the mesh's prefix cache, not computed again
+    exits: dict[str, Any] | None = None  # early exits: how many tokens left early, and where (None: off)
 
     @property
     def total_tokens(self) -> int:
@@ -72,6 +73,8 @@ class Usage:
             d["cloud"] = dict(self.cloud)
         if self.outline is not None:
             d["outline"] = dict(self.outline)
+        if self.exits is not None:
+            d["exits"] = dict(self.exits)
         return d
 
 
@@ -127,6 +130,9 @@ class GenerationRequest:
     outline: str = "auto"
     # A paired cloud verifier: "auto" (use it at the daemon's budget), "off", or a budget in [0, 1].
     cloud: str | float = "auto"
+    # Early exits (Synera, lossy): a token leaves at an exit layer whose top-2 margin clears this;
+    # None: the daemon's default; 0: off. Engines with ``supports_exits`` honour it.
+    exit_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,7 @@ class GenerationStats:
     outline: dict[str, Any] | None = None
     cloud: dict[str, Any] | None = None
     cached_tokens: int = 0  # prompt tokens a prefix cache served (the first attempt's, if it was replayed)
+    exits: dict[str, Any] | None = None  # early exits: threshold, tokens that left early and where (None: off)
 
 
 Report = Callable[..., None]
@@ -335,7 +342,7 @@ class Engine(abc.ABC):
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
         stats = stats_of(ids)
         yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, stats.speculative,
-                                                   stats.cloud, stats.outline, stats.cached_tokens))
+                                                   stats.cloud, stats.outline, stats.cached_tokens, stats.exits))
 
 
 def model_id_of(source) -> str:

@@ -1,4 +1,4 @@
-"""The Medusa heads shipped for the embedded model, pinned by sha256.
+"""The Medusa heads and early-exit heads shipped for the embedded model, pinned by sha256.
 
 They were trained with ``meshd heads train`` (defaults) on the embedded
 SmolLM2-135M-Instruct; the file sits in the package so the quick start drafts
@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from decoding.errors import DrafterError
+from decoding.exits import ExitHeads
 from decoding.medusa import MedusaHeads
 
 HEADS_FILE = Path(__file__).parent / "data" / "medusa-smollm2-135m.pt"
@@ -30,4 +31,21 @@ def embedded_heads(*, vocab_size: int | None = None, hidden_size: int | None = N
     return heads
 
 
-__all__ = ["HEADS_FILE", "HEADS_SHA256", "embedded_heads"]
+# The early-exit heads (``meshd heads train-exits``, defaults) for the same model.
+EXITS_FILE = Path(__file__).parent / "data" / "exits-smollm2-135m.pt"
+EXITS_SHA256 = "ddef376e8fc3c823ba2495109ab20c7ba5d4dbad38c588905fdd57c4f14f8878"
+
+
+def embedded_exits(*, num_layers: int | None = None, hidden_size: int | None = None, vocab_size: int | None = None,
+                   model_identity: str | None = None) -> ExitHeads:
+    """Load and verify the shipped exit heads; ``DrafterError`` says why they cannot be used."""
+    heads = ExitHeads.load(EXITS_FILE, sha256=EXITS_SHA256, num_layers=num_layers, hidden_size=hidden_size,
+                           vocab_size=vocab_size)
+    trained_for = (heads.meta.get("model") or {}).get("identity")
+    if model_identity is not None and trained_for is not None and model_identity != trained_for:
+        raise DrafterError(f"the shipped exit heads were trained for {trained_for}, not {model_identity}; "
+                           f"train exit heads for this model with `meshd heads train-exits --model ...`")
+    return heads
+
+
+__all__ = ["EXITS_FILE", "EXITS_SHA256", "HEADS_FILE", "HEADS_SHA256", "embedded_exits", "embedded_heads"]

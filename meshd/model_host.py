@@ -84,7 +84,7 @@ class ModelHost:
             await self._settle_profile(s.source)
             drafts = DraftModels(cfg.draft_model, s.source) if cfg.draft_model else None
             engine = PipelineEngine(s.source, s.coordinator, cuts_for=s.cuts, wait_s=cfg.request_wait_s,
-                                    draft_model=drafts)
+                                    draft_model=drafts, exit_threshold=cfg.exit_threshold)
             await self.cloud_sync.attach(s.coordinator.node, tokenizer_fingerprint(s.source.tokenizer), engine)
         except asyncio.CancelledError:
             raise
@@ -166,7 +166,7 @@ class ModelHost:
         totals = totals if totals is not None else DecodingTotals()
         spec = {**totals.speculative.to_dict(), "round_cost_slope": round(coord.round_cost.slope, 4)}
         out = {**self.serving.stage.status(), "requests_replayed": coord.resumes, "speculative": spec,
-               "outline": totals.outline.to_dict()}
+               "outline": totals.outline.to_dict(), "exit_requests": totals.exits.to_dict()}
         out["prefix_cache"] = {**out.get("prefix_cache", {}), "requests": coord.prefixes.totals.to_dict()}
         cloud = self.cloud_sync.status()
         if cloud is not None:

@@ -87,6 +87,7 @@ class _FieldSpec:
     activation: bool
     required: bool
     default: Any  # dataclasses.MISSING for required fields and factories
+    later: bool = False  # added after the message shipped: off the wire at its default (see :func:`later`)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,12 @@ def activation(**kwargs: Any) -> Any:
     """A float32 tensor field that may travel at reduced precision."""
     kwargs.setdefault("default", None)
     return field(metadata={"activation": True}, **kwargs)
+
+
+def later(default: Any) -> Any:
+    """A header field added after the message shipped: it travels only when it differs from ``default``,
+    so a member running an older meshd still reads every message that does not use it."""
+    return field(default=default, metadata={"later": True})
 
 
 def flattened(part: WirePart, **kwargs: Any) -> Any:
@@ -220,7 +227,7 @@ def message(cls: type | None = None, *, name: str | None = None, compact: bool =
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if compact and kind is not None:
                 raise TypeError(f"{type_name}.{f.name}: a compact message cannot carry tensors")
-            specs.append(_FieldSpec(f.name, hint, kind, act, required, f.default))
+            specs.append(_FieldSpec(f.name, hint, kind, act, required, f.default, bool(f.metadata.get("later"))))
         _REGISTRY[type_name] = c
         by_name = {s.name: s for s in specs}
         if len(by_name) != len(specs):
@@ -353,7 +360,7 @@ def encode(
     for f in spec.fields:
         value = flat[f.name] if f.name in flat else getattr(msg, f.name)
         if f.tensor_kind is None:
-            if spec.extensible and not f.required and _same(value, f.default):
+            if (spec.extensible or f.later) and not f.required and _same(value, f.default):
                 continue
             fields[f.name] = value
         elif value is not None:
@@ -593,6 +600,9 @@ class StageForward:
     # head-averaged attention of this step's row on the sequence's last ``attention_tail``
     # positions (TokenResult.attention), from which the home judges a chunk's importance.
     attention_tail: int = 0
+    # Early exits (Synera): a decode step's token may leave the model at an exit layer whose top-2
+    # margin clears this threshold (0: off, the model's full depth always).
+    exit_threshold: float = later(0.0)
 
 
 @message
@@ -617,6 +627,7 @@ class TokenResult:
     note: str = ""
     finished: bool = False  # the grammar is complete: the answer ends after these tokens
     attention: list[float] | None = None  # see StageForward.attention_tail
+    exit_layer: int = later(0)  # the token left the model after this many layers (0: it went through all)
 
 
 @message

@@ -80,6 +80,9 @@ def generation_request(engine: Engine, rid: RequestId, prompt_ids: list[int], pa
     if params.cloud not in ("auto", "off") and not getattr(engine, "supports_cloud", False):
         raise RequestError("cloud verification needs the mesh's pipeline engine paired with a verifier; "
                            "send cloud \"auto\" or \"off\"", param="cloud", code="unsupported_parameter")
+    if params.exit_threshold and not getattr(engine, "supports_exits", False):
+        raise RequestError("early exits need the mesh's pipeline engine; send exit_threshold 0 or leave it out",
+                           param="exit_threshold", code="unsupported_parameter")
     engine.check_prompt(prompt_ids)
     ctx = engine.context_length if context_limit is None else min(engine.context_length, context_limit)
     room = ctx - len(prompt_ids)
@@ -91,4 +94,5 @@ def generation_request(engine: Engine, rid: RequestId, prompt_ids: list[int], pa
         messages=messages, sampling=params.sampling, stop=params.stop, stream=params.stream,
         speculative=params.speculative,
         outline=params.outline, tools_offered=params.tools_offered, cloud=params.cloud,
+        exit_threshold=params.exit_threshold,
     )

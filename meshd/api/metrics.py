@@ -195,6 +195,7 @@ class MeshCollector:
                 yield b
             yield from _outline_metrics(stage.get("outline"))
             yield from _prefix_metrics(stage.get("prefix_cache"), label)
+            yield from _exit_metrics(stage.get("exits"), label)
         links = s.get("links")
         if isinstance(links, dict) and links:
             links = sorted((str(p), i) for p, i in links.items() if isinstance(i, dict))
@@ -250,6 +251,29 @@ def _prefix_metrics(p: Any, label: list[str]):
                 m = kind(name, doc)
                 m.add_metric([], float(req[key]))
                 yield m
+
+
+def _exit_metrics(e: Any, label: list[str]):
+    """Early exits on this stage: decode steps that could leave early, and where their tokens did."""
+    if not isinstance(e, dict) or not _number(e.get("asked")):
+        return
+    asked = CounterMetricFamily("meshd_exit_steps", "Decode steps on this stage that asked for early exits",
+                                labels=["layers"])
+    asked.add_metric(label, float(e["asked"]))
+    yield asked
+    by_layer = e.get("by_layer")
+    if isinstance(by_layer, dict):
+        c = CounterMetricFamily("meshd_exit_tokens", "Tokens that left the model early, by the layers "
+                                "computed before they left", labels=["layers", "exit_layer"])
+        for layer, n in sorted(by_layer.items()):
+            if _number(n):
+                c.add_metric([*label, str(layer)], float(n))
+        yield c
+    if _number(e.get("rate")):
+        g = GaugeMetricFamily("meshd_exit_rate", "Share of those decode steps whose token left early",
+                              labels=["layers"])
+        g.add_metric(label, float(e["rate"]))
+        yield g
 
 
 def _outline_metrics(o: Any):

@@ -22,6 +22,8 @@ Mapping of what Ollama clients send:
   stays loaded for as long as the daemon runs.
 * ``think``: only false/absent; the served models do not think (Ollama
   answers the same 400 for non-thinking models).
+* ``exit_threshold`` (meshd extension, top level or in ``options``): early exits, as on
+  the OpenAI routes (0 off; absent: the daemon's ``exit_threshold``).
 * ``speculative`` (meshd extension, top level or in ``options``): as on the
   OpenAI endpoints; the final message carries the speculation stats.
 """
@@ -36,7 +38,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.api import tools as tl
-from meshd.api.openai_fields import Cloud
+from meshd.api.openai_fields import Cloud, ExitThreshold
 from meshd.api.params import MAX_STOP_STRINGS, RequestParams, checked_constraint, cloud_choice, parse_speculative
 from meshd.api.validation import RequestError
 
@@ -71,6 +73,7 @@ class Options(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     speculative: Any = None  # meshd extension; parsed with SpeculativeParams
+    exit_threshold: ExitThreshold | None = None  # meshd extension: early exits (also at the top level)
     # Would change the answer; meshd implements only their "off" value.
     min_p: float | None = None
     typical_p: float | None = None
@@ -127,6 +130,7 @@ class GenerationBody(BaseModel):
     speculative: Any = None  # meshd extension
     outline: Literal["auto", "on", "off"] | None = None  # meshd extension: outline-based parallel decoding
     cloud: Cloud | None = None  # meshd extension: a paired cloud verifier ("auto", "off", budget 0..1)
+    exit_threshold: ExitThreshold | None = None  # meshd extension: early exits (0 off; None the daemon's)
 
     @field_validator("keep_alive")
     @classmethod
@@ -223,6 +227,11 @@ def request_params(body: GenerationBody, vocab: int | None) -> tuple[RequestPara
                                       else o.speculative, spec_param)
     p.outline = getattr(body, "outline", None) or "auto"
     p.cloud = cloud_choice(getattr(body, "cloud", None))
+    top = getattr(body, "exit_threshold", None)
+    if top is not None and o.exit_threshold is not None:
+        raise RequestError("'exit_threshold' given both at the top level and in options",
+                           param="exit_threshold", code="invalid_value")
+    p.exit_threshold = top if top is not None else o.exit_threshold
     return p, o.num_ctx
 
 

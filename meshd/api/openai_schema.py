@@ -31,7 +31,7 @@ from decoding.sampling import BadSamplingParams, SamplingParams, SamplingSpec
 from decoding.speculative.params import SpeculativeParams
 from meshd.api import tools as tl
 from meshd.api.openai_fields import (
-    STRICT, Cloud, MaxTokens, OneChoice, Penalty, Seed, Stop, Temperature, TopP, only_default, vocab_bound,
+    STRICT, Cloud, ExitThreshold, MaxTokens, OneChoice, Penalty, Seed, Stop, Temperature, TopP, only_default, vocab_bound,
 )
 from meshd.api.params import RequestParams, cloud_choice
 from meshd.api.validation import RequestError, described, invalid, validate
@@ -83,6 +83,7 @@ class _Params(BaseModel):
     speculative: Any = None  # meshd's extension: "auto", "off" or an object (SpeculativeParams)
     outline: Literal["auto", "on", "off"] | None = None  # meshd's extension: outline-based parallel decoding
     cloud: Cloud | None = None  # meshd's extension: "auto", "off" or a budget in [0, 1]
+    exit_threshold: ExitThreshold | None = None  # meshd's extension: early exits (0 off; None the daemon's)
     logit_bias: Annotated[Any, only_default(None, {})] = None
     logprobs: Annotated[Any, only_default(None, False, 0)] = None
     # Lenient: they cannot change the answer.
@@ -133,6 +134,7 @@ class _Params(BaseModel):
             speculative=self.speculative if self.speculative is not None else SpeculativeParams(),
             outline=self.outline or "auto",
             cloud=cloud_choice(self.cloud),
+            exit_threshold=self.exit_threshold,
         )
 
 

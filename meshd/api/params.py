@@ -47,6 +47,7 @@ class RequestParams:
     outline: str = "auto"  # meshd's extension: outline-based parallel decoding ("auto" | "on" | "off")
     tools_offered: bool = False  # the prompt offers tools (set where tools meet the params)
     cloud: str | float = "auto"  # meshd's extension: a paired cloud verifier ("auto" | "off" | budget 0..1)
+    exit_threshold: float | None = None  # meshd's extension: early exits' top-2 margin (None: the daemon's; 0: off)
 
 
 def cloud_choice(value: str | float | None) -> str | float:

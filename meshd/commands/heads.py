@@ -1,4 +1,4 @@
-"""``meshd heads``: train and evaluate Medusa self-drafting heads for a model.
+"""``meshd heads``: train and evaluate Medusa self-drafting heads and early-exit heads for a model.
 
 ``train`` runs the whole Medusa-1 recipe inside a time budget (default 30
 minutes on a 2-core CPU); the recipe is ``decoding.training.recipe``, imported
@@ -17,7 +17,7 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "heads_promp
 
 
 def register(sub) -> None:
-    p = sub.add_parser("heads", help="train / evaluate Medusa self-drafting heads")
+    p = sub.add_parser("heads", help="train / evaluate Medusa self-drafting heads and early-exit heads")
     hs = p.add_subparsers(dest="heads_command", metavar="ACTION")
 
     t = hs.add_parser("train", help="train heads on the model's own answers (backbone frozen)")
@@ -41,6 +41,21 @@ def register(sub) -> None:
                    help="heads file (default: the heads shipped for the embedded model)")
     e.add_argument("--limit", type=int, default=None, help="evaluate on the first N held-out prompts only")
     e.set_defaults(func=run_eval)
+
+    x = hs.add_parser("train-exits", help="train early-exit heads (Synera) on the model's own answers")
+    _common(x)
+    x.add_argument("--out", default=None, help="exit heads file to write (default: ./exit-heads.pt)")
+    x.add_argument("--layers", default=None,
+                   help="exit layers, comma-separated layer counts in the model's last quarter (default: two)")
+    x.add_argument("--shortlist", type=int, default=2048, help="tokens an exit may emit (the most frequent)")
+    x.add_argument("--minutes", type=float, default=15.0, help="time budget for the whole run")
+    x.add_argument("--steps", type=int, default=1500)
+    x.add_argument("--batch-size", type=int, default=256)
+    x.add_argument("--lr", type=float, default=2e-3)
+    x.add_argument("--seed", type=int, default=0)
+    x.add_argument("--answers", default=None,
+                   help="JSON file of generated answers: reused if it exists, written otherwise")
+    x.set_defaults(func=run_train_exits)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
@@ -161,4 +176,75 @@ def run_eval(args) -> int:
     else:
         print(f"heads {path} on {bench.source.identity}: {len(examples)} held-out prompts")
         _print_eval(ev)
+    return 0
+
+
+# -- train-exits ------------------------------------------------------------------------
+def run_train_exits(args) -> int:
+    """Answers (or ``--answers``), hidden states at the exit layers, training, held-out evaluation."""
+    import torch
+
+    from decoding.exits import ExitHeads, default_exit_layers
+    from decoding.training import exits as ex
+    from decoding.training.recipe import GEN_SHARE, answer_order, load_answers, save_answers
+    from meshd.log import get_logger
+
+    bench = _bench(args)
+    cfg = bench.cfg
+    layers = [int(v) for v in args.layers.split(",")] if args.layers else default_exit_layers(cfg.num_layers)
+    heldout_p, train_p = _prompts(args)
+    budget = args.minutes * 60.0
+    answers = Path(args.answers) if args.answers else None
+    if answers is not None and answers.is_file():
+        examples = load_answers(answers)
+    else:
+        examples = bench.answers(answer_order(heldout_p, train_p, args.seed), bench.t0 + GEN_SHARE * budget,
+                                 generator=args.generator, gen_batch=args.gen_batch,
+                                 max_new_tokens=args.max_new_tokens)
+        if answers is not None:
+            save_answers(answers, examples)
+    train_ex = [e for e in examples if not e.heldout]
+    held = [e for e in examples if e.heldout]
+    if not train_ex or not held:
+        print(f"meshd heads train-exits: {len(train_ex)} training and {len(held)} held-out prompts answered; "
+              f"both are needed (give more --minutes)", file=sys.stderr)
+        return 1
+    shortlist = ex.choose_shortlist(train_ex, args.shortlist, cfg.eos_ids)
+    with _bar(total=sum(len(e.prompt_ids) + len(e.answer_ids) for e in examples), desc="hidden", unit="tok") as bar:
+        train_set = ex.collect(bench.source, train_ex, layers, shortlist, on_done=bar.update)
+        held_set = ex.collect(bench.source, held, layers, shortlist, on_done=bar.update)
+    torch.manual_seed(args.seed)
+    heads = ExitHeads(layers, cfg.hidden_size, shortlist, num_layers=cfg.num_layers, vocab_size=cfg.vocab_size)
+    rows = heads.head_rows(bench.stage.lm_head, torch.float32)
+    norm = bench.stage.final_norm.float()
+    with _bar(total=args.steps, desc="train", unit="step") as bar:
+        def on_step(i, loss):
+            bar.update(1)
+            if i % 20 == 0:
+                bar.set_postfix(loss=f"{loss:.3f}")
+        stats = ex.train_exits(heads, train_set, norm, rows, cfg.rms_eps, args.steps, args.batch_size, args.lr,
+                               args.seed, deadline=bench.t0 + budget - 20, on_step=on_step)
+    with torch.no_grad():  # evaluate exactly what the file will hold (fp16 weights)
+        for name in ("w", "b", "other_w"):
+            getattr(heads, name).copy_(getattr(heads, name).to(torch.float16).float())
+    ev = ex.evaluate(heads, held_set, norm, rows, cfg.rms_eps)
+    meta = {"model": bench.model_meta(), "layers": layers, "heldout": ev,
+            "training": {"recipe": "self-distilled greedy answers; exits match the full distribution collapsed "
+                                   "onto the shortlist + other (soft cross-entropy), backbone frozen",
+                         "train_prompts": len(train_ex), "heldout_prompts": len(held),
+                         "train_positions": len(train_set), "max_new_tokens": args.max_new_tokens,
+                         "optimizer": "AdamW", "seed": args.seed, **stats, "threads": torch.get_num_threads(),
+                         "torch": torch.__version__, "seconds_total": round(time.monotonic() - bench.t0, 1)}}
+    out = Path(args.out) if args.out else Path("exit-heads.pt")
+    sha = heads.save(out, meta)
+    get_logger("heads").info("exit_heads_saved", path=str(out), sha256=sha, layers=layers,
+                             exit_rate_0_7=ev["thresholds"]["0.7"]["exit_rate"])
+    if args.json:
+        print(json.dumps({"path": str(out), "sha256": sha, **meta}))
+    else:
+        print(f"wrote {out} (sha256 {sha}); exits after layers {layers}, shortlist {heads.size} tokens "
+              f"({ev['shortlist_mass'] * 100:.1f}% of the held-out probability mass)")
+        for thr, row in ev["thresholds"].items():
+            print(f"  threshold {thr}: {row['exit_rate'] * 100:5.1f}% of tokens exit {row['by_layer']}, "
+                  f"token agreement with the full model {row['token_agreement'] * 100:5.1f}%")
     return 0

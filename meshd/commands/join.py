@@ -71,6 +71,11 @@ _FLAGS = [
     ("--layout", "layout", str, "how the home lays the model out (the leader's setting decides): auto "
                                 "(default: priced per workload), pipeline (one pipeline over the members), "
                                 "replicas (every member holding the whole model runs it alone)"),
+    ("--exit-threshold", "exit_threshold", float, "early exits (Synera, lossy) for requests that do not say: "
+                                                  "a token leaves the model where its top-2 margin clears "
+                                                  "this, 0..1 (default 0: off; 0.7 is the paper's)"),
+    ("--exit-heads", "exit_heads", str, "early-exit heads file (default: the ones shipped with the embedded "
+                                        "model; 'none': off)"),
     ("--cloud-budget", "cloud_budget", float, "share of drafted chunks a paired cloud verifier checks, "
                                               "0..1 (default 0.2; 1 = every chunk: the big model's output)"),
     ("--cloud-min-timeout", "cloud_min_timeout_s", float, "shortest wait in seconds for a cloud verdict "

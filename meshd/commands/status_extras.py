@@ -52,6 +52,22 @@ def prefix_line(stage: Any) -> str:
             f"{pinned}, {p.get('evictions', 0)} evicted")
 
 
+def exits_line(stage: Any) -> str:
+    """Early exits on this stage: where tokens left the model, of the decode steps that asked."""
+    if not isinstance(stage, dict):
+        return ""
+    layers, e, note = stage.get("exit_layers"), stage.get("exits"), stage.get("exits_note")
+    if not layers:
+        return f"early exits: {note}" if note and not str(note).startswith("off") else ""
+    asked = e.get("asked", 0) if isinstance(e, dict) else 0
+    where = ", ".join(f"after layer {k}: {v}" for k, v in (e.get("by_layer") or {}).items()) \
+        if isinstance(e, dict) else ""
+    if not asked:
+        return f"early exits: ready after layers {', '.join(map(str, layers))}; no request asked for them yet"
+    return (f"early exits: {100 * e.get('rate', 0):.0f}% of {asked} decode steps left early"
+            + (f" ({where})" if where else ""))
+
+
 def _by_reason(counts: Any) -> str:
     """``": brevity 3, budget 1"`` from ``{"brevity": 3, "budget": 1}`` (empty when there are none)."""
     if not isinstance(counts, dict) or not counts:

@@ -91,6 +91,9 @@ def render_status(s: dict[str, Any]) -> str:
     prefix = extras.prefix_line(s.get("stage"))
     if prefix:
         lines.append(prefix)
+    exits = extras.exits_line(s.get("stage"))
+    if exits:
+        lines.append(exits)
     cloud = extras.cloud_line(s.get("stage"))
     if cloud:
         lines.append(cloud)

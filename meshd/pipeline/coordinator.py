@@ -321,7 +321,7 @@ class PipelineCoordinator:
         kept = completed = caches = False
         fields = dict(request_id=slot.request_id, plan_version=route.plan_version, seq_id=seq,
                       reply_to=self.reply_to, capacity=slot.capacity(), sampling=slot.sampling.unshaped(),
-                      return_topk=int(request.return_topk))
+                      return_topk=int(request.return_topk), exit_threshold=float(request.exit_threshold))
         medusa_paths = self.medusa_paths if speculation is not None and speculation.uses_medusa else 0
         ids = slot.context
         try:

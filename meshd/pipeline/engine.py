@@ -26,7 +26,7 @@ from meshd.pipeline.outline import OutlineDecoder, OutlineStats
 from meshd.pipeline.outline_gate import OutlineDecision, decide as decide_outline
 from meshd.pipeline.outline_router import shipped as outline_router
 from meshd.pipeline.route import Route
-from meshd.pipeline.totals import DecodingTotals
+from meshd.pipeline.totals import DecodingTotals, ExitCount
 
 log = get_logger("meshd.pipeline.engine")
 
@@ -36,11 +36,13 @@ DEFAULT_WAIT_S = 45.0  # how long a request waits for a plan (start-up, re-plan,
 class PipelineEngine(Engine):
     def __init__(self, source, coordinator: PipelineCoordinator,
                  cuts_for: Callable[[int, Route], list[int]] | None = None, wait_s: float = DEFAULT_WAIT_S,
-                 draft_model: Callable[[], object] | None = None, cloud=None):
+                 draft_model: Callable[[], object] | None = None, cloud=None, exit_threshold: float = 0.0):
         """``draft_model()``: a ModelDrafter for this request (a draft model loaded on this device),
         or raises DrafterError; None when no draft model is configured. ``cloud``: a
-        :class:`meshd.cloud.home.CloudHome` when this device is paired with a cloud verifier."""
+        :class:`meshd.cloud.home.CloudHome` when this device is paired with a cloud verifier.
+        ``exit_threshold``: early exits for requests that do not say (0: off, the default)."""
         self.source = source
+        self.exit_threshold = float(exit_threshold or 0.0)
         self.cloud = cloud
         self.draft_model = draft_model
         self.tokenizer = source.tokenizer
@@ -108,10 +110,38 @@ class PipelineEngine(Engine):
     def token_ids(self, req: GenerationRequest) -> TokenStream:
         return TokenStream(lambda report: self._ids(req, report))
 
+    supports_exits = True
+
+    def exits_for(self, req: GenerationRequest) -> float:
+        """The early-exit threshold this answer decodes with (0: none).
+
+        Exits are lossy and change what the model says, so they never mix silently
+        with what needs the full model's distribution: a verify round, a grammar or
+        penalties, an outline's expansions, a cloud verifier. Asked for explicitly
+        with one of those, the request is refused; coming from the daemon's default,
+        exits step aside for them."""
+        explicit = req.exit_threshold is not None
+        threshold = float(req.exit_threshold if explicit else self.exit_threshold)
+        if threshold <= 0.0:
+            return 0.0
+        clash = ("structured output or repetition penalties" if req.sampling.shaped else
+                 "speculative decoding \"on\"" if req.speculative.mode == "on" else
+                 "outline \"on\"" if req.outline == "on" else
+                 "a cloud budget" if isinstance(req.cloud, float) else "")
+        if clash:
+            if explicit:
+                raise BadEngineRequest(f"early exits (exit_threshold) cannot be combined with {clash}: they "
+                                       f"change the model's distribution; send exit_threshold 0 or drop {clash}")
+            return 0.0
+        return threshold
+
     async def _ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
         # aclosing: a caller that stops early closes the inner generator now, so its bookkeeping
         # (speculation stats for usage, the outline's shared prefix) is done before usage is read
-        if self.cloud_for(req):
+        exit_threshold = self.exits_for(req)
+        if exit_threshold > 0:  # a plain answer whose confident tokens may leave the model early
+            inner = self._plain_ids(req, report, exit_threshold)
+        elif self.cloud_for(req):
             inner = self._cloud_ids(req, report)
         else:
             decision = self.outline_for(req)
@@ -205,19 +235,26 @@ class PipelineEngine(Engine):
             for session in sessions:
                 self.totals.speculative.add(session.stats())
 
-    async def _plain_ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
-        session = self.speculation_for(req)
+    async def _plain_ids(self, req: GenerationRequest, report: Report,
+                         exit_threshold: float = 0.0) -> AsyncIterator[int]:
+        session = self.speculation_for(req) if exit_threshold <= 0 else None
         reported = False  # a replayed request reports what its first attempt reused
+        exits = ExitCount(exit_threshold) if exit_threshold > 0 else None
         try:
             async for step in self.coordinator.steps(StepsRequest(
                     req.request_id, list(req.prompt_ids), req.max_tokens, req.sampling, self.eos_ids,
                     cuts=self.cuts_for, wait_s=self.wait_s, speculation=session, typical=req.speculative.typical,
-                    context_limit=self.context_length)):
+                    context_limit=self.context_length, exit_threshold=exit_threshold)):
                 if step.cached is not None and not reported:
                     report(cached_tokens=step.cached)
                     reported = True
+                if exits is not None:
+                    exits.add(step.exit_layer)
                 yield step.token
         finally:
+            if exits is not None:
+                self.totals.exits.add(exits)
+                report(exits=exits.to_dict())
             if session is not None:
                 self.totals.speculative.add(session.stats())
                 report(speculative=session.stats())

@@ -48,6 +48,7 @@ class ProcessMesh:
     # testbed returns a delay proxy here so links get their round-trip time
     reach: Callable[[int, str, int], tuple[str, int]] | None = None
     heads: str | None = None  # Medusa heads for the last stage (None: shipped; "none": off)
+    exit_heads: str | None = None  # early-exit heads for the last stage (None: shipped; "none": off)
     max_batch_tokens: int | None = None  # per batched forward (None: the stage's default; 0: unbatched)
     weights: str | None = None  # each stage's numeric mode (None: the stage process's default, float32)
     device: str | None = None  # each stage's device ("cuda" puts every stage on the GPU; None: the CPU)
@@ -123,6 +124,8 @@ class ProcessMesh:
                 argv.append("--no-curve")
             if self.heads:
                 argv += ["--heads", self.heads]
+            if self.exit_heads:
+                argv += ["--exit-heads", self.exit_heads]
             if self.max_batch_tokens is not None:
                 argv += ["--max-batch-tokens", str(self.max_batch_tokens)]
             if self.weights:

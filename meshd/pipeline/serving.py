@@ -241,7 +241,7 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
     role to every plan adopted from now on.
     """
     from meshd.config import placement_of
-    from meshd.drafting import medusa_factory
+    from meshd.drafting import exits_factory, medusa_factory
     from meshd.model_store import open_model
     from meshd.pipeline.pins import pinned_prefixes
     from meshd.pipeline.stage import StageService
@@ -262,6 +262,7 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
                          packed=placement.packed,
                          activation_dtype=None if wire == "float32" else wire,
                          medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)),
+                         exits=exits_factory(source, getattr(cfg, "exit_heads", None)),
                          peer_version=directory.version_of, prefix_cache=PrefixCache(share, pins))
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")

@@ -36,13 +36,15 @@ class TokenStep:
     topk_ids: list[int] | None = None
     topk_probs: list[float] | None = None
     cached: int | None = None  # on an attempt's first step: prompt positions it reused from the stages' caches
+    exit_layer: int = 0  # the token left the model after this many layers (0: it went through all of them)
 
     @classmethod
     def of(cls, result: TokenResult) -> TokenStep:
         """The step a last stage's plain (not verify) result carries."""
         return cls(int(result.token_ids[0]),
                    result.topk_ids.tolist() if result.topk_ids is not None else None,
-                   result.topk_probs.tolist() if result.topk_probs is not None else None)
+                   result.topk_probs.tolist() if result.topk_probs is not None else None,
+                   exit_layer=int(result.exit_layer))
 
 
 @dataclass
@@ -72,7 +74,8 @@ class StepsRequest:
     sequence in the stages' caches when the request ends (or the caller stops after
     a step), described there for children to fork from; plain decoding only.
     ``fork``: this request continues ``fork``'s sequence, read in place. Neither
-    ``keep`` nor ``fork`` can be replayed on another plan.
+    ``keep`` nor ``fork`` can be replayed on another plan. ``exit_threshold`` > 0: a
+    decode step's token may leave the model early (Synera; lossy, see ``decoding.exits``).
     """
 
     request_id: RequestId
@@ -89,6 +92,7 @@ class StepsRequest:
     context_limit: int | None = None
     keep: SharedPrefix | None = None
     fork: SharedPrefix | None = None
+    exit_threshold: float = 0.0
 
 
 @dataclass

@@ -40,7 +40,7 @@ def load_route(path: str):
 
 
 async def serve(args) -> int:
-    from meshd.drafting import medusa_factory
+    from meshd.drafting import exits_factory, medusa_factory
     from meshd.model_store import open_model
     from meshd.pipeline.stage import StageService
     from transport.node import TransportNode
@@ -52,6 +52,7 @@ async def serve(args) -> int:
     source = open_model(args.model)
     svc = StageService(node, args.node_id, source, lambda n: directory[n], dtype=placement.dtype, packed=placement.packed,
                        device=placement.device, activation_dtype=args.activation_dtype, medusa=medusa_factory(source, args.heads),
+                       exits=exits_factory(source, args.exit_heads),
                        **({} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}))
     address = await svc.start(args.bind)
     await svc.deploy(route)
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=None,
                     help="tokens in one batched forward (0: one message per forward)")
     ap.add_argument("--heads", default=None, help="Medusa heads file (default: shipped heads; 'none': off)")
+    ap.add_argument("--exit-heads", default=None, help="early-exit heads file (default: shipped heads; 'none': off)")
     ap.add_argument("--device", default="cpu", help="auto, cpu (default), cuda or cuda:N")
     ap.add_argument("--dtype", default="auto", help="auto (the device's default), float32, bfloat16 or float16")
     ap.add_argument("--weights", default="float32", help="numeric mode: float32 (default), bfloat16, float16, packed, packed4, auto")

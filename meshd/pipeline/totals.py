@@ -15,7 +15,7 @@ from typing import Any
 
 from decoding.speculative.params import SpeculativeStats
 
-__all__ = ["DecodingTotals", "OutlineTotals", "SpeculationTotals"]
+__all__ = ["DecodingTotals", "ExitCount", "ExitTotals", "OutlineTotals", "SpeculationTotals"]
 
 
 @dataclass
@@ -66,6 +66,48 @@ class OutlineTotals:
 
 
 @dataclass
+class ExitCount:
+    """One answer's early exits: its decode steps, and where the tokens that left early left."""
+
+    threshold: float
+    tokens: int = 0
+    by_layer: Counter = field(default_factory=Counter)
+
+    def add(self, exit_layer: int) -> None:
+        self.tokens += 1
+        if exit_layer:
+            self.by_layer[int(exit_layer)] += 1
+
+    @property
+    def exited(self) -> int:
+        return sum(self.by_layer.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "tokens": self.tokens, "exited": self.exited,
+                "by_layer": {str(k): v for k, v in sorted(self.by_layer.items())},
+                "rate": round(self.exited / self.tokens, 4) if self.tokens else 0.0}
+
+
+@dataclass
+class ExitTotals:
+    requests: int = 0  # answers decoded with early exits
+    tokens: int = 0
+    by_layer: Counter = field(default_factory=Counter)
+
+    def add(self, count: ExitCount) -> None:
+        self.requests += 1
+        self.tokens += count.tokens
+        self.by_layer.update(count.by_layer)
+
+    def to_dict(self) -> dict[str, Any]:
+        exited = sum(self.by_layer.values())
+        return {"requests": self.requests, "tokens": self.tokens, "exited": exited,
+                "by_layer": {str(k): v for k, v in sorted(self.by_layer.items())},
+                "rate": round(exited / self.tokens, 4) if self.tokens else 0.0}
+
+
+@dataclass
 class DecodingTotals:
     speculative: SpeculationTotals = field(default_factory=SpeculationTotals)
     outline: OutlineTotals = field(default_factory=OutlineTotals)
+    exits: ExitTotals = field(default_factory=ExitTotals)

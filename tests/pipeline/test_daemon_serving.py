@@ -365,3 +365,44 @@ def test_a_home_assistant_turn_reuses_its_system_prompt_and_answers_as_one_devic
     assert status["requests"]["hits"] >= 2 and status["entries"] >= 1
     assert metrics(a.socket)["meshd_prefix_cache_hits_total"][()] >= 2
     wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every running sequence freed")
+
+
+def test_early_exits_through_two_daemons_are_asked_per_request_counted_and_refused_where_they_cannot_mix(home):
+    """The openai SDK and the ollama client ask for exits (meshd's ``exit_threshold``); usage says how many
+    tokens left early, the last stage's status and /metrics say where; exits with speculation "on" are a 400."""
+    import ollama
+    import openai
+
+    _, a, b, _ = home
+    client = sdk(a.socket, timeout=240)
+    question = "List the days of the week."
+    resp = client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": question}],
+                                          max_tokens=24, temperature=0, extra_body={"exit_threshold": 0.6})
+    exits = resp.usage.model_dump()["exits"]
+    assert resp.choices[0].message.content and exits["threshold"] == 0.6 and exits["tokens"] >= 2
+    assert 0 <= exits["exited"] <= exits["tokens"] - 1  # the first token is the prompt's: it never exits
+    off = client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": question}],
+                                         max_tokens=24, temperature=0)
+    assert "exits" not in off.usage.model_dump() or off.usage.model_dump()["exits"] is None
+    reply = ollama_client(a.socket).chat(model="meshd", messages=[{"role": "user", "content": question}],
+                                         options={"temperature": 0, "num_predict": 12, "exit_threshold": 0.6})
+    assert reply.message.content
+    _, last = plan_nodes(a)
+    by_id = {a.node_id(): a, b.node_id(): b}
+    stage = by_id[last].status()["stage"]
+    assert stage["exit_layers"] == [23, 29] and stage["exits"]["asked"] >= exits["tokens"] - 1
+    samples = metrics(by_id[last].socket)
+    assert sum(samples["meshd_exit_steps_total"].values()) == stage["exits"]["asked"]
+    out = subprocess.run([sys.executable, "-m", "meshd", "status", "--socket", str(by_id[last].socket)],
+                         capture_output=True, text=True, timeout=60, env=a.env)
+    assert "early exits: " in out.stdout and "decode steps left early" in out.stdout, out.stdout
+    with pytest.raises(openai.BadRequestError, match="exit_threshold"):
+        client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_body={"exit_threshold": 0.7, "speculative": "on"})
+    with pytest.raises(openai.BadRequestError, match="exit_threshold"):
+        client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       extra_body={"exit_threshold": 1.5})
+    with pytest.raises(ollama.ResponseError):
+        ollama_client(a.socket).chat(model="meshd", messages=[{"role": "user", "content": "hi"}],
+                                     options={"num_predict": 4, "exit_threshold": -0.1})
+    wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")

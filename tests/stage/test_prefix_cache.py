@@ -22,6 +22,9 @@ class TinyStage:
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(CONFIG, 2, torch.float32, max_tokens)
 
+    def drop_pending(self) -> None:  # a real stage forgets the layers exited rows still owed
+        pass
+
 
 def make(budget: int = 4096, share: float = 0.5, pins=()) -> StageScheduler:
     s = StageScheduler(StageStats(), max_kv_tokens=budget, idle_seq_timeout_s=60, prefix=PrefixCache(share, pins))

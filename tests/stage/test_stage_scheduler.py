@@ -20,6 +20,9 @@ class TinyStage:
     def new_cache(self, max_tokens: int) -> KVCache:
         return KVCache(CONFIG, 2, torch.float32, max_tokens)
 
+    def drop_pending(self) -> None:  # a real stage forgets the layers exited rows still owed
+        pass
+
 
 def fwd(seq: str, offset: int = 0, rows: int = 1, **kw) -> StageForward:
     return StageForward(request_id="r", plan_version=1, seq_id=seq, position_offset=offset,

@@ -15,6 +15,7 @@ import asyncio
 import torch
 
 from decoding.errors import DecodingError
+from decoding.exits import ExitCheck
 from decoding.sampling import filtered_probs
 from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
@@ -57,6 +58,10 @@ class StageSampler:
     def answer(self, stage: StageModel, work: Work, out, probe: torch.Tensor | None) -> TokenResult:
         """The last stage's answer (compute thread): a sampled token, or a verified round."""
         msg = work.msg
+        if isinstance(out, ExitCheck):  # the token left at an exit layer: drawn from that exit's distribution
+            result = self._sample(stage, work, out.logits.to("cpu"))
+            result.exit_layer = out.layer
+            return result
         logits, hidden = out if work.normed else (out, None)
         if work.tree is not None:
             result = self._verify(stage, work, logits, hidden)

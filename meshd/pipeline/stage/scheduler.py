@@ -117,6 +117,8 @@ class StageScheduler:
         """A new plan: every slot dropped (coordinators replay). The cache's entries survive only when
         the plan keeps ``key`` (what this stage's KV depends on); otherwise a fresh cache for ``stage``."""
         keep = stage is not None and self._kv is not None and key is not None and key == self._key
+        if stage is not None:
+            stage.drop_pending()  # an exited row of a dropped slot owes its layers to nobody now
         if keep:
             for seq in list(self._slots):
                 if seq in self._kv and not self.prefix.is_entry(seq):

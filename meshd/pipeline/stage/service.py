@@ -45,7 +45,7 @@ from partition.ids import NodeId, SeqKey
 from transport.errors import TransportError
 from transport.link import Request, StageServer
 from transport.messages import (Ack, CacheSequence, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply,
-                                PrefixMatch, PrefixProbe, ReusePrefix, StageForward, Truncate)
+                                PrefixMatch, PrefixProbe, ReusePrefix, StageForward, TokenResult, Truncate)
 from transport.node import TransportNode
 
 log = get_logger("meshd.stage")
@@ -59,8 +59,9 @@ class StageService:
                  activation_dtype: str | None = None, send_timeout_s: float = 5.0,
                  idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS,
                  device: torch.device | None = None, packed: str = "",
-                 peer_version: Callable[[NodeId], str] | None = None, prefix_cache: PrefixCache | None = None):
-        """``device``/``dtype``/``packed``: see :class:`StageWorker`; ``medusa``: see :class:`StageSampler`;
+                 peer_version: Callable[[NodeId], str] | None = None, prefix_cache: PrefixCache | None = None,
+                 exits=None):
+        """``device``/``dtype``/``packed``/``exits``: see :class:`StageWorker`; ``medusa``: see :class:`StageSampler`;
         ``prefix_cache``: finished requests' KV kept for later ones (default: half the KV budget).
         ``peer_version``: the meshd version a member announced ("": unknown), so an error names the failed
         node only to coordinators that decode it (None: every peer runs this code)."""
@@ -73,7 +74,7 @@ class StageService:
         self.stats = StageStats()
         self.scheduler = StageScheduler(self.stats, max_kv_tokens, max_batch_tokens, idle_seq_timeout_s,
                                         prefix_cache)
-        self.worker = StageWorker(model_source, device, dtype, packed)
+        self.worker = StageWorker(model_source, device, dtype, packed, exits)
         self.sampler = StageSampler(model_source, medusa)
         self.route: Route | None = None
         self.index: int | None = None
@@ -181,6 +182,8 @@ class StageService:
                 "prefix_cache": self.scheduler.prefix.status(),
                 "kv_tokens_max": self.scheduler.max_kv_tokens, "device": str(self.worker.device),
                 "dtype": dtype_name(self.worker.dtype), "weights": self.mode,
+                "exit_layers": self.worker.exit_layers, **({"exits_note": self.worker.exits_note}
+                                                            if self.worker.exits_note else {}),
                 **self.stats.to_dict()}
 
     # -- message handling ------------------------------------------------------------
@@ -326,16 +329,32 @@ class StageService:
         slots = [w.slot for w in works]
         self.scheduler.begin_pass(slots)
         t = time.perf_counter()
+        filling = None
         try:
             outcomes = await self.worker.run(stage, kv, works, self.sampler.answer)
+            filling = self.worker.fill_soon(stage, kv)  # exited rows' skipped layers, queued before answering
         finally:
-            self.scheduler.end_pass(slots)
+            if filling is None:
+                self.scheduler.end_pass(slots)
         self.scheduler.count_pass(len(works), time.perf_counter() - t)
+        try:
+            await self._answer(works, outcomes, stage, replies)
+        finally:
+            if filling is not None:  # the exited sequences' caches are whole again: frees may land
+                try:
+                    await filling
+                finally:
+                    self.scheduler.end_pass(slots)
+        return replies
+
+    async def _answer(self, works: list[Work], outcomes, stage: StageModel, replies: list) -> None:
         for w, (out, exc) in zip(works, outcomes):
             msg = w.msg
             if exc is not None:
                 replies[w.index] = await self._fail(msg, exc)
                 continue
+            if w.item.may_exit and stage.exits is not None and isinstance(out, TokenResult):
+                self.stats.count_exit(out.exit_layer)
             self.stats.tokens += w.rows
             if msg.is_last_chunk and not msg.verify:
                 self.scheduler.prompt_done(w.slot)
@@ -345,7 +364,6 @@ class StageService:
                 await self._finish(msg, stage, out, w.want_logits)
             except Exception as exc:  # noqa: BLE001
                 replies[w.index] = await self._fail(msg, exc)
-        return replies
 
     def _prepare(self, msg: StageForward) -> Work | None:
         """Checks and cache bookkeeping before a forward (event loop; None: a late chunk, dropped)."""

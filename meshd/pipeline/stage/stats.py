@@ -21,6 +21,8 @@ class StageStats:
     late_dropped: int = 0
     reaped: int = 0
     batches: dict[int, int] = field(default_factory=dict)  # sequences in a pass -> passes
+    exit_asked: int = 0  # decode steps that asked for early exits (and could take one here)
+    exits: dict[int, int] = field(default_factory=dict)  # layers computed before the token left -> tokens
     started: float = field(default_factory=time.monotonic)
 
     def count_pass(self, sequences: int, seconds: float) -> None:
@@ -28,6 +30,12 @@ class StageStats:
         self.busy_s += seconds
         size = min(sequences, BATCH_HIST_MAX)
         self.batches[size] = self.batches.get(size, 0) + 1
+
+    def count_exit(self, layer: int) -> None:
+        """A decode step that asked for early exits: ``layer`` where its token left (0: it did not)."""
+        self.exit_asked += 1
+        if layer:
+            self.exits[layer] = self.exits.get(layer, 0) + 1
 
     def count_sent(self, to: str, nbytes: int) -> None:
         self.activation_bytes_out += nbytes
@@ -40,4 +48,6 @@ class StageStats:
                 "activation_bytes_to": dict(self.activation_bytes_to),
                 "utilisation": round(self.busy_s / up, 3), "errors": self.errors,
                 "late_dropped": self.late_dropped, "reaped": self.reaped,
-                "batch_sizes": {str(k): v for k, v in sorted(self.batches.items())}}
+                "batch_sizes": {str(k): v for k, v in sorted(self.batches.items())},
+                "exits": {"asked": self.exit_asked, "by_layer": {str(k): v for k, v in sorted(self.exits.items())},
+                          "rate": round(sum(self.exits.values()) / self.exit_asked, 4) if self.exit_asked else 0.0}}

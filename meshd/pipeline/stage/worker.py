@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 
 from decoding.device import CPU, DeviceError, default_dtype, dtype_name, resolve_weights, to_host
+from decoding.errors import DecodingError
+from decoding.exits import BoundExits
 from decoding.memory import release_free_memory
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.tree import DraftTree
@@ -71,11 +73,15 @@ def tree_of(msg: StageForward, x: torch.Tensor) -> DraftTree:
 
 class StageWorker:
     def __init__(self, source, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 packed: str = ""):
+                 packed: str = "", exits: Callable[[StageModel], Any] | None = None):
         """``device``: where the stage computes (default the CPU); ``dtype`` None: that device's default;
         ``packed``: the packing of this device's own numeric mode ("" dense). A plan that names a mode
-        (:attr:`Route.weights`) overrides both, so every member computes alike."""
+        (:attr:`Route.weights`) overrides both, so every member computes alike. ``exits(stage)``: the early-exit
+        heads for this model (``decoding.exits.ExitHeads``; raises ``DecodingError`` when there are none),
+        bound to a stage that holds the LM head and an exit layer."""
         self.source = source
+        self._exits_factory = exits
+        self.exits_note = "off: no exit heads configured" if exits is None else ""
         self.device = CPU if device is None else torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
         self.packed = packed
@@ -122,8 +128,31 @@ class StageWorker:
         release_free_memory()  # what reading and repacking the tensors left behind
         log.info("stage_loaded", first=first, end=end, seconds=round(time.perf_counter() - t, 2),
                  weight_mb=round(stage.weight_bytes() / 1e6, 1), weights=self.mode)
+        self._bind_exits(stage)
         self.stage = stage
         return stage
+
+    def _bind_exits(self, stage: StageModel) -> None:
+        """Early exits are checked where the LM head is; a stage without exit layers has none."""
+        if self._exits_factory is None or not stage.is_last:
+            return
+        try:
+            bound = BoundExits(self._exits_factory(stage), stage)
+        except (DecodingError, OSError, ValueError) as exc:
+            self.exits_note = f"unavailable: {exc}"
+            log.warning("exits_unavailable", error=str(exc))
+            return
+        if not bound.at:
+            self.exits_note = f"none: this stage's layers [{stage.first}, {stage.end}) hold no exit layer"
+            return
+        stage.exits = bound
+        self.exits_note = ""
+        log.info("exits_ready", layers=bound.layers, shortlist=bound.heads.size)
+
+    @property
+    def exit_layers(self) -> list[int]:
+        stage = self.stage
+        return stage.exits.layers if stage is not None and stage.exits is not None else []
 
     def unload(self) -> None:
         self.stage = None
@@ -156,8 +185,12 @@ class StageWorker:
         want_logits = self.stage.is_last and msg.is_last_chunk
         mask = tree.mask() if tree is not None else msg.tree_mask
         normed = want_logits and (msg.verify or msg.medusa_paths > 0)
+        # Early exits only where the answer is the model's own distribution, drawn once: a plain decode step.
+        exits = want_logits and not msg.verify and not msg.sampling.shaped and msg.return_topk == 0 \
+            and msg.medusa_paths == 0
         item = BatchItem(slot.seq, x, mask, all_logits=msg.verify, head=want_logits, return_normed=normed,
-                         attention_tail=max(0, min(int(msg.attention_tail), 64)) if want_logits else 0)
+                         attention_tail=max(0, min(int(msg.attention_tail), 64)) if want_logits else 0,
+                         exit_threshold=min(max(float(msg.exit_threshold), 0.0), 1.0) if exits else 0.0)
         return Work(msg, slot, item, tree, want_logits, normed)
 
     async def run(self, stage: StageModel, kv, works: list[Work],
@@ -166,6 +199,15 @@ class StageWorker:
         result there too (the sampler)."""
         return await asyncio.get_running_loop().run_in_executor(
             self._compute, self._compute_group, stage, kv, works, answer)
+
+    def fill_soon(self, stage: StageModel, kv) -> "asyncio.Future | None":
+        """Queue, in the compute thread, the layers that exited rows skipped (None: none did).
+
+        Queued before the pass's answers go out, so nothing that answer sets off (a
+        next step, a prefix kept) can reach this sequence's cache before it is whole."""
+        if not stage.has_pending():
+            return None
+        return asyncio.get_running_loop().run_in_executor(self._compute, stage.fill_pending, kv)
 
     async def in_compute(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the compute thread, between passes (work on the KV cache's buffers)."""
