@@ -493,6 +493,7 @@ class HelloReply:
     key_fingerprint: str
     accepted: bool = True
     reason: str = ""
+    exits: int = later(0)  # exit layers this stage checks (early exits; 0: none, or a stage on an older meshd)
 
 
 @message(name="Heartbeat")  # its wire name since 0.1

@@ -69,7 +69,7 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0), described("a number greater than 
 Cloud = Annotated[Literal["auto", "off"] | Annotated[float, Field(ge=0.0, le=1.0, strict=True)],
                   described('"auto", "off" or a cloud budget from 0 to 1')]
 # meshd's extension: early exits (Synera) leave the model where the top-2 margin clears this (0: off).
-ExitThreshold = Annotated[float, Field(ge=0.0, le=1.0), described("a number from 0 (off) to 1")]
+ExitThreshold = Annotated[float, Field(ge=0.0, le=1.0, strict=True), described("a number from 0 (off) to 1")]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0), described("a number between -2 and 2")]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX),
                  described(f"an integer from {INT64_MIN} to {INT64_MAX} (a signed 64-bit integer)")]

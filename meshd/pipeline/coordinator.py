@@ -321,7 +321,8 @@ class PipelineCoordinator:
         kept = completed = caches = False
         fields = dict(request_id=slot.request_id, plan_version=route.plan_version, seq_id=seq,
                       reply_to=self.reply_to, capacity=slot.capacity(), sampling=slot.sampling.unshaped(),
-                      return_topk=int(request.return_topk), exit_threshold=float(request.exit_threshold))
+                      return_topk=int(request.return_topk),
+                      exit_threshold=float(request.exit_threshold) if self.table.exits_on(route) else 0.0)
         medusa_paths = self.medusa_paths if speculation is not None and speculation.uses_medusa else 0
         ids = slot.context
         try:
@@ -396,6 +397,10 @@ class PipelineCoordinator:
                 if keep is not None:
                     keep.seq = None
                 await self.flights.end(flight, cache=caches and completed)
+
+    def exits_available(self) -> bool | None:
+        """Whether a route known to serve checks early exits at its last stage (None: none serves yet)."""
+        return self.table.exits_available()
 
     def drafter(self, request_id: RequestId, capacity: int, sampling: SamplingParams, cuts: Cuts = None,
                 wait_s: float | None = None) -> MeshDrafter:

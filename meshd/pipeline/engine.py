@@ -133,6 +133,13 @@ class PipelineEngine(Engine):
                 raise BadEngineRequest(f"early exits (exit_threshold) cannot be combined with {clash}: they "
                                        f"change the model's distribution; send exit_threshold 0 or drop {clash}")
             return 0.0
+        if not explicit and self.cloud_for(req):  # a paired verifier's answer is the big model's
+            return 0.0
+        if self.coordinator.exits_available() is False:  # the serving routes' last stages check none
+            if explicit:
+                raise BadEngineRequest("early exits are not available in this home: the last stage has no exit "
+                                       "heads for this model ('meshd status' says why); send exit_threshold 0")
+            return 0.0
         return threshold
 
     async def _ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:

@@ -35,6 +35,7 @@ class RouteTable:
         self.counts = RouteCounts()  # this coordinator's requests on each route
         self.waiting_on: str | None = None  # the stage a readiness probe waits for (named in errors)
         self._ready: set[tuple[int, int]] = set()  # routes whose stages all serve their plan
+        self._exits: dict[tuple[int, int], int] = {}  # route -> exit layers its last stage checks (when ready)
         self._changed = asyncio.Event()
 
     @property
@@ -91,6 +92,8 @@ class RouteTable:
                         peer = await self.links.to(st.node_id)
                         reply = await peer.request(Hello(self.node_id, route.plan_version, ""), timeout=2.0)
                         if reply.plan_version == route.plan_version:
+                            if st is route.stages[-1]:
+                                self._exits[route.key] = int(reply.exits)
                             break
                         if not reply.accepted and reply.reason:  # it holds another model: it never will
                             raise ModelMismatch(f"stage {st.node_id} {reply.reason}")
@@ -101,6 +104,16 @@ class RouteTable:
         self.waiting_on = None
         log.info("pipeline_ready", plan_version=route.plan_version, route=route.index,
                  stages=[s.node_id for s in route.stages])
+
+    def exits_on(self, route: Route) -> bool:
+        """Whether ``route``'s last stage checks early exits (a stage on an older meshd never says so, and
+        never gets a message that asks for them)."""
+        return self._exits.get(route.key, 0) > 0
+
+    def exits_available(self) -> bool | None:
+        """Whether a route known to serve checks early exits (None: none is known to serve yet)."""
+        ready = [r for r in self.routes if r.key in self._ready]
+        return any(self.exits_on(r) for r in ready) if ready else None
 
     async def pick(self, slot: RequestSlot | None) -> Route | None:
         """The route ``slot``'s request takes among the current ones (None: no plan serves)."""

@@ -125,10 +125,8 @@ def test_the_exit_token_is_the_exit_heads_choice_and_clears_the_margin(full, hea
     bound = BoundExits(heads, full)
     full.exits = bound
     try:
-        kv = full.new_cache()
-        kv.create("s", len(prompt) + 2)
-        full.forward(kv, "s", torch.tensor(prompt), all_logits=False)
-        out = full.forward_batch(kv, [BatchItem("s", torch.tensor([504]), all_logits=False, exit_threshold=1e-6)])[0]
+        kv, out = exited_once(full, prompt)
+        full.fill_pending(kv)
     finally:
         full.exits = None
     assert isinstance(out, ExitCheck) and out.layer == 23 and out.margin >= 1e-6
@@ -160,16 +158,35 @@ def test_in_a_batch_one_sequence_may_exit_while_another_goes_on_unchanged(full, 
     assert exits and tb == alone
 
 
+def exited_once(stage, prompt):
+    """A cache holding ``prompt`` and one decode step whose token left at the first exit (its fill owed)."""
+    kv = stage.new_cache()
+    kv.create("s", len(prompt) + 3)
+    stage.forward(kv, "s", torch.tensor(prompt), all_logits=False)
+    out = stage.forward_batch(kv, [BatchItem("s", torch.tensor([504]), all_logits=False, exit_threshold=1e-6)])[0]
+    assert isinstance(out, ExitCheck) and stage.has_pending()
+    return kv, out
+
+
 def test_a_sequence_freed_before_its_fill_owes_nothing(full, heads, prompt):
     full.exits = BoundExits(heads, full)
     try:
-        kv = full.new_cache()
-        kv.create("s", len(prompt) + 2)
-        full.forward(kv, "s", torch.tensor(prompt), all_logits=False)
-        out = full.forward_batch(kv, [BatchItem("s", torch.tensor([504]), all_logits=False, exit_threshold=1e-6)])[0]
-        assert isinstance(out, ExitCheck) and full.has_pending()
+        kv, _ = exited_once(full, prompt)
         kv.free("s")
-        assert full.fill_pending(kv) == 0 and not full.has_pending()
+        assert full.fill_pending(kv) == [] and not full.has_pending()
+    finally:
+        full.exits = None
+
+
+def test_a_fill_that_fails_names_its_sequence_and_the_next_step_refuses_to_read_a_partial_cache(
+        full, heads, prompt, monkeypatch):
+    full.exits = BoundExits(heads, full)
+    try:
+        kv, _ = exited_once(full, prompt)
+        with monkeypatch.context() as m:
+            m.setattr(full, "_layer", lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room")))
+            with pytest.raises(RuntimeError, match="early exit skipped"):
+                full.forward_batch(kv, [BatchItem("s", torch.tensor([11]), all_logits=False)])
     finally:
         full.exits = None
 

@@ -16,7 +16,6 @@ from decoding.sampling import SamplingSpec
 from meshd.pipeline.coordinator import StepsRequest
 from tests.support.inprocess import Mesh
 
-pytestmark = pytest.mark.asyncio
 THRESHOLD = 0.4
 
 
@@ -67,6 +66,25 @@ async def test_a_two_stage_mesh_with_exits_answers_as_one_device_with_the_same_e
     assert last["kv_tokens_in_use"] == 0 or last["prefix_cache"]["held_tokens"] >= 0
 
 
+async def test_an_answer_whose_last_token_left_early_is_still_kept_for_the_next_prompt(real_source, heads, prompt):
+    """The request ends on an exited token: the cache is kept once the fill is done, not freed as busy."""
+    async with Mesh(real_source, 2, exits=lambda stage: heads) as mesh:
+        first = [s async for s in mesh.coord.steps(StepsRequest("a", prompt, 12, SamplingSpec(), exit_threshold=0.01))]
+        assert first[-1].exit_layer  # the last token left early
+        for svc in mesh.services:
+            await wait_for(lambda s=svc: s.status()["prefix_cache"]["entries"] >= 1, 10)
+        again = [s async for s in mesh.coord.steps(StepsRequest("b", prompt + [first[0].token], 4, SamplingSpec()))]
+    assert again[0].cached == len(prompt)  # the next request started on what the first one left
+
+
+async def wait_for(cond, timeout_s: float) -> None:
+    import asyncio
+
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
 async def test_a_stage_whose_exit_heads_cannot_load_says_why_and_decodes_at_full_depth(real_source, prompt):
     from decoding.errors import DrafterError
 
@@ -79,6 +97,7 @@ async def test_a_stage_whose_exit_heads_cannot_load_says_why_and_decodes_at_full
         plain = await mesh.run(prompt, 8, rid="plain")
     assert status["exit_layers"] == [] and "no exit heads" in status["exits_note"]
     assert [s.token for s in got] == plain and all(s.exit_layer == 0 for s in got)
+    assert mesh.coord.exits_available() is False  # so the engine refuses an explicit request, and asks none
 
 
 def test_status_says_where_tokens_left_early_or_why_there_are_no_exits():

@@ -177,3 +177,43 @@ def test_meshd_generate_across_a_gpu_and_the_cpu_prints_the_cpu_tokens(real_sour
     got = run("--device", "cuda,cpu", "--stages", "2", "--dtype", "float32")
     assert got["devices"] == ["cuda:0", "cpu"] and got["dtypes"] == ["float32", "float32"]
     assert got["token_ids"] == ref["token_ids"]
+
+
+def test_early_exits_on_a_gpu_stage_leave_the_full_models_kv_and_exit_where_the_cpu_does(real_source):
+    """The shipped exit heads bound to a GPU stage: tokens that leave early leave complete KV behind
+    (bit for bit the full model's on the same device), and the tokens and exits match the CPU's."""
+    from decoding.batch import BatchItem
+    from decoding.exits import BoundExits, ExitCheck
+    from meshd.heads import embedded_exits
+
+    cfg = real_source.config
+    heads = embedded_exits(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
+    ids = real_source.tokenizer.apply_chat([{"role": "user", "content": PROMPTS[1]["prompt"]}])
+
+    def run(device, threshold, forced=None):
+        stage = real_source.load_stage(0, cfg.num_layers, torch.float32, device)
+        stage.exits = BoundExits(heads, stage) if threshold else None
+        kv = stage.new_cache()
+        kv.create("s", len(ids) + 40)
+        with torch.inference_mode():
+            out = stage.forward(kv, "s", torch.tensor(ids), all_logits=False)
+            toks, layers = [], []
+            for i in range(32):
+                exited = isinstance(out, ExitCheck)
+                toks.append(forced[i] if forced else int((out.logits if exited else out[-1]).argmax()))
+                layers.append(out.layer if exited else 0)
+                out = stage.forward_batch(kv, [BatchItem("s", torch.tensor([toks[-1]]), all_logits=False,
+                                                         exit_threshold=threshold)])[0]
+            stage.fill_pending(kv)
+        return toks, layers, kv
+
+    toks, layers, kv = run(GPU, 0.7)
+    _, cpu_layers, _ = run("cpu", 0.7, forced=toks)  # the CPU's exit decisions on the GPU's tokens
+    # float32 on both: the margins differ by summation order only, so a decision flips at most near 0.7
+    assert any(layers) and sum(a == b for a, b in zip(layers, cpu_layers)) >= 0.9 * len(layers), (layers, cpu_layers)
+    _, _, ref = run(GPU, 0.0, forced=toks)
+    n = len(ids) + len(toks)
+    for layer in range(cfg.num_layers):
+        (k, v), = kv.segments("s", layer, n)
+        (rk, rv), = ref.segments("s", layer, n)
+        assert torch.equal(k, rk) and torch.equal(v, rv), f"layer {layer}"

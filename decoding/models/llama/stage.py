@@ -141,7 +141,9 @@ class StageModel:
         if len({it.seq_id for it in items}) != len(items):
             raise ValueError("a sequence may appear only once in a batch")
         if self._pending:  # a sequence's exited row finishes its layers before its next rows attend to them
-            self.fill_pending(kv, {it.seq_id for it in items})
+            broken = self.fill_pending(kv, {it.seq_id for it in items})
+            if broken:
+                raise RuntimeError(f"the layers an early exit skipped could not be computed for {broken[0]!r}")
         cfg, device = self.config, self.device
         items = [it.on(device) for it in items]  # a CPU stage after a GPU one gets GPU tensors too
         plans = []
@@ -242,9 +244,10 @@ class StageModel:
         return bool(self._pending)
 
     @torch.inference_mode()
-    def fill_pending(self, kv: KVCache, seqs=None) -> int:
+    def fill_pending(self, kv: KVCache, seqs=None) -> list:
         """Run the layers exited rows skipped (all, or only ``seqs``'): their keys and values at their own
-        position, from the hidden state they left with. Returns how many rows were filled.
+        position, from the hidden state they left with. Returns the sequences whose fill failed (their
+        caches are not whole: the caller frees them, and their coordinators replay them).
 
         Why eagerly, right after the exiting pass answered, and not batched with the
         sequence's next token: the answer has already gone back, so this work overlaps
@@ -252,22 +255,26 @@ class StageModel:
         stage computes a decode row alone anyway (``RowPlan.exact``), so batching it
         with the next token would save nothing. A sequence freed or cut back meanwhile
         owes nothing."""
-        done = 0
-        for seq in [s for s in self._pending if seqs is None or s in seqs]:
-            pend = self._pending.pop(seq)
-            if seq not in kv or kv.length(seq) <= pend.plan.past:
+        failed = []
+        pending = self._pending  # a new plan may replace it from another thread meanwhile
+        for seq in [s for s in list(pending) if seqs is None or s in seqs]:
+            pend = pending.pop(seq, None)
+            if pend is None or seq not in kv or kv.length(seq) <= pend.plan.past:
                 continue
             h = pend.hidden
             dense = pend.plan.whole if self.packing else None
-            for li in range(pend.layer, len(self.layers)):
-                h = self._layer(kv, li, self.layers[li], h, pend.cos, pend.sin, [pend.item], [pend.plan],
-                                None, dense)
-            done += 1
-        return done
+            try:
+                for li in range(pend.layer, len(self.layers)):
+                    h = self._layer(kv, li, self.layers[li], h, pend.cos, pend.sin, [pend.item], [pend.plan],
+                                    None, dense)
+            except Exception:  # noqa: BLE001 - one sequence's cache is not whole; the others' are
+                pending[seq] = pend  # still owed: its next step fails again rather than read a partial cache
+                failed.append(seq)
+        return failed
 
     def drop_pending(self) -> None:
-        """A new cache (a new plan): nothing is owed to the old one."""
-        self._pending.clear()
+        """A new cache (a new plan): nothing is owed to the old one (a fill running now keeps its own dict)."""
+        self._pending = {}
 
     def _layer(self, kv, li, lw: LayerWeights, h, cos, sin, items, plans, probes=None, dense=None):
         cfg = self.config

@@ -83,6 +83,7 @@ class StageService:
         self.links = Links(node, directory)
         self._peer_version = peer_version
         self._deploy_lock = asyncio.Lock()
+        self._filling: dict[SeqKey, asyncio.Future] = {}  # exited sequences whose skipped layers are computing
         self._reaper: asyncio.Task | None = None
 
     # -- lifecycle --------------------------------------------------------------
@@ -192,7 +193,8 @@ class StageService:
             match msg:
                 case Hello():  # readiness probe: which plan is loaded and serving here
                     refused = self._refusal(msg.plan_version)
-                    return HelloReply(self.node_id, self.serving_version, "", accepted=not refused, reason=refused)
+                    return HelloReply(self.node_id, self.serving_version, "", accepted=not refused, reason=refused,
+                                      exits=len(self.worker.exit_layers))
                 case StageForward():
                     reply = (await self._forward_group([msg]))[0]  # errors are already reported (per message)
                     if reply is not None:
@@ -237,6 +239,9 @@ class StageService:
     async def _keep(self, msg: CacheSequence) -> None:
         """Keep a finished request's KV as a cached prefix: the cache held within its share of the
         budget, then the entry's spare room given back (a copy, in the compute thread)."""
+        filling = self._filling.get(msg.seq_id)
+        if filling is not None:  # its last token left early: its cache is whole once the fill is done
+            await asyncio.wait([filling])
         if self.route is None or msg.plan_version != self.route.plan_version or not self.scheduler.keep(msg.seq_id):
             self.scheduler.free(msg.seq_id, "freed")
             return
@@ -329,23 +334,41 @@ class StageService:
         slots = [w.slot for w in works]
         self.scheduler.begin_pass(slots)
         t = time.perf_counter()
-        filling = None
+        filling, exited = None, []
         try:
             outcomes = await self.worker.run(stage, kv, works, self.sampler.answer)
             filling = self.worker.fill_soon(stage, kv)  # exited rows' skipped layers, queued before answering
         finally:
-            if filling is None:
-                self.scheduler.end_pass(slots)
+            if filling is not None:  # the sequences whose token left early stay busy until their fill is done
+                exited = [w for w, (out, _) in zip(works, outcomes) if getattr(out, "exit_layer", 0)]
+                for w in exited:
+                    self._filling[w.slot.seq] = filling
+            held = {id(w.slot) for w in exited}
+            self.scheduler.end_pass([sl for sl in slots if id(sl) not in held])
         self.scheduler.count_pass(len(works), time.perf_counter() - t)
         try:
             await self._answer(works, outcomes, stage, replies)
         finally:
-            if filling is not None:  # the exited sequences' caches are whole again: frees may land
-                try:
-                    await filling
-                finally:
-                    self.scheduler.end_pass(slots)
+            if filling is not None:
+                await self._filled(filling, exited, replies)
         return replies
+
+    async def _filled(self, filling: asyncio.Future, exited: list[Work], replies: list) -> None:
+        """The exited sequences' caches are whole again (or a fill failed: that request replays)."""
+        try:
+            broken, seconds = await filling
+        except Exception as exc:  # noqa: BLE001 - the executor itself failed: nobody's cache is whole
+            broken, seconds = [w.slot.seq for w in exited], 0.0
+            log.warning("exit_fill_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            for w in exited:
+                self._filling.pop(w.slot.seq, None)
+            self.scheduler.end_pass([w.slot for w in exited])
+        self.stats.busy_s += seconds
+        for w in exited:
+            if w.slot.seq in broken:
+                replies[w.index] = await self._fail(w.msg, RuntimeError(
+                    "the layers an early exit skipped could not be computed; the request replays"))
 
     async def _answer(self, works: list[Work], outcomes, stage: StageModel, replies: list) -> None:
         for w, (out, exc) in zip(works, outcomes):

@@ -134,7 +134,10 @@ class StageWorker:
 
     def _bind_exits(self, stage: StageModel) -> None:
         """Early exits are checked where the LM head is; a stage without exit layers has none."""
-        if self._exits_factory is None or not stage.is_last:
+        if self._exits_factory is None:
+            return
+        self.exits_note = ""
+        if not stage.is_last:
             return
         try:
             bound = BoundExits(self._exits_factory(stage), stage)
@@ -185,9 +188,11 @@ class StageWorker:
         want_logits = self.stage.is_last and msg.is_last_chunk
         mask = tree.mask() if tree is not None else msg.tree_mask
         normed = want_logits and (msg.verify or msg.medusa_paths > 0)
-        # Early exits only where the answer is the model's own distribution, drawn once: a plain decode step.
-        exits = want_logits and not msg.verify and not msg.sampling.shaped and msg.return_topk == 0 \
-            and msg.medusa_paths == 0
+        # Early exits only where the answer is the model's own distribution, drawn once: a plain decode step
+        # of a sequence without grammar or penalties (a decode step's message carries the unshaped spec; the
+        # shaping the last prompt chunk brought lives in the slot's selector).
+        plain = not msg.sampling.shaped and (slot.selector is None or slot.selector.plain)
+        exits = want_logits and plain and not msg.verify and msg.return_topk == 0 and msg.medusa_paths == 0
         item = BatchItem(slot.seq, x, mask, all_logits=msg.verify, head=want_logits, return_normed=normed,
                          attention_tail=max(0, min(int(msg.attention_tail), 64)) if want_logits else 0,
                          exit_threshold=min(max(float(msg.exit_threshold), 0.0), 1.0) if exits else 0.0)
@@ -201,13 +206,19 @@ class StageWorker:
             self._compute, self._compute_group, stage, kv, works, answer)
 
     def fill_soon(self, stage: StageModel, kv) -> "asyncio.Future | None":
-        """Queue, in the compute thread, the layers that exited rows skipped (None: none did).
+        """Queue, in the compute thread, the layers that exited rows skipped (None: none did); the future
+        gives (the sequences whose fill failed, seconds computing).
 
         Queued before the pass's answers go out, so nothing that answer sets off (a
         next step, a prefix kept) can reach this sequence's cache before it is whole."""
         if not stage.has_pending():
             return None
-        return asyncio.get_running_loop().run_in_executor(self._compute, stage.fill_pending, kv)
+
+        def fill() -> tuple[list, float]:
+            t = time.perf_counter()
+            return stage.fill_pending(kv), time.perf_counter() - t
+
+        return asyncio.get_running_loop().run_in_executor(self._compute, fill)
 
     async def in_compute(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the compute thread, between passes (work on the KV cache's buffers)."""
