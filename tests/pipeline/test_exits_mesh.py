@@ -52,13 +52,13 @@ def one_device(real_source, heads, prompt, n, threshold):
 async def test_a_two_stage_mesh_with_exits_answers_as_one_device_with_the_same_exits(real_source, heads, prompt):
     want, want_layers = one_device(real_source, heads, prompt, 20, THRESHOLD)
     async with Mesh(real_source, 2, exits=lambda stage: heads) as mesh:
-        assert mesh.services[1].status()["exit_layers"] == [23, 29] and mesh.services[0].status()["exit_layers"] == []
+        assert mesh.services[1].status()["exit_layers"] == [23, 26, 29] and mesh.services[0].status()["exit_layers"] == []
         steps = [s async for s in mesh.coord.steps(StepsRequest("x", prompt, 20, SamplingSpec(),
                                                                 exit_threshold=THRESHOLD))]
         plain = await mesh.run(prompt, 20, rid="plain")
         last = mesh.services[1].status()
     assert [s.token for s in steps] == want
-    assert [s.exit_layer for s in steps] == want_layers and set(want_layers) == {0, 23, 29}
+    assert [s.exit_layer for s in steps] == want_layers and {0, 23} <= set(want_layers)
     exits = last["exits"]
     # the first token is the prompt's (never exits); the plain request asked for none
     assert exits["asked"] == 19 and sum(exits["by_layer"].values()) == sum(1 for l in want_layers[1:] if l)
