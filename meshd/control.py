@@ -45,6 +45,7 @@ class MeshHeartbeat:
     cloud_digest: str = ""  # and its digest; a member holding a newer one sends it (CloudShare)
     plan_digest: str = ""  # Plan.digest() of the plan it serves: same version, other digest = a conflict
     layouts: int = 0  # 1: it serves plans of several routes (replicas, mixed); 0: one pipeline only
+    exits: int = 0  # 1: its coordinator reads early-exit fields (HelloReply.exits); 0: a meshd without them
     workload: dict | None = None  # what its coordinator observes (meshd.pipeline.workload); None: not enough yet
 
 

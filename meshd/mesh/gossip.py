@@ -106,6 +106,7 @@ class Gossip:
                 "model_layers": msg.model_layers, "version": msg.version,
                 "uptime_s": msg.uptime_s, "kv_tokens": msg.kv_tokens, "last_error": msg.last_error,
                 "profile_digest": msg.profile_digest, "layouts": int(getattr(msg, "layouts", 0) or 0),
+                "exits": int(getattr(msg, "exits", 0) or 0),
                 "workload": dict(getattr(msg, "workload", None) or {})}
         before = dict(self.view.info_of(sender))
         self.apply(self.view.membership.heartbeat(sender, now, info))
@@ -207,7 +208,7 @@ class Gossip:
             return
         hb = self.heartbeat()
         # fields at their default are left out on the wire: strict 0.1 daemons refuse any they lack
-        legacy = dataclasses.replace(hb, plan_digest="", layouts=0, workload=None)
+        legacy = dataclasses.replace(hb, plan_digest="", layouts=0, workload=None, exits=0)
         for peer in ([node_id] if node_id is not None else list(self.link.peers)):
             self.link.send(peer, hb if self._takes_extended_heartbeats(peer) else legacy)
 

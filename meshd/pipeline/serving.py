@@ -64,6 +64,10 @@ class MeshDirectory:
         """The meshd version ``node_id`` announced in its heartbeats ("": not known)."""
         return str(self.view.info_of(node_id).get("version") or "")
 
+    def reads_exits(self, node_id: NodeId) -> bool:
+        """Whether ``node_id``'s coordinator reads early-exit fields (its heartbeats say so)."""
+        return node_id == self.view.node_id or bool(self.view.info_of(node_id).get("exits"))
+
 
 def routes_from_plan(plan: Plan, directory) -> tuple[Route, ...]:
     """Each of the plan's routes (same ``[first, end)`` ranges), with each node's address and key."""
@@ -263,7 +267,8 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
                          activation_dtype=None if wire == "float32" else wire,
                          medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)),
                          exits=exits_factory(source, getattr(cfg, "exit_heads", None)),
-                         peer_version=directory.version_of, prefix_cache=PrefixCache(share, pins))
+                         peer_version=directory.version_of, prefix_cache=PrefixCache(share, pins),
+                         peer_reads_exits=directory.reads_exits)
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
     directory.own_port = int(address.rsplit(":", 1)[1])

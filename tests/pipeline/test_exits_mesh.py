@@ -110,3 +110,51 @@ def test_status_says_where_tokens_left_early_or_why_there_are_no_exits():
     assert exits_line({"exit_layers": [], "exits_note": "none: this stage's layers [0, 15) hold no exit layer"}) \
         == "early exits: none: this stage's layers [0, 15) hold no exit layer"
     assert exits_line({"exit_layers": [], "exits_note": "off: no exit heads configured"}) == ""
+
+
+async def test_a_coordinator_on_an_older_meshd_is_never_told_of_exits_nor_asked_to_send_them(real_source, heads,
+                                                                                               prompt):
+    """Its heartbeats lack the ``exits`` capability: the stage's readiness reply leaves the field out (an older
+    decoder refuses a reply with a field it lacks), so that coordinator never sends an exit threshold."""
+    async with Mesh(real_source, 2, exits=lambda stage: heads, peer_reads_exits=lambda node: False) as mesh:
+        got = [s async for s in mesh.coord.steps(StepsRequest("x", prompt, 8, SamplingSpec(), exit_threshold=0.4))]
+        plain = await mesh.run(prompt, 8, rid="plain")
+        assert mesh.coord.exits_available() is False and mesh.services[1].status()["exits"]["asked"] == 0
+    assert [s.token for s in got] == plain and all(s.exit_layer == 0 for s in got)
+
+
+class _Coordinator:
+    """What the engine asks a coordinator about exits: whether a serving route's last stage checks them."""
+
+    def __init__(self, available):
+        self.available = available
+
+    def exits_available(self):
+        return self.available
+
+
+def test_the_engine_decodes_with_exits_only_where_they_are_asked_for_and_can_mix(real_source):
+    from decoding.penalties import Penalties
+    from decoding.sampling import SamplingParams
+    from decoding.speculative.params import SpeculativeParams
+    from meshd.engine import BadEngineRequest, GenerationRequest
+    from meshd.pipeline.engine import PipelineEngine
+
+    def req(threshold=None, **kw):
+        return GenerationRequest("r", [1, 2, 3], 8, exit_threshold=threshold, **kw)
+
+    off = PipelineEngine(real_source, _Coordinator(True))
+    assert off.exits_for(req()) == 0.0 and off.exits_for(req(0.7)) == 0.7 and off.exits_for(req(0.0)) == 0.0
+    shaped = SamplingSpec(SamplingParams(), Penalties(presence=0.5))
+    for clash, kw in (("penalties", {"sampling": shaped}), ("speculative", {"speculative": SpeculativeParams("on")}),
+                      ("outline", {"outline": "on"}), ("cloud budget", {"cloud": 0.5})):
+        with pytest.raises(BadEngineRequest, match=clash):
+            off.exits_for(req(0.7, **kw))
+    default = PipelineEngine(real_source, _Coordinator(True), exit_threshold=0.7)
+    assert default.exits_for(req()) == 0.7 and default.exits_for(req(0.0)) == 0.0
+    assert default.exits_for(req(speculative=SpeculativeParams("on"))) == 0.0  # the default steps aside
+    none_here = PipelineEngine(real_source, _Coordinator(False), exit_threshold=0.7)
+    assert none_here.exits_for(req()) == 0.0  # no serving route checks exits: speculation stays available
+    with pytest.raises(BadEngineRequest, match="not available"):
+        none_here.exits_for(req(0.6))
+    assert PipelineEngine(real_source, _Coordinator(None)).exits_for(req(0.6)) == 0.6  # not known yet: asked

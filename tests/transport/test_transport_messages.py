@@ -178,6 +178,17 @@ def test_an_extensible_message_sends_only_fields_off_their_default():
     assert "new_length" in msgpack.unpackb(encode(M.Truncate(1, "s2", 0))[0])["fields"]
 
 
+def test_a_field_added_later_to_a_strict_message_travels_only_when_set():
+    """``later()``: an older peer decodes every message that leaves the new field at its default."""
+    hello = msgpack.unpackb(encode(M.HelloReply("a", 1, ""))[0])["fields"]
+    assert "exits" not in hello and decode(encode(M.HelloReply("a", 1, ""))).message.exits == 0
+    assert msgpack.unpackb(encode(M.HelloReply("a", 1, "", exits=3))[0])["fields"]["exits"] == 3
+    fwd = M.StageForward(request_id="r", plan_version=1, seq_id="s", position_offset=0)
+    assert "exit_threshold" not in msgpack.unpackb(encode(fwd)[0])["fields"]
+    set_ = dataclasses.replace(fwd, exit_threshold=0.7)
+    assert decode(encode(set_)).message.exit_threshold == 0.7
+
+
 def test_unknown_tensor_frames_of_an_extensible_message_are_left_out_too():
     frames = encode(TensorGossip("kitchen", torch.ones(3)))
     h = msgpack.unpackb(frames[0])

@@ -60,11 +60,12 @@ class StageService:
                  idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS,
                  device: torch.device | None = None, packed: str = "",
                  peer_version: Callable[[NodeId], str] | None = None, prefix_cache: PrefixCache | None = None,
-                 exits=None):
+                 exits=None, peer_reads_exits: Callable[[NodeId], bool] | None = None):
         """``device``/``dtype``/``packed``/``exits``: see :class:`StageWorker`; ``medusa``: see :class:`StageSampler`;
         ``prefix_cache``: finished requests' KV kept for later ones (default: half the KV budget).
         ``peer_version``: the meshd version a member announced ("": unknown), so an error names the failed
-        node only to coordinators that decode it (None: every peer runs this code)."""
+        node only to coordinators that decode it (None: every peer runs this code); ``peer_reads_exits``
+        likewise whether a coordinator reads ``HelloReply.exits`` (None: every one does)."""
         self.node = node
         self.node_id = node_id
         self.source = model_source
@@ -82,6 +83,7 @@ class StageService:
         self.server: StageServer | None = None
         self.links = Links(node, directory)
         self._peer_version = peer_version
+        self._peer_reads_exits = peer_reads_exits
         self._deploy_lock = asyncio.Lock()
         self._filling: dict[SeqKey, asyncio.Future] = {}  # exited sequences whose skipped layers are computing
         self._reaper: asyncio.Task | None = None
@@ -193,8 +195,10 @@ class StageService:
             match msg:
                 case Hello():  # readiness probe: which plan is loaded and serving here
                     refused = self._refusal(msg.plan_version)
+                    # a coordinator on an older meshd would refuse the whole reply with a field it lacks
+                    reads = self._peer_reads_exits is None or self._peer_reads_exits(msg.node_id)
                     return HelloReply(self.node_id, self.serving_version, "", accepted=not refused, reason=refused,
-                                      exits=len(self.worker.exit_layers))
+                                      exits=len(self.worker.exit_layers) if reads else 0)
                 case StageForward():
                     reply = (await self._forward_group([msg]))[0]  # errors are already reported (per message)
                     if reply is not None:
