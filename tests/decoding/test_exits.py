@@ -14,7 +14,6 @@ from decoding.batch import BatchItem
 from decoding.errors import DrafterError
 from decoding.exits import BoundExits, ExitCheck, ExitHeads, default_exit_layers, first_exit_layer
 
-torch.set_grad_enabled(False)
 
 
 @pytest.fixture(scope="module")

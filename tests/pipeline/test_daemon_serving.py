@@ -398,7 +398,7 @@ def test_early_exits_through_two_daemons_are_asked_per_request_counted_and_refus
     assert "early exits: " in out.stdout and "decode steps left early" in out.stdout, out.stdout
     with pytest.raises(openai.BadRequestError, match="exit_threshold"):
         client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                       extra_body={"exit_threshold": 0.7, "speculative": "on"})
+                                       extra_body={"exit_threshold": 0.7, "speculative": True})
     with pytest.raises(openai.BadRequestError, match="exit_threshold"):
         client.chat.completions.create(model="meshd", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        extra_body={"exit_threshold": 1.5})

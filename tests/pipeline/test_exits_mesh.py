@@ -15,6 +15,7 @@ from decoding.exits import BoundExits, ExitCheck, ExitHeads, default_exit_layers
 from decoding.sampling import SamplingSpec
 from meshd.pipeline.coordinator import StepsRequest
 from tests.support.inprocess import Mesh
+from tests.support.waiting import eventually
 
 THRESHOLD = 0.4
 
@@ -72,17 +73,10 @@ async def test_an_answer_whose_last_token_left_early_is_still_kept_for_the_next_
         first = [s async for s in mesh.coord.steps(StepsRequest("a", prompt, 12, SamplingSpec(), exit_threshold=0.01))]
         assert first[-1].exit_layer  # the last token left early
         for svc in mesh.services:
-            await wait_for(lambda s=svc: s.status()["prefix_cache"]["entries"] >= 1, 10)
+            await eventually(lambda s=svc: s.status()["prefix_cache"]["entries"] >= 1, 10,
+                             what=f"{svc.node_id} keeping the finished answer")
         again = [s async for s in mesh.coord.steps(StepsRequest("b", prompt + [first[0].token], 4, SamplingSpec()))]
     assert again[0].cached == len(prompt)  # the next request started on what the first one left
-
-
-async def wait_for(cond, timeout_s: float) -> None:
-    import asyncio
-
-    async with asyncio.timeout(timeout_s):
-        while not cond():
-            await asyncio.sleep(0.01)
 
 
 async def test_a_stage_whose_exit_heads_cannot_load_says_why_and_decodes_at_full_depth(real_source, prompt):
