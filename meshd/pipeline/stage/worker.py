@@ -124,33 +124,33 @@ class StageWorker:
         t = time.perf_counter()
         dtype, packed, device = self.dtype, self.packed, self.device
         stage = await asyncio.get_running_loop().run_in_executor(
-            self._compute, lambda: self.source.load_stage(first, end, dtype, device, packed))
+            self._compute, lambda: self._bind_exits(self.source.load_stage(first, end, dtype, device, packed)))
         release_free_memory()  # what reading and repacking the tensors left behind
         log.info("stage_loaded", first=first, end=end, seconds=round(time.perf_counter() - t, 2),
                  weight_mb=round(stage.weight_bytes() / 1e6, 1), weights=self.mode)
-        self._bind_exits(stage)
         self.stage = stage
         return stage
 
-    def _bind_exits(self, stage: StageModel) -> None:
-        """Early exits are checked where the LM head is; a stage without exit layers has none."""
+    def _bind_exits(self, stage: StageModel) -> StageModel:
+        """Early exits are checked where the LM head is; a stage without exit layers has none (compute
+        thread, with the load: reading the heads and widening their head rows stays off the event loop)."""
         if self._exits_factory is None:
-            return
+            return stage
         self.exits_note = ""
         if not stage.is_last:
-            return
+            return stage
         try:
             bound = BoundExits(self._exits_factory(stage), stage)
         except (DecodingError, OSError, ValueError) as exc:
             self.exits_note = f"unavailable: {exc}"
             log.warning("exits_unavailable", error=str(exc))
-            return
+            return stage
         if not bound.at:
             self.exits_note = f"none: this stage's layers [{stage.first}, {stage.end}) hold no exit layer"
-            return
+            return stage
         stage.exits = bound
-        self.exits_note = ""
         log.info("exits_ready", layers=bound.layers, shortlist=bound.heads.size)
+        return stage
 
     @property
     def exit_layers(self) -> list[int]:
