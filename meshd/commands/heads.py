@@ -42,11 +42,14 @@ def register(sub) -> None:
     e.add_argument("--limit", type=int, default=None, help="evaluate on the first N held-out prompts only")
     e.set_defaults(func=run_eval)
 
-    x = hs.add_parser("train-exits", help="train early-exit heads (Synera) on the model's own answers")
+    x = hs.add_parser("train-exits", help="train early-exit heads (Synera) on the model's own answers",
+                      description="Train early-exit heads: the teacher at every answer position is meshd's own "
+                                  "runtime's full next-token distribution (float32), so answers are used whole.")
     _common(x)
     x.add_argument("--out", default=None, help="exit heads file to write (default: ./exit-heads.pt)")
     x.add_argument("--layers", default=None,
-                   help="exit layers, comma-separated layer counts in the model's last quarter (default: two)")
+                   help="exit layers, comma-separated layer counts in the model's last quarter (default: three, "
+                        "spread over it)")
     x.add_argument("--shortlist", type=int, default=2048, help="tokens an exit may emit (the most frequent)")
     x.add_argument("--minutes", type=float, default=15.0, help="time budget for the whole run")
     x.add_argument("--steps", type=int, default=1500)
