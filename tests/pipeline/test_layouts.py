@@ -100,6 +100,8 @@ async def test_two_requests_on_two_replicas_both_finish_identically_when_one_rep
             async for s in mesh.coord.steps(StepsRequest(f"long{k}", prompts[k], 40, SamplingSpec())):
                 got[k].append(s.token)
 
+        for r in mesh.routes:  # both known to serve first: a burst on a busy machine must not find one still probing
+            await mesh.coord.table.wait_ready(r)
         tasks = [asyncio.create_task(run(k)) for k in range(2)]
         await eventually(lambda: min(len(g) for g in got) >= 5)
         assert all(mesh.coord.route_counts.running(r) == 1 for r in mesh.routes)
