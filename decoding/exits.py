@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from decoding.errors import DrafterError
-from decoding.loader.files import sha256_of
+from decoding.heads_file import read_heads_file, write_heads_file
 
 FORMAT = "meshd-exit-heads"
 FORMAT_VERSION = 1
@@ -116,36 +115,20 @@ class ExitHeads(torch.nn.Module):
         """Write atomically; returns the file's sha256 (pin it where the file ships)."""
         if meta is not None:
             self.meta = dict(meta)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".partial")
-        torch.save({"format": FORMAT, "version": FORMAT_VERSION, "layers": list(self.layers),
+        return write_heads_file(path, {"format": FORMAT, "version": FORMAT_VERSION, "layers": list(self.layers),
                     "hidden_size": self.hidden_size, "num_layers": self.num_layers, "vocab_size": self.vocab_size,
                     "shortlist": self.shortlist.to(torch.int32).contiguous(),
                     "w": self.w.detach().to(torch.float16).contiguous(),
                     "b": self.b.detach().to(torch.float16).contiguous(),
                     "other_w": self.other_w.detach().to(torch.float16).contiguous(),
                     "other_b": self.other_b.detach().float().contiguous(),
-                    "meta_json": json.dumps(self.meta, sort_keys=True)}, tmp)
-        os.replace(tmp, path)
-        return sha256_of(path)
+                    "meta_json": json.dumps(self.meta, sort_keys=True)})
 
     @classmethod
     def load(cls, path, *, sha256: str | None = None, num_layers: int | None = None,
              hidden_size: int | None = None, vocab_size: int | None = None) -> "ExitHeads":
         """Read and check a heads file; ``sha256`` pins the exact file (a mismatch is refused)."""
-        path = Path(path)
-        if not path.is_file():
-            raise DrafterError(f"exit heads file not found: {path}")
-        if sha256 is not None:
-            digest = sha256_of(path)
-            if digest != sha256.lower():
-                raise DrafterError(f"{path}: sha256 mismatch (file {digest}, expected {sha256.lower()}); "
-                                   f"the exit heads file is damaged or not the one that was shipped")
-        try:
-            raw = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - every unpickling error means "not a heads file"
-            raise DrafterError(f"{path}: not a readable exit heads file ({type(exc).__name__}: {exc})") from exc
+        path, raw = read_heads_file(path, sha256, "exit heads")
         heads = cls._from_state(raw, path)
         heads.source = str(path)
         for name, want, have in (("layers", num_layers, heads.num_layers), ("hidden size", hidden_size,

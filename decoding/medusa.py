@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 from decoding.errors import DrafterError
 from decoding.linear import linear
-from decoding.loader.files import sha256_of
+from decoding.heads_file import read_heads_file, write_heads_file
 
 FORMAT = "meshd-medusa-heads"
 FORMAT_VERSION = 1
@@ -188,28 +187,12 @@ class MedusaHeads(torch.nn.Module):
         if meta is not None:
             self.meta = dict(meta)
         tree_parents(self.tree)  # never write a tree that load() would refuse
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".partial")
-        torch.save(self.state_for_file(self.meta), tmp)
-        os.replace(tmp, path)
-        return sha256_of(path)
+        return write_heads_file(path, self.state_for_file(self.meta))
 
     @classmethod
     def load(cls, path, *, sha256: str | None = None, vocab_size: int | None = None,
              hidden_size: int | None = None) -> "MedusaHeads":
-        path = Path(path)
-        if not path.is_file():
-            raise DrafterError(f"Medusa heads file not found: {path}")
-        if sha256 is not None:
-            digest = sha256_of(path)
-            if digest != sha256.lower():
-                raise DrafterError(f"{path}: sha256 mismatch (file {digest}, expected {sha256.lower()}); "
-                                   f"the heads file is damaged or not the one that was shipped")
-        try:
-            raw = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # unpickling errors come in many types; all mean "not a heads file"
-            raise DrafterError(f"{path}: not a readable Medusa heads file ({type(exc).__name__}: {exc})") from exc
+        path, raw = read_heads_file(path, sha256, "Medusa heads")
         heads = cls._from_state(raw, path)
         heads.source = str(path)
         heads.check_model(vocab_size=vocab_size, hidden_size=hidden_size)
