@@ -18,7 +18,8 @@ import torch
 from decoding import models
 from decoding.config import ModelConfig
 from decoding.errors import ModelLoadError, UnsupportedArchitecture
-from decoding.loader.files import sha256_of
+from decoding.loader.files import sha256_of_files
+from decoding.loader.gguf_split import check_parts, part_paths
 from decoding.loader.source import ModelSource
 from decoding.log import get_logger
 
@@ -27,11 +28,18 @@ class GGUFSource(ModelSource):
     def __init__(self, path: Path, cache_root: Path | None = None):
         import gguf
 
-        self.path = Path(path)
-        try:
-            self._reader = gguf.GGUFReader(str(self.path), "r")
-        except Exception as exc:
-            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({exc})") from exc
+        # A split set (NAME-0000i-of-0000N.gguf) is one model: metadata from its first part,
+        # tensors from all of them (decoding.loader.gguf_split).
+        self.parts = part_paths(Path(path))
+        self.path = self.parts[0]
+        self._readers = []
+        for part in self.parts:
+            try:
+                self._readers.append(gguf.GGUFReader(str(part), "r"))
+            except Exception as exc:
+                raise ModelLoadError(f"{part}: not a readable GGUF file ({exc})") from exc
+        check_parts(self.parts, self._readers)
+        self._reader = self._readers[0]
         self._cache_root = cache_root
         # No family for the architecture: no tensors are indexed, and .config says why.
         self._family = models.family(self.arch)
@@ -40,7 +48,7 @@ class GGUFSource(ModelSource):
             self._index_tensors()
 
     def _index_tensors(self) -> None:
-        for t in self._reader.tensors:
+        for t in (t for r in self._readers for t in r.tensors):
             canon = self._family.gguf_canonical(t.name)
             if canon:
                 self._tensors[canon] = t
@@ -148,15 +156,14 @@ class GGUFSource(ModelSource):
     def identity(self) -> str:
         cache = self._cache_dir()
         if cache is None:
-            return f"{self.path.name}@{sha256_of(self.path)[:16]}"
-        st = self.path.stat()
+            return f"{self.path.name}@{sha256_of_files(self.parts)[:16]}"
         index = cache / "identity.json"
-        key = [str(self.path.resolve()), st.st_size, st.st_mtime_ns]
+        key = [x for p in self.parts for st in [p.stat()] for x in (str(p.resolve()), st.st_size, st.st_mtime_ns)]
         if index.is_file():
             cached = json.loads(index.read_text())
             if cached.get("key") == key:
                 return cached["identity"]
-        ident = f"{self.path.name}@{sha256_of(self.path)[:16]}"
+        ident = f"{self.path.name}@{sha256_of_files(self.parts)[:16]}"
         index.parent.mkdir(parents=True, exist_ok=True)
         index.write_text(json.dumps({"key": key, "identity": ident}))
         return ident
@@ -165,8 +172,8 @@ class GGUFSource(ModelSource):
         """This file's directory under the caller's cache root (None: no cache)."""
         if self._cache_root is None:
             return None
-        st = self.path.stat()
-        tag = hashlib.sha256(f"{self.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        stamp = ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in self.parts for st in [p.stat()])
+        tag = hashlib.sha256(stamp.encode()).hexdigest()[:16]
         return self._cache_root / f"{self.path.stem}-{tag}"
 
     def _load_tokenizer(self):
