@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from decoding.errors import ModelLoadError
+from decoding.loader.chat_template import ChatTemplate
 
 
 @dataclass
@@ -65,20 +65,8 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
     @cached_property
-    def _template(self):
-        if not self.meta.chat_template:
-            return None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(message):
-            raise ModelLoadError(f"chat template error: {message}")
-
-        env.globals["raise_exception"] = raise_exception
-        # Templates are written for transformers' tojson (no HTML escaping, keys in
-        # the given order, non-ASCII kept), not Jinja's: tool schemas must render
-        # exactly as the model saw them in training.
-        env.filters["tojson"] = _tojson
-        return env.from_string(self.meta.chat_template)
+    def _template(self) -> ChatTemplate | None:
+        return ChatTemplate(self.meta.chat_template) if self.meta.chat_template else None
 
     @property
     def supports_tools(self) -> bool:
@@ -86,20 +74,23 @@ class Tokenizer:
         return bool(self.meta.chat_template) and "tools" in self.meta.chat_template
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+                    tools: list[dict] | None = None, **variables) -> str:
+        """The prompt text, as transformers' ``apply_chat_template`` renders it (``decoding.loader.chat_template``).
+
+        ``variables`` are the template's own switches, e.g. Qwen3's ``enable_thinking``.
+        """
         if self._template is None:
             # A base model without a template: plain concatenation is the honest fallback.
             return "\n".join(m["content"] for m in messages) + "\n"
-        extra = {"tools": tools} if tools else {}
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.meta.bos_token or "", eos_token=self.meta.eos_token or "", **extra,
-        )
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            special_tokens={"bos_token": self.meta.bos_token or "", "eos_token": self.meta.eos_token or ""},
+            **variables)
 
     def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                   tools: list[dict] | None = None) -> list[int]:
+                   tools: list[dict] | None = None, **variables) -> list[int]:
         """Token ids of a chat prompt; the template already places special tokens."""
-        text = self.render_chat(messages, add_generation_prompt, tools)
+        text = self.render_chat(messages, add_generation_prompt, tools, **variables)
         has_bos_in_text = self.meta.bos_token and text.startswith(self.meta.bos_token)
         return self.encode(text, add_bos=self.meta.add_bos and not has_bos_in_text)
 
@@ -120,11 +111,6 @@ def repair_template(template: str | None) -> str | None:
         if template and bad in template:
             template = template.replace(bad, good)
     return template
-
-
-def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators,
-                      sort_keys=sort_keys)
 
 
 def save_cache(cache_dir: Path, hf_tokenizer, meta: TokenizerMeta) -> None:
