@@ -14,16 +14,19 @@ from types import ModuleType
 
 import torch
 
-from decoding.models import llama
+from decoding.models import llama, qwen3
 
-_BY_GGUF_ARCH: dict[str, ModuleType] = {arch: llama for arch in llama.GGUF_ARCHS}
+#: Every family folder, each naming the architectures it runs.
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3)
+
+_BY_GGUF_ARCH: dict[str, ModuleType] = {arch: fam for fam in FAMILIES for arch in fam.GGUF_ARCHS}
 _BY_HF_MODEL_TYPE: dict[str, tuple[str, ModuleType]] = {
-    model_type: (arch, llama) for model_type, arch in llama.HF_MODEL_TYPES.items()}
+    model_type: (arch, fam) for fam in FAMILIES for model_type, arch in fam.HF_MODEL_TYPES.items()}
 
 #: Architecture names (GGUF ``general.architecture``) a stage can run.
 SUPPORTED_ARCHS = tuple(_BY_GGUF_ARCH)
 
-#: The stage type the families build. There is one family today; a second one makes this a Protocol.
+#: The stage type every family builds: Llama's, or a subclass of it (Qwen3's adds its head norms).
 StageModel = llama.StageModel
 
 
@@ -43,4 +46,4 @@ def load_stage(source, first: int, end: int, dtype: torch.dtype = torch.float32,
     return family(source.config.arch).StageModel.from_source(source, first, end, dtype, device, packed)
 
 
-__all__ = ["SUPPORTED_ARCHS", "StageModel", "family", "hf_family", "load_stage"]
+__all__ = ["FAMILIES", "SUPPORTED_ARCHS", "StageModel", "family", "hf_family", "load_stage"]

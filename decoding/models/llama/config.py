@@ -69,7 +69,7 @@ def config_from_hf(arch: str, raw: dict, tensors: Container[str], directory: Pat
         num_heads=n_heads, num_kv_heads=int(r.get("num_key_value_heads") or n_heads),
         head_dim=int(r.get("head_dim") or hidden // n_heads),
         rope_theta=float(r.get("rope_theta", (r.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-        rope_scaling=r.get("rope_scaling"),
+        rope_scaling=hf_rope_scaling(r),
         rms_eps=float(r.get("rms_norm_eps", 1e-5)),
         max_position=int(r.get("max_position_embeddings", 2048)),
         tie_embeddings=bool(r.get("tie_word_embeddings", False)) or "lm_head" not in tensors,
@@ -77,3 +77,20 @@ def config_from_hf(arch: str, raw: dict, tensors: Container[str], directory: Pat
         sliding_window=int(sliding) if sliding else None,
         bos_id=r.get("bos_token_id"), eos_ids=eos_ids,
     )
+
+
+def hf_rope_scaling(raw: dict) -> dict | None:
+    """A config.json's RoPE scaling, None for plain RoPE.
+
+    Checkpoints on the Hub spell it ``rope_scaling`` (Llama 3.1/3.2's
+    ``{"rope_type": "llama3", ...}``); transformers 5 saves ``rope_parameters``
+    instead, the scaling and ``rope_theta`` in one dict. Missing it would
+    silently run a ``llama3`` checkpoint with unscaled frequencies.
+    """
+    scaling = raw.get("rope_scaling")
+    if scaling:
+        return dict(scaling)
+    params = {k: v for k, v in (raw.get("rope_parameters") or {}).items() if k != "rope_theta"}
+    if (params.get("rope_type") or params.get("type")) in (None, "default"):
+        return None
+    return params

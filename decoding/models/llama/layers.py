@@ -28,6 +28,16 @@ class LayerWeights:
         return sum(nbytes(w) for w in (self.attn_norm, self.qkv, self.qkv_bias, self.o, self.mlp_norm,
                                         self.gate_up, self.down))
 
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, heads, head_dim] and k [n, kv_heads, head_dim] as the block hands them to RoPE.
+
+        A Llama block leaves them as projected; a family whose block normalises
+        them (Qwen3's per-head RMSNorm) subclasses these weights. The weights, not
+        the stage, say so, so that a stage view built over another stage's layers
+        (the profiler's) computes the same block.
+        """
+        return q, k
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()

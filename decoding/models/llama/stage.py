@@ -283,8 +283,9 @@ class StageModel:
         x = rms_norm(h, lw.attn_norm, cfg.rms_eps)
         qkv = linear(x, lw.qkv, lw.qkv_bias, dense)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = rotate(q.view(total, nh, hd).transpose(0, 1), cos, sin)
-        k = rotate(k.view(total, nkv, hd).transpose(0, 1), cos, sin)
+        q, k = lw.norm_heads(q.view(total, nh, hd), k.view(total, nkv, hd), cfg.rms_eps)
+        q = rotate(q.transpose(0, 1), cos, sin)
+        k = rotate(k.transpose(0, 1), cos, sin)
         v = v.view(total, nkv, hd).transpose(0, 1)
         if len(items) == 1:
             attn = self._attend(kv, li, items[0].seq_id, plans[0], q, k, v, probes)
