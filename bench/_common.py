@@ -37,8 +37,17 @@ def median_time(fn, reps: int, warmup: int = 1) -> float:
 
 
 def machine_banner() -> dict:
+    """What every figure is measured on: the CPU model and the features that decide its kernels, and
+    any ISA cap in force (``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA`` emulate an older CPU)."""
+    from partition.profiler import cpu_flags, cpu_name
+
+    caps = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
     return {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
+        "arch": platform.machine(),
+        "flags": list(cpu_flags()),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **({"isa_cap": caps} if caps else {}),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -84,7 +84,9 @@ def main() -> None:
     args = ap.parse_args()
     rounds = args.rounds or (5 if args.quick else 20)
     banner = machine_banner() | {"server_threads": args.threads, "model": "SmolLM2-135M-Instruct Q4_1",
-                                 "rounds": rounds}
+                                 "rounds": rounds,
+                                 "prompts": "warm by design: one request repeated (its prompt held by the prefix "
+                                            "cache after the warm-up), so TTFT is the API's path + one token"}
     print(f"setup: {banner}")
     tmp = Path(tempfile.mkdtemp(prefix="meshd-bench-"))
     from meshd.apikeys import ApiKeyStore

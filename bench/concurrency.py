@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._cold import COLD_OFF, CacheGuard  # noqa: E402
 from bench._common import emit_json, machine_banner  # noqa: E402
 
 CONFIGS = [("single", False), ("single", True), ("mesh", False), ("mesh", True)]
@@ -82,13 +83,17 @@ async def measure_configs(levels: list[int], tokens: int, reps: int, log=print) 
         ranges = [(0, n_layers)] if where == "single" else even_split(n_layers, 2)
         cores = [[0]] if where == "single" else [[0], [1]]
         name = f"{where}/{'batched' if batched else 'unbatched'}"
-        async with ProcessMesh(ranges, threads=1, cores=cores, heads="none",
+        # the same prompts run at every level and rep: with the prefix cache on, all but the first would
+        # start on their cached prompt and flatter the later levels, so it is off (bench._cold)
+        async with ProcessMesh(ranges, threads=1, cores=cores, heads="none", prefix_cache=False,
                                max_batch_tokens=None if batched else 0) as mesh:
+            guard = CacheGuard(mesh.reused_tokens)
             await run_level(mesh.coord, prompts[:1], 4)  # warm-up
             for n in levels:
                 rates, ok = [], True
-                for _ in range(reps):
-                    rate, outs = await run_level(mesh.coord, prompts[:n], tokens)
+                for rep in range(reps):
+                    async with guard.cold(f"{name} x{n} rep {rep}"):
+                        rate, outs = await run_level(mesh.coord, prompts[:n], tokens)
                     rates.append(rate)
                     ok &= outs == refs[:n]
                 results[(name, n)] = {"tok_s": round(statistics.median(rates), 2), "all": [round(r, 2) for r in rates],
@@ -167,7 +172,7 @@ def main() -> int:
     setup = {**machine_banner(), "model": "SmolLM2-135M-Instruct Q4_1 (embedded)", "threads_per_stage": 1,
              "single_cores": [[0]], "mesh_cores": [[0], [1]], "curve": True, "sampling": "greedy",
              "tokens_per_request": args.tokens, "levels": levels, "reps": args.reps,
-             "max_batch_tokens": "stage default (512)"}
+             "max_batch_tokens": "stage default (512)", "prompts": COLD_OFF}
     print("# setup", json.dumps(setup), flush=True)
     res = asyncio.run(measure_configs(levels, args.tokens, args.reps))
     rows = concurrency_rows(res, levels)

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._cold import COLD_OFF, CacheGuard  # noqa: E402
 from bench._common import emit_json, machine_banner  # noqa: E402
 from meshd.pipeline.slot import StepsRequest  # noqa: E402
 
@@ -61,12 +62,15 @@ async def run(args) -> dict:
              "threads_per_stage": 1, "cores": [[0], [1]], "curve": True, "sampling": "greedy",
              "max_tokens": args.max_tokens, "prompts": len(prompts), "methods": METHODS,
              "heads": args.heads or "shipped", "device": args.device or "cpu",
-             "weights": args.weights or "float32"}
+             "weights": args.weights or "float32", "prompts": COLD_OFF}
     print("# setup", json.dumps(setup), flush=True)
     rows = []
-    async with ProcessMesh(ranges, threads=1, cores=[[0], [1]], heads=args.heads,
+    # every method runs the same prompt: with the prefix cache on, all but the first would decode from a
+    # forked (cached) prompt, so it is off and every method starts from the same cold prefill (bench._cold)
+    async with ProcessMesh(ranges, threads=1, cores=[[0], [1]], heads=args.heads, prefix_cache=False,
                            device=args.device, weights=args.weights) as mesh:
         coord = mesh.coord
+        guard = CacheGuard(mesh.reused_tokens)
         ids0 = tok.apply_chat([{"role": "user", "content": "Hello"}])
         async for _ in coord.steps(StepsRequest("warm", ids0, 4, SamplingSpec())):
             pass
@@ -76,14 +80,15 @@ async def run(args) -> dict:
             ref = None
             for method in METHODS:
                 session = None if method == "naive" else SpeculationSession(method, list(ids), cost=coord.round_cost)
-                t0 = time.perf_counter()
-                t_first, toks = None, []
-                async for step in coord.steps(StepsRequest(f"{pi}-{method}", ids, max_tokens, SamplingSpec(),
-                                                           tok.eos_ids, speculation=session)):
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                    toks.append(step.token)
-                t_end = time.perf_counter()
+                async with guard.cold(f"{p['id']} {method}"):
+                    t0 = time.perf_counter()
+                    t_first, toks = None, []
+                    async for step in coord.steps(StepsRequest(f"{pi}-{method}", ids, max_tokens, SamplingSpec(),
+                                                               tok.eos_ids, speculation=session)):
+                        if t_first is None:
+                            t_first = time.perf_counter()
+                        toks.append(step.token)
+                    t_end = time.perf_counter()
                 if ref is None:
                     ref = toks
                 st = session.stats() if session else None

@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._cold import COLD_OFF  # noqa: E402
 from bench._common import finish, machine_banner, pin  # noqa: E402
 
 THRESHOLDS = (0.8, 0.7, 0.6)
@@ -92,6 +93,7 @@ async def answer(coord, rid, ids, max_tokens, eos, threshold) -> dict:
 
 
 async def measure(prompts, tok, ranges, weights, max_tokens, exit_heads, log, device=None) -> tuple[list[dict], dict]:
+    from bench._cold import CacheGuard
     from meshd.pipeline.proc_mesh import ProcessMesh
 
     rows = {p["id"]: {"prompt": p["prompt"], "category": p["category"], "mesh": {}, "one": {}} for p in prompts}
@@ -100,9 +102,12 @@ async def measure(prompts, tok, ranges, weights, max_tokens, exit_heads, log, de
     stats = {}
     for name in ("mesh", "one"):
         modes = [0.0, *THRESHOLDS] if name == "mesh" else [0.0, 0.7]
-        async with ProcessMesh(layouts[name], threads=1, cores=cores[name], weights=weights,
+        # every threshold answers the same prompt: with the prefix cache on, all but the first would decode
+        # from its cached (forked) prompt, so it is off (bench._cold)
+        async with ProcessMesh(layouts[name], threads=1, cores=cores[name], weights=weights, prefix_cache=False,
                                exit_heads=exit_heads, device=device) as mesh:
             coord = mesh.coord
+            guard = CacheGuard(mesh.reused_tokens)
             warm = tok.apply_chat([{"role": "user", "content": "Hello there"}])
             for thr in (0.0, 0.7):  # the first forwards of each shape are slow
                 await answer(coord, f"warm-{thr}", warm, 16, tok.eos_ids, thr)
@@ -111,7 +116,8 @@ async def measure(prompts, tok, ranges, weights, max_tokens, exit_heads, log, de
                 n = min(max_tokens, p.get("max_new_tokens", max_tokens) * 2)
                 order = modes[pi % len(modes):] + modes[:pi % len(modes)]
                 for thr in order:
-                    r = await answer(coord, f"{name}-{pi}-{thr}", ids, n, tok.eos_ids, thr)
+                    async with guard.cold(f"{name} {p['id']} exit {thr}"):
+                        r = await answer(coord, f"{name}-{pi}-{thr}", ids, n, tok.eos_ids, thr)
                     r["text"] = tok.decode([t for t in r["tokens"] if t not in tok.eos_ids])
                     rows[p["id"]][name][str(thr)] = r
                     log(f"{name:>4} {p['id']:>12} exit {thr or 'off':>4}: {r['tok_s']:6.1f} tok/s, "
@@ -246,7 +252,8 @@ def main() -> int:
     setup = {**machine_banner(), "model": source.identity, "devices": 2, "ranges": ranges, "threads_per_stage": 1,
              "cores": "mesh: [0], [1]; one device: [0]; coordinator: core 0", "curve": True,
              "sampling": "greedy", "weights": args.weights, "max_tokens": max_tokens, "prompts": len(prompts),
-             "thresholds": THRESHOLDS, "exit_heads": args.exit_heads or "shipped", "device": args.device}
+             "thresholds": THRESHOLDS, "exit_heads": args.exit_heads or "shipped", "device": args.device,
+             "prompt_cache": COLD_OFF}
     print("# setup", json.dumps(setup), flush=True)
     costs = step_costs(args.weights, args.exit_heads, args.device)
     print("# step costs", json.dumps(costs), flush=True)

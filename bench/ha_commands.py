@@ -271,7 +271,9 @@ def main() -> int:
     setup = {**machine_banner(), "torch_threads": "daemon default (all cores)", "dtype": args.dtype,
              "entities": len(HOME), "tools": len(TOOLS), "commands": n, "quick": args.quick,
              "apis": "both per command" if args.both else "alternating openai / ollama",
-             "decoding": "greedy, max_tokens 96"}
+             "decoding": "greedy, max_tokens 96",
+             "prompts": "warm as in a home: every command after a model's first reuses Home Assistant's cached "
+                        "system prompt (the prefix cache is on); with --both the second API repeats the exact prompt"}
     log("setup: " + json.dumps(setup))
     result: dict = {"setup": setup, "models": {}}
     models = args.models or ",".join(QUICK_MODELS if args.quick else MODELS)

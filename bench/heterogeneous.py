@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._cold import COLD_UNSEEN, CacheGuard  # noqa: E402
 from bench._common import finish, machine_banner  # noqa: E402
 from bench.pipeline import PROFILE, measure, synthetic_prompt  # noqa: E402
 
@@ -79,9 +80,10 @@ async def run_config(name: str, plan, lens, prompts, args) -> dict:
     out = {"config": name, "stages": [{"device": w, "layers": list(r)} for w, r in zip(who, ranges)], "rows": []}
     print(f"{name}: stages {', '.join(f'{w} {a}-{b - 1}' for w, (a, b) in zip(who, ranges))}", flush=True)
     async with ProcessMesh(ranges, cores=cores, threads=1, launcher=launcher) as mesh:
+        guard = CacheGuard(mesh.reused_tokens)
         for n in lens:
             cuts = tuple(plan.cut_table.lookup(n)) if plan.cut_table and len(ranges) > 1 else ()
-            res = await measure(mesh, prompts[n], cuts, args.decode_tokens, args.reps)
+            res = await measure(mesh, guard, f"{name} n={n}", prompts[n], cuts, args.decode_tokens, args.reps)
             row = {"prompt_len": n, "chunks": len(cuts) + 1, "ttft_s": res["ttft_s"],
                    "decode_tokens_per_s": res["decode_tokens_per_s"]}
             out["rows"].append(row)
@@ -129,7 +131,8 @@ async def main_async(args) -> dict:
     return {"bench": "heterogeneous", "share": args.share, "speeds": speed, "lens": lens, "reps": args.reps,
             "decode_tokens": args.decode_tokens, "configs": results,
             "setup": {"fast": "core 0, 1 torch thread", "slow": f"core 1, 1 torch thread, {args.share:.0%} CPU quota",
-                      "link": "loopback, CURVE on", "profile": str(PROFILE.relative_to(PROFILE.parent.parent))}}
+                      "link": "loopback, CURVE on", "profile": str(PROFILE.relative_to(PROFILE.parent.parent)),
+                      "prompts": COLD_UNSEEN, **machine_banner()}}
 
 
 def main() -> None:

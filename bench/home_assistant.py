@@ -74,6 +74,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._cold import CacheHit  # noqa: E402
 from bench._common import daemon_env, finish, machine_banner, pinned_child  # noqa: E402
 from bench.ha_home import COMMANDS, HOME, TOOLS, Command, system_prompt  # noqa: E402
 from bench.soak import invite, stop_all  # noqa: E402 - the soak's daemon handling: stop by pid, invite
@@ -720,7 +721,20 @@ def parity_of(on: list[dict], off: list[dict]) -> tuple[bool, int, list[str]]:
     return same == len(off) > 0, same, diffs
 
 
+def check_cold(on: list[dict], probes: list[dict], off: list[dict] | None) -> None:
+    """The cold sections — the run's first request, every fresh-prompt probe, every request of the
+    cache-off home — must have reused nothing (each request's own count from the API's usage, which the
+    coordinator takes from the stages' answers); otherwise a cold figure would be a cache hit."""
+    hits = [f"request {r['conversation']}.{r['request']} (first of the run)" for r in on[:1] if r["cached"]]
+    hits += [f"probe for {p['for']}" for p in probes if p["cached"]]
+    hits += [f"cache-off request {r['conversation']}.{r['request']}" for r in (off or []) if r["cached"]]
+    if hits:
+        raise CacheHit(f"cold sections reused cached prompt positions: {', '.join(hits)} — their figures would be "
+                       "prefix-cache hits, not prefills")
+
+
 def summarize(on: list[dict], probes: list[dict], off: list[dict] | None) -> dict:
+    check_cold(on, probes, off)
     cold = on[0]
     warm = [r for r in on[1:] if not r["error"]]
     warm_med = _med(r["ttft_s"] for r in warm)
@@ -789,7 +803,10 @@ def run(args, root: Path, spawned: list[Daemon], t_begin: float) -> dict:
              "decoding": "greedy (temperature 0, seed 0)", "apis": "alternating ollama (/api/chat, streamed) / "
              "openai (/v1/chat/completions, streamed + include_usage)", "prefix_cache_share": "default (0.5)",
              "parity_home": f"--prefix-cache-share 0, the first {args.parity_conversations} conversations"
-             if args.parity else "skipped", "quick": args.quick}
+             if args.parity else "skipped", "quick": args.quick,
+             "prompts": "warm is the subject: the run's first request is cold, every later one warm (its cached "
+                        "tokens from the API's usage); probes and the cache-off home are cold, and a cold one that "
+                        "reused any position fails the run (check_cold)"}
     log(f"setup: 2 devices, each a meshd daemon pinned to its own core, 1 torch thread; "
         f"{'embedded model' if resolve(None) == model else 'model'} {model.name} (tools {prompting.mode}); "
         f"weights {args.weights or 'auto'}; memory budget {budget} MB each; {len(convs)} conversations x 2 "

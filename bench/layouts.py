@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._cold import CacheGuard  # noqa: E402
 from bench._common import finish, machine_banner, pin  # noqa: E402
 
 FORCED = ("pipeline", "replicas")
@@ -121,6 +122,7 @@ async def measure(cases, configs, prompts, tokens_for, reps, refs, skip=frozense
     results: dict = {}
     for config in configs:
         async with mesh_for(config, n_layers) as mesh:
+            guard = CacheGuard(mesh.reused_tokens)
             cuts = cuts_for(mesh, n_layers)
             # Warm-up (a process's first forwards of each shape are several times slower): a burst as
             # wide as the widest case, then one request per route, on prompts no case uses.
@@ -133,7 +135,8 @@ async def measure(cases, configs, prompts, tokens_for, reps, refs, skip=frozense
                 runs, ok = [], True
                 for rep in range(reps):
                     ps = prompts[(name, n, rep)]
-                    r = await burst(mesh.coord, ps, tokens_for(name), cuts)
+                    async with guard.cold(f"{config} {name}x{n} rep {rep}"):
+                        r = await burst(mesh.coord, ps, tokens_for(name), cuts)
                     ok &= all(o == refs[tuple(p)] for o, p in zip(r.pop("outs"), ps))
                     spread = r.pop("spread")
                     runs.append(r)
@@ -223,7 +226,9 @@ def main() -> int:
              "curve": True, "cuts": "the cut table a leader builds from the shipped profile",
              "sampling": "greedy", "answer_tokens": args.tokens, "long_answer_tokens": LONG_TOKENS,
              "reps": args.reps, "planner_profile": PROFILE.name, "planner_link": args.link,
-             "coordinator": "in this process (routes per request)"}
+             "coordinator": "in this process (routes per request)",
+             "prompts": "cold: prefix cache on, every timed prompt unique from its system line on (shares fewer "
+                        "tokens with any other than the cache reuses); stage counters checked per burst"}
     print("# setup", json.dumps(setup), flush=True)
     source = open_model(None)
     prompts = prompts_for(source.tokenizer, cases, args.reps)

@@ -83,8 +83,15 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
     eos = tuple(tok.eos_ids)
     router = shipped()
     out = []
-    async with ProcessMesh(even_split(source.config.num_layers, 2), threads=1, cores=[[0], [1]]) as mesh:
+    from bench._cold import CacheGuard
+
+    # naive, outline and outline+SD answer the same question: with the prefix cache on, each method after
+    # the first would start on the question's cached prompt, so it is off (bench._cold). Outline's points
+    # still fork from [question + outline] explicitly, as they do in the product.
+    async with ProcessMesh(even_split(source.config.num_layers, 2), threads=1, cores=[[0], [1]],
+                           prefix_cache=False) as mesh:
         coord = mesh.coord
+        guard = CacheGuard(mesh.reused_tokens)
         await _timed(coord.generate("warm", tok.apply_chat([{"role": "user", "content": "Hi"}]), 4,
                                     SamplingSpec(), eos))
 
@@ -105,10 +112,12 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
         for i, r in enumerate(rows):
             msgs = [{"role": "user", "content": r["prompt"]}]
             ids = tok.apply_chat(msgs)
-            t0 = time.perf_counter()
-            naive = await plain(f"n{i}", ids)
-            naive_s = time.perf_counter() - t0
-            outline, outline_s, st = await outlined(f"o{i}", msgs, spec=False)
+            async with guard.cold(f"{r['id']} naive"):
+                t0 = time.perf_counter()
+                naive = await plain(f"n{i}", ids)
+                naive_s = time.perf_counter() - t0
+            async with guard.cold(f"{r['id']} outline"):
+                outline, outline_s, st = await outlined(f"o{i}", msgs, spec=False)
             row = {"id": r["id"], "category": r["category"], "suited": r["outline"], "prompt": r["prompt"],
                    "routed_outline": decide("auto", msgs, max_tokens, router).use,  # what auto does
                    "naive": {"text": tok.decode(naive), "tokens": len(naive), "latency_s": round(naive_s, 3)},
@@ -116,7 +125,8 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
                                "tokens": len(outline) if outline else 0, "latency_s": round(outline_s, 3),
                                "points": st.points, "outline_tokens": st.outline_tokens, "fallback": st.fallback}}
             if r["outline"]:
-                sd, sd_s, sd_st = await outlined(f"s{i}", msgs, spec=True)
+                async with guard.cold(f"{r['id']} outline+SD"):
+                    sd, sd_s, sd_st = await outlined(f"s{i}", msgs, spec=True)
                 row["outline_sd"] = {"tokens": len(sd) if sd else 0, "latency_s": round(sd_s, 3),
                                      "same_as_outline": sd == outline, "fallback": sd_st.fallback}
             out.append(row)
@@ -232,6 +242,7 @@ def judge_rows(rows: list[dict], log=print) -> dict:
 
 
 async def run(args, log=print) -> dict:
+    from bench._cold import COLD_OFF
     from bench._common import machine_banner
     from bench.concurrency import concurrency_rows, measure_configs
 
@@ -239,7 +250,8 @@ async def run(args, log=print) -> dict:
     max_tokens = args.max_tokens or (160 if args.quick else 256)
     setup = {**machine_banner(), "model": "SmolLM2-135M-Instruct Q4_1 (embedded)", "devices": 2,
              "cores": [[0], [1]], "threads_per_stage": 1, "curve": True, "sampling": "greedy",
-             "max_tokens": max_tokens, "prompts": len(rows), "judge": JUDGE_MODEL if args.judge else None}
+             "max_tokens": max_tokens, "prompts": len(rows), "judge": JUDGE_MODEL if args.judge else None,
+             "prompt_cache": COLD_OFF}
     log("# setup", json.dumps(setup), flush=True)
     rows = await answers(rows, max_tokens, log)
     speed = speed_summary(rows)

@@ -48,10 +48,14 @@ def run(args) -> dict:
         setup = {**machine_banner(), "model": status.get("model"), "devices": 2,
                  "ranges": [s["layers"] for s in status["plan"]["stages"]], "threads_per_daemon": 1,
                  "cores": [[0], [1]], "memory_budget_mb": 120, "api": "OpenAI, unix socket, streamed",
-                 "sampling": "greedy", "max_tokens": args.max_tokens, "reps": args.reps}
+                 "sampling": "greedy", "max_tokens": args.max_tokens, "reps": args.reps,
+                 "prompts": "warm, both modes alike: each question asked once untimed first (prefix cache on)"}
         print("# setup", json.dumps(setup), flush=True)
         client = daemons[0].client()
         for name, question in QUESTIONS.items():
+            # warm for both modes alike: asked once untimed, every timed request starts on its cached prompt
+            for _ in client.chat(question, stream=True, max_tokens=4, temperature=0, outline="off"):
+                pass
             for rep in range(args.reps):
                 for mode in ("auto", "off") if rep % 2 == 0 else ("off", "auto"):
                     stream = client.chat(question, stream=True, max_tokens=args.max_tokens, temperature=0,

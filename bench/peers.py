@@ -189,12 +189,16 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
     tok = src.tokenizer
     ranges = even_split(src.config.num_layers, 2)
     rates, mismatches = [], []
+    from bench._cold import CacheGuard
+
     async with ProcessMesh(ranges, model=str(path), cores=[[0], [1]], threads=1, weights=mode) as mesh:
-        ids = tok.encode("Once upon a time")
+        guard = CacheGuard(mesh.reused_tokens)
+        ids = tok.encode("Once upon a time")  # shorter than any prefix the cache reuses: every rep is cold
         for r in range(reps + 1):
             stamps = []
-            async for _ in mesh.coord.generate(f"d{r}", ids, 1 + decode, SamplingSpec(), ()):
-                stamps.append(time.perf_counter())
+            async with guard.cold(f"mesh decode rep {r}"):
+                async for _ in mesh.coord.generate(f"d{r}", ids, 1 + decode, SamplingSpec(), ()):
+                    stamps.append(time.perf_counter())
             if r and len(stamps) > 1:
                 rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
         mesh_tokens = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -32,10 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._cold import COLD_UNSEEN, CacheGuard, unseen  # noqa: E402
 from bench._common import emit_json, machine_banner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "profiles" / "x86_64-2core-1thread.json"
+VOCAB = 49152  # SmolLM2's: every timed prompt's first token is a new one below it (bench._cold.unseen)
+_serials = itertools.count()
 
 
 def load_prompt_sets(include_shared: bool = True) -> list[dict]:
@@ -108,20 +112,25 @@ def overhead_fit(rows: list[dict]) -> dict | None:
     return {"per_chunk_s": float(slope), "per_request_s": float(icpt), "points": len(pts)}
 
 
-async def measure(mesh, ids, cuts, decode_tokens: int, reps: int) -> dict:
+async def measure(mesh, guard: CacheGuard, what: str, ids, cuts, decode_tokens: int, reps: int,
+                  vocab_size: int = VOCAB) -> dict:
+    """Cold TTFT: every rep's prompt is one no stage has seen (same length, same cuts), and the stages'
+    counters must show nothing reused while it ran."""
     from decoding.sampling import SamplingSpec
 
     ttfts, decode_rates = [], []
     for r in range(reps):
-        t0 = time.perf_counter()
-        t_first = None
-        n = 0
-        async for _ in mesh.coord.generate(f"m{time.monotonic_ns()}", ids, 1 + decode_tokens,
-                                           SamplingSpec(), (), cuts=list(cuts)):
-            n += 1
-            if t_first is None:
-                t_first = time.perf_counter()
-        t_end = time.perf_counter()
+        fresh = unseen(ids, next(_serials), vocab_size)
+        async with guard.cold(f"{what} rep {r}"):
+            t0 = time.perf_counter()
+            t_first = None
+            n = 0
+            async for _ in mesh.coord.generate(f"m{time.monotonic_ns()}", fresh, 1 + decode_tokens,
+                                               SamplingSpec(), (), cuts=list(cuts)):
+                n += 1
+                if t_first is None:
+                    t_first = time.perf_counter()
+            t_end = time.perf_counter()
         ttfts.append(t_first - t0)
         if n > 1:
             decode_rates.append((n - 1) / (t_end - t_first))
@@ -129,17 +138,20 @@ async def measure(mesh, ids, cuts, decode_tokens: int, reps: int) -> dict:
             "decode_tokens_per_s": statistics.median(decode_rates) if decode_rates else None}
 
 
-async def concurrent_decode(mesh, ids, n_requests: int, tokens: int) -> float:
-    """Aggregate decode tokens/s with ``n_requests`` generating at once (prompt ``ids`` each)."""
+async def concurrent_decode(mesh, guard: CacheGuard, ids, n_requests: int, tokens: int) -> float:
+    """Aggregate decode tokens/s with ``n_requests`` generating at once (each its own unseen prompt
+    the length of ``ids``: none shares another's prefill)."""
     from decoding.sampling import SamplingSpec
 
     stamps: list[float] = []
 
-    async def one(i):
-        async for _ in mesh.coord.generate(f"c{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), ()):
+    async def one(i, prompt):
+        async for _ in mesh.coord.generate(f"c{i}-{time.monotonic_ns()}", prompt, tokens, SamplingSpec(), ()):
             stamps.append(time.perf_counter())
 
-    await asyncio.gather(*(one(i) for i in range(n_requests)))
+    prompts = [unseen(ids, next(_serials), VOCAB) for _ in range(n_requests)]
+    async with guard.cold(f"{n_requests} concurrent requests"):
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     stamps.sort()
     # from the first token anywhere to the last: decode throughput of the whole mesh
     return (len(stamps) - n_requests) / (stamps[-1] - stamps[0])
@@ -264,33 +276,43 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
     conc: dict = {"single": {}, "pipeline": {}}
     levels = [int(x) for x in args.concurrency.split(",")] if args.concurrency and tb is None else []
     async with ProcessMesh([(0, plan.num_layers)], cores=[[0]], threads=1, **single_kw) as mesh:
+        guard = CacheGuard(mesh.reused_tokens)
+        # untimed: a process's first forwards of each shape are several times slower (both meshes alike)
+        await measure(mesh, guard, f"[{link_spec}] single warm-up", prompts[lens[0]], (), 2, 1)
         for n in lens:
-            res = await measure(mesh, prompts[n], (), args.decode_tokens, args.reps)
+            res = await measure(mesh, guard, f"[{link_spec}] single n={n}", prompts[n], (), args.decode_tokens,
+                                args.reps)
             row("single", n, (), res, predict_prefill_s(single_plan, single_prof, n, ()))
             for k in sweep:
                 cuts = equal_cuts(n, k)
-                res = await measure(mesh, prompts[n], cuts, 0, args.reps)
+                res = await measure(mesh, guard, f"[{link_spec}] single n={n} k={k}", prompts[n], cuts, 0, args.reps)
                 row("single-sweep", n, cuts, res, predict_prefill_s(single_plan, single_prof, n, cuts))
         for c in levels:
-            conc["single"][c] = await concurrent_decode(mesh, prompts[lens[0]], c, 32)
+            conc["single"][c] = await concurrent_decode(mesh, guard, prompts[lens[0]], c, 32)
+        checked = guard.summary()
     par = None
     bytes_out = 0
     if len(ranges) > 1:
         print(f"[{link_spec}] {len(ranges)}-stage mesh {ranges} ...", file=sys.stderr, flush=True)
         async with ProcessMesh(ranges, cores=cores, threads=1, activation_dtype=args.activation_dtype,
                                **mesh_kw) as mesh:
+            guard = CacheGuard(mesh.reused_tokens)
+            await measure(mesh, guard, f"[{link_spec}] mesh warm-up", prompts[lens[0]],
+                          plan.cut_table.lookup(lens[0]), 2, 1)  # untimed, as for the single device
             for n in lens:
                 planned = plan.cut_table.lookup(n)
                 k = len(planned) + 1
                 for method, cuts in (("naive", ()), ("equal", equal_cuts(n, k)), ("planned", planned)):
-                    res = await measure(mesh, prompts[n], cuts, args.decode_tokens, args.reps)
+                    res = await measure(mesh, guard, f"[{link_spec}] {method} n={n}", prompts[n], cuts,
+                                        args.decode_tokens, args.reps)
                     row(method, n, cuts, res, predict_prefill_s(plan, profiles, n, cuts))
                 for kk in sweep:
                     cuts = equal_cuts(n, kk)
-                    res = await measure(mesh, prompts[n], cuts, 0, args.reps)
+                    res = await measure(mesh, guard, f"[{link_spec}] sweep n={n} k={kk}", prompts[n], cuts, 0,
+                                        args.reps)
                     row("sweep", n, cuts, res, predict_prefill_s(plan, profiles, n, cuts))
             for c in levels:
-                conc["pipeline"][c] = await concurrent_decode(mesh, prompts[lens[0]], c, 32)
+                conc["pipeline"][c] = await concurrent_decode(mesh, guard, prompts[lens[0]], c, 32)
             if levels:
                 print(f"[{link_spec}] aggregate decode tokens/s by concurrent requests "
                       f"(prompt {lens[0]}, 32 tokens each): single {conc['single']}, "
@@ -298,6 +320,8 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
             if args.parity and tb is None:
                 par = await parity(mesh, tok, load_prompt_sets(not args.no_shared)[: args.parity_prompts or None],
                                    args.parity_tokens, lambda n: plan.cut_table.lookup(min(n, plan.max_seq)))
+            mesh_checked = guard.summary()
+            checked = {k: checked[k] + mesh_checked[k] for k in checked}
         bytes_out = sum(s.get("activation_bytes_out", 0) for s in mesh.stats)
     mesh_tokens = sum(r["prompt_len"] for r in runs if r["method"] != "single" and r["link"] == link_spec)
     fits = {}
@@ -310,6 +334,7 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
                 print(f"[{link_spec}] {method} n={n}: the model misses {fit['per_chunk_s'] * 1e3:+.2f} ms per "
                       f"chunk and {fit['per_request_s'] * 1e3:+.1f} ms per request", flush=True)
     return {"link": link_spec, "layer_ranges": ranges, "parity": par, "concurrent_decode_tokens_per_s": conc,
+            "prefix_cache_check": checked,
             "unmodelled_cost": fits,
             "activation_bytes_per_prompt_token": bytes_out / max(mesh_tokens * args.reps, 1),
             "planner_bottleneck": plan.bottleneck_reason}
@@ -331,6 +356,7 @@ async def run(args) -> dict:
         "prompt_lengths": lens, "links": links, "reps": args.reps, "decode_tokens": args.decode_tokens,
         "profile": str(args.profile_path.name), "transport": f"CURVE on, {args.activation_dtype or 'float32'} activations",
         "ttft": "median over reps; first chunk sent -> first token back at the coordinator",
+        "prompts": COLD_UNSEEN,
     }
     print("setup:", json.dumps(setup), flush=True)
     prompts = {n: synthetic_prompt(tok, n) for n in lens}
@@ -460,6 +486,7 @@ def main() -> int:
     args.profile_path = fresh_profile() if args.profile == "fresh" else Path(args.profile)
     if args.quick:
         args.lens, args.reps, args.plot, args.links, args.parity_stages = "1024", 2, None, "unshaped", ""
+        args.parity_prompts = args.parity_prompts or 12  # within 5 minutes; the full run checks every prompt
         args.concurrency = ""
     summary = asyncio.run(run(args))
     if args.json:

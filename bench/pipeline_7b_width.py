@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._cold import COLD_UNSEEN, CacheGuard  # noqa: E402
 from bench._common import emit_json, machine_banner  # noqa: E402
 from bench.pipeline import equal_cuts, measure  # noqa: E402
 
@@ -77,7 +78,7 @@ async def run(args) -> dict:
         "stage_cores": "stage i pinned to core i % ncpu", "link": "unshaped loopback (CURVE on)",
         "prompt_lengths": lens, "reps": args.reps, "decode_tokens": args.decode_tokens,
         "chunks": f"equal: {args.chunks} chunks (no device profile of this model: no planned cuts)",
-        "activation_bytes_per_token": 4096 * 4,
+        "activation_bytes_per_token": 4096 * 4, "prompts": COLD_UNSEEN,
     }
     print("setup:", json.dumps(setup), flush=True)
     runs = []
@@ -90,16 +91,21 @@ async def run(args) -> dict:
               f"decode {r['decode_tokens_per_s'] or 0:.2f} tok/s", flush=True)
 
     single_tokens = {}
+    vocab = src.config.vocab_size
     async with ProcessMesh([(0, src.config.num_layers)], model=str(path), cores=[[0]], threads=1) as mesh:
+        guard = CacheGuard(mesh.reused_tokens)
         for n in lens:
-            row("single", n, (), await measure(mesh, prompts[n], (), args.decode_tokens, args.reps))
+            row("single", n, (), await measure(mesh, guard, f"single n={n}", prompts[n], (), args.decode_tokens,
+                                               args.reps, vocab))
             single_tokens[n] = [t async for t in mesh.coord.generate(f"s{n}", prompts[n], 8, SamplingSpec(), ())]
     parity = True
     async with ProcessMesh(ranges, model=str(path), cores=[[i % (os.cpu_count() or 1)] for i in range(len(ranges))],
                            threads=1) as mesh:
+        guard = CacheGuard(mesh.reused_tokens)
         for n in lens:
             for method, cuts in (("naive", ()), ("equal", equal_cuts(n, args.chunks))):
-                row(method, n, cuts, await measure(mesh, prompts[n], cuts, args.decode_tokens, args.reps))
+                row(method, n, cuts, await measure(mesh, guard, f"{method} n={n}", prompts[n], cuts,
+                                                   args.decode_tokens, args.reps, vocab))
             got = [t async for t in mesh.coord.generate(f"p{n}", prompts[n], 8, SamplingSpec(), (),
                                                          cuts=list(equal_cuts(n, args.chunks)))]
             parity = parity and got == single_tokens[n]

@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._common import machine_banner  # noqa: E402
+
 
 def _pinned(core: int):
     def pin():
@@ -58,12 +60,16 @@ def single_device(prompt: str, max_tokens: int, reps: int) -> dict:
 
 
 async def pipeline_harness(prompt_ids: list[int], ranges, decode_tokens: int, reps: int) -> dict:
+    """Cold, like the demo's fresh daemons: every rep's prompt is one the stages have not seen (bench._cold)."""
+    from bench._cold import CacheGuard
     from bench.pipeline import measure
     from meshd.pipeline.proc_mesh import ProcessMesh
 
     async with ProcessMesh(ranges, cores=[[i] for i in range(len(ranges))], threads=1) as mesh:
-        await measure(mesh, prompt_ids, (), 2, 1)  # warm links and first forwards, as the daemon does
-        return await measure(mesh, prompt_ids, (), decode_tokens, reps)
+        guard = CacheGuard(mesh.reused_tokens)
+        # warm links and first forwards, as the daemon does
+        await measure(mesh, guard, "harness warm-up", prompt_ids, (), 2, 1)
+        return await measure(mesh, guard, "harness", prompt_ids, (), decode_tokens, reps)
 
 
 def demo_runs(n: int, prompt: str, max_tokens: int, label: str) -> dict:
@@ -116,7 +122,9 @@ def main() -> int:
 
     max_tokens = 96
     ncpu = os.cpu_count() or 1
-    setup = {"cpu_count": ncpu, "cpu": _cpu_model(), "torch_threads_per_process": 1,
+    setup = {**machine_banner(), "cpu_count": ncpu, "torch_threads_per_process": 1,
+             "prompts": "cold: every demo run starts fresh daemons; single runs a fresh process; the harness "
+                        "gives every rep a prompt the stages have not seen (first token replaced; checked)",
              "single": "meshd generate pinned to core 0",
              "pipeline": "2 stage processes pinned to cores 0 and 1, coordinator in the bench process, CURVE on",
              "demo": "meshd demo: 2 daemons pinned to cores 0 and 1, API over the unix socket",
@@ -169,16 +177,6 @@ def main() -> int:
         print(json.dumps({"setup": setup, "single": single, "pipeline": harness, "demo": demo, "busy": busy,
                           "ratios": ratios}))
     return 0 if demo["succeeded"] == demo["runs"] and busy["succeeded"] == busy["runs"] else 1
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

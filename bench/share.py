@@ -539,7 +539,9 @@ def main() -> int:
     if args.model is None and not is_pulled():
         raise SystemExit("the embedded model is not pulled (meshd model pull)")
     model = Path(args.model).resolve() if args.model else default_model_path()
-    banner = machine_banner()
+    banner = machine_banner() | {
+        "prompts": "warm: the load client repeats one prompt (held by the prefix cache after its first request), "
+                   "so its TTFTs measure what a share disturbs, not a prefill"}
     log(f"bench/share.py: {banner['cores']} cores ({banner['cpu']}), torch {banner['torch']}, load "
         f"{banner['load_avg_1m']:.2f}; model {model.name}; daemons: 1 torch thread each, alpha core 0, "
         f"gamma core 1, beta core 1; memory budget {args.memory_budget_mb or 'default'} MB each; links {links}")

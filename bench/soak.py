@@ -718,6 +718,8 @@ async def main_async(args, root: Path, daemons: list[Daemon], t_begin: float) ->
         "kill_order": "soak-1, soak-2, soak-1, ... (SIGKILL; restart from the same state dir with --port 0)",
         "restart_delay_s": args.restart_delay, "hangup_frac": args.hangup_frac, "hostile_frac": args.hostile_frac,
         "max_tokens": list(MAX_TOKENS), "prompts": len(prompts), "request_timeout_s": REQUEST_TIMEOUT_S,
+        "prompt_cache": "on, as deployed: prompts repeat over the soak, so its TTFTs mix cold and warm requests "
+                        "(a stability figure, not a prefill one)",
         "deadline_s": args.deadline_s, "hostile_cases": sorted(HOSTILE),
         "memory_budget_mb": args.memory_budget_mb or "the daemon's default", "plan_stable_s": args.plan_stable_s,
     }

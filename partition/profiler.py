@@ -164,6 +164,27 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+# The CPU features that decide which kernels a device runs fast: bfloat16/int8 matrix units and dot
+# products (x86: AVX2, AVX-512 and its VNNI/BF16 extensions, AVX-VNNI, AMX; ARM: NEON, dot products,
+# i8mm, bf16, SVE). A figure measured on one of these kinds says little about another.
+RELEVANT_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
+                      "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve")
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The relevant features this CPU reports (``flags`` on x86, ``Features`` on ARM), in a fixed order."""
+    have: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have.update(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return tuple(flag for flag in RELEVANT_CPU_FLAGS if flag in have)
+
+
 @dataclass
 class _Progress:
     """A tqdm bar on stderr (or nothing); counts measurements."""

@@ -9,9 +9,11 @@ namespace instead.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -53,6 +55,9 @@ class ProcessMesh:
     weights: str | None = None  # each stage's numeric mode (None: the stage process's default, float32)
     device: str | None = None  # each stage's device ("cuda" puts every stage on the GPU; None: the CPU)
     ready_timeout_s: float = 180.0
+    # the coordinator starts requests on the prefix the stages hold (as a daemon does); False: every
+    # request is prefilled in full (the stages keep nothing they are asked to reuse)
+    prefix_cache: bool = True
     # devices per route, in order (None: one pipeline over every stage; [1, 1]: two replicas, whose
     # ``ranges`` each cover every layer); the coordinator routes each request (meshd.pipeline.routing)
     groups: list[int] | None = None
@@ -67,7 +72,7 @@ class ProcessMesh:
         n = len(self.ranges)
         ncpu = os.cpu_count() or 1
         names = [f"dev{i}" for i in range(n)] + ["coord"]
-        dirs = {nm: self.root / nm for nm in names}
+        self.dirs = dirs = {nm: self.root / nm for nm in names}
         keys = {}
         for nm, d in dirs.items():
             d.mkdir()
@@ -107,7 +112,7 @@ class ProcessMesh:
         await self.node.start()
         directory = {s.node_id: (s.address, s.public_key) for s in stages}
         self.coord = PipelineCoordinator(self.node, "coord", directory.__getitem__, token_timeout_s=300,
-                                         activation_dtype=self.activation_dtype)
+                                         activation_dtype=self.activation_dtype, prefix_cache=self.prefix_cache)
         await self.coord.start(coord_bind)
         self.coord.address = coord_addr  # what the last stage dials (maybe through a delay proxy)
         for i, st in enumerate(stages):
@@ -147,6 +152,34 @@ class ProcessMesh:
         for route in self.routes:
             await self.coord.wait_ready(route)
         return self
+
+    async def stage_status(self, timeout_s: float = 10.0) -> list[dict]:
+        """Every stage process's status now, in stage order (each writes it on SIGUSR1; see stage_proc)."""
+        from meshd.pipeline.stage_proc import STATUS_FILE
+
+        files = [self.dirs[f"dev{i}"] / STATUS_FILE for i in range(len(self.procs))]
+
+        def serial(f: Path) -> int:
+            try:
+                return json.loads(f.read_text())["serial"]
+            except (OSError, ValueError, KeyError):
+                return 0
+
+        before = [serial(f) for f in files]
+        for p in self.procs:
+            os.killpg(p.pid, signal.SIGUSR1)  # each stage leads its own process group
+        deadline = time.monotonic() + timeout_s
+        while any(serial(f) <= b for f, b in zip(files, before)):
+            if time.monotonic() > deadline:
+                late = [str(f.parent.name) for f, b in zip(files, before) if serial(f) <= b]
+                raise RuntimeError(f"stage processes {late} did not report their status within {timeout_s}s")
+            await asyncio.sleep(0.01)
+        return [json.loads(f.read_text())["status"] for f in files]
+
+    async def reused_tokens(self) -> int:
+        """Prompt positions the stages have not computed because a cached prefix held them, all stages
+        added (each stage counts its own positions)."""
+        return sum(s.get("prefix_cache", {}).get("reused_tokens", 0) for s in await self.stage_status())
 
     async def __aexit__(self, *exc) -> None:
         await self.coord.close()

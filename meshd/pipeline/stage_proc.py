@@ -8,7 +8,9 @@ pinned to its own core), and handy for debugging a pipeline by hand:
 
 ``route.json``: {"plan_version": 1, "stages": [{"node_id", "address", "public_key", "first", "end"}],
 "directory": {"node_id": ["address", "public_key"], ...}} — the directory also names coordinators.
-Prints ``READY <address>`` on stdout once its layers are loaded; stops on SIGTERM/SIGINT.
+Prints ``READY <address>`` on stdout once its layers are loaded; stops on SIGTERM/SIGINT. On SIGUSR1
+it writes its status (the stage service's, prefix-cache counters included) to ``STATUS_FILE`` in its
+state dir, so a benchmark can check between timed sections what the stages reused.
 
 ``--device`` defaults to cpu, not auto: these processes emulate CPU devices pinned
 to their own cores, and on a GPU machine auto would quietly put every emulated
@@ -25,6 +27,9 @@ import signal
 import sys
 
 import torch
+
+
+STATUS_FILE = "stage-status.json"  # written into --state-dir on SIGUSR1: {"serial": n, "status": {...}}
 
 
 def load_route(path: str):
@@ -56,11 +61,22 @@ async def serve(args) -> int:
                        **({} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}))
     address = await svc.start(args.bind)
     await svc.deploy(route)
-    print(f"READY {address}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    served = 0
+
+    def write_status() -> None:  # SIGUSR1: the harness reads counters (prefix reuse) between timed sections
+        nonlocal served
+        served += 1
+        target = os.path.join(args.state_dir, STATUS_FILE)
+        with open(target + ".tmp", "w") as f:
+            json.dump({"serial": served, "status": svc.status()}, f, default=str)
+        os.replace(target + ".tmp", target)
+
+    loop.add_signal_handler(signal.SIGUSR1, write_status)
+    print(f"READY {address}", flush=True)  # after the handlers: a SIGUSR1 from then on never kills us
     await stop.wait()
     print(json.dumps({"stats": svc.stats.to_dict()}), flush=True)
     await svc.close()
