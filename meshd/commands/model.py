@@ -22,6 +22,13 @@ def register(sub) -> None:
     ls.add_argument("--json", action="store_true")
     ls.add_argument("--state-dir", help="daemon state dir whose models fetched from the home to list")
     ls.set_defaults(func=_list)
+    adv = msub.add_parser("advise", help="which models this home can hold, at what estimated speed, and how "
+                                         "well they do Home Assistant's commands")
+    adv.add_argument("--socket", help="ask this daemon for the home's members (default: the local daemon, if one runs)")
+    adv.add_argument("--state-dir", help="daemon state dir: its socket and this device's measured profiles")
+    adv.add_argument("--memory", help="plan for this much memory instead (e.g. 8GiB; the whole home's)")
+    adv.add_argument("--json", action="store_true")
+    adv.set_defaults(func=_advise)
     gc = msub.add_parser("gc", help="remove models fetched from the home that the daemon does not run")
     gc.add_argument("--state-dir", help="daemon state dir (default: as `meshd join` resolves it)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
@@ -52,32 +59,62 @@ def _pull(args) -> int:
 
 
 def _list(args) -> int:
+    from meshd import model_catalog
     from meshd.share import cli as share
 
     models = model_store.list_models()
     state = share.state_dir(getattr(args, "state_dir", None))
     fetched = share.shared_models(state)
+    rows = model_catalog.rows()
+    hub = model_catalog.pulled_hub_files()
     if args.json:
-        print(json.dumps({"models_dir": str(model_store.models_dir()), "models": models,
+        print(json.dumps({"models_dir": str(model_store.models_dir()), "models": models, "hub": hub,
                           "fetched_dir": str(state / "models"), "fetched": fetched,
                           "catalog": [{"name": m.name, "size_bytes": m.size, "advice": m.advice,
                                        "pulled": model_store.is_named_pulled(m.name)}
-                                      for m in model_store.CATALOG.values()]}))
+                                      for m in model_store.CATALOG.values()],
+                          "by_name": [_row_json(r) for r in rows]}))
         return 0
-    if not models:
+    if not models and not hub:
         print(f"no models in {model_store.models_dir()} (run `meshd model pull`)")
     for m in models:
         flag = " (default)" if m["default"] else ""
         print(f"{m['name']:<48} {m['size_bytes'] / 1e6:8.1f} MB  {m['path']}{flag}")
+    for m in hub:
+        parts = f", {m['parts']} parts" if m["parts"] > 1 else ""
+        print(f"{m['name']:<48} {m['size_bytes'] / 1e6:8.1f} MB  {m['path']}{parts}")
     if fetched:
         print(f"fetched from the home ({state / 'models'}):")
         for m in fetched:
             print("  " + share.describe_line(m))
     print("by name (`meshd model pull NAME`, then `--model NAME`):")
-    for m in model_store.CATALOG.values():
-        have = "cached" if model_store.is_named_pulled(m.name) else f"{m.size / 1e6:.0f} MB"
-        print(f"  {m.name:<30} {have:>8}  {m.advice}")
+    print(f"  {'NAME':<29} {'SIZE':>8}  {'HA COMMANDS':<12} {'HERE':<6}  SOURCE")
+    for r in rows:
+        size = f"{'' if r.exact_size else '~'}{_size(r.size_bytes)}"
+        fig = f"{r.success.percent:.1f} %{'*' if r.success.source != hub_models.HA_EVAL else ''}" \
+            if r.success else "-"
+        print(f"  {r.name:<29} {size:>8}  {fig:<12} {'cached' if r.pulled else '':<6}  {r.source}")
+    print("  any GGUF on the Hub: meshd model pull hf:OWNER/REPO[:QUANT|/FILE.gguf]")
+    print(f"HA COMMANDS: share of Home Assistant commands done right, from {hub_models.HA_EVAL} "
+          f"(home-assistant-datasets); * our own benchmark ({hub_models.OUR_BENCH}). ~: published size.")
     return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def _row_json(r) -> dict:
+    return {"name": r.name, "source": r.source, "size_bytes": r.size_bytes, "exact_size": r.exact_size,
+            "pulled": r.pulled, "note": r.note,
+            "command_success": None if r.success is None else {"percent": r.success.percent,
+                                                               "model": r.success.model, "source": r.success.source}}
+
+
+def _advise(args) -> int:
+    from meshd.commands.model_advise import run
+
+    return run(args)
 
 
 def _gc(args) -> int:
