@@ -73,6 +73,11 @@ class Tokenizer:
         """Whether the chat template renders a ``tools`` list (so the model was trained on calls)."""
         return bool(self.meta.chat_template) and "tools" in self.meta.chat_template
 
+    @property
+    def supports_thinking(self) -> bool:
+        """Whether the chat template teaches ``<think>`` blocks (Qwen3): answers may start with reasoning."""
+        return bool(self.meta.chat_template) and "</think>" in self.meta.chat_template
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, **variables) -> str:
         """The prompt text, as transformers' ``apply_chat_template`` renders it (``decoding.loader.chat_template``).

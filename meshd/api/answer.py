@@ -3,7 +3,9 @@
 :func:`tracked` runs the engine stream with the metrics and the one
 ``request_done`` log line; :class:`Answer` walks its events into the text a
 client is sent, with the calls of offered tools held back and parsed at the
-end. The dialects differ only in how they frame each piece.
+end. A thinking model's reasoning is split off first (:mod:`meshd.api.reasoning`),
+so a call is looked for only in the spoken part. The dialects differ only in
+how they frame each piece.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from aiohttp import web
 from meshd.api import tools as tl
 from meshd.api.common import METRICS, log
 from meshd.api.metrics import ApiMetrics
+from meshd.api.reasoning import ReasoningSplitter, Split
 from meshd.engine import Engine, GenerationRequest, TokenEvent
 
 
@@ -88,45 +91,60 @@ async def tracked(request: web.Request, engine: Engine, gen: GenerationRequest, 
 class Answer:
     """The text of one answer, piece by piece, as a client is sent it.
 
-    The engine's events pass through the tool-call filter: text that may be
-    the start of a call of an offered tool is held back, and the calls are
-    parsed when the final event arrives. After :meth:`pieces` is exhausted,
-    ``final`` is the final event (None if the engine ended without one),
-    ``calls`` the parsed calls and ``token_ids`` every generated token id.
+    The engine's events pass through the reasoning splitter (when the model
+    thinks) and then the tool-call filter: text that may be the start of a
+    call of an offered tool is held back, and the calls are parsed when the
+    final event arrives. After :meth:`pieces` is exhausted, ``final`` is the
+    final event (None if the engine ended without one), ``calls`` the parsed
+    calls and ``token_ids`` every generated token id.
     """
 
-    def __init__(self, first: TokenEvent, events: AsyncIterator[TokenEvent], run: Run, offered: list[str]):
+    def __init__(self, first: TokenEvent, events: AsyncIterator[TokenEvent], run: Run, offered: list[str],
+                 reasoning: ReasoningSplitter | None = None):
         self._first = first
         self._events = events
         self._run = run
         self._filter = tl.ToolStreamFilter(offered)
+        self._reasoning = reasoning
         self.final: TokenEvent | None = None
         self.calls: list[tl.ToolCall] = []
         self.token_ids: list[int] = []
 
     @classmethod
-    async def begin(cls, events: AsyncIterator[TokenEvent], run: Run, offered: list[str]) -> Answer:
+    async def begin(cls, events: AsyncIterator[TokenEvent], run: Run, offered: list[str],
+                    reasoning: ReasoningSplitter | None = None) -> Answer:
         """Wait for the first event before any header is sent, so that errors raised up front
         (no plan, prompt too long for the plan) keep their HTTP status."""
         first = await anext(events)
         run.saw(first)
-        return cls(first, events, run, offered)
+        return cls(first, events, run, offered, reasoning)
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Each non-empty piece of text, as soon as it is safe to send."""
+    def _split(self, text: str, last: bool) -> Split:
+        """Reasoning and the spoken text of ``text``; the spoken part has been through the call filter."""
+        split = Split(content=text) if self._reasoning is None else self._reasoning.feed(text)
+        if last and self._reasoning is not None:
+            split += self._reasoning.finish()
+        spoken = self._filter.feed(split.content)
+        if last:
+            tail, self.calls = self._filter.finish()
+            spoken += tail
+        return Split(split.reasoning, spoken)
+
+    async def pieces(self) -> AsyncIterator[Split]:
+        """Each non-empty piece (reasoning and spoken text), as soon as it is safe to send."""
         ev: TokenEvent | None = self._first
         while ev is not None:
             if ev.token_id is not None:
                 self.token_ids.append(ev.token_id)
-            text = self._filter.feed(ev.text)
-            if ev.finish_reason is not None:
-                tail, self.calls = self._filter.finish()
+            last = ev.finish_reason is not None
+            piece = self._split(ev.text, last)
+            if last:
                 self.final = ev
-                if text + tail:
-                    yield text + tail
+                if piece:
+                    yield piece
                 return
-            if text:
-                yield text
+            if piece:
+                yield piece
             ev = await anext(self._events, None)
             if ev is not None:
                 self._run.saw(ev)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from decoding.loader.chat_template import ChatTemplateError
 from decoding.tool_grammar import style_of, tool_spec
 from meshd.api.params import RequestParams, checked_constraint
 from meshd.api.validation import RequestError
@@ -19,16 +20,23 @@ from partition.ids import RequestId
 
 
 def chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                param: str = "tools") -> list[int]:
-    """Token ids of the conversation; tools go through the model's own chat template."""
-    if not tools:
-        return list(engine.tokenizer.apply_chat(messages))
-    if not getattr(engine.tokenizer, "supports_tools", False):
+                param: str = "tools", **variables: Any) -> list[int]:
+    """Token ids of the conversation; tools go through the model's own chat template.
+
+    ``variables`` are the template's switches (Qwen3's ``enable_thinking``). A
+    conversation the template refuses (Llama 3.1 takes one call per assistant
+    turn) is the client's 400, with the template's reason.
+    """
+    if tools and not getattr(engine.tokenizer, "supports_tools", False):
         raise RequestError(
             f"tools are not supported by model '{engine.model_id}': its chat template has no tool support "
             f"(send the request without '{param}', or serve a tool-capable model such as "
             f"{RECOMMENDED_FOR_HOME_ASSISTANT})", param=param, code="tools_not_supported")
-    return list(engine.tokenizer.apply_chat(messages, tools=tools))
+    extra = {"tools": tools} if tools else {}
+    try:
+        return list(engine.tokenizer.apply_chat(messages, **extra, **variables))
+    except ChatTemplateError as exc:
+        raise RequestError(str(exc), param="messages", code="invalid_value") from None
 
 
 def constrain_tool_calls(engine: Engine, params: RequestParams, tools: list[dict[str, Any]],

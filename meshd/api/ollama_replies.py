@@ -48,12 +48,17 @@ def loaded(model: str, kind: str) -> dict[str, Any]:
     return out
 
 
-def part(kind: str, model: str, text: str) -> dict[str, Any]:
+def part(kind: str, model: str, text: str, thinking: str = "") -> dict[str, Any]:
+    """One streamed piece; ``thinking``: a thinking model's reasoning (Ollama's field, left out when none)."""
     base: dict[str, Any] = {"model": model, "created_at": now()}
     if kind == "chat":
         base["message"] = {"role": "assistant", "content": text}
+        if thinking:
+            base["message"]["thinking"] = thinking
     else:
         base["response"] = text
+        if thinking:
+            base["thinking"] = thinking
     base["done"] = False
     return base
 

@@ -28,6 +28,7 @@ from meshd.api.generation import chat_prompt, constrain_tool_calls, generation_r
 from meshd.api.names import tagged as _tagged
 from meshd.api.ollama_schema import ChatBody, GenerateBody, GenerationBody, history, request_params
 from meshd.api.params import MAX_VOCAB, RequestParams, new_id
+from meshd.api.reasoning import splitter_for, thinks
 from meshd.api.validation import RequestError, validate
 from meshd.engine import Engine, EngineError
 
@@ -58,7 +59,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     except tl.ToolError as exc:
         raise exc.as_request_error() from None
     messages = history(body.messages)
-    prompt_ids = chat_prompt(engine, messages, tools)
+    prompt_ids = chat_prompt(engine, messages, tools, **_thinking(engine, body))
     constrain_tool_calls(engine, params, tools)
     return await _run(request, engine, body, params, num_ctx, prompt_ids, messages,
                       tl.tool_names(tools), "chat")
@@ -83,7 +84,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
             {"role": "user", "content": body.prompt}]
-        prompt_ids = context + chat_prompt(engine, messages, [])
+        prompt_ids = context + chat_prompt(engine, messages, [], **_thinking(engine, body))
     return await _run(request, engine, body, params, num_ctx, prompt_ids, messages, [], "generate")
 
 
@@ -95,24 +96,28 @@ async def _run(request: web.Request, engine: Engine, body: GenerationBody, param
     gen = generation_request(engine, rid, prompt_ids, params, messages, context_limit=num_ctx,
                              penalty_param="options.repeat_penalty")
     model = body.model or _tagged(engine.model_id)
+    reasoning = splitter_for(engine.tokenizer, prompt_ids) if messages is not None else None
     async with tracked(request, engine, gen, "ollama", f"/api/{kind}") as (events, run):
-        answer = await Answer.begin(events, run, offered)  # errors before the first token keep their HTTP status
+        # errors before the first token keep their HTTP status
+        answer = await Answer.begin(events, run, offered, reasoning)
         resp: web.StreamResponse | None = None
         if body.stream:
             resp = web.StreamResponse(headers={"Content-Type": replies.NDJSON, "X-Request-Id": rid})
             await resp.prepare(request)
         parts: list[str] = []
+        thoughts: list[str] = []
         try:
             async with contextlib.aclosing(answer.pieces()) as pieces:
-                async for text in pieces:
+                async for piece in pieces:
                     if resp is not None:
-                        await resp.write(replies.line(replies.part(kind, model, text)))
+                        await resp.write(replies.line(replies.part(kind, model, piece.content, piece.reasoning)))
                     else:
-                        parts.append(text)
+                        parts.append(piece.content)
+                        thoughts.append(piece.reasoning)
             if answer.final is not None and resp is None:
                 final = replies.final(request, kind, model, answer.final, run, started_ns, prompt_ids,
                                       answer.token_ids)
-                return web.json_response(_whole(final, kind, "".join(parts), answer.calls))
+                return web.json_response(_whole(final, kind, "".join(parts), answer.calls, "".join(thoughts)))
             if answer.final is not None:
                 if answer.calls:
                     msg = replies.part(kind, model, "")
@@ -137,12 +142,33 @@ async def _run(request: web.Request, engine: Engine, body: GenerationBody, param
         raise EngineError("the engine ended without a final event")
 
 
-def _whole(final: dict, kind: str, content: str, calls: list[tl.ToolCall]) -> dict:
+def _whole(final: dict, kind: str, content: str, calls: list[tl.ToolCall], thinking: str) -> dict:
     """The final message of an answer that was not streamed: it carries the whole answer."""
     if kind == "chat":
         final["message"] = {"role": "assistant", "content": content}
+        if thinking:
+            final["message"]["thinking"] = thinking
         if calls:
             final["message"]["tool_calls"] = [c.ollama() for c in calls]
     else:
         final["response"] = content
+        if thinking:
+            final["thinking"] = thinking
     return final
+
+
+def _thinking(engine: Engine, body: GenerationBody) -> dict[str, bool]:
+    """Ollama's ``think`` as the template's ``enable_thinking`` (absent: the template's default).
+
+    Ollama refuses ``think`` for a model that does not think, and its levels
+    ("high", ...) exist only for gpt-oss; both are a 400 here too.
+    """
+    if body.think is None:
+        return {}
+    if isinstance(body.think, str):
+        raise RequestError(f"'think' must be true or false for model '{engine.model_id}' (levels such as "
+                           f"{body.think!r} are only for gpt-oss)", param="think", code="invalid_value")
+    if body.think and not thinks(engine.tokenizer):
+        raise RequestError(f'"{engine.model_id}" does not support thinking', param="think",
+                           code="invalid_value")
+    return {"enable_thinking": body.think} if thinks(engine.tokenizer) else {}

@@ -20,8 +20,12 @@ Mapping of what Ollama clients send:
   ``message.tool_calls``.
 * ``keep_alive``: accepted (validated) and has no effect: the home's model
   stays loaded for as long as the daemon runs.
-* ``think``: only false/absent; the served models do not think (Ollama
-  answers the same 400 for non-thinking models).
+* ``think``: true/false switch a thinking model's reasoning on or off
+  (Qwen3's ``enable_thinking``; absent: the model's default); true for a
+  model that does not think is Ollama's 400. The reasoning comes back in
+  ``thinking``, never in the answer's ``content``
+  (:mod:`meshd.api.reasoning`); a message's ``thinking`` goes back into the
+  prompt where the template keeps it.
 * ``exit_threshold`` (meshd extension, top level or in ``options``): early exits, as on
   the OpenAI routes (0 off; absent: the daemon's ``exit_threshold``).
 * ``speculative`` (meshd extension, top level or in ``options``): as on the
@@ -112,7 +116,7 @@ class Message(BaseModel):
     images: TextOnly = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_name: str | None = None
-    thinking: str | None = None  # a thinking model's earlier reasoning; templates here drop it
+    thinking: str | None = None  # a thinking model's earlier reasoning (the template decides if it is kept)
 
 
 
@@ -137,13 +141,6 @@ class GenerationBody(BaseModel):
     def _duration(cls, v):
         if isinstance(v, str) and not _DURATION.match(v.strip()):
             raise ValueError("must be a duration such as '5m', '300s', '-1' or a number of seconds")
-        return v
-
-    @field_validator("think")
-    @classmethod
-    def _no_thinking(cls, v):
-        if v not in (None, False):
-            raise ValueError("the served model does not support thinking")
         return v
 
 
@@ -247,6 +244,8 @@ def history(messages: list[Message]) -> list[dict[str, Any]]:
                 raise exc.as_request_error() from None
         if m.role == "tool" and m.tool_name:
             d["name"] = m.tool_name
+        if m.role == "assistant" and m.thinking:
+            d["reasoning_content"] = m.thinking
         out.append(d)
     return out
 

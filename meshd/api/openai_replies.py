@@ -25,11 +25,14 @@ def model_object(model_id: str) -> dict[str, Any]:
 
 def chat_response(
     rid: str, created: int, model: str, text: str, finish: str, usage: dict[str, Any],
-    tool_calls: list[dict[str, Any]] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "",
 ) -> dict[str, Any]:
+    """``reasoning``: a thinking model's think block, as ``reasoning_content`` (left out when none)."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:
         message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     return {
         "id": rid,
         "object": "chat.completion",

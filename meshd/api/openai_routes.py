@@ -24,6 +24,7 @@ from meshd.api.generation import chat_prompt, constrain_tool_calls, generation_r
 from meshd.api.names import not_found
 from meshd.api.openai_schema import parse_chat_request, parse_completion_request
 from meshd.api.params import RequestParams, new_id
+from meshd.api.reasoning import ReasoningSplitter, Split, splitter_for
 from meshd.api.usage import public_usage
 from meshd.api.validation import RequestError
 from meshd.engine import Engine, EngineError, TokenEvent
@@ -44,7 +45,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = chat_prompt(engine, req.messages, req.tools)
     constrain_tool_calls(engine, req.params, req.tools, req.tool_choice, req.parallel_tool_calls)
     return await _serve(request, engine, "chat", prompt_ids, req.params, req.messages,
-                        tl.tool_names(req.tools), req.parallel_tool_calls)
+                        tl.tool_names(req.tools), req.parallel_tool_calls,
+                        splitter_for(engine.tokenizer, prompt_ids))
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -82,14 +84,16 @@ async def _model(request: web.Request) -> web.Response:
 async def _serve(
     request: web.Request, engine: Engine, kind: str, prompt_ids: list[int],
     params: RequestParams, messages: list[dict] | None, offered: list[str], parallel: bool,
+    reasoning: ReasoningSplitter | None = None,
 ) -> web.StreamResponse:
+    """``reasoning``: a thinking model's splitter (its think block goes to ``reasoning_content``)."""
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     gen = generation_request(engine, rid, prompt_ids, params, messages)
     endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     async with tracked(request, engine, gen, "openai", endpoint) as (events, run):
         if params.stream:
-            return await _stream(request, engine, kind, rid, params, events, run, offered, parallel)
-        return await _collect(request, engine, kind, rid, events, run, offered, parallel)
+            return await _stream(request, engine, kind, rid, params, events, run, offered, parallel, reasoning)
+        return await _collect(request, engine, kind, rid, events, run, offered, parallel, reasoning)
 
 
 def _calls(text: str, offered: list[str], parallel: bool) -> tuple[str, list[tl.ToolCall]]:
@@ -98,7 +102,7 @@ def _calls(text: str, offered: list[str], parallel: bool) -> tuple[str, list[tl.
 
 
 async def _collect(request: web.Request, engine: Engine, kind: str, rid: str, events, run, offered: list[str],
-                   parallel: bool) -> web.Response:
+                   parallel: bool, reasoning: ReasoningSplitter | None) -> web.Response:
     parts: list[str] = []
     last: TokenEvent | None = None
     async for ev in events:
@@ -109,10 +113,11 @@ async def _collect(request: web.Request, engine: Engine, kind: str, rid: str, ev
         raise EngineError("the engine ended without a final event")
     text, usage, created = "".join(parts), public_usage(request, last.usage), replies.now()
     if kind == "chat":
-        content, calls = _calls(text, offered, parallel)
+        split = Split(content=text) if reasoning is None else reasoning.feed(text) + reasoning.finish()
+        content, calls = _calls(split.content, offered, parallel)
         finish = "tool_calls" if calls else last.finish_reason
-        body = replies.chat_response(rid, created, engine.model_id, content if calls else text, finish,
-                                     usage, [c.openai() for c in calls] or None)
+        body = replies.chat_response(rid, created, engine.model_id, content if calls else split.content, finish,
+                                     usage, [c.openai() for c in calls] or None, reasoning=split.reasoning)
     else:
         body = replies.completion_response(rid, created, engine.model_id, text, last.finish_reason, usage)
     return web.json_response(body)
@@ -122,8 +127,9 @@ async def _collect(request: web.Request, engine: Engine, kind: str, rid: str, ev
 async def _stream(
     request: web.Request, engine: Engine, kind: str, rid: str,
     params: RequestParams, events, run, offered: list[str], parallel: bool,
+    reasoning: ReasoningSplitter | None,
 ) -> web.StreamResponse:
-    answer = await Answer.begin(events, run, offered)
+    answer = await Answer.begin(events, run, offered, reasoning)
     frames = _Frames(kind, rid, replies.now(), engine.model_id)
     resp = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid,
@@ -133,8 +139,11 @@ async def _stream(
         if kind == "chat":
             await resp.write(frames.role())
         async with contextlib.aclosing(answer.pieces()) as pieces:
-            async for text in pieces:
-                await resp.write(frames.text(text))
+            async for piece in pieces:
+                if piece.reasoning:
+                    await resp.write(frames.reasoning(piece.reasoning))
+                if piece.content:
+                    await resp.write(frames.text(piece.content))
         if answer.final is not None:
             finish = answer.final.finish_reason
             calls = answer.calls if parallel else answer.calls[:1]
@@ -183,6 +192,11 @@ class _Frames:
             return replies.sse(replies.chat_chunk(self.rid, self.created, self.model,
                                                   delta={"content": text} if text else {}, finish=finish))
         return replies.sse(replies.completion_response(self.rid, self.created, self.model, text, finish))
+
+    def reasoning(self, text: str) -> bytes:
+        """A piece of a thinking model's think block (chat only: a raw completion is not split)."""
+        return replies.sse(replies.chat_chunk(self.rid, self.created, self.model,
+                                              delta={"reasoning_content": text}))
 
     def tool_calls(self, calls: list[tl.ToolCall]) -> bytes:
         return replies.sse(replies.chat_chunk(self.rid, self.created, self.model, delta={

@@ -161,6 +161,7 @@ class ChatMessage(BaseModel):
     tool_calls: Any = None  # an assistant's earlier calls (meshd.api.tools.history_tool_calls)
     tool_call_id: Any = None  # a tool result's (kept when a string)
     name: Any = None
+    reasoning_content: Any = None  # a thinking model's earlier reasoning, as replies carry it (kept when a string)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -180,6 +181,8 @@ class ChatMessage(BaseModel):
         if self.role == "assistant" and self.tool_calls:
             out["tool_calls"] = tl.history_tool_calls(self.tool_calls, f"{where}.tool_calls",
                                                       arguments_as_string=True)
+        if self.role == "assistant" and isinstance(self.reasoning_content, str) and self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
         if self.role == "tool":
             out.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name))
                         if isinstance(v, str)})
