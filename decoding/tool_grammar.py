@@ -20,14 +20,24 @@ ways in:
 
 ``tool_choice: required`` (or a named tool) is the same grammar without the
 text branch. Forms accepted (and parsed back by the API): the template's tag
-(Hermes/Qwen ``<tool_call>…</tool_call>``, several in a row when parallel
-calls are allowed; Mistral ``[TOOL_CALLS][…]``), a bare call object or a list
-of them, and either of those in a ```json fence.
+(Hermes/Qwen 2.5/Qwen3 ``<tool_call>…</tool_call>``, several in a row when
+parallel calls are allowed; Mistral ``[TOOL_CALLS][…]``; Llama 3.x's
+``<|python_tag|>`` before its JSON), a bare call object or a list of them, and
+either of those in a ```json fence. Llama 3.x names the arguments
+``parameters`` (``{"name": ..., "parameters": {...}}``), the others
+``arguments``.
+
+A thinking model (Qwen3) reasons in a ``<think>…</think>`` block before it
+answers; ``reasoning`` in the spec says the block may open at the start
+(``"start"``) or is already open because the prompt opened it (``"inside"``).
+Nothing is masked or triggered inside it: the grammar starts over, as at the
+start of an answer, after ``</think>`` (``decoding.constrained``).
 
 The spec is a plain dict so it crosses the wire to whichever stage samples::
 
     {"type": "tool_calls", "tools": [{"name": ..., "parameters": {...}}, ...],
-     "style": "hermes" | "mistral" | "json", "required": bool, "parallel": bool}
+     "style": "hermes" | "mistral" | "json" | "llama3", "required": bool, "parallel": bool,
+     "reasoning": "start" | "inside"}       # reasoning: only for a thinking model
 """
 
 from __future__ import annotations
@@ -37,13 +47,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-STYLES = ("hermes", "mistral", "json")
+STYLES = ("hermes", "mistral", "json", "llama3")
+REASONING = ("start", "inside")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_OPEN = "[TOOL_CALLS]"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x: what follows is a call (its "ipython" environment)
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 FENCES = ("```json", "```\n")  # a call in a Markdown fence (the 1.5B model's habit)
 FENCE_CLOSE = "```"
 # Every way an answer may start a call, whatever the family (the API's parser accepts them all).
-CALL_OPENERS = (HERMES_OPEN, MISTRAL_OPEN, "{", "[", *FENCES)
+CALL_OPENERS = (HERMES_OPEN, MISTRAL_OPEN, PYTHON_TAG, "{", "[", *FENCES)
 # Whitespace inside a call is the model's choice: with fixed separators a call
 # written as `{ "name": ...` would be refused at its second token and the
 # answer taken for text (see _CALL_START, which must stay within the calls' grammar).
@@ -76,15 +89,22 @@ class ToolGrammar:
 
 
 def tool_spec(tools: list[dict[str, Any]], style: str, *, required: bool, parallel: bool,
-              only: str | None = None) -> dict[str, Any]:
-    """The wire spec for ``tools`` (OpenAI/Ollama tool objects); ``only`` forces one tool."""
+              only: str | None = None, reasoning: str | None = None) -> dict[str, Any]:
+    """The wire spec for ``tools`` (OpenAI/Ollama tool objects); ``only`` forces one tool.
+
+    ``reasoning``: the model thinks first (``"start"``: it may open a think block;
+    ``"inside"``: the prompt opened it); left out of the spec when None.
+    """
     chosen = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     if not chosen:
         raise BadToolSpec("no tool to call")
-    return {"type": "tool_calls", "style": style, "required": bool(required or only is not None),
+    spec = {"type": "tool_calls", "style": style, "required": bool(required or only is not None),
             "parallel": bool(parallel),
             "tools": [{"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}}
                       for f in chosen]}
+    if reasoning is not None:
+        spec["reasoning"] = reasoning
+    return spec
 
 
 def style_of(chat_template: str | None) -> str:
@@ -94,11 +114,15 @@ def style_of(chat_template: str | None) -> str:
         return "hermes"
     if MISTRAL_OPEN in t:
         return "mistral"
+    if PYTHON_TAG in t or ("ipython" in t and '"parameters"' in t):
+        return "llama3"  # 3.1 names the tag; 3.2 only its ipython role and the JSON form
     return "json"
 
 
-def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+def call_schema(tools: list[dict[str, Any]], arguments: str = "arguments") -> dict[str, Any]:
     """JSON schema of one call object: a name from the list and that tool's arguments.
+
+    ``arguments`` is the key the family puts them under (Llama 3.x: ``parameters``).
 
     A tool's arguments are closed unless its schema says otherwise: JSON
     Schema allows keys it does not list, but an argument the tool does not
@@ -111,8 +135,8 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
 
     def one(t: dict[str, Any]) -> dict[str, Any]:
         return {"type": "object",
-                "properties": {"name": {"const": t["name"]}, "arguments": closed(t["parameters"])},
-                "required": ["name", "arguments"], "additionalProperties": False}
+                "properties": {"name": {"const": t["name"]}, arguments: closed(t["parameters"])},
+                "required": ["name", arguments], "additionalProperties": False}
 
     schema = one(tools[0]) if len(tools) == 1 else {"anyOf": [one(t) for t in tools]}
     return {**schema, "x-guidance": _JSON_STYLE}
@@ -132,7 +156,8 @@ def build(spec: dict[str, Any], tag_tokens: dict[str, int] | None = None) -> Too
         q = json.dumps(text)
         return f"({q} | <[{tags[text]}]>)" if text in tags else q
 
-    rules = [f"call: %json {json.dumps(call_schema(spec['tools']), ensure_ascii=False)}",
+    arguments = "parameters" if style == "llama3" else "arguments"
+    rules = [f"call: %json {json.dumps(call_schema(spec['tools'], arguments), ensure_ascii=False)}",
              "WS: /[ \\t\\r\\n]+/",
              'bare: call | "[" WS? call (WS? "," WS? call)* WS? "]"' if parallel
              else 'bare: call | "[" WS? call WS? "]"',
@@ -149,6 +174,11 @@ def build(spec: dict[str, Any], tag_tokens: dict[str, int] | None = None) -> Too
     elif style == "mistral":
         rules.append(f"mistral: {lit(MISTRAL_OPEN)} WS? bare")
         forms.insert(0, "mistral")
+    elif style == "llama3":
+        rules.append(f"python: {lit(PYTHON_TAG)} WS? bare")
+        forms.insert(0, "python")
+        trigger = PYTHON_TAG
+        resume = "\n".join(["start: WS? bare WS?", *rules])
     calls = "\n".join(["start: WS? calls WS?", f"calls: {' | '.join(forms)}", *rules])
     plain = None if spec["required"] else f"start: PLAIN\nPLAIN: /(.|\\n)*/ & ~/{_CALL_START}(.|\\n)*/"
     inline = "\n".join(["start: (bare | fenced) WS?", *rules])
@@ -200,6 +230,8 @@ def _check(spec: Any) -> None:
         raise BadToolSpec("not a tool_calls spec")
     if spec.get("style") not in STYLES:
         raise BadToolSpec(f"tool_calls style must be one of {list(STYLES)}")
+    if spec.get("reasoning") not in (None, *REASONING):
+        raise BadToolSpec(f"tool_calls reasoning must be one of {list(REASONING)}")
     if not isinstance(spec.get("required"), bool) or not isinstance(spec.get("parallel"), bool):
         raise BadToolSpec("tool_calls needs boolean 'required' and 'parallel'")
     tools = spec.get("tools")

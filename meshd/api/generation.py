@@ -13,6 +13,7 @@ from typing import Any
 from decoding.loader.chat_template import ChatTemplateError
 from decoding.tool_grammar import style_of, tool_spec
 from meshd.api.params import RequestParams, checked_constraint
+from meshd.api.reasoning import prompt_opens_reasoning, thinks
 from meshd.api.validation import RequestError
 from meshd.engine import Engine, GenerationRequest
 from meshd.model_store import RECOMMENDED_FOR_HOME_ASSISTANT
@@ -40,7 +41,8 @@ def chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: list[dict
 
 
 def constrain_tool_calls(engine: Engine, params: RequestParams, tools: list[dict[str, Any]],
-                         choice: str | None = None, parallel: bool = True) -> None:
+                         choice: str | None = None, parallel: bool = True,
+                         prompt_ids: list[int] | None = None) -> None:
     """Offered tools put the answer under their grammar (``decoding.tool_grammar``).
 
     The model still answers in words when it wants to; a call it starts is
@@ -50,6 +52,8 @@ def constrain_tool_calls(engine: Engine, params: RequestParams, tools: list[dict
     ``response_format`` already constrains the whole answer (and a forced
     choice with one was refused when parsing), so it is left as it is.
     ``params.tools_offered`` records that calls may come (outline mode stays away).
+    A thinking model's think block (``prompt_ids`` say whether the prompt
+    opened it) is left free: the grammar starts after it.
     """
     params.tools_offered = bool(tools) and choice != "none"
     if not tools or choice == "none" or params.sampling.constraint is not None:
@@ -58,8 +62,12 @@ def constrain_tool_calls(engine: Engine, params: RequestParams, tools: list[dict
     if not forced and not getattr(engine, "supports_constraints", False):
         return  # calls are parsed from free text (generation_request refuses the forced case)
     meta = getattr(getattr(engine, "tokenizer", None), "meta", None)
+    reasoning = None
+    if prompt_ids is not None and thinks(engine.tokenizer):
+        reasoning = "inside" if prompt_opens_reasoning(engine.tokenizer, prompt_ids) else "start"
     spec = tool_spec(tools, style_of(getattr(meta, "chat_template", None)), required=choice == "required",
-                     parallel=parallel, only=choice if forced and choice != "required" else None)
+                     parallel=parallel, only=choice if forced and choice != "required" else None,
+                     reasoning=reasoning)
     params.sampling = params.sampling.with_constraint(checked_constraint(spec, "tools"))
     params.constraint_param = "tool_choice" if forced else "tools"
 

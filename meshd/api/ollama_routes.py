@@ -60,7 +60,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         raise exc.as_request_error() from None
     messages = history(body.messages)
     prompt_ids = chat_prompt(engine, messages, tools, **_thinking(engine, body))
-    constrain_tool_calls(engine, params, tools)
+    constrain_tool_calls(engine, params, tools, prompt_ids=prompt_ids)
     return await _run(request, engine, body, params, num_ctx, prompt_ids, messages,
                       tl.tool_names(tools), "chat")
 

@@ -43,7 +43,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(body, vocab_size=vocab_size(engine))
     served_model(request, engine, req.model, ollama=False)
     prompt_ids = chat_prompt(engine, req.messages, req.tools)
-    constrain_tool_calls(engine, req.params, req.tools, req.tool_choice, req.parallel_tool_calls)
+    constrain_tool_calls(engine, req.params, req.tools, req.tool_choice, req.parallel_tool_calls,
+                         prompt_ids=prompt_ids)
     return await _serve(request, engine, "chat", prompt_ids, req.params, req.messages,
                         tl.tool_names(req.tools), req.parallel_tool_calls,
                         splitter_for(engine.tokenizer, prompt_ids))

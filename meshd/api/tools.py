@@ -8,10 +8,15 @@ text. Formats parsed, by model family:
 * Hermes / Qwen 2.5: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   (one block per call);
 * Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``;
+* Llama 3.x: ``{"name": ..., "parameters": {...}}``, after ``<|python_tag|>``
+  or bare (the tag is a special token, so it is usually gone from the text);
 * any family, when the whole answer is a JSON call object (or a list of
   them) naming an offered tool, with ``arguments`` or ``parameters`` (Llama
-  3.1's JSON form; small models often drop the Hermes tags), bare or in a
+  3.x's JSON form; small models often drop the Hermes tags), bare or in a
   ```json fence.
+
+A thinking model's reasoning was split off before (:mod:`meshd.api.reasoning`):
+what is parsed here is only what it said.
 
 When tools are offered the engine samples under :mod:`decoding.tool_grammar`,
 so every call it writes is in one of these forms, names an offered tool and
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from decoding.tool_grammar import (
-    CALL_OPENERS, FENCE_CLOSE, FENCES, HERMES_CLOSE, HERMES_OPEN, INLINE_CALL, MISTRAL_OPEN,
+    CALL_OPENERS, FENCE_CLOSE, FENCES, HERMES_CLOSE, HERMES_OPEN, INLINE_CALL, MISTRAL_OPEN, PYTHON_TAG,
     could_begin_inline_call,
 )
 from meshd.api.validation import RequestError
@@ -193,6 +198,9 @@ def parse_tool_calls(text: str, offered: list[str]) -> tuple[str, list[ToolCall]
     stripped = text.strip()
     if stripped.startswith(_MISTRAL):
         found = _calls_in(stripped[len(_MISTRAL):], offered)
+        return ("", found) if found else (text, [])
+    if stripped.startswith(PYTHON_TAG):
+        found = _bare_or_fenced(stripped[len(PYTHON_TAG):].strip(), offered)
         return ("", found) if found else (text, [])
     found = _bare_or_fenced(stripped, offered)
     if found:

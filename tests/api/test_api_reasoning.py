@@ -161,3 +161,22 @@ def test_a_model_that_does_not_think_keeps_its_text_as_it_is(srv):
     srv.engine.reply = QWEN3_REPLY
     message = sdk(srv).chat.completions.create(model="fake-model", messages=ASK).choices[0].message
     assert message.content == QWEN3_REPLY and getattr(message, "reasoning_content", None) is None
+
+
+@pytest.mark.parametrize("opens, expected", [(False, "start"), (True, "inside")])
+def test_offered_tools_tell_the_grammar_that_the_model_thinks_first(opens, expected):
+    """The grammar leaves the think block free (``decoding.constrained``): the spec says it may come."""
+    from meshd.api.generation import chat_prompt, constrain_tool_calls
+    from meshd.api.params import RequestParams
+
+    engine = FakeEngine()
+    engine.tokenizer = ThinkingTokenizer(opens)
+    engine.supports_constraints = True
+    params = RequestParams()
+    prompt = chat_prompt(engine, ASK, TOOLS)
+    constrain_tool_calls(engine, params, TOOLS, prompt_ids=prompt)
+    assert params.sampling.constraint["reasoning"] == expected
+    plain = FakeEngine()
+    plain.tokenizer, plain.supports_constraints = ToolTokenizer(), True
+    constrain_tool_calls(plain, params := RequestParams(), TOOLS, prompt_ids=chat_prompt(plain, ASK, TOOLS))
+    assert "reasoning" not in params.sampling.constraint
