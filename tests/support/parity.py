@@ -1,0 +1,124 @@
+"""meshd's logits against transformers' on the same tiny model, in each numeric mode and layout.
+
+One tiny model is checked as a Hugging Face directory and as GGUF files of
+several storage types (:class:`TinyFiles`). transformers runs in float32 on the
+weights each (file, mode) really holds (:func:`reference_model`): the values
+the file stores and, where a packed mode rounds them further (``packed``: wider
+than 8-bit codes to 8 bits; ``packed4``: all but 4-bit codes to 4 bits), the
+rounded values. What is left between the two is the mode's arithmetic, held to
+the distance the existing Llama tests allow it (:data:`TOLERANCE`).
+
+The prompt runs as a mesh runs it: prefilled whole on one device, or cut at a
+packed block boundary across two stages, then decoded one token at a time —
+so both the long-prompt path (matrices widened) and the row-at-a-time path
+(the int4 kernel) of a packed stage are compared.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from decoding.batch import EXACT_BLOCK
+from decoding.loader import open_model
+from decoding.pipeline_local import LocalPipeline
+from tests.support.gguf_convert import as_stored, write_gguf
+from tests.support.tiny_archs import build_model, save_hf_dir
+
+#: Numeric modes meshd ships (``decoding.device.WEIGHT_MODES``): dtype of activations, packing.
+MODES: dict[str, tuple[torch.dtype, str]] = {
+    "float32": (torch.float32, ""), "bfloat16": (torch.bfloat16, ""), "float16": (torch.float16, ""),
+    "packed": (torch.bfloat16, "packed"), "packed4": (torch.bfloat16, "packed4")}
+
+#: Largest logit distance from transformers float32, per mode: the bounds the Llama tests hold
+#: (tests/decoding/test_runtime_matches_transformers.py, test_runtime_dtypes.py); the packed modes
+#: compute in bfloat16 on the weights they hold, so they get bfloat16's. Observed on these tiny
+#: models: ~1e-6, ~0.02, ~0.003, ~0.03, ~0.02.
+TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05, "packed": 0.25, "packed4": 0.25}
+
+#: Where a model is read from: its Hugging Face directory, or a GGUF with matrices of this type.
+SOURCES = ("hf", "F16", "Q8_0", "Q4_0")
+
+PROMPT, DECODE = EXACT_BLOCK + 8, 4  # a prompt a 2-stage mesh cuts at a packed block, then decode steps
+
+
+def token_ids(vocab: int, seed: int = 3) -> list[int]:
+    return torch.randint(0, vocab, (PROMPT + DECODE,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@dataclass
+class TinyFiles:
+    """One tiny model of ``kind`` (tests/support/tiny_archs.py), saved in every source format."""
+
+    kind: str
+    model: object
+    paths: dict[str, Path]
+    _refs: dict = field(default_factory=dict)
+
+    @classmethod
+    def write(cls, kind: str, root: Path, seed: int = 0) -> "TinyFiles":
+        model = build_model(kind, seed)
+        paths = {"hf": save_hf_dir(model, root / "hf")}
+        for matrices in SOURCES[1:]:
+            paths[matrices] = write_gguf(model, root / f"tiny-{kind}-{matrices}.gguf", matrices)
+        return cls(kind, model, paths)
+
+    def reference_logits(self, source: str, mode: str, ids: list[int]) -> torch.Tensor:
+        """transformers' float32 logits over ``ids`` with the weights ``mode`` holds when reading ``source``."""
+        key = (source, _rounding(source, mode), tuple(ids))
+        if key not in self._refs:
+            ref = reference_model(self.model, source, mode)
+            with torch.no_grad():
+                self._refs[key] = ref(torch.tensor([ids])).logits[0].float()
+        return self._refs[key]
+
+
+def _rounding(source: str, mode: str) -> str:
+    """How ``mode`` rounds ``source``'s matrices beyond what the file stores: "", "8bit" or "4bit"."""
+    if mode == "packed" and source in ("hf", "F16"):
+        return "8bit"
+    if mode == "packed4" and source != "Q4_0":
+        return "4bit"
+    return ""
+
+
+def reference_model(model, source: str, mode: str):
+    """A copy of ``model`` holding the values meshd's ``mode`` multiplies by when it reads ``source``.
+
+    A packed stage keeps an untied token embedding as the file stores it (rows widened per lookup)
+    and packs every other matrix; a tied one embeds with the packed head's rows.
+    """
+    from decoding.quant.groups import requantize, requantize_8bit
+
+    stored = as_stored(model, "F32" if source == "hf" else source)
+    rounding = _rounding(source, mode)
+    if not rounding:
+        return stored
+    ref = copy.deepcopy(stored)
+    embed = ref.get_input_embeddings().weight
+    tied = ref.config.tie_word_embeddings
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() != 2 or (p is embed and not tied):
+                continue
+            w = p.detach()
+            if rounding == "4bit":
+                p.copy_(requantize(w).dequantize())
+            else:
+                hi, lo = requantize_8bit(w)
+                p.copy_(hi.dequantize() + lo.dequantize())
+    return ref.eval()
+
+
+def meshd_logits(path: Path, mode: str, stages: int, ids: list[int]) -> torch.Tensor:
+    """meshd's logits for every position of ``ids``: ``stages`` even stages (LocalPipeline), the prompt
+    ``ids[:PROMPT]`` prefilled (cut at EXACT_BLOCK across two stages), then one decode step per token."""
+    dtype, packing = MODES[mode]
+    pipe = LocalPipeline.from_source(open_model(path), stages, dtype, packed=packing)
+    pipe.create("s", len(ids))
+    chunks = [ids[:PROMPT]] if stages == 1 else [ids[:EXACT_BLOCK], ids[EXACT_BLOCK:PROMPT]]
+    chunks += [[t] for t in ids[PROMPT:]]
+    return torch.cat([pipe.forward("s", torch.tensor(c), all_logits=True).float() for c in chunks])
