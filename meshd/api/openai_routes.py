@@ -42,7 +42,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     engine = await await_engine(request)
     req = parse_chat_request(body, vocab_size=vocab_size(engine))
     served_model(request, engine, req.model, ollama=False)
-    prompt_ids = chat_prompt(engine, req.messages, req.tools)
+    prompt_ids = chat_prompt(engine, req.messages, req.tools, **req.template_variables)
     constrain_tool_calls(engine, req.params, req.tools, req.tool_choice, req.parallel_tool_calls,
                          prompt_ids=prompt_ids)
     return await _serve(request, engine, "chat", prompt_ids, req.params, req.messages,

@@ -47,6 +47,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)  # validated, for the chat template
     tool_choice: str | None = None  # None (auto), "none", "required" or a tool name
     parallel_tool_calls: bool = True
+    template_variables: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs: enable_thinking
 
 
 @dataclass
@@ -259,6 +260,18 @@ class ChatBody(_Params):
     modalities: Annotated[Any, only_default(None, ["text"])] = None
     audio: Annotated[Any, only_default(None)] = None
     prediction: Annotated[Any, only_default(None)] = None
+    # vLLM's and llama.cpp's switch for a thinking model's reasoning (Qwen3's enable_thinking).
+    chat_template_kwargs: Any = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_switches(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, dict) or set(v) - {"enable_thinking"} or not all(isinstance(x, bool) for x in v.values()):
+            raise invalid("only {\"enable_thinking\": true|false} is accepted (a thinking model's reasoning on "
+                          "or off)")
+        return v
 
     @field_validator("messages", mode="wrap")
     @classmethod
@@ -280,7 +293,7 @@ class ChatBody(_Params):
             raise RequestError("'tool_choice' that forces a call cannot be combined with "
                                "'response_format'", param="tool_choice", code="invalid_value")
         return ChatRequest(self.model, messages, params, tools if choice != "none" else [], choice,
-                           self.parallel_tool_calls is not False)
+                           self.parallel_tool_calls is not False, dict(self.chat_template_kwargs or {}))
 
 
 def _one_prompt(v: Any) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import ollama
+import openai
 import pytest
 
 from tests.support.api import FakeEngine, ServerThread, ToolTokenizer
@@ -180,3 +181,16 @@ def test_offered_tools_tell_the_grammar_that_the_model_thinks_first(opens, expec
     plain.tokenizer, plain.supports_constraints = ToolTokenizer(), True
     constrain_tool_calls(plain, params := RequestParams(), TOOLS, prompt_ids=chat_prompt(plain, ASK, TOOLS))
     assert "reasoning" not in params.sampling.constraint
+
+
+def test_openai_chat_template_kwargs_switch_thinking_as_vllm_does(qwen3):
+    c = sdk(qwen3)
+    c.chat.completions.create(model="fake-model", messages=ASK, extra_body={"chat_template_kwargs": {
+        "enable_thinking": False}})
+    assert qwen3.engine.tokenizer.variables[-1] == {"enable_thinking": False}
+    c.chat.completions.create(model="fake-model", messages=ASK)
+    assert qwen3.engine.tokenizer.variables[-1] == {}
+    for bad in ({"enable_thinking": "no"}, {"add_generation_prompt": False}, ["enable_thinking"]):
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model="fake-model", messages=ASK, extra_body={"chat_template_kwargs": bad})
+        assert "chat_template_kwargs" in str(info.value)
