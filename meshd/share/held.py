@@ -31,12 +31,14 @@ class HeldModel:
     def __init__(self, cache: ModelCache):
         self.cache = cache
         self.source: Any = None  # the model source serving uses, once there is one
-        self.local_path: Path | None = None  # a whole local file outside the cache
+        self.local_path: Path | None = None  # a whole local file outside the cache (a split set's first part)
+        self.local_parts: tuple[Path, ...] = ()  # every file of a local split set (its parts); () for one file
+        self._local_readers: list[Any] = []
         self.manifest: Manifest | None = None
         self.entry: CachedModel | None = None  # the cache entry of a model fetched from the home
         self.tensor_names: tuple[str, ...] | None = None
         self.resumed_bytes = 0  # verified bytes the cache already held when this daemon started
-        self._local_fd: int | None = None
+        self._local_fds: dict[int, int] = {}
 
     # -- facts ----------------------------------------------------------------
     @property
@@ -82,20 +84,26 @@ class HeldModel:
             log.info("share_not_shareable", model=str(path), reason="only GGUF files are shared")
             return None
         self.local_path = path
-        self.tensor_names = tuple(t.name for t in reader.tensors)
+        parts = tuple(getattr(source, "parts", ()) or ())
+        readers = list(getattr(source, "_readers", []) or [])
+        if len(parts) > 1 and len(readers) == len(parts):  # a split set: lent as one model
+            self.local_parts, self._local_readers = parts, readers
+        self.tensor_names = tuple(t.name for r in (self._local_readers or [reader]) for t in r.tensors)
         return reader
 
     async def build_local_manifest(self, identity: str, reader: Any = None) -> bool:
         """Build (once; cached by path, size and mtime) the manifest this device lends from."""
         path = self.local_path
-        st = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+        files = self.local_parts or (path,)
+        stamp = ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in files for st in [p.stat()])
+        key = hashlib.sha256(stamp.encode()).hexdigest()[:24]
         cached = self.cache.root / LOCAL_MANIFESTS / f"{key}.json"
         try:
             try:
                 m = Manifest.from_data(cached.read_bytes())
             except (OSError, ManifestError):
-                m = await asyncio.to_thread(mf.build, path, mf.PIECE_SIZE, None, reader)
+                m = await asyncio.to_thread(mf.build, path, mf.PIECE_SIZE, None, reader,
+                                            self.local_parts or None, self._local_readers or None)
                 from meshd.state import atomic_write
 
                 atomic_write(cached, m.data, mode=0o644)
@@ -121,9 +129,10 @@ class HeldModel:
         m = self.manifest
         p = m.pieces[i]
         if self.local_path is not None:
-            if self._local_fd is None:
-                self._local_fd = os.open(self.local_path, os.O_RDONLY)
-            data = os.pread(self._local_fd, p.length, p.offset)
+            k, local = m.file_at(p.offset)
+            if k not in self._local_fds:
+                self._local_fds[k] = os.open((self.local_parts or (self.local_path,))[k], os.O_RDONLY)
+            data = os.pread(self._local_fds[k], p.length, local)
         else:
             data = self.entry.read_piece(i)
         if hashlib.sha256(data).hexdigest() != p.sha256:
@@ -137,6 +146,6 @@ class HeldModel:
     def close(self) -> None:
         if self.entry is not None:
             self.entry.close()
-        if self._local_fd is not None:
-            os.close(self._local_fd)
-            self._local_fd = None
+        for fd in self._local_fds.values():
+            os.close(fd)
+        self._local_fds = {}

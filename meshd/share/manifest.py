@@ -14,6 +14,13 @@ range are exactly the pieces of its tensors.
 
 The manifest is canonical JSON: every member that builds it from the same file
 gets the same bytes, so its sha256 (``digest``) is what members compare.
+
+A split GGUF set (``NAME-0000i-of-0000N.gguf``, ``decoding.loader.gguf_split``) is shared
+as one model: the manifest describes the parts' bytes one after the other, as if they
+were one file (``parts`` lists each part's name and size; its sha256 is the model's
+identity hash), and each part's header is a region of its own (``@header`` for the
+first, ``@header:2`` … for the others). Regions never straddle parts, so no piece does.
+A single file's manifest has no ``parts`` and is byte for byte what it always was.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ FORMAT = 1
 PIECE_SIZE = 1 << 20  # 1 MiB: a piece is one request; big enough to amortise a round trip
 MAX_PIECE_SIZE = 16 << 20  # a manifest asking for larger pieces is refused (bounds our memory)
 HEADER = "@header"
+PART_HEADER = "@header:"  # + the part's number (2 …): the header of a later part of a split set
 GAP = "@gap"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -70,13 +78,27 @@ class Region:
 
 
 @dataclass(frozen=True)
+class Part:
+    """One file of a split set, at ``offset`` in the manifest's concatenation of the parts."""
+
+    name: str
+    offset: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+@dataclass(frozen=True)
 class Manifest:
-    name: str  # the file's name (part of the model identity)
-    sha256: str  # the whole file
+    name: str  # the file's name (part of the model identity); a split set's first part
+    sha256: str  # the whole file (a split set: its parts' bytes in order)
     size: int
     piece_size: int
     regions: tuple[Region, ...]
     pieces: tuple[Piece, ...]
+    parts: tuple[Part, ...] = ()  # a split set's files, in order; () for a single file
 
     # -- identity ---------------------------------------------------------
     @property
@@ -93,6 +115,8 @@ class Manifest:
             "regions": [[r.name, r.offset, r.length, r.sha256] for r in self.regions],
             "pieces": [p.sha256 for p in self.pieces],
         }
+        if self.parts:
+            doc["parts"] = [[p.name, p.size] for p in self.parts]
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
     @cached_property
@@ -107,6 +131,31 @@ class Manifest:
     @property
     def header(self) -> Region:
         return self.regions[0]
+
+    @cached_property
+    def files(self) -> tuple[Part, ...]:
+        """The files this manifest describes: a split set's parts, or the one file."""
+        return self.parts or (Part(self.name, 0, self.size),)
+
+    @cached_property
+    def header_regions(self) -> tuple[Region, ...]:
+        """Every file's header (one for a single file): what a reader must have before anything."""
+        return tuple(r for r in self.regions if r.name == HEADER or r.name.startswith(PART_HEADER))
+
+    @cached_property
+    def header_pieces(self) -> frozenset[int]:
+        return frozenset(i for r in self.header_regions for i in r.piece_range)
+
+    def headers_in(self, held: set[str]) -> bool:
+        """Are all the files' headers among the ``held`` region names?"""
+        return all(r.name in held for r in self.header_regions)
+
+    def file_at(self, offset: int) -> tuple[int, int]:
+        """(file index, offset in that file) of a byte of the manifest's whole."""
+        for i, p in enumerate(self.files):
+            if p.offset <= offset < p.end:
+                return i, offset - p.offset
+        raise ValueError(f"offset {offset} outside {self.identity}")
 
     @cached_property
     def tensor_names(self) -> tuple[str, ...]:
@@ -146,15 +195,16 @@ class Manifest:
             name, sha, size, piece_size = doc["name"], doc["sha256"], doc["size"], doc["piece_size"]
             spans = [(str(n), int(o), int(ln), str(s)) for n, o, ln, s in doc["regions"]]
             piece_shas = [str(s) for s in doc["pieces"]]
+            parts = [(str(n), int(z)) for n, z in doc.get("parts", [])]
         except ManifestError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ManifestError(f"malformed manifest: {exc}") from None
-        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        if not isinstance(name, str) or not _safe_name(name):
             raise ManifestError(f"bad file name in manifest: {name!r}")
         if not isinstance(size, int) or not isinstance(piece_size, int) or not 0 < piece_size <= MAX_PIECE_SIZE:
             raise ManifestError("bad size or piece size in manifest")
-        m = assemble(name, sha, size, piece_size, spans, piece_shas)
+        m = assemble(name, sha, size, piece_size, spans, piece_shas, parts)
         if m.data != data:
             raise ManifestError("manifest is not in canonical form")
         return m
@@ -190,9 +240,37 @@ def split(spans: list[tuple[str, int, int]], piece_size: int) -> list[tuple[int,
     return out
 
 
+def _safe_name(name: str) -> bool:
+    return bool(name) and "/" not in name and not name.startswith(".")
+
+
+def _check_parts(name: str, size: int, parts: list[tuple[str, int]], spans) -> tuple[Part, ...]:
+    """A split set's parts: at least two, named as its parts, filling the whole, each opening with its header."""
+    if not parts:
+        return ()
+    from decoding.loader.gguf_split import parse_name
+
+    first = parse_name(name)
+    if len(parts) < 2 or first is None or first.no != 1 or first.count != len(parts):
+        raise ManifestError(f"manifest parts do not make a split set named {name!r}")
+    out, pos = [], 0
+    starts = {o: n for n, o, _, _ in spans}
+    for i, (pname, psize) in enumerate(parts):
+        if pname != first.part(i + 1) or psize <= 0:
+            raise ManifestError(f"manifest part {i + 1} is {pname!r} ({psize} bytes): not part of {name!r}")
+        if starts.get(pos) != (HEADER if i == 0 else f"{PART_HEADER}{i + 1}"):
+            raise ManifestError(f"manifest part {pname} does not open with its header")
+        out.append(Part(pname, pos, psize))
+        pos += psize
+    if pos != size:
+        raise ManifestError("manifest parts do not add up to its size")
+    return tuple(out)
+
+
 def assemble(name: str, sha256: str, size: int, piece_size: int, spans: list[tuple[str, int, int, str]],
-             piece_shas: list[str]) -> Manifest:
-    """A checked Manifest from regions ``(name, offset, length, sha256)`` and per-piece digests."""
+             piece_shas: list[str], parts: list[tuple[str, int]] = ()) -> Manifest:
+    """A checked Manifest from regions ``(name, offset, length, sha256)`` and per-piece digests
+    (and, for a split set, its parts ``(file name, size)`` in order)."""
     if not _HEX64.match(sha256) or not all(_HEX64.match(s) for _, _, _, s in spans) \
             or not all(isinstance(s, str) and _HEX64.match(s) for s in piece_shas):
         raise ManifestError("manifest digests must be lowercase hex sha256")
@@ -214,11 +292,17 @@ def assemble(name: str, sha256: str, size: int, piece_size: int, spans: list[tup
     counts = [0] * len(spans)
     for ri, _, _ in cuts:
         counts[ri] += 1
+    checked = _check_parts(name, size, list(parts), spans)
+    if not checked and any(n.startswith(PART_HEADER) for n, _, _, _ in spans):
+        raise ManifestError("a part header in the manifest of a single file")
+    bounds = {p.offset for p in checked} | {p.end for p in checked}
+    if checked and any(off < b < off + ln for n, off, ln, _ in spans for b in bounds):
+        raise ManifestError("a manifest region straddles two parts")
     regions, first = [], 0
     for (n, off, ln, s), count in zip(spans, counts):
         regions.append(Region(n, off, ln, s, first, count))
         first += count
-    return Manifest(name, sha256, size, piece_size, tuple(regions), pieces)
+    return Manifest(name, sha256, size, piece_size, tuple(regions), pieces, checked)
 
 
 def gguf_layout(path: Path, reader=None) -> tuple[int, list[tuple[str, int, int]]]:
@@ -238,37 +322,65 @@ def gguf_layout(path: Path, reader=None) -> tuple[int, list[tuple[str, int, int]
     return min(off for _, off, _ in tensors), tensors
 
 
-def build(path: Path, piece_size: int = PIECE_SIZE, name: str | None = None, reader=None) -> Manifest:
-    """The manifest of a whole local GGUF file, in one sequential read."""
+def set_layout(paths: list[Path], readers=None) -> tuple[int, list[tuple[str, int, int]], list[tuple[str, int]]]:
+    """(size, regions, parts) of files laid one after the other: each file's own layout moved to
+    where it starts, its header named ``@header`` (first) or ``@header:N``; parts: () for one file."""
+    readers = readers or [None] * len(paths)
+    spans, parts, base = [], [], 0
+    for i, (p, r) in enumerate(zip(paths, readers)):
+        size = Path(p).stat().st_size
+        data_offset, tensors = gguf_layout(Path(p), r)
+        own = layout(size, data_offset, tensors)
+        head = HEADER if i == 0 else f"{PART_HEADER}{i + 1}"
+        spans += [(head if n == HEADER else n, base + o, ln) for n, o, ln in own]
+        parts.append((Path(p).name, size))
+        base += size
+    return base, spans, parts if len(paths) > 1 else []
+
+
+def build(path: Path, piece_size: int = PIECE_SIZE, name: str | None = None, reader=None,
+          parts: tuple[Path, ...] | None = None, readers=None) -> Manifest:
+    """The manifest of a whole local GGUF file (or of a split set's ``parts``, ``path`` first), in one
+    sequential read."""
     path = Path(path)
-    size = path.stat().st_size
-    data_offset, tensors = gguf_layout(path, reader)
-    spans = layout(size, data_offset, tensors)
+    files = [Path(p) for p in parts] if parts and len(parts) > 1 else [path]
+    size, spans, part_list = set_layout(files, readers if len(files) > 1 else [reader])
     cuts = split(spans, piece_size)
     whole = hashlib.sha256()
     region_h = [hashlib.sha256() for _ in spans]
     piece_shas = []
-    with open(path, "rb") as f:
+    handles = [open(f, "rb") for f in files]
+    bases = [0]
+    for f in files[:-1]:
+        bases.append(bases[-1] + f.stat().st_size)
+    try:
         for ri, off, n in cuts:
-            f.seek(off)
-            block = f.read(n)
+            k = max(i for i, b in enumerate(bases) if b <= off)
+            handles[k].seek(off - bases[k])
+            block = handles[k].read(n)
             if len(block) != n:
-                raise ManifestError(f"{path}: file changed while building its manifest")
+                raise ManifestError(f"{files[k]}: file changed while building its manifest")
             whole.update(block)
             region_h[ri].update(block)
             piece_shas.append(hashlib.sha256(block).hexdigest())
-    return assemble(name or path.name, whole.hexdigest(), size, piece_size,
-                    [(n, o, ln, h.hexdigest()) for (n, o, ln), h in zip(spans, region_h)], piece_shas)
+    finally:
+        for h in handles:
+            h.close()
+    return assemble(name or files[0].name, whole.hexdigest(), size, piece_size,
+                    [(n, o, ln, h.hexdigest()) for (n, o, ln), h in zip(spans, region_h)], piece_shas, part_list)
 
 
-def check_against_header(manifest: Manifest, path: Path, reader=None) -> None:
-    """The manifest's tensor regions are exactly what the (fetched, verified) header says.
+def check_against_header(manifest: Manifest, path: Path, reader=None, parts=None, readers=None) -> None:
+    """The manifest's tensor regions are exactly what the (fetched, verified) header says
+    (every part's header, for a split set: ``parts`` and their ``readers``).
 
     The header bytes were checked against the manifest; this closes the loop, so a
     manifest cannot point a loader at bytes its own header does not describe.
     """
-    data_offset, tensors = gguf_layout(path, reader)
-    want = layout(manifest.size, data_offset, tensors)
+    files = [Path(p) for p in parts] if parts and len(parts) > 1 else [Path(path)]
+    if [f.name for f in files] != [p.name for p in manifest.files]:
+        raise ManifestError(f"{manifest.identity}: the files on disk are not the manifest's")
+    _, want, _ = set_layout(files, readers if len(files) > 1 else [reader])
     got = [(r.name, r.offset, r.length) for r in manifest.regions]
     if want != got:
         raise ManifestError(f"{manifest.identity}: the manifest's regions do not match the file's header")

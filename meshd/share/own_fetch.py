@@ -64,7 +64,7 @@ class OwnFetch:
         entry = self.held.entry
         if self.held.local_path is not None or (entry is not None and entry.complete):
             return None  # we hold everything
-        if entry is None or "@header" not in entry.held_regions():
+        if entry is None or not entry.has_headers():
             self.pending_target = (first, end, why)  # applied once the header is in
             return None
         # Layers come from the tensor names, so the fetch starts while the header is still
@@ -97,7 +97,7 @@ class OwnFetch:
 
     def pieces_for(self, first: int, end: int) -> frozenset[int]:
         m = self.held.entry.manifest
-        return frozenset(m.header.piece_range) | frozenset(
+        return m.header_pieces | frozenset(
             m.pieces_of(needed_tensors(m.tensor_names, m.num_layers, first, end)))
 
     def fetch_all(self) -> asyncio.Task:
@@ -111,7 +111,7 @@ class OwnFetch:
 
     def _for_load(self, first: int, end: int) -> asyncio.Task | None:
         entry = self.held.entry
-        if entry is None or "@header" not in entry.held_regions():
+        if entry is None or not entry.has_headers():
             return None
         if self.target is None and self.mode != "whole":
             return self.set_target(first, end, why="a stage load")

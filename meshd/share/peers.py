@@ -186,7 +186,7 @@ def pieces_held(m: Manifest, h: Holdings) -> frozenset[int]:
     """The pieces of ``m`` a member with holdings ``h`` can lend."""
     if h.complete:
         return frozenset(range(len(m.pieces)))
-    out: set[int] = set(m.header.piece_range) if h.header else set()
+    out: set[int] = set(m.header_pieces) if h.header else set()
     for r in m.regions:
         if r.is_tensor and h.covers([r.name]):
             out.update(r.piece_range)

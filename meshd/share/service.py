@@ -172,9 +172,9 @@ class ShareService:
 
         cache = self.held.cache
         entry = cache.most_recent()
-        if entry is not None and not entry.complete and "@header" not in entry.held_regions():
+        if entry is not None and not entry.complete and not entry.has_headers():
             entry = None
-        fetching = entry is None or "@header" not in entry.held_regions()
+        fetching = entry is None or not entry.has_headers()
         if fetching:
             self.deps.model_fetching(True)
         if entry is None:
@@ -186,8 +186,8 @@ class ShareService:
             log.info("share_model_cached", identity=entry.manifest.identity, complete=entry.complete,
                      held_bytes=entry.held_bytes())
         self.held.adopt_entry(entry)
-        if "@header" not in entry.held_regions():
-            await self.own.until_done(entry.manifest.header.piece_range)
+        if not entry.has_headers():
+            await self.own.until_done(entry.manifest.header_pieces)
         self.advertise_now()
         if self.mode == "whole":
             self.own.fetch_all()

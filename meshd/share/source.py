@@ -35,11 +35,11 @@ class TensorCorrupt(ModelLoadError):
 class PartialGGUFSource(GGUFSource):
     def __init__(self, entry: CachedModel, cache_root: Path | None = None,
                  ensure: Callable[[int, int], None] | None = None):
-        if "@header" not in entry.held_regions():
+        if not entry.has_headers():
             raise ModelLoadError(f"{entry.path}: the header has not been fetched yet")
         super().__init__(entry.path, cache_root=cache_root)
         try:
-            check_against_header(entry.manifest, entry.path, self._reader)
+            check_against_header(entry.manifest, entry.path, self._reader, self.parts, self._readers)
         except ManifestError as exc:
             raise ModelLoadError(str(exc)) from None
         self.entry = entry

@@ -2,7 +2,8 @@
 
     models/<sha256 of the file>/
         <file name>            the model, same size and layout as the original; a
-                               sparse file while partial (only fetched pieces filled)
+                               sparse file while partial (only fetched pieces filled);
+                               a split set: each of its parts, named as they are
         share-manifest.json    the manifest, byte for byte as received (its digest)
         share-state.json       which pieces are on disk and verified (as runs), whether
                                the whole file was verified, the last fetch target
@@ -53,8 +54,8 @@ class CachedModel:
         self.have = have
         self.complete = complete
         self.target = target
-        self._fd: int | None = None
-        self._lock = threading.Lock()  # the file descriptor
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()  # the file descriptors
         self._state = threading.RLock()  # ``have`` and its record (the loop, loaders and readers share them)
         self._dirty = False
         self._flushed_at = 0.0
@@ -63,14 +64,20 @@ class CachedModel:
     def path(self) -> Path:
         return self.dir / self.manifest.name
 
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        """Every file of the model (a split set's parts, in order; else just ``path``)."""
+        return tuple(self.dir / p.name for p in self.manifest.files)
+
     # -- opening ------------------------------------------------------------
     @classmethod
     def create(cls, root: Path, manifest: Manifest) -> CachedModel:
         d = Path(root) / manifest.sha256
         d.mkdir(parents=True, exist_ok=True)
         atomic_write(d / MANIFEST_FILE, manifest.data, mode=0o644)
-        with open(d / manifest.name, "ab") as f:  # sparse: size without blocks
-            f.truncate(manifest.size)
+        for part in manifest.files:
+            with open(d / part.name, "ab") as f:  # sparse: size without blocks
+                f.truncate(part.size)
         entry = cls(d, manifest, set(), False, None)
         entry.flush(force=True)
         return entry
@@ -94,21 +101,27 @@ class CachedModel:
             target = (int(t[0]), int(t[1])) if t else None
         except (OSError, ValueError, TypeError, IndexError) as exc:
             log.warning("share_state_unreadable", dir=str(d), error=str(exc))
-        path = d / manifest.name
-        if not path.is_file() or path.stat().st_size != manifest.size:
-            have, complete = set(), False
-            with open(path, "ab") as f:
-                f.truncate(manifest.size)
+        for part in manifest.files:
+            path = d / part.name
+            if not path.is_file() or path.stat().st_size != part.size:
+                have, complete = set(), False
+                with open(path, "ab") as f:
+                    f.truncate(part.size)
         if complete:
             have = set(range(len(manifest.pieces)))
         return cls(d, manifest, have, complete, target)
 
     # -- writing --------------------------------------------------------------
-    def _file(self) -> int:
+    def _file(self, index: int = 0) -> int:
         with self._lock:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDWR)
-            return self._fd
+            if index not in self._fds:
+                self._fds[index] = os.open(self.dir / self.manifest.files[index].name, os.O_RDWR)
+            return self._fds[index]
+
+    def _at(self, offset: int) -> tuple[int, int]:
+        """(descriptor, offset in its file) of a byte of the model (pieces never straddle files)."""
+        index, local = self.manifest.file_at(offset)
+        return self._file(index), local
 
     def check_piece(self, index: int, data: bytes) -> None:
         p = self.manifest.pieces[index]
@@ -118,7 +131,8 @@ class CachedModel:
     def write_piece(self, index: int, data: bytes) -> None:
         """Verify then write one piece (thread-safe; call :meth:`mark` on the loop afterwards)."""
         self.check_piece(index, data)
-        os.pwrite(self._file(), data, self.manifest.pieces[index].offset)
+        fd, local = self._at(self.manifest.pieces[index].offset)
+        os.pwrite(fd, data, local)
 
     def mark(self, index: int) -> None:
         with self._state:
@@ -147,8 +161,8 @@ class CachedModel:
         with self._state:
             if not (self._dirty or force):
                 return
-            if self._fd is not None:
-                os.fsync(self._fd)
+            for fd in list(self._fds.values()):
+                os.fsync(fd)
             state = {"have": to_runs(self.have), "complete": self.complete,
                      "target": list(self.target) if self.target else None}
             atomic_write(self.dir / STATE_FILE, json.dumps(state).encode(), mode=0o644)
@@ -157,36 +171,38 @@ class CachedModel:
 
     def close(self) -> None:
         with self._lock:
-            if self._fd is not None:
+            if self._fds:
                 try:
                     self.flush()
                 finally:
-                    os.close(self._fd)
-                    self._fd = None
+                    for fd in self._fds.values():
+                        os.close(fd)
+                    self._fds = {}
 
     # -- reading ----------------------------------------------------------------
     def read_piece(self, index: int) -> bytes:
         if index not in self.have:
             raise KeyError(f"piece {index} is not held")
         p = self.manifest.pieces[index]
-        return os.pread(self._file(), p.length, p.offset)
+        fd, local = self._at(p.offset)
+        return os.pread(fd, p.length, local)
 
     def verify_region(self, name: str) -> bool:
         """Re-hash one region from disk against the manifest."""
         r = self.manifest.by_name[name]
         h = hashlib.sha256()
-        fd = self._file()
-        for start in range(r.offset, r.end, 8 << 20):
-            h.update(os.pread(fd, min(8 << 20, r.end - start), start))
+        fd, local = self._at(r.offset)
+        for start in range(local, local + r.length, 8 << 20):
+            h.update(os.pread(fd, min(8 << 20, local + r.length - start), start))
         return h.hexdigest() == r.sha256
 
     def verify_whole(self) -> bool:
         """All pieces held and the file's sha256 right: mark it complete."""
         if len(self.have) != len(self.manifest.pieces):
             return False
-        from decoding.loader.files import sha256_of
+        from decoding.loader.files import sha256_of_files
 
-        ok = sha256_of(self.path) == self.manifest.sha256
+        ok = sha256_of_files(self.paths) == self.manifest.sha256
         if ok and not self.complete:
             self.complete = True
             self._dirty = True
@@ -200,7 +216,11 @@ class CachedModel:
 
     def holdings(self) -> Holdings:
         held = self.held_regions()
-        return holdings_of(self.manifest.tensor_names, held, "@header" in held, self.complete)
+        return holdings_of(self.manifest.tensor_names, held, self.manifest.headers_in(held), self.complete)
+
+    def has_headers(self) -> bool:
+        """Every file's header is here, verified (a reader can parse the model)."""
+        return self.manifest.headers_in(self.held_regions())
 
     def held_bytes(self) -> int:
         with self._state:
