@@ -186,3 +186,56 @@ def test_quick_start_command_1_answers_through_two_daemons_and_says_the_model_is
     assert summary and re.search(r"demo-a layers \[\d+,\d+\)", summary[-1]), done.stdout
     assert "… waiting for daemon demo-a to serve its API" in done.stderr
     assert "demo model" in done.stderr and "qwen2.5-coder-1.5b-instruct" in done.stderr
+
+
+def test_the_hub_models_snippet_runs_against_a_stand_in_hub(tmp_path, monkeypatch, capsys):
+    """The README's `meshd model ...` lines under "Models from the Hugging Face Hub", as written but for
+    the placeholder repository, through meshd's own entry point, with HF_ENDPOINT on a stand-in Hub
+    serving tiny GGUFs under the real repositories' names: the list names every model with its figure,
+    the pulls fetch (both parts of the split set), list then shows them cached, and the join line's
+    --model finds the pulled copy."""
+    import shlex
+
+    from meshd import model_store
+    from meshd.cli import main
+    from tests.support.gguf import write_tiny_gguf
+    from tests.support.gguf_split import split_gguf
+    from tests.support.hub_standin import HubStandIn
+
+    block = section((ROOT / "README.md").read_text(), "**Models from the Hugging Face Hub.**")
+    lines = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    commands = [line for line in lines if line.startswith("meshd model ")]
+    join = next(line for line in lines if line.startswith("meshd join "))
+    assert commands[:2] == ["meshd model list", "meshd model advise"] and len(commands) == 5
+    single = write_tiny_gguf(tmp_path / "tiny.gguf", layers=2)
+    (tmp_path / "split").mkdir()
+    parts = split_gguf(single, tmp_path / "split" / "tiny.gguf", parts=2)
+    for k in [k for k in os.environ if k.startswith(("MESHD_", "HF_"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("MESHD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    outputs = []
+    with HubStandIn() as hub:
+        hub.add("Qwen/Qwen3-8B-GGUF", {"Qwen3-8B-Q4_K_M.gguf": single.read_bytes()})
+        hub.add("Qwen/Qwen2.5-7B-Instruct-GGUF", {f"qwen2.5-7b-instruct-q4_k_m-0000{i}-of-00002.gguf": p.read_bytes()
+                                                  for i, p in enumerate(parts, 1)})
+        hub.add("acme/tiny-GGUF", {"tiny.gguf": single.read_bytes()})
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        for cmd in commands + ["meshd model list"]:
+            cmd = cmd.replace("hf:OWNER/REPO/FILE.gguf", "hf:acme/tiny-GGUF/tiny.gguf")
+            rc = main(shlex.split(cmd)[1:])
+            out = capsys.readouterr()
+            assert rc == 0, f"{cmd}: {out.out[-2000:]}{out.err[-2000:]}"
+            outputs.append(out.out)
+    first, last = outputs[0], outputs[-1]
+    for name, figure in (("qwen3:8b", "93.4 %"), ("qwen2.5:7b", "88.3 %"), ("qwen3:4b", "86.7 %"),
+                         ("llama3.2:3b", "82.0 %"), ("qwen2.5-coder-1.5b-instruct", "48.0 %")):
+        row = next(line for line in first.splitlines() if line.split()[:1] == [name])
+        assert figure in row and ("GB" in row or "MB" in row), row
+    assert "estimate" in outputs[1]
+    cached = {line.split()[0] for line in last.splitlines() if line.startswith("  ") and "cached" in line}
+    assert cached == {"qwen3:8b", "qwen2.5:7b"}, last
+    assert len(hub.gets("qwen2.5-7b-instruct-q4_k_m-00002-of-00002.gguf")) == 1
+    model = join.split("--model ", 1)[1].split()[0]
+    assert model_store.resolve_model(model).read_bytes() == single.read_bytes()
