@@ -93,6 +93,8 @@ def _capabilities(engine: Engine) -> list[str]:
     caps = ["completion"]
     if getattr(engine.tokenizer, "supports_tools", False):
         caps.append("tools")
+    if getattr(engine.tokenizer, "supports_thinking", False):
+        caps.append("thinking")  # Ollama's word: clients offer 'think' only where it is listed
     return caps
 
 

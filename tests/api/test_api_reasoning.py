@@ -194,3 +194,8 @@ def test_openai_chat_template_kwargs_switch_thinking_as_vllm_does(qwen3):
         with pytest.raises(openai.BadRequestError) as info:
             c.chat.completions.create(model="fake-model", messages=ASK, extra_body={"chat_template_kwargs": bad})
         assert "chat_template_kwargs" in str(info.value)
+
+
+def test_ollama_show_lists_thinking_among_the_capabilities(qwen3, srv):
+    assert "thinking" in ollama_client(qwen3).show("fake-model").capabilities
+    assert "thinking" not in (ollama_client(srv).show("fake-model").capabilities or [])
