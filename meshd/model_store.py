@@ -289,7 +289,27 @@ def model_flag_for(identity: str) -> str:
     for m in CATALOG.values():
         if m.file_name == name and digest and m.sha256.startswith(digest):
             return f"with --model {m.name}"
+    hub = _pulled_hub_ref(name)
+    if hub:
+        return f"with --model {hub}"
     return f"with --model set to a copy of {name}"
+
+
+def _pulled_hub_ref(file_name: str) -> str | None:
+    """The ``--model`` that names a file of this name pulled from the Hub (a curated name if one is it)."""
+    from meshd import hub_models
+
+    root = models_dir() / "hub"
+    if not root.is_dir() or not file_name:
+        return None
+    for path in root.rglob(file_name):
+        for m in hub_models.CURATED.values():
+            files = hub_models.local_files(models_dir(), m.ref)
+            if files and files[0] == path:
+                return m.name
+        repo = path.relative_to(root).parts[0].replace("--", "/", 1)
+        return f"hf:{repo}/{path.relative_to(root / path.relative_to(root).parts[0])}"
+    return None
 
 
 def open_model(path: str | os.PathLike | None = None):

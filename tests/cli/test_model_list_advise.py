@@ -141,3 +141,15 @@ def test_advise_uses_this_devices_own_profile_and_scales_its_speed(home, capsys)
     assert rate["qwen3:8b"] == pytest.approx(rate["qwen2.5-coder-1.5b-instruct"] * 1_117_320_768 / 5_030_000_000,
                                              rel=0.02)
     assert all(m["fits"] for m in doc["models"])
+
+
+def test_a_hint_to_run_the_homes_model_names_the_hub_model_it_was_pulled_as(home):
+    d = home / "models" / "hub" / "Qwen--Qwen3-8B-GGUF"
+    d.mkdir(parents=True)
+    (d / "Qwen3-8B-Q4_K_M.gguf").write_bytes(b"GGUF")
+    other = home / "models" / "hub" / "acme--x-GGUF" / "q8"
+    other.mkdir(parents=True)
+    (other / "x-Q8_0.gguf").write_bytes(b"GGUF")
+    assert model_store.model_flag_for("Qwen3-8B-Q4_K_M.gguf@0123456789abcdef") == "with --model qwen3:8b"
+    assert model_store.model_flag_for("x-Q8_0.gguf@0123456789abcdef") == "with --model hf:acme/x-GGUF/q8/x-Q8_0.gguf"
+    assert model_store.model_flag_for("y.gguf@0123") == "with --model set to a copy of y.gguf"
