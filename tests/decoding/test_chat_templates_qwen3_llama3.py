@@ -165,3 +165,64 @@ def test_transformers_template_extensions_render(tmp_path):
     ours.meta.chat_template = template
     ref.chat_template = template
     _same(Tokenizer(ours.path, ours.meta), ref, [ASK, AGAIN], None)
+
+
+def _write_gguf(path: Path, arch: str, family: str) -> Path:
+    """A GGUF holding only what the tokenizer needs (and an embedding and a norm, so it opens)."""
+    import gguf
+    import numpy as np
+
+    from tests.support.tiny_tokenizer import byte_pieces
+
+    added, bos, eos, add_bos = FAMILIES[family]
+    tokens = [*byte_pieces(), "Ġt", *(t for t, _ in added)]  # one merge, so the file lists merges
+    types = [1] * 257 + [3 if special else 4 for _, special in added]  # CONTROL, USER_DEFINED
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", 1), ("embedding_length", 8), ("feed_forward_length", 16),
+                       ("attention.head_count", 2), ("attention.head_count_kv", 1), ("context_length", 64)):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["Ġ t"])
+    w.add_eos_token_id(tokens.index(eos))
+    if bos:
+        w.add_bos_token_id(tokens.index(bos))
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template((TEMPLATES / f"{family}.jinja").read_text())
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch, family", [("llama", "llama3.2"), ("qwen3", "qwen3")])
+def test_the_template_and_tags_a_gguf_carries_reach_the_renderer_intact(tmp_path, arch, family):
+    """The path a served model takes: the GGUF's ``tokenizer.chat_template`` and its vocabulary, converted as
+    meshd converts it. ``<think>`` (user-defined in the file) stays in decoded text for the reasoning
+    splitter; Llama's ``<|python_tag|>`` (control) is dropped from it."""
+    from decoding import models
+    from decoding.loader import open_model
+
+    if arch not in models.SUPPORTED_ARCHS:
+        pytest.skip(f"architecture {arch!r} is not registered in decoding.models yet")
+    source = open_model(_write_gguf(tmp_path / "m.gguf", arch, family), cache_dir=tmp_path / "cache")
+    tok = source.tokenizer
+    assert tok.meta.chat_template == (TEMPLATES / f"{family}.jinja").read_text()
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(tok.path), bos_token=tok.meta.bos_token,
+                                  eos_token=tok.meta.eos_token)
+    ref.chat_template = tok.meta.chat_template
+    messages, tools = CONVERSATIONS["the whole exchange"]
+    _same(tok, ref, messages, tools)
+    if arch == "qwen3":
+        text = "<think>\nhm\n</think>\n\n<tool_call>"
+        assert tok.decode(tok.encode(text, add_bos=False)) == text
+        assert tok.supports_thinking
+    else:
+        assert tok.decode(tok.encode("<|python_tag|>{}", add_bos=False)) == "{}"
+        assert not tok.supports_thinking

@@ -22,7 +22,12 @@ LLAMA3 = (("<|begin_of_text|>", True), ("<|end_of_text|>", True), ("<|start_head
           ("<|end_header_id|>", True), ("<|eom_id|>", True), ("<|eot_id|>", True), ("<|python_tag|>", True))
 
 
-def _byte_pieces() -> dict[str, int]:
+def byte_pieces() -> list[str]:
+    """The 256 byte tokens in id order, as GPT-2 spells them."""
+    return sorted(_byte_map(), key=_byte_map().get)
+
+
+def _byte_map() -> dict[str, int]:
     """GPT-2's printable stand-in for each byte, in byte order (ids 0-255)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     chars, n = {}, 0
@@ -37,7 +42,7 @@ def _byte_pieces() -> dict[str, int]:
 
 def write_tokenizer(path: Path, added: tuple[tuple[str, bool], ...]) -> Path:
     """A ``tokenizer.json`` at ``path``: 256 byte tokens, then ``added`` (ids 256…)."""
-    tok = Tokenizer(models.BPE(vocab=_byte_pieces(), merges=[]))
+    tok = Tokenizer(models.BPE(vocab=_byte_map(), merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     for text, special in added:
