@@ -96,7 +96,8 @@ def _daemon_status(args) -> dict | None:
 
     try:
         sock = daemon_socket(args.socket, args.state_dir)
-        return MeshdClient(sock, timeout=3.0).status()
+        with MeshdClient(sock, timeout=3.0) as client:
+            return client.status()
     except (MeshdError, OSError):
         if args.socket:
             raise

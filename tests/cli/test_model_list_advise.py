@@ -153,3 +153,53 @@ def test_a_hint_to_run_the_homes_model_names_the_hub_model_it_was_pulled_as(home
     assert model_store.model_flag_for("Qwen3-8B-Q4_K_M.gguf@0123456789abcdef") == "with --model qwen3:8b"
     assert model_store.model_flag_for("x-Q8_0.gguf@0123456789abcdef") == "with --model hf:acme/x-GGUF/q8/x-Q8_0.gguf"
     assert model_store.model_flag_for("y.gguf@0123") == "with --model set to a copy of y.gguf"
+
+
+class _StatusHandler(__import__("http.server").server.BaseHTTPRequestHandler):
+    """A daemon's status endpoint on a unix socket: the members a running home reports."""
+
+    protocol_version = "HTTP/1.1"
+    members: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps({"members": self.members}).encode() if self.path == "/v1/mesh/status" else b"{}"
+        self.send_response(200 if self.path == "/v1/mesh/status" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_advise_pools_the_memory_of_the_members_a_running_daemon_reports(home, tmp_path, capsys):
+    import socketserver
+    import threading
+
+    _StatusHandler.members = [
+        {"name": "pi", "state": "ready", "memory_budget": 3000},
+        {"name": "laptop", "state": "ready", "memory_budget": 4000},
+        {"name": "gone", "state": "offline", "memory_budget": 8000},  # not counted: it is not there
+    ]
+    sock = tmp_path / "d.sock"
+    server = socketserver.ThreadingUnixStreamServer(str(sock), _StatusHandler)
+    server.daemon_threads, server.block_on_close = True, False  # a kept-alive connection never blocks the close
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert main(["model", "advise", "--socket", str(sock), "--json"]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["members_from"] == "the running daemon's members"
+    assert [m["name"] for m in doc["members"]] == ["pi", "laptop"] and doc["pooled_bytes"] == 7000 << 20
+    fits = {m["name"]: (m["fits"], m["devices"]) for m in doc["models"]}
+    assert fits["qwen3:8b"] == (True, 2)  # 6.1 GB: neither alone, both together
+    assert fits["qwen3:4b"] == (True, 1)
+
+
+def test_advise_with_a_socket_nobody_answers_on_says_so(home, tmp_path, capsys):
+    assert main(["model", "advise", "--socket", str(tmp_path / "nobody.sock")]) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
