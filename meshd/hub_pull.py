@@ -23,6 +23,7 @@ repositories) are read when the pull runs. A Hub that cannot be reached is one l
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from dataclasses import dataclass
@@ -134,6 +135,10 @@ def _download(ref: HubRef, commit: str, f: HubFile, dest: Path, quiet: bool) -> 
     partial = dest.with_name(dest.name + ".incomplete")
     url = hf_hub_url(ref.repo, f.name, revision=commit, endpoint=endpoint())
     with open(partial, "ab") as out:
+        try:  # two pulls appending to one partial file would only make a file that fails its hash
+            fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise HubUnavailable(f"{ref}: another pull of {f.name} is running") from None
         have = out.tell()
         if have > f.size:  # not this file's beginning: start over
             out.truncate(0)

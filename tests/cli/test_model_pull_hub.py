@@ -191,3 +191,15 @@ def test_the_pulled_bytes_are_what_the_hub_hashed(hub, tiny):
     assert pull("hf:acme/tiny-GGUF:Q4_K_M")[0] == 0
     got = model_store.resolve_model("hf:acme/tiny-GGUF:Q4_K_M").read_bytes()
     assert hashlib.sha256(got).hexdigest() == hashlib.sha256(tiny["single"]).hexdigest()
+
+
+def test_a_second_pull_of_the_same_file_at_once_is_refused_not_interleaved(hub, tmp_path, capsys):
+    import fcntl
+
+    d = tmp_path / "meshd" / "models" / "hub" / "acme--tiny-GGUF"
+    d.mkdir(parents=True)
+    with open(d / "tiny-Q4_K_M.gguf.incomplete", "ab") as busy:
+        fcntl.flock(busy, fcntl.LOCK_EX)  # as a pull running in another process holds it
+        rc, _ = pull("hf:acme/tiny-GGUF:Q4_K_M")
+    assert rc == 1 and "another pull of tiny-Q4_K_M.gguf is running" in capsys.readouterr().err
+    assert not hub.gets("tiny-Q4_K_M.gguf")
