@@ -38,7 +38,8 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
 
 
 def gguf_name(key: str) -> str:
-    """The GGUF name of a transformers state-dict key (``model.layers.2.mlp.up_proj.weight`` -> ``blk.2.ffn_up.weight``)."""
+    """The GGUF name of a transformers state-dict key (``model.layers.2.mlp.up_proj.weight`` ->
+    ``blk.2.ffn_up.weight``)."""
     if key in _GLOBAL:
         return _GLOBAL[key]
     _, _, index, rest = key.split(".", 3)

@@ -32,6 +32,8 @@ class StageModel(llama.StageModel):
 def with_head_norms(lw: llama.LayerWeights, source, index: int, device: torch.device,
                     dtype: torch.dtype) -> Qwen3LayerWeights:
     """Layer ``index``'s weights ``lw`` with its query and key head norms read from ``source``."""
-    read = lambda n: source.read_tensor(f"layers.{index}.{n}").to(device=device, dtype=dtype).contiguous()  # noqa: E731
+    def read(name: str) -> torch.Tensor:
+        return source.read_tensor(f"layers.{index}.{name}").to(device=device, dtype=dtype).contiguous()
+
     return Qwen3LayerWeights(**{f.name: getattr(lw, f.name) for f in fields(lw)},
                              q_norm=read("q_norm"), k_norm=read("k_norm"))

@@ -47,7 +47,8 @@ def test_the_config_says_qwen3_with_its_head_dim_no_biases_and_the_tie(tiny, sou
         src = open_model(tiny[kind].paths[source])
         cfg = src.config
         assert (cfg.arch, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads) == ("qwen3", 32, 4, 2)
-        assert cfg.hidden_size == 64 and cfg.rope_theta == 1_000_000.0 and cfg.rms_eps == pytest.approx(1e-6)  # GGUF holds float32
+        assert cfg.hidden_size == 64 and cfg.rope_theta == 1_000_000.0
+        assert cfg.rms_eps == pytest.approx(1e-6)  # a GGUF holds it in float32
         assert not cfg.attention_bias and cfg.rope_scaling is None and cfg.sliding_window is None
         assert cfg.tie_embeddings is tied and src.has_tensor("lm_head") is not tied
         assert (cfg.bos_id, cfg.eos_ids) == (1, (2,))
