@@ -114,6 +114,7 @@ def test_a_plain_file_is_its_own_only_part(tmp_path):
     assert open_model(path).identity == f"tiny.gguf@{sha256_of(path)[:16]}"
 
 
+@pytest.mark.slow
 def test_a_real_model_split_in_three_tokenizes_and_answers_as_the_single_file(real_source, real_stage, tmp_path):
     """The tokenizer comes from part 1's metadata (transformers reads it), the weights from all three."""
     parts = split_gguf(real_source.path, tmp_path / "smol.gguf", parts=3)
