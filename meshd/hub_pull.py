@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def _download(ref: HubRef, commit: str, f: HubFile, dest: Path, quiet: bool) -> 
             log.info("hub_pull_resumed", file=f.name, have=have, size=f.size)
         try:
             http_get(url, out, resume_size=have, headers=build_hf_headers(), expected_size=f.size,
-                     displayed_filename=Path(f.name).name, tqdm_class=_silent_bar if quiet else None)
+                     displayed_filename=Path(f.name).name, tqdm_class=_silent_bar if quiet else _bar)
         except Exception as exc:  # noqa: BLE001 -- kept for the next pull to resume; one line
             out.flush()
             kept = out.tell()
@@ -156,6 +157,8 @@ def _download(ref: HubRef, commit: str, f: HubFile, dest: Path, quiet: bool) -> 
                                  f"run the same pull again to resume") from None
     from decoding.loader.files import sha256_of
 
+    if not quiet and f.size >= 1 << 30:  # a few GB take a while to hash: say what the wait is
+        print(f"checking {Path(f.name).name} against the Hub's sha256 ...", file=sys.stderr, flush=True)
     got = sha256_of(partial)
     if got != f.sha256:
         partial.unlink(missing_ok=True)
@@ -188,8 +191,16 @@ def _record(dest: Path, f: HubFile) -> None:
     atomic_write(path, json.dumps(doc, indent=1, sort_keys=True).encode(), mode=0o644)
 
 
+def _bar(**kwargs):
+    """``tqdm_class`` for the download bar: huggingface_hub calls a non-class with the bar's keywords.
+    Our own, so it does not depend on how logging is set up: on stderr, shown on a terminal only."""
+    from tqdm import tqdm
+
+    return tqdm(file=sys.stderr, disable=None, **kwargs)
+
+
 def _silent_bar(**kwargs):
-    """``tqdm_class`` for --quiet: huggingface_hub calls a non-class with the bar's keywords."""
+    """``tqdm_class`` for --quiet."""
     from tqdm import tqdm
 
     return tqdm(disable=True, **kwargs)
