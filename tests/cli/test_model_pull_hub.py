@@ -98,9 +98,12 @@ def test_a_split_set_pulls_every_part_and_loads_as_the_single_file(hub, tiny):
     rc, seen = pull("hf:acme/split-GGUF:Q4_K_M")
     assert rc == 0
     only_the_stand_in(seen, hub)
-    first = model_store.resolve_model("hf:acme/split-GGUF:Q4_K_M")
+    asked = len(hub.requests)
+    with connections() as seen:  # what a daemon does at start: resolve and open, offline
+        first = model_store.resolve_model("hf:acme/split-GGUF:Q4_K_M")
+        src = open_model(first)
+    assert not seen and len(hub.requests) == asked
     assert first.name == "tiny-q4_k_m-00001-of-00003.gguf"
-    src = open_model(first)
     assert [p.read_bytes() for p in src.parts] == tiny["parts"]
     assert src.config.num_layers == 3
 
