@@ -46,8 +46,11 @@ def write_tokenizer(path: Path, added: tuple[tuple[str, bool], ...]) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     for text, special in added:
-        tok.add_tokens([AddedToken(text, special=special, normalized=False)]) if not special \
-            else tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+        token = AddedToken(text, special=special, normalized=False)
+        if special:
+            tok.add_special_tokens([token])
+        else:
+            tok.add_tokens([token])
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path
