@@ -24,6 +24,25 @@ from decoding.loader.source import ModelSource
 from decoding.log import get_logger
 
 
+
+TOKENIZER_CACHE_VERSION = 2  # 2: the stop set includes end-of-turn/-message tokens (a cached 1 lacks them)
+
+# Tokens that end a turn although the file's eos names another: Llama 3.x ends a chat turn with <|eot_id|>
+# and a tool call with <|eom_id|> (its generation config stops at both, and llama.cpp finds them by text).
+END_OF_GENERATION_TEXTS = ("<|eot_id|>", "<|eom_id|>")
+
+
+def end_of_generation(eos_ids: tuple[int, ...], field, vocab: dict[str, int]) -> tuple[int, ...]:
+    """The stop set: the file's eos, its end-of-turn and end-of-message ids where it records them
+    (``tokenizer.ggml.eot_token_id`` / ``eom_token_id``), and the end tokens its vocabulary names."""
+    ids = list(eos_ids)
+    extra = [field("tokenizer.ggml.eot_token_id"), field("tokenizer.ggml.eom_token_id")]
+    extra += [vocab.get(text) for text in END_OF_GENERATION_TEXTS]
+    for i in extra:
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    return tuple(ids)
+
 class GGUFSource(ModelSource):
     def __init__(self, path: Path, cache_root: Path | None = None):
         import gguf
@@ -173,6 +192,7 @@ class GGUFSource(ModelSource):
         if self._cache_root is None:
             return None
         stamp = ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in self.parts for st in [p.stat()])
+        stamp += f";tokenizer-cache-{TOKENIZER_CACHE_VERSION}"
         tag = hashlib.sha256(stamp.encode()).hexdigest()[:16]
         return self._cache_root / f"{self.path.stem}-{tag}"
 
@@ -204,7 +224,7 @@ class GGUFSource(ModelSource):
         add_bos = bool(self.field("tokenizer.ggml.add_bos_token", False))
         meta = TokenizerMeta(
             chat_template=self.field("tokenizer.chat_template"), bos_id=cfg.bos_id,
-            eos_ids=cfg.eos_ids, add_bos=add_bos,
+            eos_ids=end_of_generation(cfg.eos_ids, self.field, hf.get_vocab()), add_bos=add_bos,
             bos_token=hf.bos_token, eos_token=hf.eos_token,
         )
         save_cache(cache, hf.backend_tokenizer, meta)
