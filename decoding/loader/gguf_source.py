@@ -213,6 +213,7 @@ class GGUFSource(ModelSource):
     def _convert_tokenizer(self, cache: Path):
         from decoding.loader.tokenizer import TokenizerMeta, load_cache, save_cache
 
+        cfg = self.config  # an architecture we cannot run fails here, before a slow conversion
         get_logger("loader").info("tokenizer_convert", model=str(self.path), cache=str(cache))
         try:
             from transformers import AutoTokenizer
@@ -220,7 +221,6 @@ class GGUFSource(ModelSource):
             hf = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         except Exception as exc:
             raise ModelLoadError(f"{self.path}: cannot build a tokenizer from GGUF metadata ({exc})") from exc
-        cfg = self.config
         add_bos = bool(self.field("tokenizer.ggml.add_bos_token", False))
         meta = TokenizerMeta(
             chat_template=self.field("tokenizer.chat_template"), bos_id=cfg.bos_id,

@@ -17,18 +17,14 @@ from decoding.loader import open_model
 from decoding.loader.files import sha256_of, sha256_of_files
 from decoding.loader.gguf_split import parse_name, part_paths
 from tests.support.gguf import write_tiny_gguf
-from tests.support.gguf_split import split_gguf
+from tests.support.gguf_split import single_and_split as split_pair, split_gguf
 
 LAYERS = 4
 
 
 @pytest.fixture
 def single_and_split(tmp_path):
-    (tmp_path / "one").mkdir()
-    (tmp_path / "set").mkdir()
-    single = write_tiny_gguf(tmp_path / "one" / "tiny.gguf", layers=LAYERS, rope_freqs=True)
-    parts = split_gguf(single, tmp_path / "set" / "tiny.gguf", parts=3)
-    return single, parts
+    return split_pair(tmp_path, LAYERS)
 
 
 def logits(source, ids, stage=None):

@@ -20,8 +20,7 @@ from meshd.share import manifest as mf
 from meshd.share.fetch import Fetch, Holder
 from meshd.share.source import PartialGGUFSource
 from meshd.share.store import CachedModel, ModelCache
-from tests.support.gguf import write_tiny_gguf
-from tests.support.gguf_split import split_gguf
+from tests.support.gguf_split import single_and_split
 from tests.support.share_bus import Bus, close_all, shell
 from tests.support.waiting import eventually
 
@@ -31,11 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def model(tmp_path):
-    (tmp_path / "one").mkdir()
-    (tmp_path / "set").mkdir()
-    single = write_tiny_gguf(tmp_path / "one" / "tiny.gguf", layers=LAYERS, rope_freqs=True)
-    parts = split_gguf(single, tmp_path / "set" / "tiny.gguf", parts=3)
-    return single, parts
+    return single_and_split(tmp_path, LAYERS)
 
 
 def same_weights(a, b):

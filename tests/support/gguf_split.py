@@ -33,3 +33,15 @@ def split_gguf(src: Path, dest: Path, parts: int) -> tuple[Path, ...]:
     out = tuple(Path(dest).with_name(f"{Path(dest).stem}-{i:05d}-of-{parts:05d}.gguf") for i in range(1, parts + 1))
     assert all(p.is_file() for p in out), f"the writer did not make {parts} parts of {src}"
     return out
+
+
+def single_and_split(root: Path, layers: int, parts: int = 3) -> tuple[Path, tuple[Path, ...]]:
+    """A tiny GGUF model (with ``rope_freqs``) in ``root/one`` and the same model split into ``parts``
+    files in ``root/set``: the pair every split-set test compares."""
+    from tests.support.gguf import write_tiny_gguf
+
+    (root / "one").mkdir()
+    (root / "set").mkdir()
+    single = write_tiny_gguf(root / "one" / "tiny.gguf", layers=layers, rope_freqs=True)
+    return single, split_gguf(single, root / "set" / "tiny.gguf", parts=parts)
+

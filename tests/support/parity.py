@@ -122,3 +122,18 @@ def meshd_logits(path: Path, mode: str, stages: int, ids: list[int]) -> torch.Te
     chunks = [ids[:PROMPT]] if stages == 1 else [ids[:EXACT_BLOCK], ids[EXACT_BLOCK:PROMPT]]
     chunks += [[t] for t in ids[PROMPT:]]
     return torch.cat([pipe.forward("s", torch.tensor(c), all_logits=True).float() for c in chunks])
+
+
+def assert_equals_transformers(files: "TinyFiles", source: str, mode: str) -> None:
+    """meshd's logits for ``files`` read from ``source`` in ``mode`` equal transformers' within the mode's
+    tolerance, on one device and on 2 stages; a packed mode's 2 stages equal its one device bit for bit
+    (a prompt cut at a block boundary is computed as one device computes it)."""
+    ids = token_ids(files.model.config.vocab_size)
+    want = files.reference_logits(source, mode, ids)
+    one = meshd_logits(files.paths[source], mode, 1, ids)
+    two = meshd_logits(files.paths[source], mode, 2, ids)
+    assert (one - want).abs().max().item() < TOLERANCE[mode]
+    assert (two - want).abs().max().item() < TOLERANCE[mode]
+    if MODES[mode][1]:
+        assert torch.equal(two, one)
+

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decoding.loader import open_model
-from tests.support.parity import MODES, SOURCES, TOLERANCE, TinyFiles, meshd_logits, token_ids
+from tests.support.parity import MODES, SOURCES, TOLERANCE, TinyFiles, assert_equals_transformers, meshd_logits, token_ids
 from tests.support.tiny_archs import LLAMA3_ROPE, build_model
 
 KINDS = ("llama3", "llama3-tied")
@@ -29,15 +29,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_equal_transformers_on_one_device_and_two_stages(tiny, kind, source, mode):
-    files = tiny[kind]
-    ids = token_ids(files.model.config.vocab_size)
-    want = files.reference_logits(source, mode, ids)
-    one = meshd_logits(files.paths[source], mode, 1, ids)
-    two = meshd_logits(files.paths[source], mode, 2, ids)
-    assert (one - want).abs().max().item() < TOLERANCE[mode]
-    assert (two - want).abs().max().item() < TOLERANCE[mode]
-    if MODES[mode][1]:  # packed: a prompt cut at a block boundary is computed as one device computes it
-        assert torch.equal(two, one)
+    assert_equals_transformers(tiny[kind], source, mode)
 
 
 def test_the_scaling_matters_to_these_logits(tiny):
