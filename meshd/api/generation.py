@@ -13,7 +13,7 @@ from typing import Any
 from decoding.loader.chat_template import ChatTemplateError
 from decoding.tool_grammar import style_of, tool_spec
 from meshd.api.params import RequestParams, checked_constraint
-from meshd.api.reasoning import prompt_opens_reasoning, thinks
+from meshd.api.reasoning import reasoning_start
 from meshd.api.validation import RequestError
 from meshd.engine import Engine, GenerationRequest
 from meshd.model_store import RECOMMENDED_FOR_HOME_ASSISTANT
@@ -62,9 +62,7 @@ def constrain_tool_calls(engine: Engine, params: RequestParams, tools: list[dict
     if not forced and not getattr(engine, "supports_constraints", False):
         return  # calls are parsed from free text (generation_request refuses the forced case)
     meta = getattr(getattr(engine, "tokenizer", None), "meta", None)
-    reasoning = None
-    if prompt_ids is not None and thinks(engine.tokenizer):
-        reasoning = "inside" if prompt_opens_reasoning(engine.tokenizer, prompt_ids) else "start"
+    reasoning = reasoning_start(engine.tokenizer, prompt_ids)
     spec = tool_spec(tools, style_of(getattr(meta, "chat_template", None)), required=choice == "required",
                      parallel=parallel, only=choice if forced and choice != "required" else None,
                      reasoning=reasoning)

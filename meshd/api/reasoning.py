@@ -118,8 +118,15 @@ def prompt_opens_reasoning(tokenizer: Any, prompt_ids: list[int]) -> bool:
     return tail.rfind(OPEN) > tail.rfind(CLOSE)
 
 
-def splitter_for(tokenizer: Any, prompt_ids: list[int] | None) -> ReasoningSplitter | None:
-    """The splitter for a chat answer of this model, or None when the model does not think."""
+def reasoning_start(tokenizer: Any, prompt_ids: list[int] | None) -> str | None:
+    """Where a chat answer's think block stands: "inside" (the prompt opened it), "start" (the answer
+    may open it), None (the model does not think). The splitter and the tool grammar both follow it."""
     if prompt_ids is None or not thinks(tokenizer):
         return None
-    return ReasoningSplitter(inside=prompt_opens_reasoning(tokenizer, prompt_ids))
+    return "inside" if prompt_opens_reasoning(tokenizer, prompt_ids) else "start"
+
+
+def splitter_for(tokenizer: Any, prompt_ids: list[int] | None) -> ReasoningSplitter | None:
+    """The splitter for a chat answer of this model, or None when the model does not think."""
+    start = reasoning_start(tokenizer, prompt_ids)
+    return None if start is None else ReasoningSplitter(inside=start == "inside")
