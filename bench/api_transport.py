@@ -33,7 +33,7 @@ import asyncio, json, sys, torch
 torch.set_num_threads(int(sys.argv[3]))
 from meshd.api.server import create_app, start_api
 from meshd.apikeys import ApiKeyStore
-from meshd.engine import LocalEngine
+from meshd.engine.base import LocalEngine
 from meshd.api.common import LISTENING
 from meshd import log
 log.configure("json", "warning")

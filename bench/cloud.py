@@ -77,7 +77,7 @@ def _noisy(stage, rel: float, seed: int = 0):
 
 def load(which: str, quick: bool):
     """(source, stage) of the SLM or the LLM."""
-    from meshd import model_store
+    from meshd.model import store as model_store
 
     if quick:
         src = model_store.open_model(None)

@@ -69,7 +69,7 @@ async def measure_configs(levels: list[int], tokens: int, reps: int, log=print) 
 
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline, even_split
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
     from meshd.pipeline.proc_mesh import ProcessMesh
 
     torch.set_num_threads(1)

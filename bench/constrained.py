@@ -139,7 +139,7 @@ def decode_step_s(source, reps: int) -> float:
 
 
 def run_model(name: str, quick: bool) -> dict:
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     source = open_model(None if name == "embedded" else name)
     vocab = source.config.vocab_size

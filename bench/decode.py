@@ -50,7 +50,7 @@ async def run(args) -> dict:
     from decoding.pipeline_local import even_split
     from decoding.sampling import SamplingSpec
     from decoding.speculative.session import SpeculationSession
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
     from meshd.pipeline.proc_mesh import ProcessMesh
 
     torch.set_num_threads(1)

@@ -134,8 +134,8 @@ def step_costs(weights: str, exit_heads: str | None, device: str = "cpu") -> dic
     from decoding.exits import BoundExits
     from decoding.linear import linear
     from decoding.models.llama.layers import rms_norm
-    from meshd.drafting import exit_heads_for
-    from meshd.model_store import open_model
+    from meshd.engine.drafting import exit_heads_for
+    from meshd.model.store import open_model
 
     source = open_model(None)
     cfg = source.config
@@ -238,7 +238,7 @@ def main() -> int:
     import torch
 
     from decoding.pipeline_local import even_split
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     torch.set_num_threads(1)
     pin([0], 1)  # the coordinator lives on device 0's core

@@ -190,7 +190,8 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
     from decoding.sampling import SamplingParams, SamplingSpec
     from meshd.api.generation import constrain_tool_calls
     from meshd.api.params import RequestParams
-    from meshd.engine import GenerationRequest, LocalEngine
+    from meshd.engine.base import GenerationRequest
+    from meshd.engine.local import LocalEngine
 
     engine = await LocalEngine.open(model, dtype=getattr(torch, dtype))
     tok = engine.tokenizer
@@ -263,7 +264,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from decoding.errors import ModelLoadError
-    from meshd.model_store import ModelNotAvailable, resolve_model
+    from meshd.model.store import ModelNotAvailable, resolve_model
 
     n = args.commands or (20 if args.quick else len(COMMANDS))
     commands = list(COMMANDS[:n])

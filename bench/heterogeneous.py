@@ -2,7 +2,7 @@
 
 Without a profile of its own, every member is planned from the shipped profile, so
 a slow device looks like a fast one, gets half the layers and sets the pace. A
-daemon now times one decoder layer at start-up (``meshd.self_profile``). This
+daemon now times one decoder layer at start-up (``meshd.model.self_profile``). This
 benchmark shows what that changes, on real stage processes:
 
   fast alone      one stage process with the whole model (core 0, one thread)
@@ -37,7 +37,7 @@ PERIOD_US = 10_000
 
 SPEED = """
 import sys, time, torch
-from meshd.model_store import open_model
+from meshd.model.store import open_model
 from partition import profile as pf
 from partition.profiler import estimate_speed
 torch.set_num_threads(1)
@@ -93,7 +93,7 @@ async def run_config(name: str, plan, lens, prompts, args) -> dict:
 
 
 async def main_async(args) -> dict:
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
     from partition import profile as pf
     from partition.link import parse_link
     from partition.planner import make_plan

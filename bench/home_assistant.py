@@ -657,7 +657,7 @@ def llama_cpp_anchor(model: Path, convs: list[Conversation], prompting: Promptin
 
 
 def resolve(name: str | None) -> Path:
-    from meshd.model_store import resolve_model
+    from meshd.model.store import resolve_model
 
     return Path(resolve_model(None if name in (None, "", EMBEDDED) else name)).resolve()
 
@@ -666,8 +666,8 @@ def default_budget_mb(model: Path, num_layers: int, weights: str) -> int:
     """A memory budget that makes the planner split the model in two: halfway between what the larger
     stage of the most even 2-way split needs and what the whole model needs (weights + KV for the plan's
     longest prompt + workspace), by the shipped profile of this model the planner takes for ``weights``
-    (that mode's, else float32's, else the first: ``meshd.plan.prefer_mode``)."""
-    from meshd.plan import PLAN_MAX_SEQ, shipped_profiles
+    (that mode's, else float32's, else the first: ``meshd.mesh.home_plan.prefer_mode``)."""
+    from meshd.mesh.home_plan import PLAN_MAX_SEQ, shipped_profiles
     from partition.layers import stage_memory_bytes
     from partition.profile import DeviceProfile
 
@@ -781,7 +781,7 @@ def summarize(on: list[dict], probes: list[dict], off: list[dict] | None) -> dic
 
 
 def run(args, root: Path, spawned: list[Daemon], t_begin: float) -> dict:
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     model = resolve(args.model)
     src = open_model(model)

@@ -116,7 +116,7 @@ def mesh_for(config: str, n_layers: int):
 
 
 async def measure(cases, configs, prompts, tokens_for, reps, refs, skip=frozenset(), log=print) -> dict:
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     n_layers = open_model(None).config.num_layers
     results: dict = {}
@@ -154,7 +154,7 @@ def cuts_for(mesh, n_layers: int):
     """Where the daemon would cut a prompt on each route: the cut table its leader builds from the
     members' profiles (here the shipped one for both), none on a one-stage route."""
     from meshd.pipeline.cuts import prompt_cuts
-    from meshd.plan import cut_table_over
+    from meshd.mesh.home_plan import cut_table_over
 
     profile = json.loads(PROFILE.read_text())
     tables = {r.index: cut_table_over(r.stages, {s.node_id: profile for s in r.stages}, n_layers)
@@ -215,7 +215,7 @@ def main() -> int:
 
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     torch.set_num_threads(1)
     cases = [("burst", 1), ("burst", 2), ("burst", 4), ("burst", 8), ("long", 1)]

@@ -71,7 +71,7 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
     from decoding.pipeline_local import even_split
     from decoding.sampling import SamplingSpec
     from decoding.speculative.session import SpeculationSession
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
     from meshd.pipeline.outline import OutlineDecoder, OutlineStats
     from meshd.pipeline.outline_gate import decide
     from meshd.pipeline.outline_router import shipped
@@ -186,7 +186,7 @@ class Judge:
     def __init__(self, threads: int = 2):
         import torch
 
-        from meshd.model_store import open_model, resolve_model
+        from meshd.model.store import open_model, resolve_model
 
         torch.set_num_threads(threads)
         self.source = open_model(str(resolve_model(JUDGE_MODEL)))

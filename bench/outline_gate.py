@@ -37,7 +37,7 @@ QUESTIONS = {
 
 def run(args) -> dict:
     from meshd.commands.demo import start_home
-    from meshd.model_store import resolve_model
+    from meshd.model.store import resolve_model
 
     model = str(resolve_model(None))
     root = Path(tempfile.mkdtemp(prefix="meshd-bench-gate-"))

@@ -55,7 +55,7 @@ RECORDED_LLAMA_CPP = {
 
 
 def model_path(name: str) -> Path | None:
-    from meshd import model_store
+    from meshd.model import store as model_store
 
     if name == MODELS[0]:
         if not model_store.is_pulled():

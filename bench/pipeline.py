@@ -161,7 +161,7 @@ async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
     from decoding.sampling import SamplingSpec
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     src = open_model(None)
     ref = LocalPipeline.from_source(src, 1)
@@ -343,7 +343,7 @@ async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None
 async def run(args) -> dict:
     import torch
 
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     torch.set_num_threads(1)
     tok = open_model(None).tokenizer

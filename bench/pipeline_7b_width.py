@@ -31,7 +31,7 @@ def build_model(layers: int) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from meshd.model_store import meshd_home
+    from meshd.model.store import meshd_home
 
     path = meshd_home() / "bench-models" / f"llama2-7b-width-{layers}L"
     if (path / "config.json").is_file():

@@ -130,7 +130,7 @@ def vectorised_vs_loop(base, S=256):
 def measure_prefill(base, lengths, threads, chunks_list):
     import torch
 
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     torch.set_num_threads(threads)
     src = open_model(None)

@@ -118,7 +118,7 @@ def main() -> int:
         args.runs, args.busy_runs, args.reps = 2, 1, 2
 
     from meshd.commands.demo import DEMO_PROMPT
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     max_tokens = 96
     ncpu = os.cpu_count() or 1

@@ -282,7 +282,7 @@ def timed_layer(beta: Daemon, manifest, first: int, end: int) -> tuple[int, floa
     """(layer, share of the file) fetched only so beta could time itself, when outside its range.
 
     A daemon with no profile of its model times one middle decoder layer before it counts as loaded
-    (``meshd.self_profile``); a joiner fetches that layer for it, before any plan gives it a range.
+    (``meshd.model.self_profile``); a joiner fetches that layer for it, before any plan gives it a range.
     """
     if not any(e.get("event") == "self_profile_measured" for e in beta.events()):
         return None
@@ -399,7 +399,7 @@ def references(model: Path) -> dict:
     from decoding.device import served_reference_stage
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     torch.set_num_threads(1)  # as the daemons
     src = open_model(model)
@@ -533,7 +533,7 @@ def main() -> int:
     t0 = time.monotonic()
 
     from bench._common import emit_json, machine_banner
-    from meshd.model_store import default_model_path, is_pulled
+    from meshd.model.store import default_model_path, is_pulled
     from meshd.share import manifest as mf
 
     if args.model is None and not is_pulled():

@@ -281,7 +281,7 @@ def references(model: str, prompts: list[str]) -> dict:
 
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     torch.set_num_threads(1)  # as the daemons
     src = open_model(model)
@@ -903,7 +903,7 @@ def main() -> int:
         args.kill_every = 35 if args.kill_every == 100 else args.kill_every
     args.deadline_s = 60 * (args.deadline_min or (5.0 if args.quick else 60.0))
     args.tail_s = 45.0  # left for the KV check and stopping the daemons
-    from meshd.model_store import resolve_model
+    from meshd.model.store import resolve_model
 
     args.model = str(resolve_model(args.model))
 

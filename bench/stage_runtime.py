@@ -38,7 +38,7 @@ def worker(impl: str, threads: int, decode_tokens: int, reps: int, device: str =
     import torch
 
     from decoding.device import resolve_device
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     dev = resolve_device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

@@ -20,7 +20,7 @@ collapsed onto those S + 1 classes, so the margin means what the paper's does.
 
 The file holds plain tensors, ints, strings and lists only, is read with
 ``torch.load(weights_only=True)``, records the model it was trained for, and a
-sha256 pin (``meshd.heads``) guards the shipped one — like the Medusa heads.
+sha256 pin (``meshd.model.heads``) guards the shipped one — like the Medusa heads.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A heads file holds plain tensors, ints, strings and lists, and is read with
 ``torch.load(weights_only=True)``: a file from elsewhere can never run code. A
-sha256 pin (``meshd.heads``) guards a shipped one — a damaged install or a file
+sha256 pin (``meshd.model.heads``) guards a shipped one — a damaged install or a file
 swapped after training is refused before it is even unpickled.
 """
 

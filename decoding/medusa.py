@@ -15,7 +15,7 @@ tokens ahead" instead of starting from noise.
 
 The file holds plain tensors, ints, strings and lists only and is read with
 ``torch.load(weights_only=True)``: a heads file from elsewhere can never run
-code. A sha256 pin (``meshd.heads``) guards the shipped one.
+code. A sha256 pin (``meshd.model.heads``) guards the shipped one.
 """
 
 from __future__ import annotations

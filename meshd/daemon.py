@@ -1,11 +1,11 @@
 """The meshd daemon: builds the control plane's objects, wires them, orders start and stop.
 
-    config + state dir ─┬─ transport (CURVE control link, ZAP allow-list)   meshd.peerlink
+    config + state dir ─┬─ transport (CURVE control link, ZAP allow-list)   meshd.mesh.peerlink
                         ├─ the view of the home (members, facts, plan)     meshd.mesh.view
                         ├─ gossip (heartbeats, member lists, profiles)     meshd.mesh.gossip
                         ├─ planner (the leader's re-plan, conflicts)       meshd.mesh.planner
                         ├─ admission (pairing, mDNS, connecting members)   meshd.mesh.admission
-                        ├─ model host (engine, stage, profile, readiness)  meshd.model_host
+                        ├─ model host (engine, stage, profile, readiness)  meshd.model.host
                         ├─ model sharing                                   meshd.share
                         ├─ client API (unix socket, LAN listeners)         meshd.api
                         └─ sd_notify (READY, WATCHDOG, STOPPING)           meshd.sdnotify
@@ -32,21 +32,21 @@ from collections.abc import Callable
 import structlog
 import zmq
 
-from meshd import control
+from meshd.mesh import control
 from meshd.cloud.sync import CloudSync
 from meshd.config import Config
-from meshd.discovery import select_interfaces
-from meshd.draining import DaemonError
+from meshd.mesh.discovery import select_interfaces
+from meshd.engine.draining import DaemonError
 from meshd.log import get_logger
-from meshd.membership import Debouncer, Membership
+from meshd.mesh.membership import Debouncer, Membership
 from meshd.mesh.admission import Admission
 from meshd.mesh.gossip import Gossip
 from meshd.mesh.local import LocalMember
 from meshd.mesh.planner import Planner
 from meshd.mesh.status import StatusDocument
 from meshd.mesh.view import MeshView
-from meshd.model_host import ModelHost
-from meshd.peerlink import PeerLink, probe_interval_for
+from meshd.model.host import ModelHost
+from meshd.mesh.peerlink import PeerLink, probe_interval_for
 from meshd.sdnotify import Notifier
 from meshd.share.deps import ShareDeps, ShareSettings, share_address
 from meshd.share.service import start_sharing

@@ -53,7 +53,7 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
     """The state directory when neither ``--state-dir`` nor ``$MESHD_STATE_DIR`` names one.
 
     1. ``$MESHD_HOME`` — one directory for everything meshd keeps: the state
-       and the model cache (``models/``, see ``meshd.model_store``). The
+       and the model cache (``models/``, see ``meshd.model.store``). The
        systemd unit sets it, so a one-off command run as the service's user
        with the same variable (``sudo -u meshd env MESHD_HOME=/var/lib/meshd
        meshd apikey create ha``) reads and writes exactly what the service

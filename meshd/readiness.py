@@ -16,7 +16,7 @@ def not_ready_reason(status: dict[str, Any]) -> str:
         return "waiting for a plan" if not plan else "planning"
     home_model, mine = plan.get("model"), status.get("model_identity")
     if home_model and mine and home_model != mine:
-        from meshd.model_store import model_flag_for
+        from meshd.model.store import model_flag_for
 
         return (f"this device holds {mine.partition('@')[0]}, the home serves {home_model.partition('@')[0]}: "
                 f"restart it {model_flag_for(home_model)}")

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.errors import MeshdError
-from meshd.profile_files import profile_model, read_profiles
+from meshd.model.profile_files import profile_model, read_profiles
 from transport import keys as transport_keys
 from transport.errors import KeyStoreError
 

@@ -110,7 +110,7 @@ step "installing meshd from $source_path"
 install -d "$(dirname "$bin_link")"
 ln -sfn "$venv/bin/meshd" "$bin_link"
 (cd / && "$venv/bin/python" - <<'PY'
-from meshd.plan import default_profile, shipped_profiles_dir
+from meshd.mesh.home_plan import default_profile, shipped_profiles_dir
 assert default_profile() is not None, f"no reference profiles in {shipped_profiles_dir()}"
 PY
 )

@@ -56,7 +56,7 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_source():
     """The embedded SmolLM2-135M-Instruct (pulled by the set-up script)."""
-    from meshd import model_store
+    from meshd.model import store as model_store
 
     if not model_store.is_pulled():
         model_store.pull(quiet=True)

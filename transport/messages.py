@@ -501,7 +501,7 @@ class HelloReply:
 class LinkProbe:
     """A round-trip probe of one control link (answered at once with ``LinkProbeAck``).
 
-    Not the members' liveness gossip (``meshd.control.MeshHeartbeat``): it only measures
+    Not the members' liveness gossip (``meshd.mesh.control.MeshHeartbeat``): it only measures
     whether, and how fast, one link answers.
     """
 

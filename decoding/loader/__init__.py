@@ -15,7 +15,7 @@ def open_model(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None =
     """Open the model at ``path`` (a GGUF file or a Hugging Face directory).
 
     The loader only opens paths: which model is "the default" and where it is
-    cached is the application's business (``meshd.model_store.open_model``
+    cached is the application's business (``meshd.model.store.open_model``
     resolves it, then calls this). ``cache_dir`` is where a GGUF's converted
     tokenizer and content hash are kept between runs; without one they are
     recomputed each time the model is opened.

@@ -1,7 +1,7 @@
 """File helpers of the loader: content hashing, shared with whoever caches models.
 
 Where caches live is the caller's decision: ``open_model(path, cache_dir=...)``
-takes the directory (``meshd.model_store`` passes one under ``$MESHD_HOME``).
+takes the directory (``meshd.model.store`` passes one under ``$MESHD_HOME``).
 """
 
 from __future__ import annotations

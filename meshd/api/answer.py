@@ -20,7 +20,7 @@ from meshd.api import tools as tl
 from meshd.api.common import METRICS, log
 from meshd.api.metrics import ApiMetrics
 from meshd.api.reasoning import ReasoningSplitter, Split
-from meshd.engine import Engine, GenerationRequest, TokenEvent
+from meshd.engine.base import Engine, GenerationRequest, TokenEvent
 
 
 class Run:

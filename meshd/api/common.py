@@ -18,7 +18,8 @@ from aiohttp import web
 from meshd.api.json_body import MAX_JSON_DEPTH, parse_json_body
 from meshd.api.metrics import ApiMetrics, MeshCollector
 from meshd.api.validation import RequestError
-from meshd.engine import Engine, EngineUnavailable
+from meshd.engine.base import Engine
+from meshd.engine.errors import EngineUnavailable
 from meshd.log import get_logger
 
 log = get_logger("meshd.api")

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from meshd.api.common import LIMITS, METRICS, log, too_large
 from meshd.api.validation import RequestError
-from meshd.engine import EngineError
+from meshd.engine.errors import EngineError
 
 
 def is_ollama_path(path: str) -> bool:

@@ -1,4 +1,4 @@
-"""From a parsed request to the engine's :class:`~meshd.engine.GenerationRequest`.
+"""From a parsed request to the engine's :class:`~meshd.engine.base.GenerationRequest`.
 
 Both dialects build the prompt (tools through the model's own chat template),
 put offered tools under their grammar, and make the engine request here,
@@ -15,8 +15,8 @@ from decoding.tool_grammar import style_of, tool_spec
 from meshd.api.params import RequestParams, checked_constraint
 from meshd.api.reasoning import reasoning_start
 from meshd.api.validation import RequestError
-from meshd.engine import Engine, GenerationRequest
-from meshd.model_store import RECOMMENDED_FOR_HOME_ASSISTANT
+from meshd.engine.base import Engine, GenerationRequest
+from meshd.model.store import RECOMMENDED_FOR_HOME_ASSISTANT
 from partition.ids import RequestId
 
 

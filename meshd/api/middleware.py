@@ -17,7 +17,7 @@ from meshd.api.errors import (
     error_response, from_engine_error, from_http_exception, internal_error, malformed,
 )
 from meshd.api.validation import RequestError
-from meshd.engine import EngineError
+from meshd.engine.errors import EngineError
 
 
 @web.middleware

@@ -22,7 +22,7 @@ from meshd.api.names import tagged as _tagged
 from meshd.api.ollama_replies import ndjson, now
 from meshd.api.ollama_schema import DEFAULTS, NameBody
 from meshd.api.validation import RequestError, validate
-from meshd.engine import Engine
+from meshd.engine.base import Engine
 
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama API release whose endpoints and fields we mirror
 
@@ -175,7 +175,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
     ``{"error": ...}`` line in a 200 NDJSON reply; not streamed, a 500 with
     the same object (the status Ollama answers a failed pull with).
     """
-    from meshd import model_store
+    from meshd.model import store as model_store
 
     body = validate(NameBody, await read_json(request))
     engine = await await_engine(request)

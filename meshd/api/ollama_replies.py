@@ -16,7 +16,7 @@ from aiohttp import web
 
 from meshd.api.answer import Run
 from meshd.api.usage import ollama_extensions
-from meshd.engine import TokenEvent
+from meshd.engine.base import TokenEvent
 
 NDJSON = "application/x-ndjson"
 

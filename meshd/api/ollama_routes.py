@@ -30,7 +30,8 @@ from meshd.api.ollama_schema import ChatBody, GenerateBody, GenerationBody, hist
 from meshd.api.params import MAX_VOCAB, RequestParams, new_id
 from meshd.api.reasoning import splitter_for, thinks
 from meshd.api.validation import RequestError, validate
-from meshd.engine import Engine, EngineError
+from meshd.engine.base import Engine
+from meshd.engine.errors import EngineError
 
 
 def add_routes(app: web.Application) -> None:

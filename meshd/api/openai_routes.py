@@ -27,7 +27,8 @@ from meshd.api.params import RequestParams, new_id
 from meshd.api.reasoning import ReasoningSplitter, Split, splitter_for
 from meshd.api.usage import public_usage
 from meshd.api.validation import RequestError
-from meshd.engine import Engine, EngineError, TokenEvent
+from meshd.engine.base import Engine, TokenEvent
+from meshd.engine.errors import EngineError
 
 
 def add_routes(app: web.Application) -> None:

@@ -34,7 +34,7 @@ class RequestParams:
     penalties, a grammar) that goes on to the engine unchanged; each API makes
     it in one function (``openai_schema._Params.sampling_spec``, ``ollama_schema.sampling_spec``)
     and offered tools may add their grammar. The rest is handled by the API and
-    :meth:`meshd.engine.Engine.stream`.
+    :meth:`meshd.engine.base.Engine.stream`.
     """
 
     sampling: SamplingSpec = field(default_factory=lambda: SamplingSpec(SamplingParams(temperature=1.0)))

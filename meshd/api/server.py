@@ -1,6 +1,6 @@
 """The HTTP API, served by aiohttp on a unix socket and optional TCP listeners.
 
-``create_app`` builds the routes around an :class:`~meshd.engine.Engine` and a
+``create_app`` builds the routes around an :class:`~meshd.engine.base.Engine` and a
 status provider (a callable returning the daemon's status dict): the OpenAI
 routes (:mod:`meshd.api.openai_routes`), the Ollama routes
 (:mod:`meshd.api.ollama_routes`), ``/health`` and Prometheus ``/metrics``
@@ -42,7 +42,7 @@ from meshd.api.metrics import ApiMetrics, MeshCollector
 from meshd.api.middleware import auth_middleware, error_middleware
 from meshd.api.names import ModelNames
 from meshd.apikeys import ApiKeyStore
-from meshd.engine import Engine
+from meshd.engine.base import Engine
 
 StatusProvider = Callable[[], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 

@@ -1,7 +1,7 @@
 """A generation's statistics as replies carry them: the one place the API reads them.
 
 The engine hands its statistics over once, as the final event's
-:class:`~meshd.engine.Usage` (token counts; how speculation, the cloud
+:class:`~meshd.engine.base.Usage` (token counts; how speculation, the cloud
 verifier and an outline attempt went). OpenAI replies carry it whole as
 ``usage``; Ollama's final message has its own counts and meshd's extensions
 beside them. Either way internal notes stay in the daemon's log unless the
@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from meshd.api.common import DEBUG
-from meshd.engine import Usage
+from meshd.engine.base import Usage
 
 
 def public_usage(request: web.Request, usage: Usage) -> dict[str, Any]:

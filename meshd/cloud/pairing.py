@@ -3,7 +3,7 @@
 ``meshd cloud invite`` (on the verifier's host) stores a hashed one-time token
 and prints it. ``meshd cloud pair ADDRESS TOKEN`` (on any home member) proves
 knowledge of the token over a plain TCP exchange — the same challenge/MAC
-dance as joining a home (``meshd.pairing``), nothing secret on the wire — and
+dance as joining a home (``meshd.mesh.pairing``), nothing secret on the wire — and
 sends the public keys of every member of the home. The verifier admits those
 keys to its allow-list (so a device not paired is refused at the CURVE
 handshake, before it can send a byte of work) and answers with its own public
@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 
 from meshd.log import get_logger
-from meshd.pairing import (MAX_LINE, PAIRING_VERSION, PairingEndpoint, PairingError, Token, _canonical, _mac,
-                           _recv, _send)
+from meshd.mesh.pairing import (
+    MAX_LINE, PAIRING_VERSION, PairingEndpoint, PairingError, Token, _canonical, _mac, _recv, _send)
 from meshd.state import StateDir
 from transport.errors import KeyStoreError
 from transport.keys import validate_public_key

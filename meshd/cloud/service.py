@@ -16,10 +16,10 @@ from pathlib import Path
 from decoding.speculative.draft_model import tokenizer_fingerprint
 from meshd.cloud.pairing import CloudPairingServer, admit_home_keys
 from meshd.cloud.verifier import MAX_QUEUE, Verifier, VerifierRefusal
-from meshd.engine import model_id_of
+from meshd.engine.base import model_id_of
 from meshd.log import get_logger
 from meshd.state import StateDir
-from meshd.pairing import PairingError
+from meshd.mesh.pairing import PairingError
 from transport.messages import Ack, CloudClose, CloudMembers, CloudVerify, ErrorReply
 from transport.node import TransportNode
 from transport.wire import Limits

@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from meshd import control
+from meshd.mesh import control
 from meshd.cloud.held import held_record, save_record
 from meshd.cloud.record import CloudRecord, heartbeat_key, newer
 from meshd.log import get_logger

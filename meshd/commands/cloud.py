@@ -68,7 +68,7 @@ def register(subparsers) -> None:
 
 
 def serve(args) -> int:
-    from meshd import model_store
+    from meshd.model import store as model_store
     from meshd.cloud.service import DEFAULT_PAIRING_PORT, DEFAULT_PORT, VerifierService
     from meshd.state import atomic_write
 
@@ -110,7 +110,7 @@ def serve(args) -> int:
 def invite(args) -> int:
     from meshd.cloud.pairing import create_cloud_invite
     from meshd.cloud.service import DEFAULT_PAIRING_PORT
-    from meshd.discovery import select_interfaces
+    from meshd.mesh.discovery import select_interfaces
     from meshd.state import StateDir
 
     state = StateDir(_cloud_state_dir(args.state_dir)).ensure()
@@ -140,9 +140,9 @@ def _home_state(args):
 
 def pair(args) -> int:
     from decoding.speculative.draft_model import tokenizer_fingerprint
-    from meshd import model_store
+    from meshd.model import store as model_store
     from meshd.cloud.pairing import pair_with_cloud
-    from meshd.pairing import Token
+    from meshd.mesh.pairing import Token
 
     cfg, state = _home_state(args)
     home = state.home()

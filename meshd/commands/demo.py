@@ -133,7 +133,7 @@ def start_home(root: Path, model: str, quiet: bool, daemons: list[DemoDaemon]) -
 
 
 def run(args) -> int:
-    from meshd.model_store import resolve_model
+    from meshd.model.store import resolve_model
 
     model = str(resolve_model(args.model))  # fails early, with a clear message, if not pulled
     root = Path(tempfile.mkdtemp(prefix="meshd-demo-"))

@@ -38,7 +38,7 @@ def run(args) -> int:
     from decoding.device import dtype_name, resolve_devices, resolve_dtype, resolve_weights
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     apply_threads(args)
     sampling = sampling_from_args(args)
@@ -90,9 +90,9 @@ def _speculative(args, source, pipe, ids, sampling, on_text):
     from decoding.speculative.draft_model import ModelDrafter, check_same_tokenizer
     from decoding.speculative.generate import MedusaSource, speculative_generate
     from decoding.pipeline_local import LocalPipeline
-    from meshd.drafting import medusa_heads_for
+    from meshd.engine.drafting import medusa_heads_for
     from meshd.log import get_logger
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
 
     drafter, medusa, model_drafter, reason = args.speculative, None, None, None
     if drafter in ("medusa", "auto"):

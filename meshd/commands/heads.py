@@ -86,7 +86,7 @@ def _bench(args):
     import torch
 
     from decoding.training.recipe import Workbench
-    from meshd.model_store import open_model, resolve_model
+    from meshd.model.store import open_model, resolve_model
 
     torch.set_num_threads(max(1, args.threads))
     started = time.monotonic()
@@ -153,7 +153,7 @@ def run_eval(args) -> int:
         bench = _bench(args)
         heads.check_model(vocab_size=bench.cfg.vocab_size, hidden_size=bench.cfg.hidden_size)
     else:
-        from meshd.heads import HEADS_FILE, embedded_heads
+        from meshd.model.heads import HEADS_FILE, embedded_heads
 
         embedded_heads()
         bench = _bench(args)

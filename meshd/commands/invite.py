@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from meshd.config import load_config
-from meshd.discovery import select_interfaces
-from meshd.pairing import create_invite
+from meshd.mesh.discovery import select_interfaces
+from meshd.mesh.pairing import create_invite
 from meshd.paths import STATE_DIR_HELP
 from meshd.state import RUNTIME_FILE, StateDir
 

@@ -204,7 +204,7 @@ def prepare_home(state: StateDir, cfg, new_home: str | None, token: str | None) 
         if home is not None:
             raise MeshdError(f"this device already belongs to home {home.name!r}; "
                              "--token is for devices that are not in a home yet")
-        from meshd.pairing import Token, join_with_token
+        from meshd.mesh.pairing import Token, join_with_token
         from meshd.state import Member
 
         parsed = Token.decode(token)

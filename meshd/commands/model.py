@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from meshd import hub_models, model_store
+from meshd.model import hub_models, store as model_store
 
 
 def register(sub) -> None:
@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 def _pull(args) -> int:
     if args.name and hub_models.is_hub_ref(args.name):
-        from meshd import hub_pull
+        from meshd.model import hub_pull
 
         got = hub_pull.pull(args.name, model_store.models_dir(), quiet=args.quiet)
         parts = f" ({len(got.paths)} parts)" if len(got.paths) > 1 else ""
@@ -59,7 +59,7 @@ def _pull(args) -> int:
 
 
 def _list(args) -> int:
-    from meshd import model_catalog
+    from meshd.model import catalog as model_catalog
     from meshd.share import cli as share
 
     models = model_store.list_models()

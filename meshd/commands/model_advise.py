@@ -1,4 +1,4 @@
-"""``meshd model advise``: gather what the home is (members, memory, measured speed), then ``meshd.model_advice``.
+"""``meshd model advise``: gather what the home is (members, memory, measured speed), then ``meshd.model.advice``.
 
 Where each fact comes from, in order of preference, and said in the output:
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshd import model_catalog, model_store
+from meshd.model import catalog as model_catalog, store as model_store
 from meshd.errors import MeshdError
-from meshd.hub_models import HA_EVAL
-from meshd.model_advice import Candidate, Member, Speed, advise, speed_from_profile
+from meshd.model.hub_models import HA_EVAL
+from meshd.model.advice import Candidate, Member, Speed, advise, speed_from_profile
 
 USABLE_TOKENS_PER_S = 2.0  # below this a spoken answer of a sentence takes longer than people wait
 
@@ -105,7 +105,7 @@ def _daemon_status(args) -> dict | None:
 
 
 def _speed(state: Path) -> Speed:
-    from meshd.profile_files import profile_model, read_profiles
+    from meshd.model.profile_files import profile_model, read_profiles
 
     for _, data in read_profiles(state / "profiles", newest_first=True):
         sp = speed_from_profile(data, _file_bytes(profile_model(data)),

@@ -78,7 +78,7 @@ def resolve_profile_arg(arg: str) -> str:
     incomplete installation), rather than a planner that quietly has less to go on.
     """
     from meshd.errors import MeshdError
-    from meshd.plan import shipped_profiles_dir
+    from meshd.mesh.home_plan import shipped_profiles_dir
 
     path, at, opts = arg.partition("@")
     if Path(path).exists():

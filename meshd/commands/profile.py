@@ -150,7 +150,7 @@ def run(args) -> int:
     if args.threads < 1 or args.max_seq < 16 or args.repeats < 1:
         raise MeshdError("--threads and --repeats must be >= 1 and --max-seq >= 16")
 
-    from meshd.model_store import open_model
+    from meshd.model.store import open_model
     from partition.profiler import (
         ProfileSettings,
         default_device_id,

@@ -1,7 +1,7 @@
 """Who gets in: mDNS adverts and sightings, pairing, and connecting to members found.
 
 mDNS only *finds* devices; a sighting is admitted when its advert names this home and a
-key the allow-list holds (``meshd.discovery.classify``). Pairing grows the allow-list;
+key the allow-list holds (``meshd.mesh.discovery.classify``). Pairing grows the allow-list;
 gossip then tells every member. Liveness is not decided here: heartbeats do that.
 """
 
@@ -13,12 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from meshd.config import Config
-from meshd.discovery import PROTOCOL_VERSION, REASON_UNREACHABLE, Advert, Discovery, Sighting, classify
+from meshd.mesh.discovery import PROTOCOL_VERSION, REASON_UNREACHABLE, Advert, Discovery, Sighting, classify
 from meshd.log import get_logger
-from meshd.membership import PeerState
+from meshd.mesh.membership import PeerState
 from meshd.mesh.gossip import Gossip
 from meshd.mesh.view import MeshView
-from meshd.pairing import PairingServer
+from meshd.mesh.pairing import PairingServer
 from meshd.state import Member, atomic_write, key_fingerprint
 
 log = get_logger("meshd.admission")

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshd import control
+from meshd.mesh import control
 from meshd.errors import USER_ERRORS
 from meshd.log import get_logger
-from meshd.membership import Change, affects_plan
+from meshd.mesh.membership import Change, affects_plan
 from meshd.mesh.local import meshd_version
 from meshd.mesh.planner import Planner
 from meshd.mesh.view import MeshView

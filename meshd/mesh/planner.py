@@ -2,7 +2,7 @@
 
 Every member runs one; only the leader (the lowest ready node id) makes plans, the
 others adopt what it sends, in version order. This module is the control plane's one
-caller of ``meshd.plan``: what a plan is and how one is made live there.
+caller of ``meshd.mesh.home_plan``: what a plan is and how one is made live there.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 from meshd.config import Config
 from meshd.log import get_logger
-from meshd.membership import Debouncer
+from meshd.mesh.membership import Debouncer
 from meshd.mesh.view import MeshView
-from meshd.plan import MemberInput, PlanIssuer, model_name, not_planned, plan_home, plannable_members
+from meshd.mesh.home_plan import MemberInput, PlanIssuer, model_name, not_planned, plan_home, plannable_members
 from partition.ids import NodeId, PlanVersion
 from partition.plan import Plan
 from transport.messages import PlanUpdate
@@ -239,7 +239,7 @@ class Planner:
         """The members a plan may use: model loaded, and the same model file as the home's.
 
         The home's model is the one most loaded members hold (ties: the one the current
-        plan serves, then the lowest node id's; ``meshd.plan.plannable_members``), so a
+        plan serves, then the lowest node id's; ``meshd.mesh.home_plan.plannable_members``), so a
         device with another file is listed with its reason instead of silently mixing
         layers of two models.
         """
@@ -250,7 +250,7 @@ class Planner:
 
     def not_planned(self) -> dict[NodeId, str]:
         """Why each ready member holds no layers of the current plan (on every member, not only
-        the leader: ``meshd.plan.not_planned``)."""
+        the leader: ``meshd.mesh.home_plan.not_planned``)."""
         return not_planned(self.view.plan, self.view.model_facts(self.view.ready_ids()))
 
     # -- plans from the leader -----------------------------------------------------------
@@ -330,7 +330,7 @@ class Planner:
         if not home or not differs or self._warned_model == home:
             return
         self._warned_model = home
-        from meshd.model_store import model_flag_for
+        from meshd.model.store import model_flag_for
 
         log.warning("model_differs_from_home", holds=own or name, home_serves=home,
                     hint=f"every member of a home holds the same model: restart this device "
@@ -342,7 +342,7 @@ class Planner:
         """The file name of the model this daemon opens ("" when none, or not on this device yet)."""
         if not self.config.model_enabled or self.config.engine:
             return ""
-        from meshd.model_store import resolve_model
+        from meshd.model.store import resolve_model
 
         try:
             return resolve_model(self.config.model or None).name

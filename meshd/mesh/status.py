@@ -11,13 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from meshd.config import Config
-from meshd.discovery import PROTOCOL_VERSION
+from meshd.mesh.discovery import PROTOCOL_VERSION
 from meshd.mesh.admission import Admission
 from meshd.mesh.gossip import safe_fingerprint
 from meshd.mesh.local import meshd_version
 from meshd.mesh.planner import Planner
 from meshd.mesh.view import MeshView
-from meshd.self_profile import describe as describe_profile
+from meshd.model.self_profile import describe as describe_profile
 from partition.ids import NodeId
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from meshd.discovery import Interface
-from meshd.membership import Membership, PeerState
+from meshd.mesh.discovery import Interface
+from meshd.mesh.membership import Membership, PeerState
 from meshd.mesh.local import LocalMember
 from meshd.state import Home, Member, StateDir
 from partition.ids import NodeId
 
-if TYPE_CHECKING:  # the planner (meshd.mesh.planner) is this package's one caller of meshd.plan
-    from meshd.plan import Plan
+if TYPE_CHECKING:  # the planner (meshd.mesh.planner) is this package's one caller of meshd.mesh.home_plan
+    from meshd.mesh.home_plan import Plan
 
 
 class MeshView:

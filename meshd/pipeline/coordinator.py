@@ -36,7 +36,7 @@ from decoding.pipeline_local import chunk_bounds
 from decoding.sampling import SamplingParams, SamplingSpec
 from decoding.speculative.adaptive import RoundCost
 from decoding.speculative.params import MAX_CANDIDATES
-from meshd.engine import out_of_vocab
+from meshd.engine.errors import out_of_vocab
 from meshd.log import get_logger
 from meshd.pipeline.drafter import MeshDrafter
 from meshd.pipeline.failures import (BadTokens, Interrupted, ModelMismatch, NoRoute, PipelineBusy, PipelineError,
@@ -196,7 +196,7 @@ class PipelineCoordinator:
             route = await self.table.pick(slot)
             mismatch = model_mismatch(route.model, self.model) if route is not None else ""
             if mismatch:
-                from meshd.model_store import model_flag_for
+                from meshd.model.store import model_flag_for
 
                 raise ModelMismatch(f"this device {mismatch}, so it answers no requests: restart it "
                                     f"{model_flag_for(route.model)} (every member of a home holds the same "
@@ -233,7 +233,7 @@ class PipelineCoordinator:
         This is the one place a mesh request's budget and EOS end it
         (:meth:`RequestSlot.ends_with`): the coordinator must stop feeding tokens
         back to the stages then, whoever its client is, so the API's
-        :meth:`~meshd.engine.Engine.stream` only labels how it ended.
+        :meth:`~meshd.engine.base.Engine.stream` only labels how it ended.
         """
         slot = self.admit(request)
         running: Route | None = None

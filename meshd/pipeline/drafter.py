@@ -12,7 +12,7 @@ from decoding.offload.loop import SUPPORT_MAX, DraftStep, draft_step
 from decoding.offload.policy import GAMMA
 from decoding.pipeline_local import chunk_bounds
 from decoding.sampling import SamplingParams, SamplingSpec
-from meshd.engine import out_of_vocab
+from meshd.engine.errors import out_of_vocab
 from meshd.log import get_logger
 from meshd.pipeline.failures import BadTokens, Interrupted, PipelineError, PrefixMiss
 from meshd.pipeline.slot import Cuts, Flight

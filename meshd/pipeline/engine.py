@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from decoding.errors import DrafterError
 from decoding.offload.policy import GAMMA
 from decoding.speculative.session import SpeculationSession
-from meshd.engine import (BadEngineRequest, BadTokenIds, Engine, EngineBusy, GenerationFailed, GenerationRequest,
-                          NoPlan, Report, TokenStream, WrongModel, model_id_of)
+from meshd.engine.errors import BadEngineRequest, BadTokenIds, EngineBusy, GenerationFailed, NoPlan, WrongModel
+from meshd.engine.base import Engine, GenerationRequest, Report, TokenStream, model_id_of
 from meshd.log import get_logger
 from meshd.pipeline.cuts import default_cuts
 from meshd.pipeline.coordinator import (BadTokens, ModelMismatch, NoRoute, PipelineBusy, PipelineCoordinator,

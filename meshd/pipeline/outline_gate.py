@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from meshd.engine import BadEngineRequest
+from meshd.engine.errors import BadEngineRequest
 from meshd.pipeline.outline import MIN_POINT_TOKENS, MIN_POINTS, TITLE_TOKENS
 
 HEADER_TOKENS = 4  # what a point's header adds to its title: a line break, "k", "." and ":"

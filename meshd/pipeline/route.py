@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshd.plan import other_model_reason
+from meshd.mesh.home_plan import other_model_reason
 from partition.ids import NodeId, PlanVersion
 
 

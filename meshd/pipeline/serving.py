@@ -1,6 +1,6 @@
 """This device's part of the mesh: its stage, its coordinator, its plans.
 
-The model host (``meshd.model_host``) owns one ``ServingRole``. It serves this device's pipeline stage for
+The model host (``meshd.model.host``) owns one ``ServingRole``. It serves this device's pipeline stage for
 every coordinator in the home, runs the coordinator for requests that arrive
 here, and follows the home's plans: adopting them in version order only,
 loading the new layer range, building the plan's cut table, and sending a tiny
@@ -19,7 +19,7 @@ from meshd.log import get_logger
 from meshd.pipeline.coordinator import PipelineCoordinator, StepsRequest
 from meshd.pipeline.cuts import prompt_cuts
 from meshd.pipeline.route import Route, model_mismatch
-from meshd.plan import cut_table_over, stage_timings_over
+from meshd.mesh.home_plan import cut_table_over, stage_timings_over
 from partition.plan import Plan
 from partition.ids import NodeId
 
@@ -101,7 +101,7 @@ def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link
     """The sequence partitioner's cut table for this route's stages (None if profiles are missing).
 
     Members build it only for a plan that arrives without one (its leader runs meshd 0.2);
-    the same recipe as the leader's (``meshd.plan.cut_table_over``), so both cut alike.
+    the same recipe as the leader's (``meshd.mesh.home_plan.cut_table_over``), so both cut alike.
     """
     return cut_table_over(route.stages, profiles, num_layers, link_spec)
 
@@ -245,12 +245,12 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
     role to every plan adopted from now on.
     """
     from meshd.config import placement_of
-    from meshd.drafting import exits_factory, medusa_factory
-    from meshd.model_store import open_model
+    from meshd.engine.drafting import exits_factory, medusa_factory
+    from meshd.model.store import open_model
     from meshd.pipeline.pins import pinned_prefixes
     from meshd.pipeline.stage import StageService
     from meshd.pipeline.stage.prefix_cache import PrefixCache
-    from meshd.plan import DEFAULT_LINK, default_profile
+    from meshd.mesh.home_plan import DEFAULT_LINK, default_profile
 
     source = await (sharing.obtain_source() if sharing is not None else
                     asyncio.to_thread(open_model, cfg.model or None))

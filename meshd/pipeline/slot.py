@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from decoding.sampling import SamplingSpec
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.session import SpeculationSession
-from meshd.engine import Budget
+from meshd.engine.base import Budget
 from meshd.pipeline.route import Route
 from meshd.pipeline.seqkey import SeqKey
 from partition.ids import RequestId

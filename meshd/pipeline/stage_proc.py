@@ -45,8 +45,8 @@ def load_route(path: str):
 
 
 async def serve(args) -> int:
-    from meshd.drafting import exits_factory, medusa_factory
-    from meshd.model_store import open_model
+    from meshd.engine.drafting import exits_factory, medusa_factory
+    from meshd.model.store import open_model
     from meshd.pipeline.stage import StageService
     from transport.node import TransportNode
 

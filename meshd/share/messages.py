@@ -1,7 +1,7 @@
 """Wire messages of model sharing (registered with the transport's codec).
 
 Adverts and targets are one-way control messages on the members' CURVE links
-(``meshd.peerlink``). Manifests and pieces are request/reply on each member's
+(``meshd.mesh.peerlink``). Manifests and pieces are request/reply on each member's
 share endpoint (a CURVE server admitting the home's keys only); the bytes
 travel as raw tensor frames, never through the msgpack header.
 """

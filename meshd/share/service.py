@@ -146,7 +146,7 @@ class ShareService:
     # -- the model this device runs ---------------------------------------------------------------
     async def obtain_source(self) -> Any:
         """The model source serving uses: the local file, else the home's model from the mesh."""
-        from meshd.model_store import ModelNotAvailable, open_model
+        from meshd.model.store import ModelNotAvailable, open_model
 
         model = self.settings.model
         try:
@@ -167,7 +167,7 @@ class ShareService:
             self.advertise_now()
 
     async def _source_from_mesh(self) -> Any:
-        from meshd.model_store import tokenizers_dir
+        from meshd.model.store import tokenizers_dir
         from meshd.share.source import PartialGGUFSource
 
         cache = self.held.cache

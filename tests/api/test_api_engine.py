@@ -7,9 +7,10 @@ import threading
 
 import pytest
 
-from meshd.engine import (
-    GenerationRequest, IncrementalDetokenizer, PromptTooLong, StopMatcher, iterate_in_thread,
-)
+from meshd.engine.base import GenerationRequest, StopMatcher
+from decoding.detok import IncrementalDetokenizer
+from meshd.engine.errors import PromptTooLong
+from meshd.engine.local import iterate_in_thread
 from tests.support.api import FakeEngine
 
 

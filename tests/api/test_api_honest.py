@@ -135,7 +135,7 @@ class FellBack(FakeEngine):
 
     def token_ids(self, req):
         from decoding.speculative.params import SpeculativeStats
-        from meshd.engine import TokenStream
+        from meshd.engine.base import TokenStream
 
         async def ids(report):
             report(speculative=SpeculativeStats(
@@ -177,7 +177,7 @@ def test_a_draft_model_that_cannot_be_opened_is_named_by_file_not_by_path(tmp_pa
     from types import SimpleNamespace
 
     from decoding.errors import DrafterError
-    from meshd.drafting import DraftModels
+    from meshd.engine.drafting import DraftModels
 
     drafts = DraftModels(str(tmp_path / "models" / "small.gguf"), SimpleNamespace(tokenizer=None))
     with pytest.raises(DrafterError) as info:

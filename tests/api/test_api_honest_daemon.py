@@ -17,7 +17,7 @@ import openai
 import pytest
 
 import meshd
-from meshd import model_store
+from meshd.model import store as model_store
 from tests.support.daemons import Mesh, meshd_status_json, run_cli
 from tests.support.waiting import wait_until
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from meshd.api.common import LISTENING, ApiLimits
-from meshd.engine import EngineBusy, EngineUnavailable, GenerationFailed, NoPlan
+from meshd.engine.errors import EngineBusy, EngineUnavailable, GenerationFailed, NoPlan
 from tests.support.api import REPLY, FakeEngine, ServerThread
 from tests.support.logs import all_log_events
 from tests.support.clients import http, sdk

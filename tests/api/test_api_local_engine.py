@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from meshd.engine import LocalEngine
+from meshd.engine.local import LocalEngine
 from tests.support.api import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ def test_daemon_factory_opens_the_configured_model(monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
-    from meshd import engine as engine_mod
+    from meshd.engine import local as engine_mod
 
     opened = []
 

@@ -176,7 +176,7 @@ def test_unknown_ollama_paths_answer_in_ollamas_error_format(srv):
 def test_speculation_stats_ride_in_the_final_message_and_in_openai_usage():
     from decoding.speculative.params import SpeculativeStats
 
-    from meshd.engine import TokenStream
+    from meshd.engine.base import TokenStream
 
     class Speculating(FakeEngine):
         def token_ids(self, req):

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from meshd.engine import GenerationFailed, NoPlan, WrongModel
+from meshd.engine.errors import GenerationFailed, NoPlan, WrongModel
 from tests.support.api import REPLY, FakeEngine, ServerThread
 from tests.support.clients import sdk
 
@@ -65,7 +65,7 @@ def test_non_streamed_chat_reports_usage_and_passes_sampling_fields(server, engi
 
 def test_the_api_keeps_openais_default_temperature_of_one(server, engine):
     from decoding.sampling import SamplingParams, SamplingSpec
-    from meshd.engine import GenerationRequest
+    from meshd.engine.base import GenerationRequest
 
     sdk(server).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
     assert engine.requests[-1].sampling == SamplingSpec(SamplingParams(temperature=1.0))

@@ -15,7 +15,7 @@ import pytest
 from meshd.api.common import LISTENING
 from meshd.api.listen import ApiStartError, parse_listen
 from meshd.api.server import create_app, start_api
-from meshd.engine import PromptTooLong
+from meshd.engine.errors import PromptTooLong
 from tests.support.api import REPLY, STATUS, FakeEngine, ServerThread
 from tests.support.waiting import wait_until
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from meshd import model_store
+from meshd.model import store as model_store
 from meshd.cli import main
-from meshd.hub_models import CommandSuccess, parse_ref, pick_files, success_for, BadModelRef
-from meshd.model_advice import Candidate, Member, Speed, advise
+from meshd.model.hub_models import CommandSuccess, parse_ref, pick_files, success_for, BadModelRef
+from meshd.model.advice import Candidate, Member, Speed, advise
 
 GB = 10**9
 

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from decoding.loader import open_model
-from meshd import model_store
+from meshd.model import store as model_store
 from meshd.cli import main
 from tests.support.gguf import write_tiny_gguf
 from tests.support.gguf_split import split_gguf

@@ -18,7 +18,7 @@ from decoding.speculative.draft_model import tokenizer_fingerprint
 from meshd.cloud.link import CloudLink
 from meshd.cloud.pairing import create_cloud_invite, pair_with_cloud
 from meshd.cloud.service import VerifierService
-from meshd.pairing import PairingError, Token
+from meshd.mesh.pairing import PairingError, Token
 from meshd.state import StateDir
 from transport.errors import AuthenticationRefused, RemoteError, TransportTimeout
 from transport.messages import CloudVerify

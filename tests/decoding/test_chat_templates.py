@@ -52,7 +52,7 @@ def test_the_embedded_model_renders_a_conversation_as_transformers_does(real_sou
 
 def _tool_model_tokenizer():
     """The tool model's tokenizer only (its weights are not loaded), or skip with the reason."""
-    from meshd.model_store import ModelNotAvailable, is_named_pulled, open_model, pull_named
+    from meshd.model.store import ModelNotAvailable, is_named_pulled, open_model, pull_named
 
     try:
         if not is_named_pulled(TOOL_MODEL):
@@ -81,7 +81,7 @@ def test_the_doubled_brace_defect_is_repaired_to_the_authors_text():
 
 
 def test_the_pulled_1_5b_template_is_the_0_5b_one_once_repaired():
-    from meshd.model_store import is_named_pulled, open_model
+    from meshd.model.store import is_named_pulled, open_model
 
     if not (is_named_pulled("qwen2.5-coder-1.5b-instruct") and is_named_pulled(TOOL_MODEL)):
         pytest.skip("needs both Qwen2.5-Coder models pulled (meshd model pull NAME)")

@@ -222,7 +222,7 @@ def test_a_heads_file_round_trips_and_loads_only_with_its_hash(tmp_path, heads):
 
 
 def test_the_shipped_exit_heads_load_for_the_embedded_model_only(real_source):
-    from meshd.heads import EXITS_FILE, EXITS_SHA256, embedded_exits
+    from meshd.model.heads import EXITS_FILE, EXITS_SHA256, embedded_exits
 
     cfg = real_source.config
     heads = embedded_exits(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,

@@ -299,7 +299,7 @@ def test_the_shipped_prompt_set_is_varied_and_split_deterministically():
 
 # -- the shipped heads ---------------------------------------------------------------
 def test_the_shipped_heads_load_verified_for_the_embedded_model(real_source, real_stage):
-    from meshd.heads import HEADS_FILE, embedded_heads
+    from meshd.model.heads import HEADS_FILE, embedded_heads
 
     cfg = real_source.config
     heads = embedded_heads(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -319,7 +319,7 @@ def test_the_shipped_heads_load_verified_for_the_embedded_model(real_source, rea
 
 
 def test_the_shipped_heads_refuse_another_model():
-    from meshd.heads import embedded_heads
+    from meshd.model.heads import embedded_heads
 
     with pytest.raises(DrafterError, match="trained for"):
         embedded_heads(model_identity="some-other-model.gguf@0123456789abcdef")

@@ -10,8 +10,8 @@ from decoding.errors import ContextOverflow, ModelLoadError, UnsupportedArchitec
 from decoding.generate import generate
 from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline
-from meshd import model_store
-from meshd.model_store import ModelNotAvailable
+from meshd.model import store as model_store
+from meshd.model.store import ModelNotAvailable
 
 
 def test_missing_file_names_the_path(tmp_path):

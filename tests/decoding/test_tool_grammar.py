@@ -117,7 +117,8 @@ def test_the_real_embedded_model_sampled_hot_only_writes_calls_that_parse(real_s
     import asyncio
 
     from decoding.sampling import SamplingParams, SamplingSpec
-    from meshd.engine import GenerationRequest, LocalEngine
+    from meshd.engine.base import GenerationRequest
+    from meshd.engine.local import LocalEngine
 
     engine = LocalEngine(real_source)
     tok = engine.tokenizer

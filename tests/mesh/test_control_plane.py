@@ -5,9 +5,9 @@ API or the daemon; only the CLI entry point imports the daemon)."""
 import ast
 from pathlib import Path
 
-from meshd import control
+from meshd.mesh import control
 from meshd.config import Config
-from meshd.membership import Debouncer, Membership
+from meshd.mesh.membership import Debouncer, Membership
 from meshd.mesh.gossip import Gossip
 from meshd.mesh.local import LocalMember
 from meshd.mesh.planner import Planner
@@ -16,7 +16,7 @@ from meshd.state import StateDir
 from transport.messages import Envelope, registry
 
 ROOT = Path(__file__).resolve().parents[2]
-ABOVE = ("meshd.pipeline", "meshd.share", "meshd.api", "meshd.daemon", "meshd.model_host")
+ABOVE = ("meshd.pipeline", "meshd.share", "meshd.api", "meshd.daemon", "meshd.model.host")
 
 
 def _imported(path: Path) -> set[str]:

@@ -14,7 +14,7 @@ import zmq
 import zmq.auth
 
 from meshd.client import MeshdClient
-from meshd.engine import Engine, GenerationRequest
+from meshd.engine.base import Engine, GenerationRequest
 from meshd.errors import MeshdError
 from tests.support.daemons import run_cli, summary
 from tests.support.waiting import wait_until

@@ -18,7 +18,7 @@ import pytest
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import ApiError, MeshdClient
-from meshd.plan import model_name
+from meshd.mesh.home_plan import model_name
 from tests.support.daemons import run_cli, summary
 from tests.support.repo import ROOT
 from tests.support.waiting import wait_until
@@ -30,7 +30,7 @@ OTHER_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 @pytest.fixture
 def other_model():
-    from meshd.model_store import is_named_pulled
+    from meshd.model.store import is_named_pulled
 
     if not is_named_pulled(OTHER_MODEL):
         pytest.skip(f"{OTHER_MODEL} is not in the model cache (meshd model pull {OTHER_MODEL})")

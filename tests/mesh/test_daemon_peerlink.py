@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from meshd import control
-from meshd.peerlink import PeerLink
+from meshd.mesh import control
+from meshd.mesh.peerlink import PeerLink
 from meshd.state import Member, StateDir
 from tests.support.logs import all_log_events
 from tests.support.waiting import eventually
@@ -53,7 +53,7 @@ async def test_a_sender_refused_before_its_key_was_known_gets_through_once_it_is
 
 
 def test_probes_are_due_at_once_for_a_new_link_then_every_interval_and_never_twice_at_once():
-    from meshd.peerlink import LinkProbes
+    from meshd.mesh.peerlink import LinkProbes
 
     p = LinkProbes(interval_s=5.0, timeout_s=2.0)
     assert p.due(["b", "c"], 100.0) == ["b", "c"]
@@ -65,7 +65,7 @@ def test_probes_are_due_at_once_for_a_new_link_then_every_interval_and_never_twi
 
 
 def test_a_measured_round_trip_is_reported_while_fresh_then_the_peer_shows_unreachable():
-    from meshd.peerlink import LinkProbes
+    from meshd.mesh.peerlink import LinkProbes
 
     p = LinkProbes(interval_s=5.0, timeout_s=2.0)  # stale after 3 intervals + a timeout = 17 s
     p.due(["b"], 0.0)
@@ -80,7 +80,7 @@ def test_a_measured_round_trip_is_reported_while_fresh_then_the_peer_shows_unrea
 
 
 def test_two_failed_probes_in_a_row_make_a_peer_unreachable_and_an_answer_brings_it_back():
-    from meshd.peerlink import UNREACHABLE_AFTER, LinkProbes
+    from meshd.mesh.peerlink import UNREACHABLE_AFTER, LinkProbes
 
     assert UNREACHABLE_AFTER == 2
     p = LinkProbes(interval_s=1.0, timeout_s=0.5)
@@ -100,7 +100,7 @@ def test_two_failed_probes_in_a_row_make_a_peer_unreachable_and_an_answer_brings
 
 
 def test_a_forgotten_link_drops_its_entry_and_a_stale_probes_late_answer():
-    from meshd.peerlink import LinkProbes
+    from meshd.mesh.peerlink import LinkProbes
 
     p = LinkProbes(interval_s=1.0, timeout_s=0.5)
     p.due(["b"], 0.0)

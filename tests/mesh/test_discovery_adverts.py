@@ -2,10 +2,9 @@
 
 import pytest
 
-from meshd.discovery import (
-    PROTOCOL_VERSION, REASON_OTHER_HOME, REASON_UNPAIRED, Advert, DiscoveryError, Interface,
-    classify, select_interfaces,
-)
+from meshd.mesh.discovery import (
+    PROTOCOL_VERSION, REASON_OTHER_HOME, REASON_UNPAIRED, Advert, DiscoveryError, Interface, classify,
+    select_interfaces)
 from meshd.state import Member, key_fingerprint
 
 KEY = "K" * 40

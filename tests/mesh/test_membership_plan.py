@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from meshd import plan as plan_mod
-from meshd.plan import MemberInput, equal_split, plan_home
+from meshd.mesh import home_plan as plan_mod
+from meshd.mesh.home_plan import MemberInput, equal_split, plan_home
 from partition.plan import Plan
 from partition.plan import StageAssignment as Stage
 from tests.support.logs import all_log_events
@@ -106,11 +106,11 @@ def test_a_plan_names_the_numeric_mode_every_member_computes_in():
 
 
 def test_the_daemon_plan_is_made_of_the_partition_packages_half_open_stages():
-    import meshd.plan
+    import meshd.mesh.home_plan
     import partition.plan
 
-    assert meshd.plan.StageAssignment is partition.plan.StageAssignment  # one stage type
-    assert not hasattr(meshd.plan, "Stage")
+    assert meshd.mesh.home_plan.StageAssignment is partition.plan.StageAssignment  # one stage type
+    assert not hasattr(meshd.mesh.home_plan, "Stage")
     p = Plan(2, (Stage("x", 0, 10), Stage("y", 10, 30)), 30)
     assert p.layers_of("y") == (10, 30) and p.layers_of("z") is None
     assert p.layer_ranges == [(0, 10), (10, 30)]
@@ -134,7 +134,7 @@ def test_a_malformed_or_gappy_plan_is_rejected(assignment):
 
 
 def test_only_members_with_the_home_model_loaded_are_planned_and_the_rest_say_why():
-    from meshd.plan import plannable_members
+    from meshd.mesh.home_plan import plannable_members
 
     smol, qwen = ("smol.gguf@aa", 30), ("qwen.gguf@bb", 24)
     facts = {"a": ("loaded", *smol), "b": ("loaded", *smol), "c": ("loaded", *qwen),
@@ -146,7 +146,7 @@ def test_only_members_with_the_home_model_loaded_are_planned_and_the_rest_say_wh
 
 
 def test_the_home_model_is_the_most_common_then_the_lowest_node_ids_and_never_none():
-    from meshd.plan import plannable_members
+    from meshd.mesh.home_plan import plannable_members
 
     tie = {"b": ("loaded", "x@1", 30), "a": ("loaded", "y@2", 30)}
     assert plannable_members(tie)[1] == "y@2"  # tie: the lowest node id's model
@@ -177,7 +177,7 @@ class _Mesh:
 
     def __init__(self, tmp_path, node_id, peers, plan_version=0):
         from meshd.config import Config
-        from meshd.membership import Debouncer, Membership
+        from meshd.mesh.membership import Debouncer, Membership
         from meshd.mesh.gossip import Gossip
         from meshd.mesh.local import LocalMember
         from meshd.mesh.planner import Planner
@@ -208,7 +208,7 @@ def _daemon(tmp_path, node_id, peers, plan_version=0):
 
 
 def _heartbeat_from(node_id, plan):
-    from meshd import control
+    from meshd.mesh import control
     from transport.messages import Envelope
 
     return Envelope(control.MeshHeartbeat(
@@ -269,7 +269,7 @@ def test_members_holding_the_same_plan_see_no_conflict(tmp_path):
 def test_a_heartbeat_from_a_newer_member_with_fields_this_version_lacks_keeps_it_alive(tmp_path):
     import msgpack
     
-    from meshd import control
+    from meshd.mesh import control
     from transport.messages import decode, encode
 
     a = _daemon(tmp_path, "a", {"b": "key-b"})

@@ -1,6 +1,6 @@
 """Membership state machine, driven by a fake clock."""
 
-from meshd.membership import Change, Debouncer, Membership, PeerState, affects_plan
+from meshd.mesh.membership import Change, Debouncer, Membership, PeerState, affects_plan
 
 
 def make():

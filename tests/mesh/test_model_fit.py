@@ -1,6 +1,6 @@
 """A device that cannot hold the model alone is told so at once, with what to do."""
 
-from meshd.model_fit import PACKED_BYTES_PER_WEIGHT, fit_advice, weight_bytes
+from meshd.model.fit import PACKED_BYTES_PER_WEIGHT, fit_advice, weight_bytes
 
 
 def test_the_weight_estimate_is_the_loaded_stages_parameters(real_source, real_stage):

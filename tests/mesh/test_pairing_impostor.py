@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from meshd.errors import MeshdError
-from meshd.pairing import PairingError, PairingServer, create_invite, join_with_token
+from meshd.mesh.pairing import PairingError, PairingServer, create_invite, join_with_token
 from meshd.state import Member, MemberConflict, StateDir, StateError
 from tests.support.logs import all_log_events
 
@@ -62,7 +62,7 @@ async def test_an_impostor_with_a_members_node_id_is_refused_and_the_key_is_kept
     conflict = [e for e in logs if e["event"] == "pairing_identity_conflict"]
     assert len(conflict) == 1 and conflict[0]["log_level"] == "warning"
     assert conflict[0]["node_id"] == "m1" and conflict[0]["member_name"] == "laptop"
-    # The refusal does not consume the token (see meshd/pairing.py): the holder
+    # The refusal does not consume the token (see meshd/mesh/pairing.py): the holder
     # can still add one *new* device with it, which is all the token ever allowed.
     new_key = keypair()
     await join_with_token(token, "n2", "phone", new_key)

@@ -6,7 +6,7 @@ import json
 import pytest
 import zmq
 
-from meshd.pairing import PairingError, PairingServer, Token, create_invite, join_with_token
+from meshd.mesh.pairing import PairingError, PairingServer, Token, create_invite, join_with_token
 from meshd.state import Member, StateDir
 
 

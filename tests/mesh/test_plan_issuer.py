@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from meshd import plan as plan_mod
-from meshd.plan import MemberInput, PlanIssuer
+from meshd.mesh import home_plan as plan_mod
+from meshd.mesh.home_plan import MemberInput, PlanIssuer
 from partition.cuttable import CutTable
 from partition.plan import Plan, StageAssignment as Stage
 from tests.support.waiting import eventually

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshd.plan import MemberInput, plan_home, shipped_profiles_dir
-from meshd.self_profile import describe, reference_for, settle
+from meshd.mesh.home_plan import MemberInput, plan_home, shipped_profiles_dir
+from meshd.model.self_profile import describe, reference_for, settle
 from meshd.state import StateDir
 from partition import profile as pf
 
@@ -133,7 +133,7 @@ def test_the_real_one_layer_timing_gives_a_usable_profile(tmp_path, real_source)
 
 
 def _identities() -> list[str]:
-    from meshd.model_store import CATALOG, DEFAULT_MODEL
+    from meshd.model.store import CATALOG, DEFAULT_MODEL
 
     models = [(DEFAULT_MODEL.name, DEFAULT_MODEL.sha256)] + [(m.file_name, m.sha256) for m in CATALOG.values()]
     return [f"{name}@{sha[:16]}" for name, sha in models]
@@ -143,7 +143,7 @@ def _identities() -> list[str]:
 def test_every_model_meshd_can_pull_has_a_shipped_profile_in_the_cpu_default_mode(identity):
     """Without one, a home of that model plans an equal split and no device can time itself
     against a reference (the recommended Home Assistant model was such a case)."""
-    from meshd.plan import default_profile
+    from meshd.mesh.home_plan import default_profile
 
     found = reference_for(identity, [shipped_profiles_dir()], "packed")
     assert found is not None, f"no profile of {identity} in profiles/: run `meshd profile --model ... --weights packed`"

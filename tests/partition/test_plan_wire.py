@@ -17,7 +17,7 @@ from partition.synthetic import synthetic_profile
 from transport.messages import PlanUpdate, decode, encode
 from transport.wire import DEFAULT_LIMITS
 
-# What a 0.2 leader broadcast for a two-stage plan (meshd/plan.py at 0.2.0: "last" is the exclusive end)
+# What a 0.2 leader broadcast for a two-stage plan (meshd/mesh/home_plan.py at 0.2.0: "last" is the exclusive end)
 ASSIGNMENT_0_2 = {
     "a": {"stage": 0, "first": 0, "last": 12, "num_layers": 30, "predicted_bottleneck_s": 0.5,
           "reason": "compute: ...", "leader": "a", "members": ["a", "b"], "weights": "float32",

@@ -1,13 +1,14 @@
 """A request ends at ``max_tokens`` and at EOS, the same way through the mesh and on one device.
 
-The rule is one :class:`meshd.engine.Budget`; the token producers (the coordinator,
+The rule is one :class:`meshd.engine.base.Budget`; the token producers (the coordinator,
 the local engine's loop) stop computing at it and the API's stream names the reason.
 """
 
 import pytest
 
 from decoding.sampling import SamplingSpec
-from meshd.engine import Budget, GenerationRequest, LocalEngine
+from meshd.engine.base import Budget, GenerationRequest
+from meshd.engine.local import LocalEngine
 from meshd.pipeline.engine import PipelineEngine
 from meshd.pipeline.slot import StepsRequest
 from tests.support.inprocess import Mesh

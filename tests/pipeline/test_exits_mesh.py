@@ -131,7 +131,8 @@ def test_the_engine_decodes_with_exits_only_where_they_are_asked_for_and_can_mix
     from decoding.penalties import Penalties
     from decoding.sampling import SamplingParams
     from decoding.speculative.params import SpeculativeParams
-    from meshd.engine import BadEngineRequest, GenerationRequest
+    from meshd.engine.errors import BadEngineRequest
+    from meshd.engine.base import GenerationRequest
     from meshd.pipeline.engine import PipelineEngine
 
     def req(threshold=None, **kw):

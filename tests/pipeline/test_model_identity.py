@@ -14,7 +14,7 @@ from decoding.loader import open_model
 from decoding.sampling import SamplingSpec
 from meshd.pipeline.coordinator import BadTokens, ModelMismatch, PipelineCoordinator
 from meshd.pipeline.route import Route
-from meshd.plan import Plan, not_planned, plannable_members
+from meshd.mesh.home_plan import Plan, not_planned, plannable_members
 from partition.plan import StageAssignment as Stage
 from tests.support.clients import sdk
 from tests.support.api import FakeEngine, ServerThread
@@ -72,7 +72,7 @@ def test_a_plan_carries_its_model_on_the_wire_and_older_plans_without_one_still_
 
 
 def test_the_warning_says_how_to_start_a_device_on_the_homes_model():
-    from meshd.model_store import CATALOG, DEFAULT_MODEL, model_flag_for
+    from meshd.model.store import CATALOG, DEFAULT_MODEL, model_flag_for
 
     qwen = CATALOG["qwen2.5-coder-0.5b-instruct"]
     assert model_flag_for(f"{qwen.file_name}@{qwen.sha256[:16]}") == "with --model qwen2.5-coder-0.5b-instruct"

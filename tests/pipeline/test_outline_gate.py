@@ -17,7 +17,8 @@ import pytest
 from decoding.sampling import SamplingSpec
 from meshd.commands.chat import summary_line
 from meshd.commands.status_extras import outline_line
-from meshd.engine import BadEngineRequest, GenerationRequest
+from meshd.engine.errors import BadEngineRequest
+from meshd.engine.base import GenerationRequest
 from meshd.pipeline.outline_gate import (BREVITY_CUES, MIN_ANSWER_TOKENS, PAYING_ANSWER_TOKENS, brevity_cue,
                                          decide)
 from meshd.pipeline.outline_router import shipped

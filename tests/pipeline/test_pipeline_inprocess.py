@@ -226,7 +226,8 @@ async def test_when_no_plan_can_serve_the_request_fails_naming_the_device(tiny):
 
 
 async def test_engine_streams_text_through_the_mesh_and_maps_errors(tiny):
-    from meshd.engine import GenerationRequest, NoPlan
+    from meshd.engine.base import GenerationRequest
+    from meshd.engine.errors import NoPlan
     from meshd.pipeline.engine import PipelineEngine
 
     class Tok:  # the tiny model has no tokenizer: ids are their own text

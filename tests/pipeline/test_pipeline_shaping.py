@@ -13,7 +13,8 @@ import pytest
 
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, SamplingSpec
-from meshd.engine import GenerationRequest, LocalEngine
+from meshd.engine.base import GenerationRequest
+from meshd.engine.local import LocalEngine
 from meshd.pipeline.slot import StepsRequest
 from tests.support.inprocess import Mesh
 

@@ -10,7 +10,7 @@ import pytest
 
 from meshd.pipeline import serving
 from meshd.pipeline.serving import ServingRole, route_from_plan
-from meshd.plan import shipped_profiles_dir
+from meshd.mesh.home_plan import shipped_profiles_dir
 from partition.cuttable import CutTable
 from partition.plan import Plan, StageAssignment as Stage
 from tests.support.logs import all_log_events

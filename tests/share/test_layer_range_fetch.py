@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from meshd.plan import Plan
+from meshd.mesh.home_plan import Plan
 from meshd.share.messages import ShareTarget
 from partition.ids import NodeId, PlanVersion
 from partition.plan import StageAssignment

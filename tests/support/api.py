@@ -21,7 +21,7 @@ from meshd import log
 from meshd.api.common import ApiLimits
 from meshd.api.server import create_app, start_api
 from meshd.apikeys import ApiKeyStore
-from meshd.engine import Engine, GenerationRequest
+from meshd.engine.base import Engine, GenerationRequest
 
 EOS = 0
 REPLY = "Hello from the fake mesh. It is deterministic."

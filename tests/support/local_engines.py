@@ -15,8 +15,8 @@ TOOL_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 @functools.cache
 def _load_local(model: str | None):
-    from meshd.engine import LocalEngine
-    from meshd.model_store import ModelNotAvailable, is_named_pulled, open_model, pull_named
+    from meshd.engine.local import LocalEngine
+    from meshd.model.store import ModelNotAvailable, is_named_pulled, open_model, pull_named
 
     try:
         if model is not None and not is_named_pulled(model):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from meshd.membership import PeerState
+from meshd.mesh.membership import PeerState
 from meshd.share.deps import ShareDeps, ShareSettings, share_address
 from meshd.share.service import ShareService
 from transport.node import TransportNode

@@ -130,7 +130,7 @@ def test_the_gpu_default_dtype_runs_beside_a_float32_cpu_stage(real_source):
 def test_speculative_rounds_on_the_gpu_give_the_plain_greedy_tokens(real_source, cpu_pipe, gpu_pipe):
     """Tree verification and Medusa heads (copied next to the GPU's LM head) change nothing."""
     from decoding.speculative.generate import MedusaSource, speculative_generate
-    from meshd.drafting import medusa_heads_for
+    from meshd.engine.drafting import medusa_heads_for
 
     heads = medusa_heads_for(real_source)
     medusa = MedusaSource(heads, gpu_pipe.stages[-1].lm_head)
@@ -184,7 +184,7 @@ def test_early_exits_on_a_gpu_stage_leave_the_full_models_kv_and_exit_where_the_
     (bit for bit the full model's on the same device), and the tokens and exits match the CPU's."""
     from decoding.batch import BatchItem
     from decoding.exits import BoundExits, ExitCheck
-    from meshd.heads import embedded_exits
+    from meshd.model.heads import embedded_exits
 
     cfg = real_source.config
     heads = embedded_exits(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)

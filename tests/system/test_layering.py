@@ -57,9 +57,9 @@ def test_lower_packages_never_import_meshd(package):
 
 
 def test_the_check_sees_imports_inside_functions():
-    src = "def f():\n    from meshd.model_store import sha256_of\n    import meshd.log as l\n"
+    src = "def f():\n    from meshd.model.store import sha256_of\n    import meshd.log as l\n"
     assert [m for _, m in imported_modules(ast.parse(src)) if _is_forbidden(m)] == [
-        "meshd.model_store", "meshd.model_store.sha256_of", "meshd.log"]
+        "meshd.model.store", "meshd.model.store.sha256_of", "meshd.log"]
     assert not [m for _, m in imported_modules(ast.parse("import meshdx\nfrom transport import wire\n"))
                 if _is_forbidden(m)]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from meshd import plan as plan_mod
+from meshd.mesh import home_plan as plan_mod
 from meshd.cli import main
-from meshd.plan import MemberInput, plan_home, shipped_profiles_dir
+from meshd.mesh.home_plan import MemberInput, plan_home, shipped_profiles_dir
 from tests.support.logs import all_log_events
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -196,7 +196,7 @@ def test_the_hub_models_snippet_runs_against_a_stand_in_hub(tmp_path, monkeypatc
     --model finds the pulled copy."""
     import shlex
 
-    from meshd import model_store
+    from meshd.model import store as model_store
     from meshd.cli import main
     from tests.support.gguf import write_tiny_gguf
     from tests.support.gguf_split import split_gguf

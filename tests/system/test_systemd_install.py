@@ -152,7 +152,7 @@ def test_the_wheel_ships_the_reference_profiles(wheel):
 
 
 def test_the_installed_meshd_finds_its_profiles_without_the_repository(installed):
-    probe = ("import meshd, meshd.plan as p; d = p.default_profile(); "
+    probe = ("import meshd, meshd.mesh.home_plan as p; d = p.default_profile(); "
              "print(meshd.__file__); print(p.shipped_profiles_dir()); print(d['device_id'] if d else None)")
     out = subprocess.run([str(installed.venv / "bin/python"), "-c", probe], capture_output=True, text=True,
                          cwd="/", env=_clean_env(), timeout=120)

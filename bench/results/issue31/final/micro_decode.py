@@ -3,7 +3,7 @@ import asyncio, sys, time, os, statistics
 sys.path.insert(0, os.getcwd())
 import torch
 from decoding.pipeline_local import even_split
-from meshd.model_store import open_model
+from meshd.model.store import open_model
 from meshd.pipeline.proc_mesh import ProcessMesh
 try:
     from decoding.sampling import SamplingSpec as SP

@@ -3,12 +3,12 @@ import asyncio, sys, time, os, statistics
 sys.path.insert(0, os.getcwd())
 import torch
 from decoding.pipeline_local import even_split
-from meshd.model_store import open_model
+from meshd.model.store import open_model
 from meshd.pipeline.proc_mesh import ProcessMesh
 from meshd.pipeline.engine import PipelineEngine
-from meshd.engine import GenerationRequest
+from meshd.engine.base import GenerationRequest
 try:
-    from meshd.draining import DrainingEngine
+    from meshd.engine.draining import DrainingEngine
     NEW = True
 except ImportError:
     from meshd.daemon import DrainingEngine

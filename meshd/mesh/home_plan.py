@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.profile_files import profile_model, read_profiles
+from meshd.model.profile_files import profile_model, read_profiles
 from partition.ids import NodeId, PlanVersion
 from partition.cuttable import CutTable
 from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, Plan, StageAssignment
@@ -34,7 +34,7 @@ __all__ = ["DEFAULT_LINK", "PLAN_MAX_SEQ", "PLAN_SEQ_LEN", "MemberInput", "PlanI
            "plan_home", "chunks_prompts", "home_cut_table", "stage_timings_over", "shipped_profiles_dir", "default_profile",
            "prefer_mode", "model_name", "other_model_reason", "plannable_members", "not_planned"]
 
-log = get_logger("meshd.plan")
+log = get_logger("meshd.mesh.home_plan")
 
 
 @dataclass
@@ -67,7 +67,7 @@ def shipped_profiles_dir() -> Path:
     pyproject.toml), so an installed meshd, which has no repository around
     it, finds the same profiles at the same place and plans by speed.
     """
-    return Path(__file__).resolve().parent / "profiles"
+    return Path(__file__).resolve().parent.parent / "profiles"
 
 
 _said_none_shipped: set[Path] = set()

@@ -12,12 +12,12 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from meshd.engine import Budget, Engine, GenerationRequest, model_id_of
-from meshd.engine_errors import EngineError, GenerationFailed, PromptTooLong
+from meshd.engine.base import Budget, Engine, GenerationRequest, model_id_of
+from meshd.engine.errors import EngineError, GenerationFailed, PromptTooLong
 from meshd.errors import USER_ERRORS
 from meshd.log import get_logger
 
-log = get_logger("meshd.engine")
+log = get_logger("meshd.engine.base")
 
 # --------------------------------------------------------------------------- threads
 
@@ -113,7 +113,7 @@ class LocalEngine(Engine):
     @classmethod
     async def open(cls, path=None, **kw) -> LocalEngine:
         """Open ``path`` (None: the embedded default model) and load it off the event loop."""
-        from meshd.model_store import open_model
+        from meshd.model.store import open_model
 
         return await asyncio.to_thread(lambda: cls(open_model(path), **kw))
 
@@ -169,7 +169,7 @@ class LocalEngine(Engine):
 
 
 async def local_engine(config) -> LocalEngine:
-    """Engine factory for the daemon's ``engine = "meshd.engine:local_engine"`` setting
+    """Engine factory for the daemon's ``engine = "meshd.engine.local:local_engine"`` setting
     (an engine factory is called with the daemon's ``meshd.config.Config``).
 
     Serves the configured model (``model``; unset = the embedded default) wholly

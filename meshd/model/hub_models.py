@@ -3,7 +3,7 @@
 Ollama's users type ``ollama pull qwen3:8b``; ours type ``meshd model pull qwen3:8b``. This
 module only names things (no network, nothing imported that reaches one): which repository
 and files a reference means, where a pulled copy lives under the model cache, and what the
-curated models are known for. ``meshd.hub_pull`` fetches; ``meshd.model_store`` resolves a
+curated models are known for. ``meshd.model.hub_pull`` fetches; ``meshd.model.store`` resolves a
 reference to the local copy when a daemon starts.
 
 The command-success figures are Home Assistant's own published evaluation of local models

@@ -1,7 +1,7 @@
 """Device profile files in a folder (a state dir's, the shipped ones): read, and told apart by model.
 
 Apart from the state directory because profiles are read from more than one place
-(``meshd.plan`` reads the shipped folder too), and a profile only guides plans: an
+(``meshd.mesh.home_plan`` reads the shipped folder too), and a profile only guides plans: an
 unreadable file is passed over, never an error.
 """
 

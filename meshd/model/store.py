@@ -256,7 +256,7 @@ def resolve_model(path: str | os.PathLike | None) -> Path:
     resolves to what ``meshd model pull`` left in the cache (a split set: its first part),
     without reaching the Hub.
     """
-    from meshd import hub_models
+    from meshd.model import hub_models
 
     if path and hub_models.is_hub_ref(str(path)):
         ref = hub_models.parse_ref(str(path))
@@ -297,7 +297,7 @@ def model_flag_for(identity: str) -> str:
 
 def _pulled_hub_ref(file_name: str) -> str | None:
     """The ``--model`` that names a file of this name pulled from the Hub (a curated name if one is it)."""
-    from meshd import hub_models
+    from meshd.model import hub_models
 
     root = models_dir() / "hub"
     if not root.is_dir() or not file_name:

@@ -15,13 +15,13 @@ from decoding.errors import DrafterError
 from meshd.errors import MeshdError
 from meshd.log import get_logger
 
-log = get_logger("meshd.drafting")
+log = get_logger("meshd.engine.drafting")
 
 
 def medusa_heads_for(source, setting: str | None = None):
     """The Medusa heads to draft with for ``source`` (a configured file, or the shipped ones)."""
     from decoding.medusa import MedusaHeads
-    from meshd import heads as shipped
+    from meshd.model import heads as shipped
 
     cfg = source.config
     if setting == "none":
@@ -49,7 +49,7 @@ def medusa_factory(source, setting: str | None):
 def exit_heads_for(source, setting: str | None = None):
     """The early-exit heads for ``source`` (a configured file, or the ones shipped with the embedded model)."""
     from decoding.exits import ExitHeads
-    from meshd import heads as shipped
+    from meshd.model import heads as shipped
 
     cfg = source.config
     if setting == "none":
@@ -79,7 +79,7 @@ class DraftModels:
     def __call__(self):
         from decoding.pipeline_local import LocalPipeline
         from decoding.speculative.draft_model import ModelDrafter, check_same_tokenizer
-        from meshd.model_store import open_model
+        from meshd.model.store import open_model
 
         # Errors reach the client as a 400: they name the draft model by its file name, never its
         # directory (the log has the whole path).

@@ -1,13 +1,13 @@
 """``meshd model pull hf:…``: fetch GGUF files from the Hugging Face Hub, resumably, sha256-checked.
 
 Only this module talks to the Hub, and only when a user runs a pull: nothing here runs at
-import or when a daemon starts (``meshd.hub_models.local_files`` finds what a pull left).
+import or when a daemon starts (``meshd.model.hub_models.local_files`` finds what a pull left).
 
 How one pull goes, with ``huggingface_hub`` doing the talking:
 
 1. The repository's metadata at its current commit (``model_info(files_metadata=True)``):
    its files, and for each LFS file its size and sha256.
-2. ``meshd.hub_models.pick_files`` turns the reference into files: one GGUF or every
+2. ``meshd.model.hub_models.pick_files`` turns the reference into files: one GGUF or every
    part of a split set.
 3. Each file is fetched from that same commit into ``<models>/hub/OWNER--REPO/FILE.incomplete``
    with ``huggingface_hub``'s ``http_get`` (its progress bar, its retries with a Range
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshd.errors import MeshdError
-from meshd.hub_models import HubRef, parse_ref, pick_files, repo_dir
+from meshd.model.hub_models import HubRef, parse_ref, pick_files, repo_dir
 from meshd.log import get_logger
 
-log = get_logger("meshd.hub_pull")
+log = get_logger("meshd.model.hub_pull")
 
 VERIFIED = ".verified.json"  # in each repository's folder: file -> {sha256, size, mtime_ns}
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meshd.config import Config
-from meshd.draining import DrainingEngine, load_engine_factory
+from meshd.engine.draining import DrainingEngine, load_engine_factory
 from meshd.errors import USER_ERRORS
 from meshd.log import get_logger
 from meshd.mesh.gossip import Gossip
@@ -71,7 +71,7 @@ class ModelHost:
         log.info("model_loading", model=cfg.model or "embedded default")
         try:
             from decoding.speculative.draft_model import tokenizer_fingerprint
-            from meshd.drafting import DraftModels
+            from meshd.engine.drafting import DraftModels
             from meshd.pipeline.engine import PipelineEngine
             from meshd.pipeline.serving import start_serving
 
@@ -107,7 +107,7 @@ class ModelHost:
     def _check_fit(self, source) -> None:
         """Say at once when this device alone cannot hold the model (and what to do)."""
         from meshd.config import placement_of
-        from meshd.model_fit import PACKED_BYTES_PER_WEIGHT, fit_advice
+        from meshd.model.fit import PACKED_BYTES_PER_WEIGHT, fit_advice
 
         placement = placement_of(self.config)
         per_weight = PACKED_BYTES_PER_WEIGHT if placement.packed else placement.dtype.itemsize
@@ -118,12 +118,12 @@ class ModelHost:
 
     async def _settle_profile(self, source) -> None:
         """Plan this device by its own speed: its installed profile of this model, or a quick
-        measurement now, before it counts as loaded (``meshd.self_profile``)."""
+        measurement now, before it counts as loaded (``meshd.model.self_profile``)."""
         import torch
 
         from meshd.config import placement_of
-        from meshd.plan import shipped_profiles_dir
-        from meshd.self_profile import settle
+        from meshd.mesh.home_plan import shipped_profiles_dir
+        from meshd.model.self_profile import settle
 
         try:
             on_cpu = placement_of(self.config).device.type == "cpu"

@@ -1,6 +1,6 @@
 """Control messages between members' daemons (registered with the transport's codec).
 
-They travel on the CURVE link (``meshd.peerlink``); the transport decodes and
+They travel on the CURVE link (``meshd.mesh.peerlink``); the transport decodes and
 type-checks them, so handlers only ever see well-formed values. Plans travel
 as ``transport.messages.PlanUpdate``.
 """

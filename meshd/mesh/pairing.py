@@ -48,7 +48,7 @@ from meshd.state import Home, Member, MemberConflict, StateDir, key_fingerprint,
 from transport.errors import KeyStoreError
 from transport.keys import validate_public_key
 
-log = get_logger("meshd.pairing")
+log = get_logger("meshd.mesh.pairing")
 
 TOKEN_PREFIX = "meshd1-"
 PAIRING_VERSION = 1

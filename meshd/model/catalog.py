@@ -1,7 +1,7 @@
 """Every model meshd fetches by name, from either source, as one list (``meshd model list`` / ``advise``).
 
-Two kinds: the curated Hub models (``qwen3:8b`` …; ``meshd.hub_models``) and the package-index
-catalog (``qwen2.5-coder-1.5b-instruct`` …; ``meshd.model_store``), the offline path. Each row
+Two kinds: the curated Hub models (``qwen3:8b`` …; ``meshd.model.hub_models``) and the package-index
+catalog (``qwen2.5-coder-1.5b-instruct`` …; ``meshd.model.store``), the offline path. Each row
 carries its file size and its published Home Assistant command success, and whether this
 device already holds it. Nothing here reaches a network: sizes of Hub models not yet pulled
 are the published ones (the Hub's own figure is used when pulling).
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshd import hub_models, model_store
-from meshd.hub_models import CommandSuccess
+from meshd.model import hub_models, store as model_store
+from meshd.model.hub_models import CommandSuccess
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import importlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from meshd.engine import Engine, EngineUnavailable, GenerationRequest, TokenStream
+from meshd.engine.base import Engine, GenerationRequest, TokenStream
+from meshd.engine.errors import EngineUnavailable
 from meshd.errors import MeshdError
 from meshd.log import get_logger
 

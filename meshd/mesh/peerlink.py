@@ -38,7 +38,7 @@ from transport.messages import Envelope, LinkProbe, LinkProbeAck
 from transport.node import TransportNode
 from partition.ids import NodeId
 
-log = get_logger("meshd.peerlink")
+log = get_logger("meshd.mesh.peerlink")
 
 RENEW_AFTER_FAILURES = 2
 RENEW_BACKOFF_S = (0.5, 8.0)  # first and longest wait between rebuilds of a failing link

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.profile_files import profile_model, read_profiles
+from meshd.model.profile_files import profile_model, read_profiles
 from meshd.state import StateDir
 
-log = get_logger("meshd.self_profile")
+log = get_logger("meshd.model.self_profile")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def describe(profile: dict[str, Any] | None) -> str:
 def reference_for(model: str, dirs: list[Path], weights: str = "") -> Path | None:
     """A shipped full profile of ``model`` (its identity) to scale from, if any: one measured in the
     numeric mode ``weights`` when there is one (a packed layer's speed is not a float32 layer's)."""
-    from meshd.plan import prefer_mode
+    from meshd.mesh.home_plan import prefer_mode
 
     found = [(path, data) for d in dirs for path, data in read_profiles(d)
              if profile_model(data) == model and not data.get("scaled_from")]

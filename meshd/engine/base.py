@@ -19,28 +19,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from decoding.detok import IncrementalDetokenizer  # re-exported: the API layer streams with it
+from decoding.detok import IncrementalDetokenizer
 from decoding.sampling import SamplingSpec
 from decoding.speculative.params import SpeculativeParams, SpeculativeStats
-from meshd.engine_errors import (BadEngineRequest, BadTokenIds, EngineBusy, EngineError,  # noqa: F401 - re-exported
-                                 EngineUnavailable, GenerationFailed, NoPlan, PromptTooLong, WrongModel, out_of_vocab)
+from meshd.engine.errors import (
+    BadEngineRequest, BadTokenIds, EngineBusy, EngineError, EngineUnavailable, GenerationFailed, NoPlan,
+    PromptTooLong, WrongModel, out_of_vocab)
 from meshd.log import get_logger
 from partition.ids import RequestId
 
-log = get_logger("meshd.engine")
-
-_LOCAL = ("LocalEngine", "iterate_in_thread", "local_engine")
-
-
-def __getattr__(name: str):
-    """``LocalEngine`` & co. live in :mod:`meshd.local_engine` (which builds on this module);
-    the old names, and the ``engine = "meshd.engine:local_engine"`` setting, still find them."""
-    if name in _LOCAL:
-        from meshd import local_engine
-
-        return getattr(local_engine, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+log = get_logger("meshd.engine.base")
 
 # --------------------------------------------------------------------------- messages
 

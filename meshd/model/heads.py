@@ -16,7 +16,7 @@ from decoding.errors import DrafterError
 from decoding.exits import ExitHeads
 from decoding.medusa import MedusaHeads
 
-HEADS_FILE = Path(__file__).parent / "data" / "medusa-smollm2-135m.pt"
+HEADS_FILE = Path(__file__).parent.parent / "data" / "medusa-smollm2-135m.pt"
 HEADS_SHA256 = "5043d2488fa8f4b6153d687fbb8c7f84d998dcff9feaa70d996f5f95f4723cdb"
 
 
@@ -32,7 +32,7 @@ def embedded_heads(*, vocab_size: int | None = None, hidden_size: int | None = N
 
 
 # The early-exit heads (``meshd heads train-exits``, defaults) for the same model.
-EXITS_FILE = Path(__file__).parent / "data" / "exits-smollm2-135m.pt"
+EXITS_FILE = Path(__file__).parent.parent / "data" / "exits-smollm2-135m.pt"
 EXITS_SHA256 = "f0954285fda3cc14567fa1c451d6d764951666ac7adc9e3f01bb0d5407ff0e29"
 
 

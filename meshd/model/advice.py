@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshd.hub_models import CommandSuccess
+from meshd.model.hub_models import CommandSuccess
 
 CONTEXT = 256  # tokens already in the cache when the decode step is read off a profile
 

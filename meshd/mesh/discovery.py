@@ -34,7 +34,7 @@ from meshd.state import Member, key_fingerprint
 SERVICE_TYPE = "_meshd._tcp.local."
 PROTOCOL_VERSION = 1
 
-log = get_logger("meshd.discovery")
+log = get_logger("meshd.mesh.discovery")
 
 
 class DiscoveryError(MeshdError):

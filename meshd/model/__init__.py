@@ -1,0 +1,8 @@
+"""The model files a device holds and what it learns about them.
+
+- ``store``: the model cache (names, pulls, checksums); ``hub_models``/``hub_pull``/``catalog``:
+  models from the Hub and the list the CLI offers; ``advice``/``fit``: which model fits this home;
+- ``profile_files``/``self_profile``: this device's measured profile, read and written;
+- ``heads``: the shipped Medusa and exit heads, pinned by checksum;
+- ``host``: loads the model this device serves and swaps it when the plan changes.
+"""
