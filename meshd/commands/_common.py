@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from decoding.device import DEVICE_CHOICES, DTYPES, WEIGHT_MODES  # noqa: F401  (DTYPES: re-exported for callers)
+from decoding.device import DEVICE_CHOICES, DTYPES, WEIGHT_MODES
 
 
 def add_model_args(p) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from meshd.log import get_logger
 from meshd.share import manifest as mf
-from meshd.share.deps import MODES, ShareDeps, ShareError  # noqa: F401 - re-exported for callers
+from meshd.share.deps import ShareDeps
 from meshd.share.endpoint import PieceEndpoint
 from meshd.share.own_fetch import OwnFetch
 from meshd.share.held import HeldModel
