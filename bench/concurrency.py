@@ -49,12 +49,13 @@ def chat_prompts(tok, n: int) -> list[list[int]]:
 
 async def run_level(coord, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
     from decoding.sampling import SamplingSpec
+    from tests.support.coordinator import generate_on
 
     stamps: list[float] = []
     outs: list[list[int]] = [[] for _ in prompts]
 
     async def one(i, ids):
-        async for t in coord.generate(f"c{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), ()):
+        async for t in generate_on(coord, f"c{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), ()):
             stamps.append(time.perf_counter())
             outs[i].append(t)
 
@@ -70,7 +71,7 @@ async def measure_configs(levels: list[int], tokens: int, reps: int, log=print) 
     from decoding.generate import generate
     from decoding.pipeline_local import LocalPipeline, even_split
     from meshd.model.store import open_model
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from tests.support.proc_mesh import ProcessMesh
 
     torch.set_num_threads(1)
     source = open_model(None)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._cold import COLD_OFF, CacheGuard  # noqa: E402
 from bench._common import emit_json, machine_banner  # noqa: E402
-from meshd.pipeline.slot import StepsRequest  # noqa: E402
+from meshd.pipeline.coordinator.slot import StepsRequest  # noqa: E402
 
 METHODS = ["naive", "lookup", "medusa", "auto"]
 
@@ -51,7 +51,7 @@ async def run(args) -> dict:
     from decoding.sampling import SamplingSpec
     from decoding.speculative.session import SpeculationSession
     from meshd.model.store import open_model
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from tests.support.proc_mesh import ProcessMesh
 
     torch.set_num_threads(1)
     source = open_model(None)

@@ -73,7 +73,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 async def answer(coord, rid, ids, max_tokens, eos, threshold) -> dict:
     from decoding.sampling import SamplingSpec
-    from meshd.pipeline.coordinator import StepsRequest
+    from meshd.pipeline.coordinator.slot import StepsRequest
 
     t0 = time.perf_counter()
     first, toks, layers = None, [], []
@@ -94,7 +94,7 @@ async def answer(coord, rid, ids, max_tokens, eos, threshold) -> dict:
 
 async def measure(prompts, tok, ranges, weights, max_tokens, exit_heads, log, device=None) -> tuple[list[dict], dict]:
     from bench._cold import CacheGuard
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from tests.support.proc_mesh import ProcessMesh
 
     rows = {p["id"]: {"prompt": p["prompt"], "category": p["category"], "mesh": {}, "one": {}} for p in prompts}
     cores = {"mesh": [[0], [1]], "one": [[0]]}
@@ -131,7 +131,7 @@ def step_costs(weights: str, exit_heads: str | None, device: str = "cpu") -> dic
     import torch
 
     from decoding.device import resolve_weights
-    from decoding.exits.bound import BoundExits
+    from decoding.exits import BoundExits
     from decoding.linear import linear
     from decoding.models.llama.layers import rms_norm
     from meshd.engine.drafting import exit_heads_for

@@ -67,7 +67,7 @@ def measure_speed(slow: bool) -> float:
 
 
 async def run_config(name: str, plan, lens, prompts, args) -> dict:
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from tests.support.proc_mesh import ProcessMesh, stage_env
 
     ranges = [(s.first, s.end) for s in plan.stages]
     who = [str(s.node_id) for s in plan.stages]
@@ -75,7 +75,7 @@ async def run_config(name: str, plan, lens, prompts, args) -> dict:
 
     def launcher(i, argv):
         argv = capped(argv, 1) if who[i] == "slow" else argv
-        return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True, env=stage_env())
 
     out = {"config": name, "stages": [{"device": w, "layers": list(r)} for w, r in zip(who, ranges)], "rows": []}
     print(f"{name}: stages {', '.join(f'{w} {a}-{b - 1}' for w, (a, b) in zip(who, ranges))}", flush=True)

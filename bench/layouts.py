@@ -79,6 +79,7 @@ def prompts_for(tok, cases: list[tuple[str, int]], reps: int) -> dict[tuple[str,
 
 async def burst(coord, prompts: list[list[int]], tokens: int, cuts=None) -> dict:
     from decoding.sampling import SamplingSpec
+    from tests.support.coordinator import generate_on
 
     t0 = time.perf_counter()
     outs: list[list[int]] = [[] for _ in prompts]
@@ -87,7 +88,7 @@ async def burst(coord, prompts: list[list[int]], tokens: int, cuts=None) -> dict
     spread: dict = {}
 
     async def one(i, ids):
-        async for t in coord.generate(f"l{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), (), cuts=cuts):
+        async for t in generate_on(coord, f"l{i}-{time.monotonic_ns()}", ids, tokens, SamplingSpec(), (), cuts=cuts):
             if not outs[i]:
                 firsts[i] = time.perf_counter() - t0
                 if not spread:  # requests per route when the first token arrives
@@ -103,7 +104,7 @@ async def burst(coord, prompts: list[list[int]], tokens: int, cuts=None) -> dict
 
 def mesh_for(config: str, n_layers: int):
     from decoding.pipeline_local import even_split
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from tests.support.proc_mesh import ProcessMesh
 
     whole = [(0, n_layers)]
     if config == "single/unbatched":
@@ -153,7 +154,7 @@ async def measure(cases, configs, prompts, tokens_for, reps, refs, skip=frozense
 def cuts_for(mesh, n_layers: int):
     """Where the daemon would cut a prompt on each route: the cut table its leader builds from the
     members' profiles (here the shipped one for both), none on a one-stage route."""
-    from meshd.pipeline.cuts import prompt_cuts
+    from meshd.pipeline.coordinator.cuts import prompt_cuts
     from meshd.mesh.home_plan import cut_table_over
 
     profile = json.loads(PROFILE.read_text())

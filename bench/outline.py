@@ -9,7 +9,7 @@ Run as ``bench/decode.py --outline`` (or this file directly). One session:
      naive       plain pipelined decoding
      outline     outline mode forced on (title-by-title outline, points expanded concurrently)
      outline_sd  outline mode with speculative decoding in every point (``auto`` drafter)
-     auto        what ``outline: "auto"`` does (meshd.pipeline.outline_gate: the budget, brevity cues, the router)
+     auto        what ``outline: "auto"`` does (meshd.pipeline.outline.gate: the budget, brevity cues, the router)
    End-to-end answer latency (request sent -> last token) and answer tokens/s.
    Speedups are over naive on the outline-suited prompts (those the labelled set marks suited).
 2. Concurrency. Aggregate decode throughput with 1, 2, 4, 8 ordinary requests
@@ -72,10 +72,11 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
     from decoding.sampling import SamplingSpec
     from decoding.speculative.session import SpeculationSession
     from meshd.model.store import open_model
-    from meshd.pipeline.outline import OutlineDecoder, OutlineStats
-    from meshd.pipeline.outline_gate import decide
-    from meshd.pipeline.outline_router import shipped
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from meshd.pipeline.outline.decoder import OutlineDecoder, OutlineStats
+    from meshd.pipeline.outline.gate import decide
+    from meshd.pipeline.outline.router import shipped
+    from tests.support.coordinator import generate_on
+    from tests.support.proc_mesh import ProcessMesh
 
     torch.set_num_threads(1)
     source = open_model(None)
@@ -92,11 +93,11 @@ async def answers(rows: list[dict], max_tokens: int, log=print) -> list[dict]:
                            prefix_cache=False) as mesh:
         coord = mesh.coord
         guard = CacheGuard(mesh.reused_tokens)
-        await _timed(coord.generate("warm", tok.apply_chat([{"role": "user", "content": "Hi"}]), 4,
-                                    SamplingSpec(), eos))
+        await _timed(generate_on(coord, "warm", tok.apply_chat([{"role": "user", "content": "Hi"}]), 4,
+                                 SamplingSpec(), eos))
 
         async def plain(rid, ids):
-            return [t async for t in coord.generate(rid, ids, max_tokens, SamplingSpec(), eos) if t not in eos]
+            return [t async for t in generate_on(coord, rid, ids, max_tokens, SamplingSpec(), eos) if t not in eos]
 
         async def outlined(rid, msgs, spec: bool):
             stats = OutlineStats()

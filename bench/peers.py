@@ -182,8 +182,9 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
     from decoding.pipeline_local import LocalPipeline, even_split
     from decoding.sampling import SamplingSpec
     from decoding.batch import EXACT_BLOCK
-    from meshd.pipeline.cuts import aligned_cuts, default_cuts
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from meshd.pipeline.coordinator.cuts import aligned_cuts, default_cuts
+    from tests.support.coordinator import generate_on
+    from tests.support.proc_mesh import ProcessMesh
 
     src = open_model(path)
     tok = src.tokenizer
@@ -197,7 +198,7 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
         for r in range(reps + 1):
             stamps = []
             async with guard.cold(f"mesh decode rep {r}"):
-                async for _ in mesh.coord.generate(f"d{r}", ids, 1 + decode, SamplingSpec(), ()):
+                async for _ in generate_on(mesh.coord, f"d{r}", ids, 1 + decode, SamplingSpec(), ()):
                     stamps.append(time.perf_counter())
             if r and len(stamps) > 1:
                 rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
@@ -205,7 +206,8 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
         for i, p in enumerate(prompts):
             ids = prompt_ids(tok, p)
             cuts = aligned_cuts(default_cuts(len(ids), 2), len(ids), EXACT_BLOCK) if mode.startswith("packed") else None
-            got = [t async for t in mesh.coord.generate(f"p{i}", ids, 32, SamplingSpec(), tok.eos_ids, cuts=cuts)]
+            got = [t async for t in generate_on(mesh.coord, f"p{i}", ids, 32, SamplingSpec(), tok.eos_ids,
+                                                cuts=cuts)]
             mesh_tokens[p] = [t for t in got if t not in tok.eos_ids]
     torch.set_num_threads(1)
     dtype, packing = resolve_weights(mode, torch.device("cpu"))

@@ -118,6 +118,7 @@ async def measure(mesh, guard: CacheGuard, what: str, ids, cuts, decode_tokens: 
     counters must show nothing reused while it ran."""
     from decoding.sampling import SamplingSpec
 
+    from tests.support.coordinator import generate_on
     ttfts, decode_rates = [], []
     for r in range(reps):
         fresh = unseen(ids, next(_serials), vocab_size)
@@ -125,8 +126,8 @@ async def measure(mesh, guard: CacheGuard, what: str, ids, cuts, decode_tokens: 
             t0 = time.perf_counter()
             t_first = None
             n = 0
-            async for _ in mesh.coord.generate(f"m{time.monotonic_ns()}", fresh, 1 + decode_tokens,
-                                               SamplingSpec(), (), cuts=list(cuts)):
+            async for _ in generate_on(mesh.coord, f"m{time.monotonic_ns()}", fresh, 1 + decode_tokens,
+                                       SamplingSpec(), (), cuts=list(cuts)):
                 n += 1
                 if t_first is None:
                     t_first = time.perf_counter()
@@ -143,10 +144,11 @@ async def concurrent_decode(mesh, guard: CacheGuard, ids, n_requests: int, token
     the length of ``ids``: none shares another's prefill)."""
     from decoding.sampling import SamplingSpec
 
+    from tests.support.coordinator import generate_on
     stamps: list[float] = []
 
     async def one(i, prompt):
-        async for _ in mesh.coord.generate(f"c{i}-{time.monotonic_ns()}", prompt, tokens, SamplingSpec(), ()):
+        async for _ in generate_on(mesh.coord, f"c{i}-{time.monotonic_ns()}", prompt, tokens, SamplingSpec(), ()):
             stamps.append(time.perf_counter())
 
     prompts = [unseen(ids, next(_serials), VOCAB) for _ in range(n_requests)]
@@ -163,14 +165,15 @@ async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
     from decoding.sampling import SamplingSpec
     from meshd.model.store import open_model
 
+    from tests.support.coordinator import generate_on
     src = open_model(None)
     ref = LocalPipeline.from_source(src, 1)
     bad = []
     for p in prompts:
         ids = tok.apply_chat([{"role": "user", "content": p["prompt"]}])
         want = generate(ref, ids, max_tokens, eos_ids=tok.eos_ids).token_ids
-        got = [t async for t in mesh.coord.generate(f"p-{p['id']}", ids, max_tokens, SamplingSpec(),
-                                                     tok.eos_ids, cuts=list(cuts_for(len(ids))))]
+        got = [t async for t in generate_on(mesh.coord, f"p-{p['id']}", ids, max_tokens, SamplingSpec(),
+                                            tok.eos_ids, cuts=list(cuts_for(len(ids))))]
         got = [t for t in got if t not in tok.eos_ids]
         if got != want:
             bad.append(p.get("id"))
@@ -212,8 +215,8 @@ class _Netns:
 async def parity_by_stage_count(args, tok, counts: list[int]) -> dict:
     """Mesh greedy output vs the reference on our own prompt set, for K evenly split stages."""
     from decoding.pipeline_local import even_split
-    from meshd.pipeline.cuts import default_cuts
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from meshd.pipeline.coordinator.cuts import default_cuts
+    from tests.support.proc_mesh import ProcessMesh
 
     ncpu = os.cpu_count() or 1
     out = {}
@@ -230,7 +233,7 @@ async def parity_by_stage_count(args, tok, counts: list[int]) -> dict:
 
 async def run_link(args, link_spec: str, tok, lens, prompts, runs: list, tb=None) -> dict:
     """All methods over one link setting; ``tb`` is a testbed when the link is shaped."""
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from tests.support.proc_mesh import ProcessMesh
     from partition.planner import predict_prefill_s
 
     plan, profiles, _ = planner(args.devices, link_spec, max(lens), args.profile_path)

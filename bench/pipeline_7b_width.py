@@ -63,7 +63,8 @@ async def run(args) -> dict:
     from decoding.loader import open_model
     from decoding.pipeline_local import LocalPipeline, even_split
     from decoding.sampling import SamplingSpec
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from tests.support.coordinator import generate_on
+    from tests.support.proc_mesh import ProcessMesh
 
     torch.set_num_threads(1)
     path = build_model(args.layers)
@@ -97,7 +98,7 @@ async def run(args) -> dict:
         for n in lens:
             row("single", n, (), await measure(mesh, guard, f"single n={n}", prompts[n], (), args.decode_tokens,
                                                args.reps, vocab))
-            single_tokens[n] = [t async for t in mesh.coord.generate(f"s{n}", prompts[n], 8, SamplingSpec(), ())]
+            single_tokens[n] = [t async for t in generate_on(mesh.coord, f"s{n}", prompts[n], 8, SamplingSpec(), ())]
     parity = True
     async with ProcessMesh(ranges, model=str(path), cores=[[i % (os.cpu_count() or 1)] for i in range(len(ranges))],
                            threads=1) as mesh:
@@ -106,8 +107,8 @@ async def run(args) -> dict:
             for method, cuts in (("naive", ()), ("equal", equal_cuts(n, args.chunks))):
                 row(method, n, cuts, await measure(mesh, guard, f"{method} n={n}", prompts[n], cuts,
                                                    args.decode_tokens, args.reps, vocab))
-            got = [t async for t in mesh.coord.generate(f"p{n}", prompts[n], 8, SamplingSpec(), (),
-                                                         cuts=list(equal_cuts(n, args.chunks)))]
+            got = [t async for t in generate_on(mesh.coord, f"p{n}", prompts[n], 8, SamplingSpec(), (),
+                                                cuts=list(equal_cuts(n, args.chunks)))]
             parity = parity and got == single_tokens[n]
     by = {(r["method"], r["prompt_len"]): r for r in runs}
     n = lens[-1]

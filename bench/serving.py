@@ -63,7 +63,7 @@ async def pipeline_harness(prompt_ids: list[int], ranges, decode_tokens: int, re
     """Cold, like the demo's fresh daemons: every rep's prompt is one the stages have not seen (bench._cold)."""
     from bench._cold import CacheGuard
     from bench.pipeline import measure
-    from meshd.pipeline.proc_mesh import ProcessMesh
+    from tests.support.proc_mesh import ProcessMesh
 
     async with ProcessMesh(ranges, cores=[[i] for i in range(len(ranges))], threads=1) as mesh:
         guard = CacheGuard(mesh.reused_tokens)

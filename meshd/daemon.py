@@ -155,7 +155,7 @@ class Daemon:
 
     def _home_workload(self):
         """The home's workload: this coordinator's and every ready member's, as heartbeats carry them."""
-        from meshd.pipeline.workload import combine
+        from meshd.pipeline.coordinator.workload import combine
 
         peers = [self.view.info_of(n).get("workload") or {} for n in self.view.ready_ids() if n != self.view.node_id]
         return combine([self.models.workload(), *peers])

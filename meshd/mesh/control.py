@@ -46,7 +46,8 @@ class MeshHeartbeat:
     plan_digest: str = ""  # Plan.digest() of the plan it serves: same version, other digest = a conflict
     layouts: int = 0  # 1: it serves plans of several routes (replicas, mixed); 0: one pipeline only
     exits: int = 0  # 1: its coordinator reads early-exit fields (HelloReply.exits); 0: a meshd without them
-    workload: dict | None = None  # what its coordinator observes (meshd.pipeline.workload); None: not enough yet
+    # what its coordinator observes (meshd.pipeline.coordinator.workload); None: not enough yet
+    workload: dict | None = None
 
 
 @message

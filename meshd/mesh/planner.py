@@ -169,7 +169,8 @@ class Planner:
         return wanted
 
     def workload(self):
-        """What the home's coordinators observe (``meshd.pipeline.workload``), priced by the layout planner."""
+        """What the home's coordinators observe (``meshd.pipeline.coordinator.workload``), priced by the layout
+        planner."""
         work = self.observe_workload() if self.observe_workload is not None else None
         self._planned_for = work
         return work

@@ -19,12 +19,13 @@ from decoding.speculative.session import SpeculationSession
 from meshd.engine.errors import BadEngineRequest, BadTokenIds, EngineBusy, GenerationFailed, NoPlan, WrongModel
 from meshd.engine.base import Engine, GenerationRequest, Report, TokenStream, model_id_of
 from meshd.log import get_logger
-from meshd.pipeline.cuts import default_cuts
-from meshd.pipeline.coordinator import (BadTokens, ModelMismatch, NoRoute, PipelineBusy, PipelineCoordinator,
-                                        PipelineError, StepsRequest)
-from meshd.pipeline.outline import OutlineDecoder, OutlineStats
-from meshd.pipeline.outline_gate import OutlineDecision, decide as decide_outline
-from meshd.pipeline.outline_router import shipped as outline_router
+from meshd.pipeline.coordinator.cuts import default_cuts
+from meshd.pipeline.coordinator.failures import BadTokens, ModelMismatch, NoRoute, PipelineBusy, PipelineError
+from meshd.pipeline.coordinator.service import PipelineCoordinator
+from meshd.pipeline.coordinator.slot import StepsRequest
+from meshd.pipeline.outline.decoder import OutlineDecoder, OutlineStats
+from meshd.pipeline.outline.gate import OutlineDecision, decide as decide_outline
+from meshd.pipeline.outline.router import shipped as outline_router
 from meshd.pipeline.route import Route
 from meshd.pipeline.totals import DecodingTotals, ExitCount
 
@@ -95,7 +96,7 @@ class PipelineEngine(Engine):
     supports_outline = True
 
     def outline_for(self, req: GenerationRequest) -> OutlineDecision:
-        """Whether to answer in outline mode, decided before any token (``meshd.pipeline.outline_gate``);
+        """Whether to answer in outline mode, decided before any token (``meshd.pipeline.outline.gate``);
         a declined "auto" is counted by its reason."""
         decision = decide_outline(req.outline, req.messages, req.max_tokens, outline_router(),
                                   constrained=req.sampling.constraint is not None,

@@ -16,8 +16,9 @@ import asyncio
 
 from decoding.sampling import SamplingSpec
 from meshd.log import get_logger
-from meshd.pipeline.coordinator import PipelineCoordinator, StepsRequest
-from meshd.pipeline.cuts import prompt_cuts
+from meshd.pipeline.coordinator.cuts import prompt_cuts
+from meshd.pipeline.coordinator.service import PipelineCoordinator
+from meshd.pipeline.coordinator.slot import StepsRequest
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.mesh.home_plan import cut_table_over, stage_timings_over
 from partition.plan import Plan
@@ -204,7 +205,7 @@ class ServingRole:
 
     async def warm_up(self, routes: tuple[Route, ...] | Route) -> None:
         """One tiny greedy request through every stage of every route (best effort), at once: the
-        coordinator spreads simultaneous requests over the routes (``meshd.pipeline.routing``)."""
+        coordinator spreads simultaneous requests over the routes (``meshd.pipeline.coordinator.routing``)."""
         routes = (routes,) if isinstance(routes, Route) else tuple(routes)
         route = routes[0]
         ids = list(self.source.tokenizer.encode("Hello"))[:4] or [0]
@@ -224,7 +225,8 @@ class ServingRole:
             log.info("pipeline_warm", plan_version=route.plan_version)
 
     def cuts(self, prompt_len: int, route: Route) -> list[int]:
-        """Where the engine cuts a prompt on ``route``: its plan's cut table (see ``meshd.pipeline.cuts``)."""
+        """Where the engine cuts a prompt on ``route``: its plan's cut table (see
+        ``meshd.pipeline.coordinator.cuts``)."""
         packed = (route.weights or getattr(self.stage, "mode", "")).startswith("packed")
         return prompt_cuts(prompt_len, len(route.stages), self._cut_tables.get(route.key), packed)
 

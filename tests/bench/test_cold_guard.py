@@ -6,13 +6,14 @@ import pytest
 
 from bench._cold import CacheGuard, CacheHit, unseen
 from decoding.sampling import SamplingSpec
-from meshd.pipeline.proc_mesh import ProcessMesh
+from tests.support.coordinator import generate_on
+from tests.support.proc_mesh import ProcessMesh
 
 pytestmark = pytest.mark.slow
 
 
 async def _answer(mesh, rid, ids, cuts=()):
-    return [t async for t in mesh.coord.generate(rid, ids, 2, SamplingSpec(), (), cuts=list(cuts))]
+    return [t async for t in generate_on(mesh.coord, rid, ids, 2, SamplingSpec(), (), cuts=list(cuts))]
 
 
 async def test_a_cold_section_that_reused_a_cached_prompt_fails_the_run(real_source):

@@ -47,7 +47,7 @@ def test_importing_the_daemon_and_its_stages_loads_no_training_module():
     code = ("import sys\n"
             f"for name in {decoding_modules!r}:\n"
             "    __import__(name)\n"
-            "import meshd.daemon, meshd.pipeline.stage_proc, meshd.engine.drafting, meshd.model.heads, meshd.cloud.verifier\n"
+            "import meshd.daemon, tests.support.stage_proc, meshd.engine.drafting, meshd.model.heads, meshd.cloud.verifier\n"
             "import meshd.cli\n"
             "meshd.cli.build_parser()  # `meshd join` registers every command, `heads` included\n"
             "print(sorted(m for m in sys.modules if m == 'decoding.training' or m.startswith('decoding.training.')))\n")

@@ -10,7 +10,7 @@ from decoding.sampling import SamplingSpec
 from meshd.engine.base import Budget, GenerationRequest
 from meshd.engine.local import LocalEngine
 from meshd.pipeline.engine import PipelineEngine
-from meshd.pipeline.slot import StepsRequest
+from meshd.pipeline.coordinator.slot import StepsRequest
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 

@@ -1,7 +1,7 @@
 """Where the coordinator cuts a prompt: the plan's table, equal chunks past it, block-aligned when packed."""
 
 from decoding.batch import EXACT_BLOCK
-from meshd.pipeline.cuts import UNCUT_PROMPT, aligned_cuts, default_cuts, prompt_cuts
+from meshd.pipeline.coordinator.cuts import UNCUT_PROMPT, aligned_cuts, default_cuts, prompt_cuts
 from partition.cuttable import CutTable
 
 

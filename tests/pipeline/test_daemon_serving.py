@@ -261,7 +261,7 @@ def test_a_one_sentence_question_under_auto_gets_a_plain_answer_with_no_outline_
     import ollama
     import openai
 
-    from meshd.pipeline.outline_gate import PAYING_ANSWER_TOKENS
+    from meshd.pipeline.outline.gate import PAYING_ANSWER_TOKENS
 
     _, a, b, _ = home
     question = "My living room is cold in the evening. What should I do, in one sentence?"

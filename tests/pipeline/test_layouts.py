@@ -10,7 +10,7 @@ from decoding.generate import generate
 from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingSpec
-from meshd.pipeline.slot import StepsRequest
+from meshd.pipeline.coordinator.slot import StepsRequest
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 
@@ -128,7 +128,7 @@ async def test_speculative_requests_on_replicas_equal_plain_greedy(tiny):
 
 
 async def test_children_of_a_kept_prefix_run_on_the_replica_that_keeps_it(tiny):
-    from meshd.pipeline.slot import SharedPrefix
+    from meshd.pipeline.coordinator.slot import SharedPrefix
 
     prompt = SYSTEM[:30]
     async with Mesh(tiny, 2, groups=[1, 1], prefix_share=0.0) as mesh:

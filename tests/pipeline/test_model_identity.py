@@ -12,12 +12,14 @@ import pytest
 
 from decoding.loader import open_model
 from decoding.sampling import SamplingSpec
-from meshd.pipeline.coordinator import BadTokens, ModelMismatch, PipelineCoordinator
+from meshd.pipeline.coordinator.failures import BadTokens, ModelMismatch
+from meshd.pipeline.coordinator.service import PipelineCoordinator
 from meshd.pipeline.route import Route
 from meshd.mesh.home_plan import Plan, not_planned, plannable_members
 from partition.plan import StageAssignment as Stage
 from tests.support.clients import sdk
 from tests.support.api import FakeEngine, ServerThread
+from tests.support.coordinator import generate_on
 from tests.support.inprocess import Mesh
 
 SMOL, QWEN = ("SmolLM2-135M-Instruct.Q4_1.gguf@aa", 30), ("qwen2.5-coder-0.5b-instruct.gguf@bb", 24)
@@ -108,7 +110,7 @@ async def test_a_coordinator_holding_another_model_than_the_plan_refuses_at_once
         mesh.coord.set_route(None)
         coord.set_route(Route(1, mesh.route.stages, model="theirs.gguf@2"))
         with pytest.raises(ModelMismatch, match="this device holds mine, the home serves theirs"):
-            async for _ in coord.generate("r", [5, 6, 7], 4, SamplingSpec()):
+            async for _ in generate_on(coord, "r", [5, 6, 7], 4, SamplingSpec()):
                 pass
         assert sum(s.stats.forwards for s in mesh.services) == 0
 

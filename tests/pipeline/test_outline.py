@@ -19,10 +19,10 @@ from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingSpec
 from meshd.api import openai_schema as oa
 from meshd.api.validation import RequestError
-from meshd.pipeline import outline_router
-from meshd.pipeline.coordinator import PipelineError, SharedPrefix
-from meshd.pipeline.outline import OutlineDecoder, OutlineStats, _title_end
-from meshd.pipeline.slot import StepsRequest
+from meshd.pipeline.coordinator.failures import PipelineError
+from meshd.pipeline.coordinator.slot import SharedPrefix, StepsRequest
+from meshd.pipeline.outline import router as outline_router
+from meshd.pipeline.outline.decoder import OutlineDecoder, OutlineStats, _title_end
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 

@@ -19,9 +19,9 @@ from meshd.commands.chat import summary_line
 from meshd.commands.status_extras import outline_line
 from meshd.engine.errors import BadEngineRequest
 from meshd.engine.base import GenerationRequest
-from meshd.pipeline.outline_gate import (BREVITY_CUES, MIN_ANSWER_TOKENS, PAYING_ANSWER_TOKENS, brevity_cue,
+from meshd.pipeline.outline.gate import (BREVITY_CUES, MIN_ANSWER_TOKENS, PAYING_ANSWER_TOKENS, brevity_cue,
                                          decide)
-from meshd.pipeline.outline_router import shipped
+from meshd.pipeline.outline.router import shipped
 from tests.support.clients import metrics
 from tests.support.api import STATUS, FakeEngine, ServerThread
 from tests.support.logs import all_log_events

@@ -9,11 +9,13 @@ from decoding.generate import generate
 from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingParams, SamplingSpec
-from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError
+from meshd.pipeline.coordinator.failures import PipelineError
+from meshd.pipeline.coordinator.service import PipelineCoordinator
 from meshd.pipeline.route import Route, StageEndpoint
 from meshd.pipeline.stage import StageService
-from meshd.pipeline.slot import StepsRequest
+from meshd.pipeline.coordinator.slot import StepsRequest
 from transport.node import TransportNode
+from tests.support.coordinator import generate_on
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 from tests.support.repo import ROOT
@@ -97,7 +99,7 @@ async def test_two_coordinators_at_once_never_touch_each_others_sequences(tiny):
             for _ in range(3):
                 got = await asyncio.gather(
                     mesh.run(prompts[0], 16, chunks=3),
-                    _collect(other.generate("r1", prompts[1], 16, SamplingSpec(), chunks=3)))
+                    _collect(generate_on(other, "r1", prompts[1], 16, SamplingSpec(), chunks=3)))
                 assert got == refs
         finally:
             await other.close()
@@ -116,7 +118,7 @@ async def test_hanging_up_during_prefill_leaks_nothing_even_when_frees_overtake_
     """
     async with Mesh(tiny, 3, max_kv_tokens=4096) as mesh:
         for i in range(12):  # more hang-ups than the cache could hold leaked sequences
-            agen = mesh.coord.generate(f"h{i}", list(range(3, 400)), 200, SamplingSpec(), chunks=8)
+            agen = generate_on(mesh.coord, f"h{i}", list(range(3, 400)), 200, SamplingSpec(), chunks=8)
             task = asyncio.ensure_future(agen.__anext__())
             await asyncio.sleep(0.005 * (i % 4))  # sleep-ok: hang-ups at different points of the prompt
             task.cancel()
@@ -152,7 +154,7 @@ async def test_any_stage_failure_reaches_the_coordinator_at_once_and_frees_the_s
 
 
 async def test_a_full_cache_is_a_busy_error_not_a_failure(tiny):
-    from meshd.pipeline.coordinator import PipelineBusy
+    from meshd.pipeline.coordinator.failures import PipelineBusy
 
     async with Mesh(tiny, 2, max_kv_tokens=64) as mesh:
         with pytest.raises(PipelineBusy, match="retry"):
@@ -188,7 +190,7 @@ async def test_an_answer_survives_a_device_leaving_mid_decode(tiny, sampling):
     ref = generate(LocalPipeline.from_source(tiny, 1), prompt, 24, sampling).token_ids
     async with Mesh(tiny, 3) as mesh:
         got = []
-        async for tok in mesh.coord.generate("r", prompt, 24, SamplingSpec(sampling), chunks=2):
+        async for tok in generate_on(mesh.coord, "r", prompt, 24, SamplingSpec(sampling), chunks=2):
             got.append(tok)
             if len(got) == 5:  # dev1 leaves; the leader re-plans over dev0 and dev2
                 await mesh.drop_middle()

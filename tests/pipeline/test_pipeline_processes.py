@@ -7,7 +7,8 @@ import pytest
 from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline, even_split
 from decoding.sampling import SamplingSpec
-from meshd.pipeline.proc_mesh import ProcessMesh
+from tests.support.coordinator import generate_on
+from tests.support.proc_mesh import ProcessMesh
 from tests.support.repo import ROOT
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ async def test_real_model_mesh_is_token_identical_to_single_device(real_source, 
         for p in picks:
             ids = tok.apply_chat([{"role": "user", "content": p["prompt"]}])
             want = generate(ref_pipe, ids, 24, eos_ids=tok.eos_ids).token_ids
-            got = [t async for t in mesh.coord.generate(p["id"], ids, 24, SamplingSpec(), tok.eos_ids,
-                                                        cuts=[len(ids) // 3, 2 * len(ids) // 3])]
+            got = [t async for t in generate_on(mesh.coord, p["id"], ids, 24, SamplingSpec(), tok.eos_ids,
+                                                cuts=[len(ids) // 3, 2 * len(ids) // 3])]
             got = [t for t in got if t not in tok.eos_ids]
             assert got == want, p["id"]

@@ -15,7 +15,7 @@ from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.engine.base import GenerationRequest
 from meshd.engine.local import LocalEngine
-from meshd.pipeline.slot import StepsRequest
+from meshd.pipeline.coordinator.slot import StepsRequest
 from tests.support.inprocess import Mesh
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingSpec
 from decoding.speculative.session import SpeculationSession
 from meshd.pipeline.route import Route, StageEndpoint
-from meshd.pipeline.slot import StepsRequest
+from meshd.pipeline.coordinator.slot import StepsRequest
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 

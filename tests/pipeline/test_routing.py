@@ -2,8 +2,8 @@
 
 from meshd.mesh.planner import moved
 from meshd.pipeline.route import Route, StageEndpoint
-from meshd.pipeline.routing import RouteCounts, RouteLoad, pick_route
-from meshd.pipeline.workload import MIN_REQUESTS, WorkloadMeter, combine
+from meshd.pipeline.coordinator.routing import RouteCounts, RouteLoad, pick_route
+from meshd.pipeline.coordinator.workload import MIN_REQUESTS, WorkloadMeter, combine
 from partition.layout import Workload
 
 

@@ -25,7 +25,7 @@ from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 from tests.support.speculative import PROMPTS, MirrorHeads
 from transport.messages import ErrorReply, StageForward
-from meshd.pipeline.slot import StepsRequest
+from meshd.pipeline.coordinator.slot import StepsRequest
 
 
 def mirror_medusa(stage):

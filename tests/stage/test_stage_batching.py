@@ -17,9 +17,10 @@ from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingParams, SamplingSpec
 from decoding.speculative.session import SpeculationSession
 from transport.messages import StageForward
+from tests.support.coordinator import generate_on
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
-from meshd.pipeline.slot import StepsRequest
+from meshd.pipeline.coordinator.slot import StepsRequest
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ async def test_a_client_hanging_up_mid_batch_frees_only_its_sequence(tiny):
         got_any = asyncio.Event()
 
         async def victim_run():  # runs until cancelled: it would take 440 tokens to end by itself
-            async for _ in mesh.coord.generate("victim", list(range(150, 210)), 440, SamplingSpec()):
+            async for _ in generate_on(mesh.coord, "victim", list(range(150, 210)), 440, SamplingSpec()):
                 got_any.set()
 
         victim = asyncio.create_task(victim_run())

@@ -5,11 +5,12 @@ The pipeline, stage, cloud, outline and CUDA tests run their requests through th
 
 from decoding.pipeline_local import even_split
 from decoding.sampling import SamplingParams, SamplingSpec
-from meshd.pipeline.coordinator import PipelineCoordinator
+from meshd.pipeline.coordinator.service import PipelineCoordinator
 from meshd.pipeline.route import Route, StageEndpoint
 from meshd.pipeline.stage import StageService
 from meshd.pipeline.stage.prefix_cache import PrefixCache
 from transport.node import TransportNode
+from tests.support.coordinator import generate_on
 
 
 class Mesh:
@@ -89,4 +90,4 @@ class Mesh:
         self.route = new
 
     async def run(self, prompt, max_tokens, sampling=SamplingParams(), rid="r1", **kw):
-        return [t async for t in self.coord.generate(rid, prompt, max_tokens, SamplingSpec(sampling), **kw)]
+        return [t async for t in generate_on(self.coord, rid, prompt, max_tokens, SamplingSpec(sampling), **kw)]

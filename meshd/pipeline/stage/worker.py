@@ -21,7 +21,7 @@ import torch
 
 from decoding.device import CPU, DeviceError, default_dtype, dtype_name, resolve_weights, to_host
 from decoding.errors import DecodingError
-from decoding.exits.bound import BoundExits
+from decoding.exits import BoundExits
 from decoding.memory import release_free_memory
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.tree import DraftTree
@@ -77,7 +77,7 @@ class StageWorker:
         """``device``: where the stage computes (default the CPU); ``dtype`` None: that device's default;
         ``packed``: the packing of this device's own numeric mode ("" dense). A plan that names a mode
         (:attr:`Route.weights`) overrides both, so every member computes alike. ``exits(stage)``: the early-exit
-        heads for this model (``decoding.exits.heads.ExitHeads``; raises ``DecodingError`` when there are none),
+        heads for this model (``decoding.exits.ExitHeads``; raises ``DecodingError`` when there are none),
         bound to a stage that holds the LM head and an exit layer."""
         self.source = source
         self._exits_factory = exits

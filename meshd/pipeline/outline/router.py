@@ -9,8 +9,8 @@ trained on ``bench/prompts/outline_router_train.jsonl`` (shipped weights in
 ``meshd/data/outline_router.json``) and measured on a held-out labelled set
 of different questions (``bench/prompts/outline_quality.jsonl``):
 
-    .venv/bin/python -m meshd.pipeline.outline_router train   # rewrite the weights, print accuracy
-    .venv/bin/python -m meshd.pipeline.outline_router eval
+    .venv/bin/python -m meshd.pipeline.outline.router train   # rewrite the weights, print accuracy
+    .venv/bin/python -m meshd.pipeline.outline.router eval
 
 It errs towards "off": a wrongly refused outline costs speed, a wrongly
 granted one costs answer quality.
@@ -31,8 +31,8 @@ import numpy as np
 
 DIM = 1 << 12
 THRESHOLD = 0.6  # above 0.5: errs towards plain decoding
-WEIGHTS = Path(__file__).resolve().parents[1] / "data" / "outline_router.json"
-ROOT = Path(__file__).resolve().parents[2]
+WEIGHTS = Path(__file__).resolve().parents[2] / "data" / "outline_router.json"
+ROOT = Path(__file__).resolve().parents[3]
 TRAIN_SET = ROOT / "bench" / "prompts" / "outline_router_train.jsonl"
 HELD_OUT = ROOT / "bench" / "prompts" / "outline_quality.jsonl"
 

@@ -4,7 +4,7 @@ Benchmarks and multi-process tests use this to run the real stage service and
 transport (CURVE on by default) across OS processes, each pinned to its own
 core(s) with its own torch thread count, without discovery or pairing. A
 ``launcher`` hook lets the testbed start each process inside a network
-namespace instead.
+namespace instead (with :func:`stage_env`, so the stage module resolves).
 """
 
 from __future__ import annotations
@@ -23,10 +23,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from meshd.pipeline.coordinator import PipelineCoordinator
+from meshd.pipeline.coordinator.service import PipelineCoordinator
 from meshd.pipeline.route import Route, StageEndpoint
+from tests.support.repo import ROOT
 
 Launcher = Callable[[int, list[str]], subprocess.Popen]
+
+
+def stage_env() -> dict[str, str]:
+    """This environment, with the repository first on PYTHONPATH: ``python -m tests.support.stage_proc``
+    then resolves to this checkout wherever the harness was started from."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,7 +68,7 @@ class ProcessMesh:
     # request is prefilled in full (the stages keep nothing they are asked to reuse)
     prefix_cache: bool = True
     # devices per route, in order (None: one pipeline over every stage; [1, 1]: two replicas, whose
-    # ``ranges`` each cover every layer); the coordinator routes each request (meshd.pipeline.routing)
+    # ``ranges`` each cover every layer); the coordinator routes each request (meshd.pipeline.coordinator.routing)
     groups: list[int] | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
@@ -117,7 +126,7 @@ class ProcessMesh:
         self.coord.address = coord_addr  # what the last stage dials (maybe through a delay proxy)
         for i, st in enumerate(stages):
             cores = self.cores[i] if self.cores else [i % ncpu]
-            argv = [sys.executable, "-m", "meshd.pipeline.stage_proc", "--node-id", st.node_id,
+            argv = [sys.executable, "-m", "tests.support.stage_proc", "--node-id", st.node_id,
                     "--state-dir", str(dirs[st.node_id]), "--bind", binds[i],
                     "--route", str(route_files[next(r.index for r in self.routes if st in r.stages)]),
                     "--threads", str(self.threads), "--cores", ",".join(map(str, cores))]
@@ -138,7 +147,7 @@ class ProcessMesh:
             if self.device:
                 argv += ["--device", self.device]
             p = (self.launcher(i, argv) if self.launcher else
-                 subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True))
+                 subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True, env=stage_env()))
             self.procs.append(p)
         deadline = time.monotonic() + self.ready_timeout_s
         for p in self.procs:
@@ -155,7 +164,7 @@ class ProcessMesh:
 
     async def stage_status(self, timeout_s: float = 10.0) -> list[dict]:
         """Every stage process's status now, in stage order (each writes it on SIGUSR1; see stage_proc)."""
-        from meshd.pipeline.stage_proc import STATUS_FILE
+        from tests.support.stage_proc import STATUS_FILE
 
         files = [self.dirs[f"dev{i}"] / STATUS_FILE for i in range(len(self.procs))]
 

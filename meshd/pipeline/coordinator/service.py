@@ -24,7 +24,6 @@ still queued upstream cannot re-create a freed sequence).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import secrets
 import time
@@ -33,32 +32,32 @@ from collections.abc import AsyncIterator
 import torch
 
 from decoding.pipeline_local import chunk_bounds
-from decoding.sampling import SamplingParams, SamplingSpec
+from decoding.sampling import SamplingParams
 from decoding.speculative.adaptive import RoundCost
 from decoding.speculative.params import MAX_CANDIDATES
 from meshd.engine.errors import out_of_vocab
 from meshd.log import get_logger
-from meshd.pipeline.drafter import MeshDrafter
-from meshd.pipeline.failures import (BadTokens, Interrupted, ModelMismatch, NoRoute, PipelineBusy, PipelineError,
-                                     PrefixMiss, gone_message)
-from meshd.pipeline.flights import FlightTable, Replanned
+from meshd.pipeline.coordinator.drafter import MeshDrafter
+from meshd.pipeline.coordinator.failures import (BadTokens, Interrupted, ModelMismatch, NoRoute, PipelineError,
+                                                 PrefixMiss, gone_message)
+from meshd.pipeline.coordinator.flights import FlightTable, Replanned
+from meshd.pipeline.coordinator.prefix_reuse import PrefixReuse
+from meshd.pipeline.coordinator.routes import RouteTable
+from meshd.pipeline.coordinator.routing import RouteCounts
+from meshd.pipeline.coordinator.slot import (Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest,
+                                             TokenStep)
+from meshd.pipeline.coordinator.verify_rounds import verify_rounds
+from meshd.pipeline.coordinator.workload import WorkloadMeter
 from meshd.pipeline.links import Directory, Links
-from meshd.pipeline.prefix_reuse import PrefixReuse
 from meshd.pipeline.route import Route, model_mismatch
-from meshd.pipeline.routes import RouteTable
-from meshd.pipeline.routing import RouteCounts
-from meshd.pipeline.workload import WorkloadMeter
 from meshd.pipeline.seqkey import SeqKeys
-from meshd.pipeline.slot import Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest, TokenStep
-from meshd.pipeline.verify_rounds import verify_rounds
 from partition.ids import NodeId, RequestId
 from transport.errors import TransportError
 from transport.link import Request
 from transport.messages import Ack, ErrorReply, ForkSequence, StageForward, TokenResult
 from transport.node import TransportNode
 
-__all__ = ["BadTokens", "MeshDrafter", "ModelMismatch", "NoRoute", "PipelineBusy", "PipelineCoordinator",
-           "PipelineError", "SharedPrefix", "StepsRequest", "TokenStep"]
+__all__ = ["PipelineCoordinator"]
 
 log = get_logger("meshd.coordinator")
 
@@ -219,14 +218,6 @@ class PipelineCoordinator:
                 raise
 
     # -- the request loop ------------------------------------------------------------
-    async def generate(self, request_id: RequestId, prompt_ids: list[int], max_tokens: int,
-                       sampling: SamplingSpec, eos_ids=(), cuts: Cuts = None,
-                       chunks: int | None = None) -> AsyncIterator[int]:
-        """Yield sampled token ids (EOS included, as the last one) for one request."""
-        async for step in self.steps(StepsRequest(request_id, prompt_ids, max_tokens, sampling, eos_ids,
-                                                  cuts=cuts, chunks=chunks)):
-            yield step.token
-
     async def steps(self, request: StepsRequest) -> AsyncIterator[TokenStep]:
         """The request's tokens, one step each (EOS included, as the last one).
 

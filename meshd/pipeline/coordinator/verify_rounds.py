@@ -17,8 +17,8 @@ import torch
 from decoding.speculative.session import MedusaProposal, SpeculationSession
 from decoding.speculative.verify import Verdict
 from meshd.log import get_logger
-from meshd.pipeline.failures import PipelineError
-from meshd.pipeline.slot import RequestSlot, TokenStep
+from meshd.pipeline.coordinator.failures import PipelineError
+from meshd.pipeline.coordinator.slot import RequestSlot, TokenStep
 from transport.messages import StageForward, TokenResult
 
 log = get_logger("meshd.coordinator")
@@ -28,7 +28,7 @@ async def verify_rounds(coord, slot: RequestSlot, session: SpeculationSession, f
                         base: int = 0) -> AsyncIterator[TokenStep]:
     """Tokens of ``slot`` decoded in verify rounds; its prompt + generated tokens were just sent.
 
-    ``coord`` is the :class:`~meshd.pipeline.coordinator.PipelineCoordinator` (its public
+    ``coord`` is the :class:`~meshd.pipeline.coordinator.service.PipelineCoordinator` (its public
     send / next_result); ``base``: positions before ours (a forked parent's).
     """
     flight = slot.flight

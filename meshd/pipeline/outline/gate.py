@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from meshd.engine.errors import BadEngineRequest
-from meshd.pipeline.outline import MIN_POINT_TOKENS, MIN_POINTS, TITLE_TOKENS
+from meshd.pipeline.outline.decoder import MIN_POINT_TOKENS, MIN_POINTS, TITLE_TOKENS
 
 HEADER_TOKENS = 4  # what a point's header adds to its title: a line break, "k", "." and ":"
 # Below this no outline fits at all: every point needs its header and a paragraph of MIN_POINT_TOKENS.

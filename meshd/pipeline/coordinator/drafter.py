@@ -14,8 +14,8 @@ from decoding.pipeline_local import chunk_bounds
 from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.engine.errors import out_of_vocab
 from meshd.log import get_logger
-from meshd.pipeline.failures import BadTokens, Interrupted, PipelineError, PrefixMiss
-from meshd.pipeline.slot import Cuts, Flight
+from meshd.pipeline.coordinator.failures import BadTokens, Interrupted, PipelineError, PrefixMiss
+from meshd.pipeline.coordinator.slot import Cuts, Flight
 from partition.ids import RequestId
 from transport.messages import StageForward
 
@@ -33,7 +33,7 @@ class MeshDrafter:
 
     def __init__(self, coord, request_id: RequestId, capacity: int, sampling: SamplingParams,
                  cuts: Cuts, wait_s: float):
-        """``coord``: the :class:`~meshd.pipeline.coordinator.PipelineCoordinator` that admitted it."""
+        """``coord``: the :class:`~meshd.pipeline.coordinator.service.PipelineCoordinator` that admitted it."""
         self.coord = coord
         self.request_id = request_id
         self.capacity = capacity

@@ -1,9 +1,10 @@
 """A bare stage process: serve one layer range of a fixed route, no discovery.
 
-Used by benchmarks and multi-process tests to emulate devices (each process
-pinned to its own core), and handy for debugging a pipeline by hand:
+Used by benchmarks and multi-process tests (:class:`tests.support.proc_mesh.ProcessMesh`)
+to emulate devices (each process pinned to its own core), and handy for debugging a
+pipeline by hand, from the repository root (the daemon never runs it):
 
-    python -m meshd.pipeline.stage_proc --node-id dev0 --state-dir /tmp/dev0 \\
+    python -m tests.support.stage_proc --node-id dev0 --state-dir /tmp/dev0 \\
         --bind tcp://127.0.0.1:7501 --route route.json [--threads 1] [--model PATH] [--device cuda]
 
 ``route.json``: {"plan_version": 1, "stages": [{"node_id", "address", "public_key", "first", "end"}],

@@ -9,8 +9,8 @@ stages batch their steps. The answer is the expansions in point order.
 
 It is lossy — the points are written without seeing each other — so it is
 for answers that are a list of independent points, never for code, maths or
-step-by-step reasoning, nor for short answers (``meshd.pipeline.outline_gate``
-decides before anything is generated, asking ``meshd.pipeline.outline_router``
+step-by-step reasoning, nor for short answers (``meshd.pipeline.outline.gate``
+decides before anything is generated, asking ``meshd.pipeline.outline.router``
 under ``outline: "auto"``).
 
 Streaming keeps the order a reader expects: point 1 streams as it is written;
@@ -27,7 +27,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from decoding.sampling import SamplingSpec
-from meshd.pipeline.coordinator import PipelineCoordinator, PipelineError, SharedPrefix, StepsRequest
+from meshd.pipeline.coordinator.failures import PipelineError
+from meshd.pipeline.coordinator.service import PipelineCoordinator
+from meshd.pipeline.coordinator.slot import SharedPrefix, StepsRequest
 from partition.ids import RequestId
 
 

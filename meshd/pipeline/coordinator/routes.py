@@ -4,7 +4,7 @@ A plan has one route (a pipeline) or several (whole-model replicas, a pipeline
 group: ``partition.layout``). The table follows the plans the serving role
 adopts, probes each route's stages before its first use (after a re-plan they
 may still be loading layers), and picks a route per request from what the
-coordinator sees live (:mod:`meshd.pipeline.routing`). The request loop itself
+coordinator sees live (:mod:`meshd.pipeline.coordinator.routing`). The request loop itself
 stays in the coordinator.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 
 from meshd.log import get_logger
-from meshd.pipeline.failures import Interrupted, ModelMismatch
+from meshd.pipeline.coordinator.failures import Interrupted, ModelMismatch
 from meshd.pipeline.links import Links
-from meshd.pipeline.prefix_reuse import PrefixReuse
+from meshd.pipeline.coordinator.prefix_reuse import PrefixReuse
 from meshd.pipeline.route import Route
-from meshd.pipeline.routing import RouteCounts, RouteLoad, pick_route
-from meshd.pipeline.slot import RequestSlot
+from meshd.pipeline.coordinator.routing import RouteCounts, RouteLoad, pick_route
+from meshd.pipeline.coordinator.slot import RequestSlot
 from partition.ids import NodeId
 from transport.errors import TransportError
 from transport.messages import Hello

@@ -16,8 +16,8 @@ from meshd.log import get_logger
 from meshd.pipeline.links import Links
 from meshd.pipeline.route import Route
 from meshd.pipeline.seqkey import SeqKey, SeqKeys
-from meshd.pipeline.failures import Interrupted, PipelineError, reply_error
-from meshd.pipeline.slot import Flight
+from meshd.pipeline.coordinator.failures import Interrupted, PipelineError, reply_error
+from meshd.pipeline.coordinator.slot import Flight
 from partition.ids import RequestId
 from transport.errors import TransportError
 from transport.messages import CacheSequence, ErrorReply, FreeSequence, TokenResult
