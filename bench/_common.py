@@ -39,7 +39,7 @@ def median_time(fn, reps: int, warmup: int = 1) -> float:
 def machine_banner() -> dict:
     """What every figure is measured on: the CPU model and the features that decide its kernels, and
     any ISA cap in force (``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA`` emulate an older CPU)."""
-    from partition.profiler import cpu_flags, cpu_name
+    from partition.machine import cpu_flags, cpu_name
 
     caps = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
     return {

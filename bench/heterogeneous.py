@@ -12,7 +12,7 @@ benchmark shows what that changes, on real stage processes:
 The slow device is a stage process on core 1 whose CPU share is capped by a
 cgroup (v1 ``cpu`` controller, 10 ms period; needs root), like a NAS or a
 container with a CPU quota. Its speed is measured the way the daemon measures
-itself: ``partition.profiler.estimate_speed`` on the wall clock, inside the cap.
+itself: ``meshd.model.profiler.estimate_speed`` on the wall clock, inside the cap.
 
     python bench/heterogeneous.py [--quick] [--json] [--share 0.3] [--lens 512,1024]
 """
@@ -38,8 +38,8 @@ PERIOD_US = 10_000
 SPEED = """
 import sys, time, torch
 from meshd.model.store import open_model
+from meshd.model.profiler import estimate_speed
 from partition import profile as pf
-from partition.profiler import estimate_speed
 torch.set_num_threads(1)
 print(estimate_speed(open_model(None), pf.load(sys.argv[1]), threads=1, repeats=5, clock=time.perf_counter))
 """
@@ -97,6 +97,7 @@ async def main_async(args) -> dict:
     from partition import profile as pf
     from partition.link import parse_link
     from partition.planner import make_plan
+    from partition.scaling import scale
 
     lens = [int(x) for x in args.lens.split(",")]
     make_cgroup(args.share)
@@ -111,9 +112,9 @@ async def main_async(args) -> dict:
     link = parse_link("10gbit,0.1ms")
     max_seq = max(lens)
     plans = {
-        "fast alone": make_plan([pf.scale(base, speed["fast"], device_id="fast")], link, max_seq),
-        "as equals": make_plan([pf.scale(base, 1.0, device_id=d) for d in ("fast", "slow")], link, max_seq),
-        "self-profiled": make_plan([pf.scale(base, speed[d], device_id=d) for d in ("fast", "slow")], link, max_seq),
+        "fast alone": make_plan([scale(base, speed["fast"], device_id="fast")], link, max_seq),
+        "as equals": make_plan([scale(base, 1.0, device_id=d) for d in ("fast", "slow")], link, max_seq),
+        "self-profiled": make_plan([scale(base, speed[d], device_id=d) for d in ("fast", "slow")], link, max_seq),
     }
     tok = open_model(None).tokenizer
     prompts = {n: synthetic_prompt(tok, n) for n in lens}

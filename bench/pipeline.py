@@ -70,9 +70,10 @@ def planner(n_devices: int, link_spec: str, max_seq: int, profile_path: Path = P
     from partition import profile as prof
     from partition.link import parse_link
     from partition.planner import make_plan
+    from partition.scaling import scale
 
     base = prof.load(profile_path)
-    profiles = [prof.scale(base, 1.0, device_id=f"dev{i}") for i in range(n_devices)]
+    profiles = [scale(base, 1.0, device_id=f"dev{i}") for i in range(n_devices)]
     link = parse_link(link_spec) if link_spec not in ("none", "unshaped") else parse_link("10gbit,0.1ms")
     return make_plan(profiles, link, max_seq), profiles, link
 

@@ -44,6 +44,7 @@ from partition import profile as pf  # noqa: E402
 from partition.link import parse_link  # noqa: E402
 from partition.plan import Plan  # noqa: E402
 from partition.planner import make_plan, predict_prefill_s, prediction_error  # noqa: E402
+from partition.scaling import parse_profile_arg, scale  # noqa: E402
 from partition.sequence import StageTiming, chunk_cost_matrix, minmax_table  # noqa: E402
 
 SHIPPED = ROOT / "profiles" / "x86_64-2core-1thread.json"
@@ -57,7 +58,7 @@ def measured_vs_predicted(plan: Plan, profiles, prompt_len: int, measured_ttft_s
 
 
 def home(base: pf.DeviceProfile, n: int) -> list[pf.DeviceProfile]:
-    return [pf.scale(base, SPEEDS[i], MEMORY_GIB[i] * 2**30, device_id=f"dev{i}") for i in range(n)]
+    return [scale(base, SPEEDS[i], MEMORY_GIB[i] * 2**30, device_id=f"dev{i}") for i in range(n)]
 
 
 def naive_minmax(T: np.ndarray, k_max: int, b: int) -> np.ndarray:
@@ -184,7 +185,7 @@ def main() -> int:
                     help="TTFT measured by the pipeline for the plan of --profile devices")
     args = ap.parse_args()
 
-    base_profiles = [pf.parse_profile_arg(p) for p in (args.profile or [str(SHIPPED)])]
+    base_profiles = [parse_profile_arg(p) for p in (args.profile or [str(SHIPPED)])]
     base = base_profiles[0]
     link = parse_link(args.link)
     setup = {

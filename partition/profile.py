@@ -33,14 +33,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from partition.errors import PartitionError
+from partition.interpolate import bilinear, interp1
 
 SCHEMA = "meshd.device-profile"
 SCHEMA_VERSION = 1
@@ -50,9 +50,6 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "packed": 2, "packed4"
 
 #: Share of device memory the planner leaves to the OS and other apps by default.
 DEFAULT_HEADROOM = 0.25
-
-#: A chunk is "efficient" when its per-token latency is within this factor of the best.
-EFFICIENT_CHUNK_SLACK = 1.10
 
 #: What one chunk costs a pipeline stage beyond its layers' compute, when the profile has no
 #: measurement of its own: taking the message off the socket, decrypting and decoding it,
@@ -159,16 +156,6 @@ class DeviceProfile:
         """Whole-model prefill of ``seq_len`` tokens on this device alone."""
         return float(self.layer_times(seq_len).sum())
 
-    def settings_key(self) -> dict:
-        """What must match for a saved profile to be re-used instead of re-measured."""
-        return {
-            "model": self.model.identity,
-            "dtype": self.dtype,
-            "threads": self.threads,
-            "torch_version": self.torch_version,
-            "settings": self.settings,
-        }
-
     # -- (de)serialisation ----------------------------------------------
 
     def to_dict(self) -> dict:
@@ -209,46 +196,6 @@ class DeviceProfile:
             message_overhead_s=(None if data.get("message_overhead_s") is None
                                 else float(data["message_overhead_s"])),
         )
-
-
-# -- interpolation ------------------------------------------------------------
-
-
-def _bracket(grid, v):
-    """Index of the left grid point of the segment used for ``v`` and the position in it."""
-    g = np.asarray(grid, dtype=float)
-    v = np.asarray(v, dtype=float)
-    i = np.clip(np.searchsorted(g, v, side="right") - 1, 0, len(g) - 2)
-    t = (v - g[i]) / (g[i + 1] - g[i])
-    return i, t
-
-
-def interp1(xs, ys, x):
-    """Piecewise-linear interpolation with linear extrapolation at both ends (floored at 0)."""
-    ys = np.asarray(ys, dtype=float)
-    if len(xs) == 1:  # one calibration point: assume proportional to length
-        return np.maximum(ys[0] * np.asarray(x, dtype=float) / float(xs[0]), 0.0)
-    i, t = _bracket(xs, x)
-    return np.maximum(ys[i] + t * (ys[i + 1] - ys[i]), 0.0)
-
-
-def bilinear(xs, ys, grid, x, y):
-    """Bilinear interpolation on a rectangular grid, linear extrapolation outside it."""
-    g = np.asarray(grid, dtype=float)
-    i, tx = _bracket(xs, x)
-    j, ty = _bracket(ys, y)
-    v = ((1 - tx) * (1 - ty) * g[i, j] + tx * (1 - ty) * g[i + 1, j]
-         + (1 - tx) * ty * g[i, j + 1] + tx * ty * g[i + 1, j + 1])
-    return np.maximum(v, 0.0)
-
-
-def min_efficient_chunk(xs, per_chunk_s, slack: float = EFFICIENT_CHUNK_SLACK) -> int:
-    """b: the shortest chunk whose per-token latency is within ``slack`` of the best."""
-    xs = np.asarray(xs, dtype=float)
-    per_token = np.asarray(per_chunk_s, dtype=float) / xs
-    best = per_token.min()
-    ok = np.nonzero(per_token <= best * slack)[0]
-    return int(xs[ok[0]])
 
 
 # -- validation, load/save --------------------------------------------------------
@@ -382,100 +329,9 @@ def _jsonable(v):
     return v
 
 
-# -- scaling to unmeasured devices ------------------------------------------------
+# -- memory ------------------------------------------------------------------------
 
 
 def memory_budget(total_bytes: int, headroom: float = DEFAULT_HEADROOM) -> int:
     """Bytes the planner may fill on a device with ``total_bytes`` of memory."""
     return int(total_bytes * (1.0 - headroom))
-
-
-def scale(
-    profile: DeviceProfile,
-    speed_factor: float,
-    memory_bytes: int | None = None,
-    *,
-    device_id: str | None = None,
-    headroom: float | None = None,
-) -> DeviceProfile:
-    """A profile for a device that is ``speed_factor`` times as fast as ``profile``'s.
-
-    All latencies are divided by ``speed_factor`` (0.5 = half as fast), ``b`` and
-    the model/memory-per-layer figures are kept, and the memory budget is
-    recomputed from ``memory_bytes`` (the new device's total memory) and the
-    headroom. This is a first-order model: it assumes the device is uniformly
-    faster or slower (same ratio for compute-bound prefill and memory-bound
-    decode). Measure the device with ``meshd profile`` once it is available.
-    """
-    if not speed_factor > 0 or not math.isfinite(speed_factor):
-        raise ProfileError(f"speed factor must be a positive number, got {speed_factor}")
-    f = 1.0 / speed_factor
-    headroom = profile.memory_headroom if headroom is None else headroom
-    total = profile.memory_total_bytes if memory_bytes is None else int(memory_bytes)
-    prev = profile.scaled_from or {}
-    base_factor = float(prev.get("speed_factor", 1.0))
-    return replace(
-        profile,
-        device_id=device_id or f"{profile.device_id}-x{speed_factor:g}",
-        layer_latency_s=tuple(tuple(v * f for v in row) for row in profile.layer_latency_s),
-        q=QGrid(profile.q.x, profile.q.y,
-                tuple(tuple(v * f for v in row) for row in profile.q.seconds)),
-        decode_step_s=tuple(v * f for v in profile.decode_step_s),
-        message_overhead_s=(None if profile.message_overhead_s is None
-                            else profile.message_overhead_s * f),
-        memory_total_bytes=total,
-        memory_headroom=headroom,
-        memory_budget_bytes=memory_budget(total, headroom),
-        scaled_from={
-            "device_id": prev.get("device_id", profile.device_id),
-            "measured_at": prev.get("measured_at", profile.measured_at),
-            "speed_factor": base_factor * speed_factor,
-            "scaled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        },
-    )
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-               "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """``"4GiB"`` → 4294967296; ``"512MB"`` → 512000000."""
-    t = text.strip().lower().replace(" ", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        raise ProfileError(f"cannot read size {text!r} (try 4GiB or 512MB)") from None
-    if unit not in _SIZE_UNITS or value < 0:
-        raise ProfileError(f"cannot read size {text!r} (try 4GiB or 512MB)")
-    return int(value * _SIZE_UNITS[unit])
-
-
-def parse_profile_arg(arg: str) -> DeviceProfile:
-    """``PATH`` or ``PATH@speed=0.5,mem=4GiB,id=tablet`` (scaled on the fly).
-
-    This is how a home is planned before every device has been measured: point
-    at a measured profile and say how fast and how big the other device is.
-    """
-    path, _, opts = arg.partition("@")
-    prof = load(path)
-    if not opts:
-        return prof
-    kv = {}
-    for part in opts.split(","):
-        k, sep, v = part.partition("=")
-        if not sep:
-            raise ProfileError(f"--profile option {part!r} must be key=value (speed, mem, id)")
-        kv[k.strip().lower()] = v.strip()
-    unknown = set(kv) - {"speed", "mem", "id", "headroom"}
-    if unknown:
-        raise ProfileError(f"--profile options {sorted(unknown)} unknown (use speed, mem, id)")
-    try:
-        speed = float(kv.get("speed", "1"))
-        headroom = float(kv["headroom"]) if "headroom" in kv else None
-    except ValueError:
-        raise ProfileError(f"--profile {arg!r}: speed/headroom must be numbers") from None
-    mem = parse_size(kv["mem"]) if "mem" in kv else None
-    return scale(prof, speed, mem, device_id=kv.get("id"), headroom=headroom)

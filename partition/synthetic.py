@@ -11,14 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from partition.profile import (
-    DEFAULT_HEADROOM,
-    DeviceProfile,
-    ModelInfo,
-    QGrid,
-    memory_budget,
-    min_efficient_chunk,
-)
+from partition.interpolate import min_efficient_chunk
+from partition.profile import DEFAULT_HEADROOM, DeviceProfile, ModelInfo, QGrid, memory_budget
 
 SMOLLM2_135M = ModelInfo(
     identity="synthetic:SmolLM2-135M",

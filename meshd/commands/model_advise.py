@@ -31,7 +31,7 @@ def run(args) -> int:
     speed = _speed(state)
     members, where = _members(args, speed)
     if args.memory:
-        from partition.profile import parse_size
+        from partition.scaling import parse_size
 
         total = parse_size(args.memory)
         members, where = [Member("--memory", total, speed)], f"--memory {args.memory}"

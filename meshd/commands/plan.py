@@ -100,7 +100,7 @@ def run(args) -> int:
     from partition.link import parse_link
     from partition.layout import Workload, choose_layout
     from partition.planner import layout_account, make_plan, predict_decode_step_s, predict_prefill_s
-    from partition.profile import parse_profile_arg
+    from partition.scaling import parse_profile_arg
 
     if args.max_seq < 1:
         raise MeshdError("--max-seq must be at least 1")

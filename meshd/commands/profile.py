@@ -122,8 +122,9 @@ def _measurable_device(spec: str):
 def run(args) -> int:
     from meshd.errors import MeshdError
     from partition import profile as pf
+    from partition.scaling import parse_size, scale
 
-    memory = pf.parse_size(args.memory) if args.memory else None
+    memory = parse_size(args.memory) if args.memory else None
     if args.headroom is not None and not 0 <= args.headroom < 1:
         raise MeshdError("--headroom must be a fraction in [0, 1)")
 
@@ -131,7 +132,7 @@ def run(args) -> int:
         if args.speed is None:
             raise MeshdError("--scale-from needs --speed (the device's speed relative to the profile)")
         src = pf.load(args.scale_from)
-        prof = pf.scale(src, args.speed, memory, device_id=args.device_id, headroom=args.headroom)
+        prof = scale(src, args.speed, memory, device_id=args.device_id, headroom=args.headroom)
         path = pf.save(prof, _target(args, prof.device_id))
         print(f"wrote {path}: {prof.device_id} = {src.device_id} x{args.speed:g} speed, "
               f"memory budget {prof.memory_budget_bytes / 2**30:.1f} GiB")
@@ -151,22 +152,17 @@ def run(args) -> int:
         raise MeshdError("--threads and --repeats must be >= 1 and --max-seq >= 16")
 
     from meshd.model.store import open_model
-    from partition.profiler import (
-        ProfileSettings,
-        default_device_id,
-        estimate_speed,
-        profile_device,
-        reusable,
-        total_memory_bytes,
-    )
+    from meshd.model.profiler import estimate_speed, profile_device, reusable
+    from partition.machine import default_device_id, total_memory_bytes
+    from partition.profile_settings import ProfileSettings
 
     if args.quick_from:
         ref = pf.load(args.quick_from)
         source = open_model(args.model)
         speed = estimate_speed(source, ref, threads=args.threads, repeats=args.repeats)
         device_id = args.device_id or default_device_id(args.threads)
-        prof = pf.scale(ref, speed, memory if memory is not None else total_memory_bytes(),
-                        device_id=device_id, headroom=args.headroom)
+        prof = scale(ref, speed, memory if memory is not None else total_memory_bytes(),
+                     device_id=device_id, headroom=args.headroom)
         prof = dataclasses.replace(prof, threads=args.threads, host={**prof.host, **measured_on})
         path = pf.save(prof, _target(args, device_id))
         print(f"wrote {path}: one layer measured, {speed:.2f}x the speed of {ref.device_id}; "

@@ -5,7 +5,7 @@ fast laptop and a slow mini PC looks like two equal devices. The slow one gets
 half the layers and sets the pace for both: adding it makes answers slower,
 the complaint users have of similar tools. A full profile (``meshd profile``)
 takes minutes; timing one decoder layer against the shipped profile of the same
-model (``partition.profiler.estimate_speed``) gives the device's speed in a
+model (``meshd.model.profiler.estimate_speed``) gives the device's speed in a
 second or two. That is enough for the planner to weigh the devices and to leave
 out one that would slow the home down.
 
@@ -68,7 +68,7 @@ def settle(state: StateDir, source, *, mode: str, threads: int, on_cpu: bool, re
     """The profile this device should be planned with (blocking: run it in a worker thread).
 
     ``estimate(source, reference, threads=...)`` returns the device's speed relative to
-    the reference profile (default: ``partition.profiler.estimate_speed``).
+    the reference profile (default: ``meshd.model.profiler.estimate_speed``).
     """
     model = getattr(source, "identity", None) or ""
     own = state.own_profile(model) if model else None
@@ -84,15 +84,17 @@ def settle(state: StateDir, source, *, mode: str, threads: int, on_cpu: bool, re
     if ref_path is None:
         return SelfProfile(None, "shipped default: no shipped profile of this model to scale; "
                                  "run 'meshd profile --install' for a full one")
+    from meshd.model.profiler import estimate_speed
     from partition import profile as pf
-    from partition.profiler import default_device_id, estimate_speed, total_memory_bytes
+    from partition.machine import default_device_id, total_memory_bytes
+    from partition.scaling import scale
 
     reference = pf.load(ref_path)
     # the wall clock by default: what this device serves at, quotas and all (see estimate_speed)
     estimate = estimate or functools.partial(estimate_speed, clock=time.perf_counter)
     speed = estimate(source, reference, threads=threads)
     device_id = default_device_id(threads)
-    prof = pf.scale(reference, speed, total_memory_bytes(), device_id=device_id)
+    prof = scale(reference, speed, total_memory_bytes(), device_id=device_id)
     prof = dataclasses.replace(prof, threads=threads)
     path = pf.save(prof, state.profiles_dir / f"self-{device_id}-{model.rpartition('@')[2] or 'model'}.json")
     log.info("self_profile_measured", speed=round(speed, 3), reference=reference.device_id, threads=threads,

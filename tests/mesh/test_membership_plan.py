@@ -73,9 +73,10 @@ def test_a_member_that_would_slow_prompts_down_is_left_out_and_the_plan_says_why
     if plan_mod.default_profile() is None:
         pytest.skip("no shipped profile in profiles/")
     from partition import profile as pf
+    from partition.scaling import scale
 
     base = pf.DeviceProfile.from_dict(plan_mod.default_profile())
-    slow = pf.scale(base, 0.3).to_dict()  # a device 3.3x slower than the others
+    slow = scale(base, 0.3).to_dict()  # a device 3.3x slower than the others
     members = [MemberInput("a", 8000), MemberInput("b", 8000, slow)]
     p = plan_home(1, "a", members, base.num_layers)
     assert [s.node_id for s in p.stages] == ["a"]

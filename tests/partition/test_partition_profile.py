@@ -1,4 +1,5 @@
-"""Device profiles: schema v1, interpolation, scaling to unmeasured devices."""
+"""Device profiles: schema v1 (partition.profile), interpolation (partition.interpolate), scaling to unmeasured
+devices (partition.scaling)."""
 
 import json
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 
 from partition import profile as pf
-from partition.profiler import monotone_envelope
+from partition.interpolate import bilinear, interp1, min_efficient_chunk, monotone_envelope
+from partition.scaling import parse_profile_arg, parse_size, scale
 from partition.synthetic import synthetic_profile
 
 
@@ -41,10 +43,10 @@ def test_the_per_chunk_message_cost_is_optional_and_scales_with_the_device():
     d.pop("message_overhead_s", None)  # a profile written before the field existed
     old = pf.DeviceProfile.from_dict(d)
     assert old.message_overhead_s is None and old.chunk_overhead_s == pf.DEFAULT_MESSAGE_OVERHEAD_S
-    assert pf.scale(old, 2.0).message_overhead_s is None  # unmeasured stays unmeasured: the default applies
+    assert scale(old, 2.0).message_overhead_s is None  # unmeasured stays unmeasured: the default applies
     measured = pf.DeviceProfile.from_dict(d | {"message_overhead_s": 0.004})
     assert measured.chunk_overhead_s == 0.004
-    assert pf.scale(measured, 2.0).chunk_overhead_s == pytest.approx(0.002)
+    assert scale(measured, 2.0).chunk_overhead_s == pytest.approx(0.002)
     assert pf.DeviceProfile.from_dict(measured.to_dict()) == measured
 
 
@@ -59,24 +61,24 @@ def test_bilinear_interpolation_is_exact_for_bilinear_costs():
     grid = [[f(x, y) for y in ys] for x in xs]
     x = np.array([3, 20, 100, 255, 300])  # last one extrapolates
     y = np.array([7, 50, 399, 0, 500])
-    assert pf.bilinear(xs, ys, grid, x, y) == pytest.approx(f(x, y))
+    assert bilinear(xs, ys, grid, x, y) == pytest.approx(f(x, y))
 
 
 def test_piecewise_linear_interpolation_extrapolates_linearly():
-    assert pf.interp1([10, 20], [1.0, 2.0], 40) == pytest.approx(4.0)
-    assert pf.interp1([10, 20], [1.0, 2.0], 15) == pytest.approx(1.5)
-    assert pf.interp1([10, 20], [1.0, 2.0], -100) == 0.0  # never negative
+    assert interp1([10, 20], [1.0, 2.0], 40) == pytest.approx(4.0)
+    assert interp1([10, 20], [1.0, 2.0], 15) == pytest.approx(1.5)
+    assert interp1([10, 20], [1.0, 2.0], -100) == 0.0  # never negative
 
 
 def test_min_efficient_chunk_is_shortest_within_ten_percent_of_best_per_token():
     xs = [1, 16, 64, 256, 1024]
     per_chunk = [0.01, 0.020, 0.066, 0.25, 1.2]  # per token: 10, 1.25, 1.03, 0.98, 1.17 ms
-    assert pf.min_efficient_chunk(xs, per_chunk) == 64
+    assert min_efficient_chunk(xs, per_chunk) == 64
 
 
 def test_scaling_divides_latencies_and_sets_the_new_memory_budget():
     base = synthetic_profile("laptop")
-    slow = pf.scale(base, 0.5, 4 * 2**30, device_id="tablet")
+    slow = scale(base, 0.5, 4 * 2**30, device_id="tablet")
     assert slow.device_id == "tablet"
     assert slow.full_model_time(1024) == pytest.approx(2 * base.full_model_time(1024))
     assert slow.q_layer(100, 300) == pytest.approx(2 * base.q_layer(100, 300))
@@ -84,23 +86,23 @@ def test_scaling_divides_latencies_and_sets_the_new_memory_budget():
     assert slow.memory_budget_bytes == pf.memory_budget(4 * 2**30, base.memory_headroom)
     assert slow.scaled_from["device_id"] == "laptop" and slow.scaled_from["speed_factor"] == 0.5
     # scaling a scaled profile composes
-    assert pf.scale(slow, 4.0).scaled_from["speed_factor"] == pytest.approx(2.0)
+    assert scale(slow, 4.0).scaled_from["speed_factor"] == pytest.approx(2.0)
     # and survives the schema
     assert pf.DeviceProfile.from_dict(slow.to_dict()) == slow
 
 
 def test_profile_argument_can_scale_a_measured_profile_on_the_fly(tmp_path):
     path = pf.save(synthetic_profile("laptop"), tmp_path / "laptop.json")
-    p = pf.parse_profile_arg(f"{path}@speed=0.25,mem=2GiB,id=phone")
+    p = parse_profile_arg(f"{path}@speed=0.25,mem=2GiB,id=phone")
     assert p.device_id == "phone" and p.memory_total_bytes == 2 * 2**30
     with pytest.raises(pf.ProfileError):
-        pf.parse_profile_arg(f"{path}@colour=blue")
+        parse_profile_arg(f"{path}@colour=blue")
 
 
 @pytest.mark.parametrize("text, value", [("4GiB", 4 * 2**30), ("512MB", 512e6), ("1.5g", 1.5e9),
                                           ("1000", 1000)])
 def test_sizes_are_read_with_units(text, value):
-    assert pf.parse_size(text) == int(value)
+    assert parse_size(text) == int(value)
 
 
 def test_monotone_envelope_trusts_the_faster_reading():

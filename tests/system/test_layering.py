@@ -132,7 +132,7 @@ def test_a_rule_bites_once_its_package_exists(tmp_path):
 def test_importing_the_lower_packages_loads_no_meshd_module():
     code = ("import sys\n"
             "import transport, transport.node, transport.link, transport.auth, transport.tuning\n"
-            "import partition.planner, partition.profiler, partition.synthetic\n"
+            "import partition.planner, partition.machine, partition.scaling, partition.synthetic\n"
             "import decoding.loader, decoding.loader.gguf_source, decoding.loader.hf_source\n"
             "import decoding.sampling, decoding.generate, decoding.kv_cache\n"
             "print(sorted(m for m in sys.modules if m == 'meshd' or m.startswith('meshd.')))\n")

@@ -12,7 +12,7 @@ the real weights and shapes, ``torch.set_num_threads(threads)``):
 * **t_l** – every unit at each calibration length (``layer_repeats`` times).
 * **q(x, y)** – one representative decoder layer on the (x, y) grid, fastest
   of ``repeats`` (short runs repeated more, see ``MIN_SAMPLE_S``), then made
-  monotone in x and y (:func:`monotone_envelope`). The y cached tokens are written straight into the KV cache as
+  monotone in x and y (:func:`partition.interpolate.monotone_envelope`). The y cached tokens are written straight into the KV cache as
   random keys/values (attention cost does not depend on their values), which
   saves a prefill per grid row. Off-grid points are measured too, and the
   bilinear interpolation error is stored in ``q_error``.
@@ -27,6 +27,11 @@ A warm-up pass over the grid shapes comes first so first-call allocations are
 not timed. Timings are the fastest of several runs around ``forward``, on the
 thread's CPU clock when torch uses one thread (see :func:`measurement_clock`),
 so a profile taken on a busy machine still describes the device itself.
+
+It runs the model (``decoding``), so it lives above the lower floors, beside the
+daemon's self-profile that uses it; what it writes (``partition.profile``), the
+settings it takes (``partition.profile_settings``) and the arithmetic on its timings
+(``partition.interpolate``) are pure and stay in ``partition``.
 """
 
 from __future__ import annotations
@@ -35,51 +40,28 @@ import os
 import platform
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import numpy as np
 
-from partition.log import get_logger
-from partition.profile import (
-    DEFAULT_HEADROOM,
-    DeviceProfile,
-    ModelInfo,
-    QGrid,
-    bilinear,
-    memory_budget,
-    min_efficient_chunk,
-)
+from meshd.log import get_logger
+from partition.interpolate import bilinear, min_efficient_chunk, monotone_envelope
+from partition.machine import cpu_name, default_device_id, total_memory_bytes
+from partition.profile import DeviceProfile, ModelInfo, QGrid, memory_budget
+from partition.profile_settings import ProfileSettings
 
-log = get_logger("partition.profiler")
+log = get_logger("meshd.model.profiler")
 
 #: off-grid (x, y) points used to measure the interpolation error, as fractions of max_seq
 ERROR_POINTS = ((3 / 2048, 1800 / 2048), (48 / 2048, 384 / 2048), (200 / 2048, 700 / 2048),
                 (700 / 2048, 1200 / 2048), (1500 / 2048, 300 / 2048))
 
 
-#: bumped when the measurement method changes, so saved profiles are re-measured
-PROFILER_VERSION = 2
-
 #: short runs are repeated until their samples add up to this many seconds ...
 MIN_SAMPLE_S = 0.05
 #: ... or this many repeats
 MAX_REPEATS = 15
-
-
-def monotone_envelope(t: np.ndarray, axes: tuple[int, ...] | None = None) -> np.ndarray:
-    """Make timings non-decreasing along every axis, trusting the *faster* reading.
-
-    Interference on a shared device only ever adds time, so when a point with
-    more work (longer chunk, longer cache) was measured faster than one with
-    less, the slower reading was disturbed: ``t[i, j] = min(t[i', j'] for
-    i' ≥ i, j' ≥ j)``. Applied after taking the fastest of several repeats.
-    """
-    out = np.asarray(t, dtype=float).copy()
-    for axis in range(out.ndim) if axes is None else axes:
-        flipped = np.flip(out, axis=axis)
-        out = np.flip(np.minimum.accumulate(flipped, axis=axis), axis=axis)
-    return out
 
 
 def measurement_clock(threads: int):
@@ -92,97 +74,6 @@ def measurement_clock(threads: int):
     pool, so wall time (``perf_counter``) is used and the device should be idle.
     """
     return time.thread_time if threads == 1 else time.perf_counter
-
-
-def _pow2_grid(max_seq: int) -> tuple[int, ...]:
-    xs = [1, 4, 8] + [v for v in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if v < max_seq]
-    return tuple(sorted(set(xs + [max_seq])))
-
-
-@dataclass(frozen=True)
-class ProfileSettings:
-    """Everything that changes the measurement; a saved profile is re-used only if equal."""
-
-    max_seq: int = 2048
-    threads: int = 1
-    dtype: str = "float32"
-    repeats: int = 3
-    layer_repeats: int = 2
-    calib_seq_lens: tuple[int, ...] = ()
-    q_x: tuple[int, ...] = ()
-    q_y: tuple[int, ...] = ()
-    decode_context: tuple[int, ...] = ()
-    headroom: float = DEFAULT_HEADROOM
-    memory_bytes: int | None = None  # override the device's total memory
-
-    def resolved(self) -> "ProfileSettings":
-        """Fill the grids from ``max_seq`` when they were left empty."""
-        S = self.max_seq
-        calib = self.calib_seq_lens or tuple(sorted({min(v, S) for v in (16, 128, 512, S)}))
-        qx = self.q_x or _pow2_grid(S)
-        qy = self.q_y or tuple(sorted({0, S // 8, S // 4, S // 2, 3 * S // 4, S}))
-        dec = self.decode_context or tuple(sorted({0, S // 8, S // 4, S // 2, S}))
-        return ProfileSettings(S, self.threads, self.dtype, self.repeats, self.layer_repeats,
-                               tuple(calib), tuple(qx), tuple(qy), tuple(dec), self.headroom,
-                               self.memory_bytes)
-
-    def to_dict(self) -> dict:
-        d = {"profiler_version": PROFILER_VERSION, **asdict(self.resolved())}
-        for k, v in d.items():
-            if isinstance(v, tuple):
-                d[k] = list(v)
-        return d
-
-
-def default_device_id(threads: int) -> str:
-    """A stable id for this *kind* of device: ``x86_64-2core-1thread``."""
-    return f"{platform.machine() or 'cpu'}-{os.cpu_count() or 1}core-{threads}thread"
-
-
-def total_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-# The CPU features that decide which kernels a device runs fast: bfloat16/int8 matrix units and dot
-# products (x86: AVX2, AVX-512 and its VNNI/BF16 extensions, AVX-VNNI, AMX; ARM: NEON, dot products,
-# i8mm, bf16, SVE). A figure measured on one of these kinds says little about another.
-RELEVANT_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni",
-                      "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "i8mm", "bf16", "sve")
-
-
-def cpu_flags() -> tuple[str, ...]:
-    """The relevant features this CPU reports (``flags`` on x86, ``Features`` on ARM), in a fixed order."""
-    have: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    have.update(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    return tuple(flag for flag in RELEVANT_CPU_FLAGS if flag in have)
 
 
 @dataclass
@@ -427,7 +318,7 @@ def estimate_speed(source, reference: DeviceProfile, threads: int = 1, repeats: 
 
     Loads a single middle layer, times it at a few (x, y) points with the same
     clock as the full profiler (or ``clock``) and returns the geometric mean of
-    ``reference.q(x, y) / measured``. Use with :func:`partition.profile.scale`.
+    ``reference.q(x, y) / measured``. Use with :func:`partition.scaling.scale`.
     A daemon timing itself passes the wall clock: a CPU quota (a container, a
     NAS's limits) slows what it serves but not the CPU time one thread reads.
     """
