@@ -666,7 +666,7 @@ def default_budget_mb(model: Path, num_layers: int, weights: str) -> int:
     """A memory budget that makes the planner split the model in two: halfway between what the larger
     stage of the most even 2-way split needs and what the whole model needs (weights + KV for the plan's
     longest prompt + workspace), by the shipped profile of this model the planner takes for ``weights``
-    (that mode's, else float32's, else the first: ``meshd.mesh.home_plan.prefer_mode``)."""
+    (that mode's, else float32's, else the first: ``meshd.model.profile_files.prefer_mode``)."""
     from meshd.mesh.home_plan import PLAN_MAX_SEQ, shipped_profiles
     from partition.layers import stage_memory_bytes
     from partition.profile import DeviceProfile

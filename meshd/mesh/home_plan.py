@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.model.profile_files import profile_model, read_profiles
+from meshd.model.profile_files import prefer_mode, profile_model, read_profiles
 from partition.ids import NodeId, PlanVersion
 from partition.cuttable import CutTable
 from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, Plan, StageAssignment
 
 __all__ = ["DEFAULT_LINK", "PLAN_MAX_SEQ", "PLAN_SEQ_LEN", "MemberInput", "PlanIssuer", "equal_split",
            "plan_home", "chunks_prompts", "home_cut_table", "stage_timings_over", "shipped_profiles_dir", "default_profile",
-           "prefer_mode", "model_name", "other_model_reason", "plannable_members", "not_planned"]
+           "model_name", "other_model_reason", "plannable_members", "not_planned"]
 
 log = get_logger("meshd.mesh.home_plan")
 
@@ -94,16 +94,6 @@ def default_profile(weights: str = "", model: str = "") -> dict[str, Any] | None
     shipped = shipped_profiles()
     same_model = [data for data in shipped if model and profile_model(data) == model]
     return prefer_mode(same_model or shipped, weights, lambda d: d)
-
-
-def prefer_mode(items: list, weights: str, profile_of):
-    """The first of ``items`` whose profile (``profile_of(item)``) was measured in ``weights``, else
-    the first float32 one (profiles before modes had names), else the first; None for none."""
-    for want in (weights, "float32"):
-        hit = next((it for it in items if want and profile_of(it).get("dtype") == want), None)
-        if hit is not None:
-            return hit
-    return items[0] if items else None
 
 
 def _device_profiles(members: list[MemberInput], weights: str, model: str) -> list | None:

@@ -1,4 +1,4 @@
-"""Device profile files in a folder (a state dir's, the shipped ones): read, and told apart by model.
+"""Device profile files in a folder (a state dir's, the shipped ones): read, told apart by model and by mode.
 
 Apart from the state directory because profiles are read from more than one place
 (``meshd.mesh.home_plan`` reads the shipped folder too), and a profile only guides plans: an
@@ -33,3 +33,13 @@ def read_profiles(directory: Path, newest_first: bool = False) -> Iterator[tuple
 def profile_model(data: dict[str, Any]) -> str | None:
     """The identity of the model a profile (as a plain dict) was measured on."""
     return (data.get("model") or {}).get("identity")
+
+
+def prefer_mode(items: list, weights: str, profile_of):
+    """The first of ``items`` whose profile (``profile_of(item)``) was measured in ``weights``, else
+    the first float32 one (profiles before modes had names), else the first; None for none."""
+    for want in (weights, "float32"):
+        hit = next((it for it in items if want and profile_of(it).get("dtype") == want), None)
+        if hit is not None:
+            return hit
+    return items[0] if items else None

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.model.profile_files import profile_model, read_profiles
+from meshd.model.profile_files import prefer_mode, profile_model, read_profiles
 from meshd.state import StateDir
 
 log = get_logger("meshd.model.self_profile")
@@ -55,8 +55,6 @@ def describe(profile: dict[str, Any] | None) -> str:
 def reference_for(model: str, dirs: list[Path], weights: str = "") -> Path | None:
     """A shipped full profile of ``model`` (its identity) to scale from, if any: one measured in the
     numeric mode ``weights`` when there is one (a packed layer's speed is not a float32 layer's)."""
-    from meshd.mesh.home_plan import prefer_mode
-
     found = [(path, data) for d in dirs for path, data in read_profiles(d)
              if profile_model(data) == model and not data.get("scaled_from")]
     best = prefer_mode(found, weights, lambda item: item[1])

@@ -37,3 +37,27 @@ def imported_modules(tree: ast.AST, module: str = ""):
                 arg = node.args[0]
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     yield node.lineno, arg.value
+
+
+
+def runtime_import_statements(tree: ast.Module):
+    """The import statements that run when the module is imported: at module level, also inside
+    ``if``/``try``/``with`` blocks and class bodies, but not inside functions (they run later) nor under
+    ``if TYPE_CHECKING`` (never). What an import cycle is made of."""
+    todo = list(reversed(tree.body))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+            continue
+        if isinstance(node, ast.If) and _names_type_checking(node.test):
+            todo.extend(reversed(node.orelse))
+            continue
+        for name in ("finalbody", "orelse", "handlers", "body"):
+            todo.extend(reversed(getattr(node, name, None) or []))
+
+
+def _names_type_checking(test: ast.expr) -> bool:
+    return (test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", "")) == "TYPE_CHECKING"
