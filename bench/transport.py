@@ -12,7 +12,7 @@ On loopback, for each tensor size, measures
 
 for four methods:
 
-  zerocopy        transport.link Peer -> StageServer, CURVE off, one-way sends
+  zerocopy        transport.peer Peer -> StageServer, CURVE off, one-way sends
   zerocopy_curve  the same with CurveZMQ encryption + ZAP allow-list
   pickle          DEALER/ROUTER with pyzmq send_pyobj of {"hidden": tensor}:
                   the naive baseline (torch pickles a tensor via torch.save)
@@ -55,7 +55,7 @@ import zmq.asyncio  # noqa: E402
 
 from transport import loop as tloop  # noqa: E402
 from transport.keys import Keypair  # noqa: E402
-from transport.link import Peer  # noqa: E402
+from transport.peer import Peer  # noqa: E402
 from transport.messages import Ack, FreeSequence, StageForward  # noqa: E402
 from transport.node import TransportNode  # noqa: E402
 from transport.tuning import tune_allocator_for_large_messages  # noqa: E402

@@ -6,7 +6,8 @@ Modules, one job each:
 - ``messages``  typed message dataclasses + the one ``encode``/``decode``
 - ``keys``      the home's keypair store and allow-list
 - ``auth``      ZAP authenticator admitting allow-listed keys
-- ``link``      ``StageServer`` (ROUTER) and ``Peer`` (DEALER) on asyncio
+- ``link``      ``StageServer`` (ROUTER) on asyncio: receives, queues, replies
+- ``peer``      ``Peer`` (DEALER): the client of one server
 - ``node``      ``TransportNode``: one context + keys + authenticator per daemon
 - ``loop``      uvloop when available
 """
@@ -21,9 +22,10 @@ from transport.errors import (
     TransportTimeout,
 )
 from transport.keys import AllowList, Keypair, fingerprint, load_or_create_keypair
-from transport.link import Endpoint, Peer, Request, StageServer
+from transport.link import Endpoint, Request, StageServer
 from transport.messages import Envelope, decode, encode, message
 from transport.node import TransportNode
+from transport.peer import Peer
 from transport.wire import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits
 
 __all__ = [

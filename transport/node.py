@@ -26,8 +26,9 @@ import zmq.asyncio
 from transport.auth import CurveAuthenticator
 from transport.errors import TransportError
 from transport.keys import AllowList, Keypair, load_or_create_keypair
-from transport.link import Handler, Peer, StageServer
+from transport.link import Handler, StageServer
 from transport.log import get_logger
+from transport.peer import Peer
 from transport.tuning import tune_allocator_for_large_messages
 from transport.wire import DEFAULT_LIMITS, Limits
 

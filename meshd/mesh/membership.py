@@ -37,7 +37,7 @@ class Change:
 class MemberRecord:
     """What this device knows of one other member: its liveness state and its latest heartbeat.
 
-    (Not ``transport.link.Peer``, which is a connection to a stage server.)
+    (Not ``transport.peer.Peer``, which is a connection to a stage server.)
     """
 
     node_id: NodeId

@@ -33,7 +33,8 @@ from typing import Any
 
 from meshd.log import get_logger
 from transport.errors import TransportError
-from transport.link import Peer, Request
+from transport.link import Request
+from transport.peer import Peer
 from transport.messages import Envelope, LinkProbe, LinkProbeAck
 from transport.node import TransportNode
 from partition.ids import NodeId

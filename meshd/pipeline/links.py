@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from meshd.log import get_logger
-from transport.link import Peer
+from transport.peer import Peer
 from transport.node import TransportNode
 from partition.ids import NodeId
 

@@ -39,11 +39,11 @@ async def test_half_precision_activations_on_the_wire_halve_the_bytes_and_keep_g
     """``meshd join --wire-dtype float16``: a stage sends float16 hidden states; the next one computes in
     its own dtype. Parity is a measured property of the model (36/36 prompts for SmolLM2, RESULTS.md),
     checked here on the test model. The bytes are counted on the encoded frames, not taken from stats."""
-    import transport.link as link_mod
+    import transport.peer as peer_mod
     from transport.messages import StageForward
     from transport.wire import _frame_len
 
-    real_encode = link_mod.encode
+    real_encode = peer_mod.encode
     frame_bytes = []
 
     def counting_encode(msg, **kw):
@@ -54,7 +54,7 @@ async def test_half_precision_activations_on_the_wire_halve_the_bytes_and_keep_g
                                - (ids.numel() * ids.element_size() if ids is not None else 0))
         return frames
 
-    monkeypatch.setattr(link_mod, "encode", counting_encode)
+    monkeypatch.setattr(peer_mod, "encode", counting_encode)
     prompt = list(range(7, 40))
     ref = generate(LocalPipeline.from_source(tiny, 1), prompt, 24).token_ids
     sent = {}

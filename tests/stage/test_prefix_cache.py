@@ -40,7 +40,7 @@ def prefill(s: StageScheduler, seq: str, ids: list[int], offset: int = 0, capaci
     s.kv.reserve(seq, len(ids))
     s.kv.commit(seq, len(ids))
     if last:
-        s.prompt_done(slot)
+        s.prefix.share_prompt(slot)
     return slot
 
 
@@ -55,7 +55,7 @@ def test_a_finished_request_is_kept_and_a_later_prompt_forks_from_it_without_cop
     prefill(s, "c/1", [42], offset=302)  # an answer token fed back
     assert s.keep("c/1")
     assert s.sequences() == [] and s.tokens_in_use() == 0 and s.prefix.status()["entries"] == 1
-    assert s.probe(system + [7, 8, 42, 5]) == 303 and s.probe(system + [9]) == 300
+    assert s.prefix.probe(system + [7, 8, 42, 5]) == 303 and s.prefix.probe(system + [9]) == 300
     reuse(s, "c/2", system + [7])
     assert s.kv.length("c/2") == 301 and s.sequences() == ["c/2"]
     prefill(s, "c/2", [3, 4], offset=301)  # only the rest is computed
@@ -75,11 +75,11 @@ def test_a_running_prompt_is_shared_while_it_decodes_and_a_hang_up_leaves_nothin
     s = make()
     prompt = list(range(500, 560))
     prefill(s, "c/1", prompt[:30], last=False, capacity=100)
-    assert s.probe(prompt) == 0  # mid-prefill: nothing computed is shared yet
+    assert s.prefix.probe(prompt) == 0  # mid-prefill: nothing computed is shared yet
     prefill(s, "c/1", prompt[30:], offset=30)
-    assert s.probe(prompt) == 60  # its prompt is computed: a second request can fork from it
+    assert s.prefix.probe(prompt) == 60  # its prompt is computed: a second request can fork from it
     s.free("c/1", "freed")  # the client hung up: no entry, nothing referenced
-    assert s.probe(prompt) == 0 and s.prefix.status()["entries"] == 0 and s.kv.reserved_tokens == 0
+    assert s.prefix.probe(prompt) == 0 and s.prefix.status()["entries"] == 0 and s.kv.reserved_tokens == 0
 
 
 def test_a_hang_up_mid_prefill_is_freed_not_kept():
@@ -99,7 +99,7 @@ def test_only_verified_positions_are_kept():
     s.kv.reserve("c/1", 4)
     s.kv.commit("c/1", 4)
     assert s.keep("c/1")
-    assert s.probe(list(range(20)) + [5, 6]) == 20
+    assert s.prefix.probe(list(range(20)) + [5, 6]) == 20
 
 
 def test_entries_stay_within_their_share_and_the_least_recently_used_goes_first():
@@ -108,14 +108,14 @@ def test_entries_stay_within_their_share_and_the_least_recently_used_goes_first(
     for seq, ids in prompts.items():
         prefill(s, seq, ids)
         assert s.keep(seq)
-        s.enforce_share()
+        s.prefix.enforce_share()
         if seq == "c/2":
             reuse(s, "c/r", prompts["c/0"][:100])  # c/0 is used again: the most recent
             s.free("c/r", "freed")
         assert s.prefix.held_tokens() <= 2048
     assert s.prefix.stats.evictions >= 5
-    assert s.probe(prompts["c/11"]) == 300  # the newest is held
-    assert s.probe(prompts["c/1"]) == 0  # ... the least recently used went
+    assert s.prefix.probe(prompts["c/11"]) == 300  # the newest is held
+    assert s.prefix.probe(prompts["c/1"]) == 0  # ... the least recently used went
 
 
 def test_cached_content_never_makes_an_admission_fail():
@@ -135,7 +135,7 @@ def test_an_entry_a_running_request_reads_is_never_evicted():
     reuse(s, "c/2", list(range(300)), capacity=300 + 200)
     with pytest.raises(Exception, match="full"):
         prefill(s, "c/3", list(range(40_000, 40_500)), capacity=500)
-    assert s.probe(list(range(400))) == 400
+    assert s.prefix.probe(list(range(400))) == 400
 
 
 def test_a_pinned_prompt_is_never_evicted():
@@ -146,8 +146,8 @@ def test_a_pinned_prompt_is_never_evicted():
     for i in range(1, 30):
         prefill(s, f"c/{i}", [30_000 + i] + list(range(200)))
         assert s.keep(f"c/{i}")
-        s.enforce_share()
-    assert s.probe(system + [9]) == 200 and s.prefix.status()["pinned"] == 1
+        s.prefix.enforce_share()
+    assert s.prefix.probe(system + [9]) == 200 and s.prefix.status()["pinned"] == 1
 
 
 def test_a_new_plan_keeps_the_entries_only_when_nothing_they_depend_on_changed():
@@ -156,10 +156,10 @@ def test_a_new_plan_keeps_the_entries_only_when_nothing_they_depend_on_changed()
     assert s.keep("c/1")
     prefill(s, "c/2", list(range(300, 340)), capacity=64)  # a running request: dropped either way
     s.reset(TinyStage(), depth=1, key=KEY)  # a re-plan that keeps this stage's layers, mode and upstream
-    assert s.probe(list(range(100))) == 100 and s.sequences() == []
+    assert s.prefix.probe(list(range(100))) == 100 and s.sequences() == []
     moved = CacheKey("model-sha", (0, 2), "float32", (("other-device", (0, 3)),))  # an upstream stage changed
     s.reset(TinyStage(), depth=2, key=moved)
-    assert s.probe(list(range(100))) == 0 and s.prefix.status()["entries"] == 0 and s.kv.reserved_tokens == 0
+    assert s.prefix.probe(list(range(100))) == 0 and s.prefix.status()["entries"] == 0 and s.kv.reserved_tokens == 0
 
 
 def test_a_stage_reloaded_on_another_device_starts_a_fresh_cache():
@@ -168,7 +168,7 @@ def test_a_stage_reloaded_on_another_device_starts_a_fresh_cache():
     prefill(s, "c/1", list(range(100)))
     assert s.keep("c/1")
     s.reset(TinyStage(), depth=1, key=CacheKey("model-sha", (0, 2), "float32", (), "cuda:0"))
-    assert s.probe(list(range(100))) == 0 and s.prefix.status()["entries"] == 0
+    assert s.prefix.probe(list(range(100))) == 0 and s.prefix.status()["entries"] == 0
 
 
 def test_a_thousand_distinct_long_prompts_keep_the_cache_within_its_budget():
@@ -178,7 +178,7 @@ def test_a_thousand_distinct_long_prompts_keep_the_cache_within_its_budget():
         prefill(s, seq, [40_000 + i % 9000] + [i % 7] * 1999, capacity=2048)
         assert s.kv.reserved_tokens <= 16_384
         assert s.keep(seq)
-        s.enforce_share()
+        s.prefix.enforce_share()
         assert s.prefix.held_tokens() <= 8192
     assert s.prefix.stats.evictions >= 990 and s.sequences() == []
 
@@ -195,7 +195,7 @@ def test_an_exact_stage_shares_only_whole_blocks_a_cold_prompt_computes_the_same
     prefill(s, "c/1", prompt[128:], offset=128)
     for t, pos in ((7, 150), (8, 151)):  # answer tokens fed one by one: alone, never shared
         prefill(s, "c/1", [t], offset=pos)
-    assert s.probe(prompt + [7, 8, 9]) == 128
+    assert s.prefix.probe(prompt + [7, 8, 9]) == 128
     assert s.keep("c/1") and s.kv.length("c/1") == 128
     with pytest.raises(StageError) as err:
         reuse(s, "c/2", prompt[:100])  # not at a block boundary: a cold prompt computes it otherwise

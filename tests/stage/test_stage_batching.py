@@ -99,7 +99,7 @@ async def test_a_malformed_message_in_a_batch_fails_alone(tiny):
         bad = StageForward(request_id="b", plan_version=mesh.route.plan_version, seq_id="coord:bad",
                            position_offset=0, chunk_index=0, token_ids=torch.tensor([5, 10 ** 6]),
                            is_last_chunk=False, reply_to=mesh.coord.reply_to, capacity=16)
-        replies = await first.handle_batch([good, bad], [None, None])
+        replies = await first.step([good, bad])
         assert type(replies[0]).__name__ == "Ack"
         assert replies[1].code == "bad_input"
         assert "coord:good" in first.kv and "coord:bad" not in first.kv
@@ -113,7 +113,7 @@ async def test_a_second_message_for_a_sequence_waits_for_the_next_pass(tiny):
                       reply_to="", capacity=32, chunk_index=0)
         a = StageForward(position_offset=0, token_ids=torch.tensor([5, 6, 7]), is_last_chunk=False, **common)
         b = StageForward(position_offset=3, token_ids=torch.tensor([8, 9]), is_last_chunk=False, **common)
-        replies = await svc.handle_batch([a, b], [None, None])
+        replies = await svc.step([a, b])
         assert [type(r).__name__ for r in replies] == ["Ack", "Ack"]
         assert svc.kv.length("coord:x") == 5
         assert svc.stats.batches == {1: 2}

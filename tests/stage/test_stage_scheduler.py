@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from decoding.config import ModelConfig
 from decoding.kv_cache import KVCache
 from meshd.pipeline.stage.errors import StageError
-from meshd.pipeline.stage.scheduler import SeqState, StageScheduler
+from meshd.pipeline.stage.scheduler import MAX_BATCH_MESSAGES, StageScheduler
+from meshd.pipeline.stage.slot import SeqState
 from meshd.pipeline.stage.stats import StageStats
 from transport.messages import FreeSequence, StageForward
 
@@ -102,3 +105,20 @@ def test_runs_keep_a_sequences_messages_and_control_messages_in_order(sched):
     msgs = [fwd("a/1/1"), fwd("b/1/1"), fwd("a/1/1", offset=1), FreeSequence(1, "b/1/1"), fwd("c/1/1", rows=8),
             fwd("d/1/1", rows=4)]
     assert sched.runs(msgs) == [[0, 1], [2], [3], [4], [5]]  # a's second step waits; 8 + 4 > 8 tokens
+
+
+class Queued:  # what the transport queues: a request carrying its message
+    def __init__(self, message) -> None:
+        self.message = message
+
+
+async def test_a_step_takes_everything_queued_in_order_and_an_unbatched_stage_one_message():
+    inbox = asyncio.Queue()
+    for i in range(MAX_BATCH_MESSAGES + 3):
+        inbox.put_nowait(Queued(fwd(f"s/{i}")))
+    batching = StageScheduler(StageStats(), max_batch_tokens=8)
+    taken = await batching.take(inbox)
+    assert [r.message.seq_id for r in taken] == [f"s/{i}" for i in range(MAX_BATCH_MESSAGES)]
+    alone = StageScheduler(StageStats(), max_batch_tokens=0)
+    assert [r.message.seq_id for r in await alone.take(inbox)] == [f"s/{MAX_BATCH_MESSAGES}"]
+    assert inbox.qsize() == 2

@@ -286,7 +286,7 @@ def test_the_cycle_check_bites_and_reads_only_what_runs_on_import(tmp_path):
 
 def test_importing_the_lower_packages_loads_no_meshd_module():
     code = ("import sys\n"
-            "import transport, transport.node, transport.link, transport.auth, transport.tuning\n"
+            "import transport, transport.node, transport.link, transport.peer, transport.auth, transport.tuning\n"
             "import partition.planner, partition.machine, partition.scaling, partition.synthetic\n"
             "import decoding.loader, decoding.loader.gguf_source, decoding.loader.hf_source\n"
             "import decoding.sampling, decoding.generate, decoding.kv_cache\n"

@@ -14,7 +14,8 @@ import zmq.asyncio
 
 from transport import loop as transport_loop
 from transport.errors import ProtocolError, RemoteError, TransportClosed, TransportTimeout
-from transport.link import Peer, StageServer
+from transport.link import StageServer
+from transport.peer import Peer
 from transport.messages import (
     Ack,
     ErrorReply,
@@ -275,30 +276,56 @@ async def test_urgent_messages_overtake_the_ordered_queue_which_keeps_its_order(
         await server.close()
 
 
-async def test_a_batch_handler_gets_everything_queued_behind_a_running_message_at_once(ctx):
-    """A stage batches the work that queued while it computed: one call, arrival order, one reply each."""
+async def test_a_lane_takes_everything_queued_behind_a_running_message_and_answers_each(ctx):
+    """A stage takes the work that queued while it computed from the inbox: arrival order, one reply each."""
     calls, gate = [], asyncio.Event()
 
-    async def handler(msg, req):  # unused with a batch handler, except for urgent messages
+    async def handler(msg, req):  # the urgent messages only: the lane takes the rest
         return None
 
-    async def batch(msgs, reqs):
+    async def step(msgs):
         calls.append([m.seq_id for m in msgs])
         if len(calls) == 1:
             await gate.wait()  # a long forward while more arrive
         return [ErrorReply("bad", "s2 is bad") if m.seq_id == "s2" else None for m in msgs]
 
+    async def lane(server):  # everything queued at once
+        while True:
+            reqs = [await server.inbox.get()]
+            while not server.inbox.empty():
+                reqs.append(server.inbox.get_nowait())
+            await server.answer(reqs, step)
+
     server, peer = await _pair(ctx, handler, server_kw={
-        "ordered": True, "urgent": lambda m: isinstance(m, FreeSequence), "batch_handler": batch})
+        "ordered": True, "urgent": lambda m: isinstance(m, FreeSequence), "lane": lane})
     try:
         first = asyncio.create_task(peer.request(_fwd(0)))
-        await eventually(lambda: calls == [["s0"]], 5, "s0's batch running")
+        await eventually(lambda: calls == [["s0"]], 5, "s0's step running")
         rest = [asyncio.create_task(peer.request(_fwd(i))) for i in range(1, 4)]
-        await eventually(lambda: server._queue.qsize() == 3, 5, "s1..s3 queued behind it")
+        await eventually(lambda: server.inbox.qsize() == 3, 5, "s1..s3 queued behind it")
         gate.set()
         replies = await asyncio.gather(first, *rest, return_exceptions=True)
         assert calls == [["s0"], ["s1", "s2", "s3"]]
         assert [type(r).__name__ for r in replies] == ["Ack", "Ack", "RemoteError", "Ack"]
+    finally:
+        await peer.close()
+        await server.close()
+
+
+async def test_a_failing_step_answers_every_message_with_the_error(ctx):
+    async def step(msgs):
+        raise RuntimeError("the model broke")
+
+    async def lane(server):
+        while True:
+            await server.answer([await server.inbox.get()], step)
+
+    server, peer = await _pair(ctx, lambda m, r: None, server_kw={
+        "ordered": True, "urgent": lambda m: isinstance(m, FreeSequence), "lane": lane})
+    try:
+        with pytest.raises(RemoteError, match="the model broke"):
+            await asyncio.wait_for(peer.request(_fwd(0)), 5)
+        assert server.stats["handler_errors"] == 1
     finally:
         await peer.close()
         await server.close()

@@ -13,7 +13,8 @@ import zmq.asyncio
 from transport.auth import CurveAuthenticator
 from transport.errors import AuthenticationRefused, KeyStoreError, TransportError, TransportTimeout
 from transport.keys import AllowList, Keypair, fingerprint, load_or_create_keypair
-from transport.link import Peer, StageServer
+from transport.link import StageServer
+from transport.peer import Peer
 from transport.messages import Ack, FreeSequence, encode
 from transport.node import TransportNode
 from tests.support.logs import all_log_events

@@ -21,6 +21,11 @@ What the cache promises:
 - **Running requests share too.** A sequence whose prompt is fully computed is
   indexed while it decodes, so a second request with the same prompt forks
   from it instead of computing it again.
+
+What a slot's positions hold (its token ids, how much of it is shared, how far
+an exact stage computed it in whole blocks) is bookkeeping for this cache alone,
+so it is kept here too (:meth:`PrefixCache.note`, :meth:`PrefixCache.rolled_back`,
+:meth:`PrefixCache.share_prompt`, ...), on the slot the scheduler owns.
 """
 
 from __future__ import annotations
@@ -30,9 +35,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from decoding.prefix_index import PrefixIndex
 from meshd.log import get_logger
+from meshd.pipeline.stage.errors import StageError
+from meshd.pipeline.stage.slot import SeqSlot, SeqState
 from partition.ids import SeqKey
+from transport.messages import StageForward
 
 log = get_logger("meshd.stage")
 
@@ -86,6 +96,7 @@ class PrefixCache:
         self.stats = PrefixStats()
         self._kv = None
         self._key: CacheKey | None = None
+        self._block = 0  # exact stages: positions are shared at block boundaries only (see adopt)
         self._index = PrefixIndex()
         self._entries: OrderedDict[SeqKey, _Entry] = OrderedDict()  # least recently used first
         self._pinned: set[tuple[int, ...]] = set()  # pins some entry holds
@@ -95,9 +106,11 @@ class PrefixCache:
         return self.share > 0.0
 
     # -- a new plan -----------------------------------------------------------------------------
-    def adopt(self, kv, key: CacheKey | None) -> bool:
+    def adopt(self, kv, key: CacheKey | None, block: int = 0) -> bool:
         """Serve ``kv`` under ``key``. Returns whether the entries survive (same key, same cache):
-        otherwise every entry is dropped with the old cache."""
+        otherwise every entry is dropped with the old cache. ``block``: a packed stage computes a row in a
+        whole block or alone, by its position (decoding.batch.RowPlan), so only positions a cold prompt
+        would compute the same way are shared, at multiples of ``block`` (0: any position)."""
         same = kv is not None and kv is self._kv and key == self._key
         if not same:
             if self._entries:
@@ -108,16 +121,19 @@ class PrefixCache:
         else:  # live sequences go (coordinators replay them); entries stay
             for holder in [h for h in self._index.holders() if h not in self._entries]:
                 self._index.remove(holder)
-        self._kv, self._key = kv, key
+        self._kv, self._key, self._block = kv, key, block
         return same
 
     # -- lookups ----------------------------------------------------------------------------------
     def probe(self, ids: Sequence[int]) -> int:
-        """How many leading ``ids`` are held here (live or kept)."""
+        """How many leading ``ids`` are held here, live or kept (0 while no layers are served); an exact
+        stage answers at a block boundary."""
+        if self._kv is None:
+            return 0
         self.stats.probes += 1
         n, _ = self._index.longest(ids) if self.enabled else (0, set())
         self.stats.probe_hits += n > 0
-        return n
+        return n // self._block * self._block if self._block else n
 
     def holder(self, ids: Sequence[int]) -> SeqKey | None:
         """A sequence holding all of ``ids`` (marked used), or None (evicted since the probe)."""
@@ -175,8 +191,87 @@ class PrefixCache:
     def is_entry(self, seq: SeqKey) -> bool:
         return seq in self._entries
 
-    def is_indexed(self, seq: SeqKey) -> bool:
-        return seq in self._index
+    # -- what a slot's positions hold --------------------------------------------------------------
+    def note(self, slot: SeqSlot, msg: StageForward, held: int, rows: int) -> None:
+        """Record the token ids ``msg`` writes at [held, held + rows) of ``slot``."""
+        ids = msg.token_ids
+        if slot.tokens is not None and (ids is None or ids.ndim != 1 or ids.numel() != rows
+                                        or len(slot.tokens) != held):
+            slot.tokens = None  # a sender that does not pass token ids on: this sequence is never shared
+        if slot.tokens is not None:
+            slot.tokens.extend(int(t) for t in ids.tolist())
+        slot.unverified_from = held if msg.verify else None
+        b = self._block
+        if b and not msg.verify and msg.tree_mask is None and held == slot.dense_upto and held % b == 0:
+            slot.dense_upto = (held + rows) // b * b
+
+    def rolled_back(self, slot: SeqSlot, length: int) -> None:
+        """Positions from ``length`` on are gone or moved: token ids and sharing follow."""
+        if slot.tokens is not None:
+            del slot.tokens[length:]
+        slot.dense_upto = min(slot.dense_upto, length)
+        if slot.indexed > length:
+            self.forget(slot.seq)
+            slot.indexed = 0
+
+    def committed(self, slot: SeqSlot, start: int, keep: list[int], held: int) -> None:
+        """A verify round's nodes ``keep`` written at ``start`` stayed (in order), the rest went; ``held``:
+        the positions the sequence had before."""
+        tokens = slot.tokens
+        kept_ids = [tokens[start + k] for k in keep] if tokens is not None and len(tokens) == held else None
+        self.rolled_back(slot, start)
+        if slot.tokens is not None:
+            if kept_ids is None:
+                slot.tokens = None
+            else:
+                slot.tokens.extend(kept_ids)
+        slot.unverified_from = None
+
+    def forked(self, child: SeqSlot, parent: SeqSlot | None, parent_seq: SeqKey, n: int) -> None:
+        """``child`` reads the first ``n`` positions of ``parent_seq`` (a running slot, or an entry)."""
+        tokens = parent.tokens if parent is not None else self.tokens_of(parent_seq) \
+            if self.is_entry(parent_seq) else None
+        child.tokens = list(tokens[:n]) if tokens is not None else None
+        child.dense_upto = min(parent.dense_upto if parent is not None else 0, n)
+
+    def _shared(self, slot: SeqSlot, n: int) -> list[int]:
+        """The token ids of ``slot``'s first ``n`` positions other requests may start on."""
+        return slot.tokens[:min(n, slot.dense_upto)] if self._block else slot.tokens[:n]
+
+    def share_prompt(self, slot: SeqSlot) -> None:
+        """A pass wrote the sequence's last prompt chunk: share its prompt while it decodes."""
+        if slot.indexed or slot.tokens is None or slot.state is SeqState.FINISHED or slot.unverified_from is not None:
+            return
+        shared = self._shared(slot, len(slot.tokens))
+        self.index_live(slot.seq, shared)
+        slot.indexed = len(shared)
+
+    def keepable(self, slot: SeqSlot) -> list[int] | None:
+        """What a finished ``slot`` may leave as an entry: its verified positions others may start on (None:
+        nothing — unknown tokens, the cache off, or an entry holds all of it already)."""
+        if slot.tokens is None or not self.enabled:
+            return None
+        n = len(slot.tokens) if slot.unverified_from is None else min(slot.unverified_from, len(slot.tokens))
+        shared = self._shared(slot, n)
+        return None if not shared or self.covered(shared) else shared
+
+    def fork_prefix(self, seq: SeqKey, ids: torch.Tensor | None, capacity: int, promised: int) -> list[int]:
+        """Start ``seq`` on the held KV of the prefix ``ids``; returns them (a ``prefix_miss`` if it is gone)."""
+        kv = self._kv
+        if ids is None or ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point():
+            raise StageError("bad_input", "a reused prefix needs a non-empty 1-d tensor of token ids")
+        if seq in kv:
+            raise StageError("bad_input", f"sequence {seq} already exists here: a prefix starts a sequence")
+        ids = [int(t) for t in ids.tolist()]
+        holder = self.holder(ids) if not self._block or len(ids) % self._block == 0 else None
+        if holder is None:
+            raise StageError("prefix_miss", f"this stage no longer holds the {len(ids)}-token prefix "
+                                            f"(evicted, or a new plan)")
+        capacity = max(int(capacity) - len(ids), 16)
+        self.make_room(capacity, promised, protect=holder)
+        kv.fork(holder, seq, len(ids), capacity=capacity)
+        self.reused(len(ids))
+        return ids
 
     # -- room -------------------------------------------------------------------------------------
     def held_tokens(self) -> int:

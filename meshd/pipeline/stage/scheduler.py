@@ -1,7 +1,7 @@
 """The stage's scheduler: per-sequence slots, the KV cache they own, and which messages share a pass.
 
 Like llama.cpp's server slots, every sequence this stage holds has one
-:class:`SeqSlot` with an explicit state; the scheduler alone creates, forks,
+:class:`~meshd.pipeline.stage.slot.SeqSlot` with an explicit state; the scheduler alone creates, forks,
 commits, rolls back and frees their KV cache entries, so whatever keeps state
 per sequence (a sampler's grammar, a future prefix cache) lives in the slot
 and goes when it goes.
@@ -19,63 +19,41 @@ Three rules keep the cache honest under hang-ups, failures and restarts:
 
 Every slot also knows the token id at each position it holds (token ids travel
 to every stage with each chunk): that is what the prefix cache
-(:mod:`~meshd.pipeline.stage.prefix_cache`) keys a finished request's KV on, so
-a stage never trusts anyone else's word for what its cache holds.
+(:mod:`~meshd.pipeline.stage.prefix_cache`, which keeps that bookkeeping) keys a
+finished request's KV on, so a stage never trusts anyone else's word for what
+its cache holds.
 
-Batching, like vLLM's engine core, happens between passes: everything queued
-at once is split into runs (:meth:`StageScheduler.runs`), and a pass may wait a
-moment for decoding sequences that usually join it (:meth:`StageScheduler.linger`).
+Batching, like vLLM's engine core, happens between passes: the stage takes what
+queued (:meth:`StageScheduler.take`, waiting a moment for decoding sequences that
+usually join a pass: :meth:`StageScheduler.linger`) and splits it into runs
+(:meth:`StageScheduler.runs`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from decoding.batch import EXACT_BLOCK
 from decoding.speculative.params import MAX_CANDIDATES
-from decoding.selector import TokenSelector
 from meshd.log import get_logger
 from partition.ids import SeqKey
 from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.prefix_cache import CacheKey, PrefixCache
 from meshd.pipeline.stage.stats import StageStats
 from transport.messages import ReusePrefix, StageForward
+from meshd.pipeline.stage.slot import SeqSlot, SeqState
 
 log = get_logger("meshd.stage")
 
-__all__ = ["SeqState", "SeqSlot", "StageScheduler", "TOMBSTONES", "MAX_BATCH_TOKENS", "MAX_LINGER_S"]
+__all__ = ["StageScheduler", "TOMBSTONES", "MAX_BATCH_TOKENS", "MAX_BATCH_MESSAGES", "MAX_LINGER_S"]
 
 TOMBSTONES = 1 << 16  # freed keys remembered (keys are never reused; old ones age out)
 MAX_BATCH_TOKENS = 512  # tokens in one batched pass (a lone larger message still runs)
+MAX_BATCH_MESSAGES = 64  # messages taken from the queue for one step
 MAX_LINGER_S = 0.005  # the longest a pass waits for a decoding sequence's next step to join it
-
-
-class SeqState(enum.Enum):
-    PREFILLING = "prefilling"  # prompt chunks arriving
-    DECODING = "decoding"  # one token per step
-    VERIFYING = "verifying"  # speculative rounds: a token tree per step
-    FINISHED = "finished"  # freed (its cache goes when the pass using it ends)
-
-
-@dataclass(eq=False)
-class SeqSlot:
-    """One sequence held here: its state, when it was last active, and its last-stage sampling state."""
-
-    seq: SeqKey
-    touched: float
-    state: SeqState = SeqState.PREFILLING
-    stepped: float | None = None  # when it last ran a decode step or verify round here
-    busy: bool = False  # in the compute thread's current pass
-    selector: TokenSelector | None = None  # last stage: logits -> tokens, built on its first sample
-    tokens: list[int] | None = field(default_factory=list)  # the token id at each position (None: unknown)
-    unverified_from: int | None = None  # a verify round's nodes from here on await the next commit
-    indexed: int = 0  # positions shared with other requests while this one runs (its computed prompt)
-    dense_upto: int = 0  # exact stages: positions below this were computed in whole blocks, as a cold prompt's are
 
 
 def _rows(msg: StageForward) -> int:
@@ -95,7 +73,6 @@ class StageScheduler:
         self.max_batch_tokens = int(max_batch_tokens)
         self.idle_seq_timeout_s = idle_seq_timeout_s
         self._kv = None
-        self._block = 0
         self._key: CacheKey | None = None
         self._depth = 1  # stages in the plan served
         self._slots: dict[SeqKey, SeqSlot] = {}
@@ -126,10 +103,7 @@ class StageScheduler:
         else:
             self._kv = stage.new_cache(self.max_kv_tokens) if stage is not None else None
         self._key = key
-        # A packed stage computes a row in a whole block or alone, by its position (decoding.batch.RowPlan):
-        # only positions a cold prompt would compute the same way are shared, at block boundaries.
-        self._block = EXACT_BLOCK if stage is not None and getattr(stage, "packing", "") else 0
-        self.prefix.adopt(self._kv, key)
+        self.prefix.adopt(self._kv, key, EXACT_BLOCK if stage is not None and getattr(stage, "packing", "") else 0)
         self._slots.clear()
         self._depth = depth
 
@@ -168,7 +142,7 @@ class StageScheduler:
         if growth:  # the forward grows the buffer in the compute thread: make room for it now
             self.prefix.make_room(growth, self._promised)
             self._promised += growth
-        self._note_tokens(slot, msg, held, rows)
+        self.prefix.note(slot, msg, held, rows)
         slot.touched = time.monotonic()
         slot.state = (SeqState.VERIFYING if msg.verify else SeqState.DECODING if msg.is_last_chunk
                       else SeqState.PREFILLING)
@@ -176,123 +150,44 @@ class StageScheduler:
             slot.stepped = slot.touched
         return slot
 
-    def _note_tokens(self, slot: SeqSlot, msg: StageForward, held: int, rows: int) -> None:
-        """Record the token ids the message writes at [held, held + rows)."""
-        ids = msg.token_ids
-        if slot.tokens is not None and (ids is None or ids.ndim != 1 or ids.numel() != rows
-                                        or len(slot.tokens) != held):
-            slot.tokens = None  # a sender that does not pass token ids on: this sequence is never shared
-        if slot.tokens is not None:
-            slot.tokens.extend(int(t) for t in ids.tolist())
-        slot.unverified_from = held if msg.verify else None
-        b = self._block
-        if b and not msg.verify and msg.tree_mask is None and held == slot.dense_upto and held % b == 0:
-            slot.dense_upto = (held + rows) // b * b
-
-    def _rolled_back(self, slot: SeqSlot, length: int) -> None:
-        """Positions from ``length`` on are gone or moved: token ids and sharing follow."""
-        if slot.tokens is not None:
-            del slot.tokens[length:]
-        slot.dense_upto = min(slot.dense_upto, length)
-        if slot.indexed > length:
-            self.prefix.forget(slot.seq)
-            slot.indexed = 0
-
     def _commit(self, slot: SeqSlot, start: int, keep: list[int]) -> None:
         """Keep the verified nodes written at ``start`` (in order); roll the rest back."""
         seq, kv = slot.seq, self._kv
         if start + len(keep) > kv.length(seq) or start < 0 or any(not 0 <= k < kv.length(seq) - start for k in keep):
             raise StageError("position_mismatch", f"cannot keep {keep} at {start}: sequence {seq} holds "
                                                   f"{kv.length(seq)} positions")
-        tokens = slot.tokens
-        kept_ids = [tokens[start + k] for k in keep] if tokens is not None and len(tokens) == kv.length(seq) \
-            else None
+        held = kv.length(seq)
         if keep == list(range(len(keep))):
             kv.truncate(seq, start + len(keep))  # a chain's accepted prefix: nothing moves
         else:
             kv.keep(seq, start, keep)
-        self._rolled_back(slot, start)
-        if slot.tokens is not None:
-            if kept_ids is None:
-                slot.tokens = None
-            else:
-                slot.tokens.extend(kept_ids)
-        slot.unverified_from = None
+        self.prefix.committed(slot, start, keep, held)
 
     def truncate(self, seq: SeqKey, length: int) -> None:
         self._kv.truncate(seq, length)
         slot = self._slots.get(seq)
         if slot is not None:
-            self._rolled_back(slot, length)
+            self.prefix.rolled_back(slot, length)
 
     def fork(self, parent: SeqKey, child: SeqKey, prefix_length: int) -> None:
         """``child`` reads ``parent``'s first ``prefix_length`` positions in place."""
         self._kv.fork(parent, child, prefix_length)
-        tokens = self._tokens_of(parent)
-        slot = self._slot(child)
-        slot.tokens = list(tokens[:prefix_length]) if tokens is not None else None
-        parent_slot = self._slots.get(parent)
-        slot.dense_upto = min(parent_slot.dense_upto if parent_slot is not None else 0, prefix_length)
+        self.prefix.forked(self._slot(child), self._slots.get(parent), parent, prefix_length)
 
-    def _tokens_of(self, seq: SeqKey) -> list[int] | tuple[int, ...] | None:
-        slot = self._slots.get(seq)
-        if slot is not None:
-            return slot.tokens
-        return self.prefix.tokens_of(seq) if self.prefix.is_entry(seq) else None
-
-    # -- the prefix cache -------------------------------------------------------------------------
-    def probe(self, ids: list[int]) -> int:
-        """How many leading ``ids`` this stage holds (0 while it serves no layers); an exact stage
-        answers at a block boundary."""
-        if self._kv is None:
-            return 0
-        n = self.prefix.probe(ids)
-        return n // self._block * self._block if self._block else n
-
-    def _shared(self, slot: SeqSlot, n: int) -> list[int]:
-        """The token ids of ``slot``'s first ``n`` positions other requests may start on."""
-        return slot.tokens[:min(n, slot.dense_upto)] if self._block else slot.tokens[:n]
-
+    # -- the prefix cache's side of a slot's life ---------------------------------------------------
     def reuse(self, msg: ReusePrefix) -> None:
         """Start ``msg.seq_id`` on the held KV of its prefix (a ``prefix_miss`` if it is gone)."""
-        seq, kv = msg.seq_id, self._kv
-        ids = msg.prefix_ids
-        if ids is None or ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point():
-            raise StageError("bad_input", "a reused prefix needs a non-empty 1-d tensor of token ids")
-        if seq in kv:
-            raise StageError("bad_input", f"sequence {seq} already exists here: a prefix starts a sequence")
-        ids = [int(t) for t in ids.tolist()]
-        holder = self.prefix.holder(ids) if not self._block or len(ids) % self._block == 0 else None
-        if holder is None:
-            raise StageError("prefix_miss", f"this stage no longer holds the {len(ids)}-token prefix "
-                                            f"(evicted, or a new plan)")
-        capacity = max(int(msg.capacity) - len(ids), 16)
-        self.prefix.make_room(capacity, self._promised, protect=holder)
-        kv.fork(holder, seq, len(ids), capacity=capacity)
-        slot = self._slot(seq)
-        slot.tokens = ids
-        slot.dense_upto = len(ids)
-        self.prefix.reused(len(ids))
-
-    def prompt_done(self, slot: SeqSlot) -> None:
-        """A pass wrote the sequence's last prompt chunk: share its prompt while it decodes."""
-        if slot.indexed or slot.tokens is None or slot.state is SeqState.FINISHED or slot.unverified_from is not None:
-            return
-        shared = self._shared(slot, len(slot.tokens))
-        self.prefix.index_live(slot.seq, shared)
-        slot.indexed = len(shared)
+        ids = self.prefix.fork_prefix(msg.seq_id, msg.prefix_ids, msg.capacity, self._promised)
+        slot = self._slot(msg.seq_id)
+        slot.tokens, slot.dense_upto = ids, len(ids)
 
     def keep(self, seq: SeqKey) -> bool:
         """The request of ``seq`` ended: keep its verified positions as a cached prefix (tombstoning the
         key as a free does). False: nothing kept (unknown tokens, busy, the cache off): freed instead."""
         slot, kv = self._slots.get(seq), self._kv
-        if (slot is None or slot.busy or slot.tokens is None or not self.prefix.enabled or kv is None
-                or seq not in kv):
-            self.free(seq, "freed")
-            return False
-        n = len(slot.tokens) if slot.unverified_from is None else min(slot.unverified_from, len(slot.tokens))
-        shared = self._shared(slot, n)
-        if not shared or self.prefix.covered(shared):  # another entry holds all of it already
+        usable = slot is not None and not slot.busy and kv is not None and seq in kv
+        shared = self.prefix.keepable(slot) if usable else None
+        if shared is None:
             self.free(seq, "freed")
             return False
         try:
@@ -304,9 +199,6 @@ class StageScheduler:
         del self._slots[seq]
         self.prefix.keep(seq, shared)
         return True
-
-    def enforce_share(self) -> None:
-        self.prefix.enforce_share()
 
     def _slot(self, seq: SeqKey) -> SeqSlot:
         slot = self._slots.get(seq)
@@ -393,8 +285,35 @@ class StageScheduler:
             out.append(group)
         return out
 
-    def linger(self, reqs: list) -> float:
-        """Seconds the batch lane should wait for more before this pass (0: start now).
+    async def take(self, inbox: asyncio.Queue) -> list:
+        """The next step's requests, in arrival order: the first to arrive, and while batching everything
+        queued behind it (up to MAX_BATCH_MESSAGES) and what arrives while the pass lingers.
+
+        ``inbox``: the transport's queue of requests (``transport.link.Request``: ``.message``)."""
+        reqs = [await inbox.get()]
+        if self.max_batch_tokens <= 1:  # not batching: one message per pass
+            return reqs
+        while len(reqs) < MAX_BATCH_MESSAGES and not inbox.empty():
+            reqs.append(inbox.get_nowait())
+        linger = self.linger([r.message for r in reqs])
+        if linger > 0:  # a decoding sequence's next step is due any moment: let it join this pass
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + linger
+            while len(reqs) < MAX_BATCH_MESSAGES:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    async with asyncio.timeout(left):
+                        reqs.append(await inbox.get())
+                except TimeoutError:
+                    break
+                if self.linger([r.message for r in reqs]) <= 0:
+                    break
+        return reqs
+
+    def linger(self, msgs: list) -> float:
+        """Seconds to wait for more messages before this pass (0: start now).
 
         Decoding sequences fall into step: while the stage computes one, the
         other's next token is still on its way back from the coordinator, so
@@ -406,7 +325,7 @@ class StageScheduler:
         """
         if self._last_pass_s <= 0:
             return 0.0
-        here = {r.message.seq_id for r in reqs if isinstance(r.message, StageForward)}
+        here = {m.seq_id for m in msgs if isinstance(m, StageForward)}
         if not here:
             return 0.0
         stepping = self._recently_stepping()

@@ -1,17 +1,24 @@
 """Serve this device's pipeline stage over the transport.
 
-One service per daemon, and a thin one: it receives messages, checks them
-against the plan it deployed, and hands them to the stage's three parts — the
+One service per daemon, and a thin one: it checks messages against the plan it
+deployed and hands them to the stage's parts — the
 :class:`~meshd.pipeline.stage.scheduler.StageScheduler` (slots, the KV cache,
 batching), the :class:`~meshd.pipeline.stage.worker.StageWorker` (the forward in
-the compute thread) and the :class:`~meshd.pipeline.stage.sampler.StageSampler`
-(the last stage's tokens) — then passes the result on to the next stage or back
-to the coordinator.
+the compute thread), the :class:`~meshd.pipeline.stage.sampler.StageSampler`
+(the last stage's tokens) and the :class:`~meshd.pipeline.stage.outbox.StageOutbox`
+(the result on to the next stage or back to the coordinator).
+
+**The stage owns its step**, in the shape of vLLM's engine core: the transport
+only receives messages and queues them (``transport.link.StageServer.inbox``);
+the stage's loop takes what queued and runs :meth:`StageService.step` over it —
+*schedule* (which messages share a pass, each admitted to its slot), *execute*
+(one forward in the compute thread) and *update* (slots released, results sent
+on, failures reported). Frees and probes skip the queue (:meth:`StageService.handle`).
 
 Messages are handled strictly in arrival order: chunk j+1 of a prompt needs
 chunk j's keys/values in the cache, and a rollback must land before the next
-forward. While the compute thread works on one pass, the next messages queue in
-ZeroMQ, and the previous result is already travelling to the next stage — that
+forward. While the compute thread works on one pass, the next messages queue,
+and the previous result is already travelling to the next stage — that
 overlap is the intra-sequence pipeline.
 
 **One error path.** Whatever a message raises — a stale plan, a full cache, a
@@ -23,7 +30,6 @@ freed (and tombstoned) here: a request that failed on one stage is dead everywhe
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Any, Callable
 
@@ -32,17 +38,17 @@ import torch
 from decoding.device import dtype_name
 from decoding.models import StageModel
 from meshd.log import get_logger
-from meshd.pipeline.links import Directory, Links
+from meshd.pipeline.links import Directory
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import coordinator_of
-from meshd.pipeline.stage.errors import HopUnreachable, StageError, error_code, failed_node, names_failed_node
+from meshd.pipeline.stage.errors import StageError
+from meshd.pipeline.stage.outbox import StageOutbox
 from meshd.pipeline.stage.prefix_cache import CacheKey, PrefixCache
 from meshd.pipeline.stage.sampler import StageSampler
 from meshd.pipeline.stage.scheduler import MAX_BATCH_TOKENS, StageScheduler
 from meshd.pipeline.stage.stats import StageStats
 from meshd.pipeline.stage.worker import StageWorker, Work
 from partition.ids import NodeId, SeqKey
-from transport.errors import TransportError
 from transport.link import Request, StageServer
 from transport.messages import (Ack, CacheSequence, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply,
                                 PrefixMatch, PrefixProbe, ReusePrefix, StageForward, TokenResult, Truncate)
@@ -69,9 +75,7 @@ class StageService:
         self.node = node
         self.node_id = node_id
         self.source = model_source
-        self.directory = directory
         self.activation_dtype = activation_dtype
-        self.send_timeout_s = send_timeout_s
         self.stats = StageStats()
         self.scheduler = StageScheduler(self.stats, max_kv_tokens, max_batch_tokens, idle_seq_timeout_s,
                                         prefix_cache)
@@ -80,32 +84,35 @@ class StageService:
         self.route: Route | None = None
         self.index: int | None = None
         self.model_mismatch = ""  # the current plan names another model than this stage's file holds
+        self.outbox = StageOutbox(node, node_id, directory, self.stats, activation_dtype, send_timeout_s,
+                                  peer_version)
         self.server: StageServer | None = None
-        self.links = Links(node, directory)
-        self._peer_version = peer_version
         self._peer_reads_exits = peer_reads_exits
         self._deploy_lock = asyncio.Lock()
-        self._filling: dict[SeqKey, asyncio.Future] = {}  # exited sequences whose skipped layers are computing
         self._reaper: asyncio.Task | None = None
 
     # -- lifecycle --------------------------------------------------------------
     async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
         # Frees and readiness probes overtake queued chunks: a hung-up request stops
         # costing compute at once, and a probe is not stuck behind a long prefill.
-        batching = self.scheduler.max_batch_tokens > 1
         self.server = await self.node.serve(self.handle, address, ordered=True,
                                             urgent=lambda m: isinstance(m, (FreeSequence, CacheSequence, Hello,
                                                                             PrefixProbe)),
-                                            batch_handler=self.handle_batch if batching else None,
-                                            batch_linger=self.scheduler.linger if batching else None)
+                                            lane=self._steps)
         self._reaper = asyncio.create_task(self.scheduler.reap_forever(), name="stage-reaper")
         return self.server.address
+
+    async def _steps(self, server: StageServer) -> None:
+        """The stage's loop (the server's ordered lane): take what queued, step, answer every message."""
+        while True:
+            reqs = await self.scheduler.take(server.inbox)
+            await server.answer(reqs, self.step)
 
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
-        await self.links.close()
+        await self.outbox.close()
         if self.server is not None:
             await self.server.close()
         self.worker.close()
@@ -190,7 +197,8 @@ class StageService:
                 **self.stats.to_dict()}
 
     # -- message handling ------------------------------------------------------------
-    async def handle(self, msg: Any, req: Request) -> Any:
+    async def handle(self, msg: Any, req: Request | None = None) -> Any:
+        """One message on its own: the urgent lane's (frees, probes), and a control message between passes."""
         try:
             match msg:
                 case Hello():  # readiness probe: which plan is loaded and serving here
@@ -200,9 +208,7 @@ class StageService:
                     return HelloReply(self.node_id, self.serving_version, "", accepted=not refused, reason=refused,
                                       exits=len(self.worker.exit_layers) if reads else 0)
                 case StageForward():
-                    reply = (await self._forward_group([msg]))[0]  # errors are already reported (per message)
-                    if reply is not None:
-                        return reply
+                    return (await self.step([msg]))[0]
                 case FreeSequence():
                     # Frees come straight from the coordinator to every stage, whatever the plan.
                     self.scheduler.free(msg.seq_id, "freed")
@@ -213,13 +219,13 @@ class StageService:
                     ok = (self.route is not None and self.stage is not None and not self._refusal(msg.plan_version)
                           and msg.plan_version == self.route.plan_version and ids is not None and ids.ndim == 1
                           and not ids.is_floating_point())
-                    return PrefixMatch(self.serving_version, self.scheduler.probe(ids.tolist()) if ok else 0)
+                    return PrefixMatch(self.serving_version, self.scheduler.prefix.probe(ids.tolist()) if ok else 0)
                 case ReusePrefix() if self.scheduler.is_freed(msg.seq_id):
                     self.stats.late_dropped += 1  # its request ended while this was queued
                 case ReusePrefix():
                     self._check_plan(msg.plan_version)
                     self.scheduler.reuse(msg)
-                    await self._pass_on(msg)
+                    await self.outbox.pass_on(self.route, self.index, msg)
                 case ForkSequence() if self.scheduler.is_freed(msg.seq_id):
                     # freed (its request ended) while the fork was queued: creating it now would leak it
                     self.stats.late_dropped += 1
@@ -227,11 +233,11 @@ class StageService:
                 case Truncate():
                     self._check_plan(msg.plan_version)
                     self.scheduler.truncate(msg.seq_id, msg.new_length)
-                    await self._pass_on(msg)
+                    await self.outbox.pass_on(self.route, self.index, msg)
                 case ForkSequence():
                     self._check_plan(msg.plan_version)
                     self.scheduler.fork(msg.parent_id, msg.seq_id, msg.prefix_length)
-                    await self._pass_on(msg)
+                    await self.outbox.pass_on(self.route, self.index, msg)
                 case _:
                     raise StageError("unknown_type", f"a stage does not handle {type(msg).__name__}")
         except asyncio.CancelledError:
@@ -243,54 +249,26 @@ class StageService:
     async def _keep(self, msg: CacheSequence) -> None:
         """Keep a finished request's KV as a cached prefix: the cache held within its share of the
         budget, then the entry's spare room given back (a copy, in the compute thread)."""
-        filling = self._filling.get(msg.seq_id)
-        if filling is not None:  # its last token left early: its cache is whole once the fill is done
-            await asyncio.wait([filling])
+        await self.worker.wait_fill(msg.seq_id)  # its last token left early: its cache is whole once filled
         if self.route is None or msg.plan_version != self.route.plan_version or not self.scheduler.keep(msg.seq_id):
             self.scheduler.free(msg.seq_id, "freed")
             return
-        self.scheduler.enforce_share()  # at once, counting the new entry at its untrimmed size
+        self.scheduler.prefix.enforce_share()  # at once, counting the new entry at its untrimmed size
         if self.scheduler.prefix.is_entry(msg.seq_id):
             await self.worker.in_compute(self.kv.trim, msg.seq_id)
 
-    async def handle_batch(self, msgs: list, reqs: list) -> list:
-        """Everything queued at once: forwards of different sequences share one pass (see
-        :meth:`StageScheduler.runs`); control messages run between passes, where they arrived."""
-        replies: list = [None] * len(msgs)
-        for run in self.scheduler.runs(msgs):
-            if isinstance(msgs[run[0]], StageForward):
-                for i, r in zip(run, await self._forward_group([msgs[i] for i in run])):
-                    replies[i] = r
-            else:
-                replies[run[0]] = await self.handle(msgs[run[0]], reqs[run[0]])
-        return [Ack(self.serving_version) if r is None else r for r in replies]
-
     async def _fail(self, msg: Any, exc: Exception) -> ErrorReply:
+        """The one error path: the coordinator told at once, naming the node that failed; the sequence freed."""
         self.stats.errors += 1
-        code = error_code(exc)
-        rid = getattr(msg, "request_id", "")
+        reply = self.outbox.error_reply(msg, exc)
         seq = getattr(msg, "seq_id", None)
-        text = str(exc) if code != "internal" else f"{type(exc).__name__}: {exc}"
-        failed = failed_node(exc, self.node_id)
-        log.warning("stage_error", code=code, error=text, request_id=rid, seq=seq, failed_node=failed,
-                    message_type=type(msg).__name__, exc_info=code == "internal")
-        reply_to = getattr(msg, "reply_to", "")
-        told = reply_to.partition("|")[0] if reply_to else coordinator_of(seq) if isinstance(seq, str) else ""
-        new = self._decodes_node(told)
-        reply = ErrorReply(code, f"{self.node_id}: {text}", rid if isinstance(rid, str) else "",
-                           node=failed if new else "", seq_id=seq if new and isinstance(seq, str) else "")
         if isinstance(seq, str) and seq and not isinstance(msg, ForkSequence):
             # (a failed fork created nothing: the child's first chunk then fails as unknown, reported)
             self.scheduler.free(seq, "failed")
+        reply_to = getattr(msg, "reply_to", "")
         if reply_to:
-            await self._report(reply_to, reply)
+            await self.outbox.report(reply_to, reply)
         return reply
-
-    def _decodes_node(self, node_id: NodeId) -> bool:
-        """Whether ``node_id`` accepts ``ErrorReply.node`` (a member on 0.2 refuses the whole reply)."""
-        if self._peer_version is None or node_id == self.node_id:
-            return True
-        return names_failed_node(self._peer_version(node_id) if node_id else "")
 
     def _refusal(self, version: int) -> str:
         """Why this stage will never serve plan ``version`` ("": it may): the plan names another model."""
@@ -314,126 +292,90 @@ class StageService:
             raise StageError("stale_plan",
                              f"message for plan {version}, this stage runs plan {self.route.plan_version}")
 
-    # -- forwards ---------------------------------------------------------------------------
-    async def _forward_group(self, msgs: list[StageForward]) -> list:
-        """One forward pass for these messages (distinct sequences); one reply per message.
+    # -- the step: schedule -> execute -> update ----------------------------------------------
+    async def step(self, msgs: list) -> list:
+        """Run what queued, in order; one reply per message (an ``Ack`` where nothing else is due).
 
-        A message that fails its checks fails alone (its coordinator is told,
-        its sequence freed); the others still run.
+        Schedule: the messages split into runs (:meth:`StageScheduler.runs`): forwards of
+        different sequences that share one pass, or one control message between passes, where
+        it arrived. For a pass: each message admitted to its slot (:meth:`_admit`; one that
+        fails its checks fails alone), then *execute* — one forward in the compute thread,
+        the last stage sampling in the same hop — and *update*: slots released, results on
+        to the next stage or back to the coordinator, failures reported (:meth:`_update`).
         """
         replies: list = [None] * len(msgs)
-        works: list[Work] = []
-        for i, msg in enumerate(msgs):
+        for run in self.scheduler.runs(msgs):
+            if not isinstance(msgs[run[0]], StageForward):
+                replies[run[0]] = await self.handle(msgs[run[0]])
+                continue
+            works = await self._admit([msgs[i] for i in run], run, replies)
+            if not works:
+                continue
+            stage, kv = self.stage, self.kv
+            slots = [w.slot for w in works]
+            self.scheduler.begin_pass(slots)
+            t = time.perf_counter()
+            fill = None
             try:
-                w = self._prepare(msg)
+                outcomes, fill = await self.worker.run(stage, kv, works, self.sampler.answer)
+            finally:  # a sequence whose token left early stays busy until its skipped layers are filled
+                held = {id(w.slot) for w in fill.works} if fill is not None else set()
+                self.scheduler.end_pass([sl for sl in slots if id(sl) not in held])
+            self.scheduler.count_pass(len(works), time.perf_counter() - t)
+            await self._update(works, outcomes, fill, stage, replies)
+        return [Ack(self.serving_version) if r is None else r for r in replies]
+
+    async def _admit(self, msgs: list[StageForward], where: list[int], replies: list) -> list[Work]:
+        """Each message's share of the pass, its slot admitted (event loop); a late chunk is dropped, and a
+        message that fails its checks fails alone (its coordinator told, its sequence freed)."""
+        works: list[Work] = []
+        for i, msg in zip(where, msgs):
+            try:
+                if self.scheduler.is_freed(msg.seq_id):  # freed (hang-up, failure) while queued upstream
+                    self.stats.late_dropped += 1
+                    log.debug("late_chunk_dropped", seq=msg.seq_id, offset=msg.position_offset)
+                    continue
+                self._check_plan(msg.plan_version)
+                x, tree = self.worker.input_of(msg)  # before the slot changes: a hostile tree is bad input
+                slot = self.scheduler.admit(msg, int(x.shape[0]))
+                w = self.worker.work_for(msg, slot, x, tree)
             except Exception as exc:  # noqa: BLE001 - the one error path, per message
                 replies[i] = await self._fail(msg, exc)
                 continue
-            if w is not None:
-                w.index = i
-                works.append(w)
-        if not works:
-            return replies
-        stage, kv = self.stage, self.kv
-        slots = [w.slot for w in works]
-        self.scheduler.begin_pass(slots)
-        t = time.perf_counter()
-        filling, exited = None, []
-        try:
-            outcomes = await self.worker.run(stage, kv, works, self.sampler.answer)
-            filling = self.worker.fill_soon(stage, kv)  # exited rows' skipped layers, queued before answering
-        finally:
-            if filling is not None:  # the sequences whose token left early stay busy until their fill is done
-                exited = [w for w, (out, _) in zip(works, outcomes) if getattr(out, "exit_layer", 0)]
-                for w in exited:
-                    self._filling[w.slot.seq] = filling
-            held = {id(w.slot) for w in exited}
-            self.scheduler.end_pass([sl for sl in slots if id(sl) not in held])
-        self.scheduler.count_pass(len(works), time.perf_counter() - t)
-        try:
-            await self._answer(works, outcomes, stage, replies)
-        finally:
-            if filling is not None:
-                await self._filled(filling, exited, replies)
-        return replies
+            w.index = i
+            works.append(w)
+        return works
 
-    async def _filled(self, filling: asyncio.Future, exited: list[Work], replies: list) -> None:
+    async def _update(self, works: list[Work], outcomes, fill, stage: StageModel, replies: list) -> None:
+        """After the pass: each result on (or its failure reported), then the exited rows' fill awaited."""
+        try:
+            for w, (out, exc) in zip(works, outcomes):
+                msg = w.msg
+                if exc is not None:
+                    replies[w.index] = await self._fail(msg, exc)
+                    continue
+                if w.item.may_exit and stage.exits is not None and isinstance(out, TokenResult):
+                    self.stats.count_exit(out.exit_layer)
+                self.stats.tokens += w.rows
+                if msg.is_last_chunk and not msg.verify:
+                    self.scheduler.prefix.share_prompt(w.slot)
+                if self.scheduler.is_freed(msg.seq_id):  # freed while computing: do not pass stale work on
+                    continue
+                try:
+                    await self.outbox.forward(self.route, self.index, msg, stage, out, w.want_logits)
+                except Exception as exc:  # noqa: BLE001
+                    replies[w.index] = await self._fail(msg, exc)
+        finally:
+            if fill is not None:
+                await self._filled(fill, replies)
+
+    async def _filled(self, fill, replies: list) -> None:
         """The exited sequences' caches are whole again (or a fill failed: that request replays)."""
         try:
-            broken, seconds = await filling
-        except Exception as exc:  # noqa: BLE001 - the executor itself failed: nobody's cache is whole
-            broken, seconds = [w.slot.seq for w in exited], 0.0
-            log.warning("exit_fill_failed", error=f"{type(exc).__name__}: {exc}")
+            broken, seconds = await self.worker.filled(fill)
         finally:
-            for w in exited:
-                self._filling.pop(w.slot.seq, None)
-            self.scheduler.end_pass([w.slot for w in exited])
+            self.scheduler.end_pass([w.slot for w in fill.works])
         self.stats.busy_s += seconds
-        for w in exited:
-            if w.slot.seq in broken:
-                replies[w.index] = await self._fail(w.msg, RuntimeError(
-                    "the layers an early exit skipped could not be computed; the request replays"))
-
-    async def _answer(self, works: list[Work], outcomes, stage: StageModel, replies: list) -> None:
-        for w, (out, exc) in zip(works, outcomes):
-            msg = w.msg
-            if exc is not None:
-                replies[w.index] = await self._fail(msg, exc)
-                continue
-            if w.item.may_exit and stage.exits is not None and isinstance(out, TokenResult):
-                self.stats.count_exit(out.exit_layer)
-            self.stats.tokens += w.rows
-            if msg.is_last_chunk and not msg.verify:
-                self.scheduler.prompt_done(w.slot)
-            if self.scheduler.is_freed(msg.seq_id):  # freed while computing: do not pass stale work on
-                continue
-            try:
-                await self._finish(msg, stage, out, w.want_logits)
-            except Exception as exc:  # noqa: BLE001
-                replies[w.index] = await self._fail(msg, exc)
-
-    def _prepare(self, msg: StageForward) -> Work | None:
-        """Checks and cache bookkeeping before a forward (event loop; None: a late chunk, dropped)."""
-        if self.scheduler.is_freed(msg.seq_id):  # freed (hang-up, failure) while this chunk was queued upstream
-            self.stats.late_dropped += 1
-            log.debug("late_chunk_dropped", seq=msg.seq_id, offset=msg.position_offset)
-            return None
-        self._check_plan(msg.plan_version)
-        x, tree = self.worker.input_of(msg)  # before the slot changes: a hostile tree is bad input, wherever it sits
-        slot = self.scheduler.admit(msg, int(x.shape[0]))
-        return self.worker.work_for(msg, slot, x, tree)
-
-    async def _finish(self, msg: StageForward, stage: StageModel, out, want_logits: bool) -> None:
-        if not stage.is_last:
-            # Everything travels on (sampling, verify tree, commit, shaping, the token ids every stage's
-            # prefix cache keys on); only the payload changes: our activations.
-            nxt = dataclasses.replace(msg, hidden=out)
-            to = await self._send_next(nxt)
-            elem = 2 if self.activation_dtype in ("float16", "bfloat16") else out.element_size()
-            self.stats.count_sent(to, out.numel() * elem)
-        elif want_logits and out is not None:
-            await self._report(msg.reply_to, out)
-
-    # -- links ----------------------------------------------------------------------------
-    async def _pass_on(self, msg) -> None:
-        if self.route.next_after(self.index) is not None:
-            await self._send_next(msg)
-
-    async def _send_next(self, msg) -> NodeId:
-        """Send ``msg`` to the next stage; returns its node id (``HopUnreachable`` names it when that fails)."""
-        nxt = self.route.next_after(self.index)
-        try:
-            peer = await self.links.to(nxt.node_id)
-            await peer.send(msg, timeout=self.send_timeout_s, activation_dtype=self.activation_dtype)
-        except TransportError as exc:
-            raise HopUnreachable(nxt.node_id, exc) from exc
-        return nxt.node_id
-
-    async def _report(self, reply_to: str, msg) -> None:
-        """Send to a coordinator; ``reply_to`` is "node_id|address" (its key comes from the directory)."""
-        node_id, _, address = reply_to.partition("|")
-        try:
-            peer = await self.links.to(node_id, address)
-            await peer.send(msg, timeout=self.send_timeout_s)
-        except (TransportError, KeyError) as exc:
-            log.warning("report_failed", to=reply_to, error=str(exc), message_type=type(msg).__name__)
+        for w in broken:
+            replies[w.index] = await self._fail(w.msg, RuntimeError(
+                "the layers an early exit skipped could not be computed; the request replays"))

@@ -7,6 +7,11 @@ the KV cache live there; messages arrive and leave as host tensors: a
 message's input moves to the device inside the forward, and :meth:`StageWorker.run`
 moves its results back, once per message, so the event loop, the sampler and
 the transport see only host tensors.
+
+An early exit (``decoding.exits``) answers a decode row before the stage's last
+layers; the worker then runs the layers that row skipped in the same thread
+(:class:`ExitFill`), right behind the pass, and keeps the sequence's cache off
+limits (:meth:`StageWorker.wait_fill`) until they have written its keys and values.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 
 from decoding.device import CPU, DeviceError, default_dtype, dtype_name, resolve_weights, to_host
 from decoding.errors import DecodingError
-from decoding.exits import BoundExits
+from decoding.exits.bound import BoundExits
 from decoding.memory import release_free_memory
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.tree import DraftTree
@@ -30,12 +35,13 @@ from decoding.models import StageModel
 from meshd.log import get_logger
 from meshd.pipeline.route import Route
 from meshd.pipeline.stage.errors import StageError
-from meshd.pipeline.stage.scheduler import SeqSlot
+from meshd.pipeline.stage.slot import SeqSlot
 from transport.messages import StageForward
+from partition.ids import SeqKey
 
 log = get_logger("meshd.stage")
 
-__all__ = ["Work", "StageWorker", "tree_of"]
+__all__ = ["ExitFill", "Work", "StageWorker", "tree_of"]
 
 Outcome = tuple[Any, Exception | None]  # (activations or a TokenResult, None) or (None, what failed)
 
@@ -55,6 +61,14 @@ class Work:
     @property
     def rows(self) -> int:
         return self.item.tokens
+
+
+@dataclass(frozen=True)
+class ExitFill:
+    """The layers a pass's exited rows skipped, computing in the compute thread."""
+
+    future: asyncio.Future  # -> (the sequences whose fill failed, seconds computing)
+    works: list[Work]  # the messages whose token left early: their slots stay busy until the fill is done
 
 
 def tree_of(msg: StageForward, x: torch.Tensor) -> DraftTree:
@@ -77,7 +91,7 @@ class StageWorker:
         """``device``: where the stage computes (default the CPU); ``dtype`` None: that device's default;
         ``packed``: the packing of this device's own numeric mode ("" dense). A plan that names a mode
         (:attr:`Route.weights`) overrides both, so every member computes alike. ``exits(stage)``: the early-exit
-        heads for this model (``decoding.exits.ExitHeads``; raises ``DecodingError`` when there are none),
+        heads for this model (``decoding.exits.heads.ExitHeads``; raises ``DecodingError`` when there are none),
         bound to a stage that holds the LM head and an exit layer."""
         self.source = source
         self._exits_factory = exits
@@ -88,6 +102,7 @@ class StageWorker:
         self.own_mode = packed or dtype_name(self.dtype)
         self.stage: StageModel | None = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
+        self._filling: dict[SeqKey, asyncio.Future] = {}  # exited sequences whose skipped layers are computing
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
@@ -199,15 +214,17 @@ class StageWorker:
         return Work(msg, slot, item, tree, want_logits, normed)
 
     async def run(self, stage: StageModel, kv, works: list[Work],
-                  answer: Callable[[StageModel, Work, Any, torch.Tensor | None], Any]) -> list[Outcome]:
+                  answer: Callable[[StageModel, Work, Any, torch.Tensor | None], Any]
+                  ) -> tuple[list[Outcome], ExitFill | None]:
         """One forward for ``works`` in the compute thread; ``answer`` turns a last-stage output into a
-        result there too (the sampler)."""
-        return await asyncio.get_running_loop().run_in_executor(
+        result there too (the sampler). Returns the outcomes, and the fill of the layers exited rows
+        skipped when some did (await it with :meth:`filled`)."""
+        outcomes = await asyncio.get_running_loop().run_in_executor(
             self._compute, self._compute_group, stage, kv, works, answer)
+        return outcomes, self._fill_soon(stage, kv, works, outcomes)
 
-    def fill_soon(self, stage: StageModel, kv) -> "asyncio.Future | None":
-        """Queue, in the compute thread, the layers that exited rows skipped (None: none did); the future
-        gives (the sequences whose fill failed, seconds computing).
+    def _fill_soon(self, stage: StageModel, kv, works: list[Work], outcomes: list[Outcome]) -> ExitFill | None:
+        """Queue, in the compute thread, the layers that exited rows skipped (None: none did).
 
         Queued before the pass's answers go out, so nothing that answer sets off (a
         next step, a prefix kept) can reach this sequence's cache before it is whole."""
@@ -218,7 +235,30 @@ class StageWorker:
             t = time.perf_counter()
             return stage.fill_pending(kv), time.perf_counter() - t
 
-        return asyncio.get_running_loop().run_in_executor(self._compute, fill)
+        future = asyncio.get_running_loop().run_in_executor(self._compute, fill)
+        exited = [w for w, (out, _) in zip(works, outcomes) if getattr(out, "exit_layer", 0)]
+        for w in exited:
+            self._filling[w.slot.seq] = future
+        return ExitFill(future, exited)
+
+    async def filled(self, fill: ExitFill) -> tuple[list[Work], float]:
+        """Wait for ``fill``: the exited messages whose caches are not whole (a fill failed: those requests
+        replay), and the seconds it computed."""
+        try:
+            broken, seconds = await fill.future
+        except Exception as exc:  # noqa: BLE001 - the executor itself failed: nobody's cache is whole
+            broken, seconds = [w.slot.seq for w in fill.works], 0.0
+            log.warning("exit_fill_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            for w in fill.works:
+                self._filling.pop(w.slot.seq, None)
+        return [w for w in fill.works if w.slot.seq in broken], seconds
+
+    async def wait_fill(self, seq: SeqKey) -> None:
+        """Until the layers ``seq``'s exited row skipped are computed (at once when none are owed)."""
+        filling = self._filling.get(seq)
+        if filling is not None:
+            await asyncio.wait([filling])
 
     async def in_compute(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` in the compute thread, between passes (work on the KV cache's buffers)."""
