@@ -131,7 +131,7 @@ def step_costs(weights: str, exit_heads: str | None, device: str = "cpu") -> dic
     import torch
 
     from decoding.device import resolve_weights
-    from decoding.exits import BoundExits
+    from decoding.exits.bound import BoundExits
     from decoding.linear import linear
     from decoding.models.llama.layers import rms_norm
     from meshd.engine.drafting import exit_heads_for

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from decoding.exits import ExitHeads
+from decoding.exits.heads import ExitHeads
 from decoding.training.medusa_data import Example
 
 THRESHOLDS = (0.6, 0.7, 0.8, 0.9)

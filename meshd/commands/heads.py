@@ -187,7 +187,7 @@ def run_train_exits(args) -> int:
     """Answers (or ``--answers``), hidden states at the exit layers, training, held-out evaluation."""
     import torch
 
-    from decoding.exits import ExitHeads, default_exit_layers
+    from decoding.exits.heads import ExitHeads, default_exit_layers
     from decoding.training import exits as ex
     from decoding.training.recipe import GEN_SHARE, answer_order, load_answers, save_answers
     from meshd.log import get_logger

@@ -48,7 +48,7 @@ def medusa_factory(source, setting: str | None):
 
 def exit_heads_for(source, setting: str | None = None):
     """The early-exit heads for ``source`` (a configured file, or the ones shipped with the embedded model)."""
-    from decoding.exits import ExitHeads
+    from decoding.exits.heads import ExitHeads
     from meshd.model import heads as shipped
 
     cfg = source.config

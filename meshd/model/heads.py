@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from decoding.errors import DrafterError
-from decoding.exits import ExitHeads
+from decoding.exits.heads import ExitHeads
 from decoding.medusa import MedusaHeads
 
 HEADS_FILE = Path(__file__).parent.parent / "data" / "medusa-smollm2-135m.pt"

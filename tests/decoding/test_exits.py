@@ -12,7 +12,8 @@ import torch
 
 from decoding.batch import BatchItem
 from decoding.errors import DrafterError
-from decoding.exits import BoundExits, ExitCheck, ExitHeads, default_exit_layers, first_exit_layer
+from decoding.exits.bound import BoundExits, ExitCheck
+from decoding.exits.heads import ExitHeads, default_exit_layers, first_exit_layer
 
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from decoding.batch import BatchItem
-from decoding.exits import BoundExits, ExitCheck, ExitHeads, default_exit_layers
+from decoding.exits.bound import BoundExits, ExitCheck
+from decoding.exits.heads import ExitHeads, default_exit_layers
 from decoding.sampling import SamplingSpec
 from meshd.pipeline.coordinator.slot import StepsRequest
 from tests.support.inprocess import Mesh

@@ -183,7 +183,7 @@ def test_early_exits_on_a_gpu_stage_leave_the_full_models_kv_and_exit_where_the_
     """The shipped exit heads bound to a GPU stage: tokens that leave early leave complete KV behind
     (bit for bit the full model's on the same device), and the tokens and exits match the CPU's."""
     from decoding.batch import BatchItem
-    from decoding.exits import BoundExits, ExitCheck
+    from decoding.exits.bound import BoundExits, ExitCheck
     from meshd.model.heads import embedded_exits
 
     cfg = real_source.config

@@ -27,22 +27,11 @@ JOIN_SEGMENTS_FROM_ROWS = 16
 from decoding.batch import BatchItem, RowPlan
 from decoding.config import ModelConfig
 from decoding.errors import ContextOverflow
+from decoding.exits.owed import ExitedRows, OwedRow, rejoin
 from decoding.kv_cache import KVCache
 from decoding.linear import linear, nbytes
 from decoding.masks import chunk_mask
 from decoding.models.llama.layers import LayerWeights, rms_norm, rotate
-
-
-@dataclasses.dataclass
-class _Pending:
-    """An exited decode row: the layers from ``layer`` on still owe its keys and values."""
-
-    item: BatchItem
-    plan: RowPlan
-    layer: int
-    hidden: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
 
 
 class StageModel:
@@ -62,8 +51,8 @@ class StageModel:
         self.formats: dict[str, str] = {}  # tensor -> how it is held, when not simply ``dtype``
         self.scratch = None  # packed stages: the buffer matrices are widened into for long prompts
         self.packing = ""  # "", "packed" or "packed4" (decoding.device.PACKINGS)
-        self.exits = None  # BoundExits (decoding.exits): early exits inside this stage's layers, if any
-        self._pending: dict = {}  # seq_id -> _Pending: an exited row whose later layers still owe KV
+        self.exits = None  # BoundExits (decoding.exits.bound): early exits inside this stage's layers, if any
+        self.exited = ExitedRows()  # exited rows whose later layers still owe KV
 
     @classmethod
     def from_source(cls, source, first: int, end: int, dtype: torch.dtype = torch.float32,
@@ -140,7 +129,7 @@ class StageModel:
         """
         if len({it.seq_id for it in items}) != len(items):
             raise ValueError("a sequence may appear only once in a batch")
-        if self._pending:  # a sequence's exited row finishes its layers before its next rows attend to them
+        if self.exited:  # a sequence's exited row finishes its layers before its next rows attend to them
             broken = self.fill_pending(kv, {it.seq_id for it in items})
             if broken:
                 raise RuntimeError(f"the layers an early exit skipped could not be computed for {broken[0]!r}")
@@ -178,17 +167,14 @@ class StageModel:
         for li, lw in enumerate(self.layers):
             h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes, dense)
             if exits is not None and li in exits.at:
-                h, cos, sin, dense, items, plans = self._exit(kv, li, h, cos, sin, dense, items, plans, exited)
+                h, (cos, sin, dense), items, plans = self.exited.leave(exits, li, h, (cos, sin, dense), items, plans,
+                                                                       exited)
                 if not items:  # every row left: the rest of the layers are the fill's
                     break
         items, plans = everyone
         for p, it in zip(plans, items):
             kv.commit(it.seq_id, p.n)
-        if exited:  # the rows still running, back in the caller's order around the exits
-            running = iter(h.split([p.n for p, it in zip(plans, items) if it.seq_id not in exited]))
-            parts = [exited[it.seq_id] if it.seq_id in exited else next(running) for it in items]
-        else:
-            parts = h.split([p.n for p in plans])
+        parts = rejoin(h, items, plans, exited) if exited else h.split([p.n for p in plans])
         read = [(part[-it.logit_rows:] if it.logit_rows else part) if it.all_logits else part[-1:]
                 for part, it in zip(parts, items) if it.head and it.seq_id not in exited]
         if not self.is_last or not read:
@@ -208,73 +194,23 @@ class StageModel:
             outs.append((lg, nm) if it.return_normed else lg)
         return outs
 
-    # -- early exits ------------------------------------------------------------------
-    def _exit(self, kv, li, h, cos, sin, dense, items, plans, exited: dict):
-        """After layer ``li``: the decode rows whose exit clears their threshold leave the batch.
-
-        Each leaving row's answer is an :class:`~decoding.exits.ExitCheck`; its
-        hidden state waits in ``_pending`` for :meth:`fill_pending`, which runs the
-        layers it skipped so the position's keys and values are complete before
-        anyone attends to them."""
-        starts, at = [], 0
-        for p in plans:
-            starts.append(at)
-            at += p.n
-        asking = [k for k, it in enumerate(items) if it.may_exit]
-        if not asking:
-            return h, cos, sin, dense, items, plans
-        rows = torch.tensor([starts[k] for k in asking], device=h.device)
-        checks = self.exits.check(li, h.index_select(0, rows), [items[k].exit_threshold for k in asking])
-        leaving = {k: c for k, c in zip(asking, checks) if c is not None}
-        if not leaving:
-            return h, cos, sin, dense, items, plans
-        keep = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
-        for k, check in leaving.items():
-            r = starts[k]
-            keep[r] = False
-            it = items[k]
-            exited[it.seq_id] = check
-            self._pending[it.seq_id] = _Pending(it, plans[k], li + 1, h[r:r + 1].clone(), cos[r:r + 1],
-                                                sin[r:r + 1])
-        stay = [k for k in range(len(items)) if k not in leaving]
-        return (h[keep], cos[keep], sin[keep], None if dense is None else dense[keep.to(dense.device)],
-                [items[k] for k in stay], [plans[k] for k in stay])
-
+    # -- early exits (decoding.exits.owed) ----------------------------------------------
     def has_pending(self) -> bool:
-        return bool(self._pending)
+        return bool(self.exited)
 
     @torch.inference_mode()
     def fill_pending(self, kv: KVCache, seqs=None) -> list:
-        """Run the layers exited rows skipped (all, or only ``seqs``'): their keys and values at their own
-        position, from the hidden state they left with. Returns the sequences whose fill failed (their
-        caches are not whole: the caller frees them, and their coordinators replay them).
+        """Run the layers exited rows skipped (all, or only ``seqs``'); returns the sequences whose fill
+        failed (see :meth:`ExitedRows.fill`)."""
+        return self.exited.fill(kv, len(self.layers), lambda li, h, row: self._owed_layer(kv, li, h, row), seqs)
 
-        Why eagerly, right after the exiting pass answered, and not batched with the
-        sequence's next token: the answer has already gone back, so this work overlaps
-        the coordinator's and the earlier stages' work on the next token; and a packed
-        stage computes a decode row alone anyway (``RowPlan.exact``), so batching it
-        with the next token would save nothing. A sequence freed or cut back meanwhile
-        owes nothing."""
-        failed = []
-        pending = self._pending  # a new plan may replace it from another thread meanwhile
-        for seq in [s for s in list(pending) if seqs is None or s in seqs]:
-            pend = pending.pop(seq, None)
-            if pend is None or seq not in kv or kv.length(seq) <= pend.plan.past:
-                continue
-            h = pend.hidden
-            dense = pend.plan.whole if self.packing else None
-            try:
-                for li in range(pend.layer, len(self.layers)):
-                    h = self._layer(kv, li, self.layers[li], h, pend.cos, pend.sin, [pend.item], [pend.plan],
-                                    None, dense)
-            except Exception:  # noqa: BLE001 - one sequence's cache is not whole; the others' are
-                pending[seq] = pend  # still owed: its next step fails again rather than read a partial cache
-                failed.append(seq)
-        return failed
+    def _owed_layer(self, kv: KVCache, li: int, h: torch.Tensor, row: OwedRow) -> torch.Tensor:
+        cos, sin, dense = row.rows
+        return self._layer(kv, li, self.layers[li], h, cos, sin, [row.item], [row.plan], None, dense)
 
     def drop_pending(self) -> None:
-        """A new cache (a new plan): nothing is owed to the old one (a fill running now keeps its own dict)."""
-        self._pending = {}
+        """A new cache (a new plan): nothing is owed to the old one."""
+        self.exited.drop()
 
     def _layer(self, kv, li, lw: LayerWeights, h, cos, sin, items, plans, probes=None, dense=None):
         cfg = self.config

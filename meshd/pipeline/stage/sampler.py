@@ -15,7 +15,7 @@ import asyncio
 import torch
 
 from decoding.errors import DecodingError
-from decoding.exits import ExitCheck
+from decoding.exits.bound import ExitCheck
 from decoding.sampling import filtered_probs
 from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
