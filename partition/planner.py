@@ -15,11 +15,12 @@ from partition.layers import check_same_model
 from partition.link import LinkModel
 from partition.ids import NodeId, PlanVersion
 from partition.cuttable import CutTable
-from partition.plan import Plan, StageAssignment
+from partition.plan import Plan
 from partition.profile import DeviceProfile
 from partition.sequence import StageTiming, build_cut_table, flow_shop_latency, pipeline_timings
 from partition.stagecount import plan_layers
 from partition.layout import Layout, Workload, choose_layout
+from partition.stages import StageAssignment
 
 #: how much faster another layout must be predicted than the one served now to re-plan for it
 REPLAN_MARGIN = 0.15

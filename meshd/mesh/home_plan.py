@@ -28,7 +28,8 @@ from meshd.log import get_logger
 from meshd.model.profile_files import prefer_mode, profile_model, read_profiles
 from partition.ids import NodeId, PlanVersion
 from partition.cuttable import CutTable
-from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, Plan, StageAssignment
+from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, Plan
+from partition.stages import StageAssignment
 
 __all__ = ["DEFAULT_LINK", "PLAN_MAX_SEQ", "PLAN_SEQ_LEN", "MemberInput", "PlanIssuer", "equal_split",
            "plan_home", "chunks_prompts", "home_cut_table", "stage_timings_over", "shipped_profiles_dir", "default_profile",

@@ -8,7 +8,7 @@ directory (address and CURVE key per node). It is versioned with the plan so
 every message can be checked against it, and names the plan's model, so a
 stage or coordinator holding another model file refuses it (plan versions are
 unique in a home: a message's version stands for that model too). Layer ranges are half-open
-``[first, end)``, as in :class:`partition.plan.StageAssignment`.
+``[first, end)``, as in :class:`partition.stages.StageAssignment`.
 """
 
 from __future__ import annotations

@@ -309,10 +309,10 @@ def test_stats_report_tokens_per_round():
 
 def test_the_profiles_price_a_verify_round_and_observations_then_take_over():
     from partition.link import parse_link
-    from partition.plan import StageAssignment
     from partition.planner import stage_timings
     from partition.profile import load
     from partition.sequence import round_cost_slope
+    from partition.stages import StageAssignment
 
     prof = load(ROOT / "profiles" / "x86_64-2core-1thread.json")
     stages = stage_timings((StageAssignment("a", 0, 15), StageAssignment("b", 15, prof.num_layers)),

@@ -94,7 +94,8 @@ def _planner_at(tmp_path, now):
 
 def test_a_plan_waits_a_few_seconds_for_a_joining_members_profile_not_for_its_own_members(tmp_path):
     from meshd.mesh.planner import PROFILE_WAIT_S
-    from partition.plan import Plan, StageAssignment
+    from partition.plan import Plan
+    from partition.stages import StageAssignment
 
     now = [0.0]
     planner, view = _planner_at(tmp_path, now)

@@ -9,7 +9,7 @@ import pytest
 from meshd.mesh import home_plan as plan_mod
 from meshd.mesh.home_plan import MemberInput, equal_split, plan_home
 from partition.plan import Plan
-from partition.plan import StageAssignment as Stage
+from partition.stages import StageAssignment as Stage
 from tests.support.logs import all_log_events
 
 
@@ -108,9 +108,9 @@ def test_a_plan_names_the_numeric_mode_every_member_computes_in():
 
 def test_the_daemon_plan_is_made_of_the_partition_packages_half_open_stages():
     import meshd.mesh.home_plan
-    import partition.plan
+    import partition.stages
 
-    assert meshd.mesh.home_plan.StageAssignment is partition.plan.StageAssignment  # one stage type
+    assert meshd.mesh.home_plan.StageAssignment is partition.stages.StageAssignment  # one stage type
     assert not hasattr(meshd.mesh.home_plan, "Stage")
     p = Plan(2, (Stage("x", 0, 10), Stage("y", 10, 30)), 30)
     assert p.layers_of("y") == (10, 30) and p.layers_of("z") is None

@@ -11,7 +11,8 @@ import pytest
 from meshd.mesh import home_plan as plan_mod
 from meshd.mesh.home_plan import MemberInput, PlanIssuer
 from partition.cuttable import CutTable
-from partition.plan import Plan, StageAssignment as Stage
+from partition.plan import Plan
+from partition.stages import StageAssignment as Stage
 from tests.support.waiting import eventually
 
 TABLE = CutTable(1, 2, 1, ((), ()), (0.0, 0.1))

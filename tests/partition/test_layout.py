@@ -106,14 +106,15 @@ def test_a_replicas_plan_numbers_its_routes_and_travels_on_the_wire():
 
 
 def test_a_one_pipeline_plan_keeps_the_digest_older_members_compute():
-    from partition.plan import StageAssignment, json_digest
+    from partition.plan import json_digest
+    from partition.stages import StageAssignment
 
     p = Plan(3, (StageAssignment("a", 0, 10), StageAssignment("b", 10, 30)), 30)
     assert p.digest() == json_digest([30, [["a", 0, 10], ["b", 10, 30]]])
 
 
 def test_a_node_may_not_hold_two_stages():
-    from partition.plan import StageAssignment
+    from partition.stages import StageAssignment
 
     with pytest.raises(ValueError):
         Plan(1, (StageAssignment("a", 0, 30), StageAssignment("a", 0, 30, route=1)), 30).check()

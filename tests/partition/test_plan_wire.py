@@ -11,8 +11,9 @@ import pytest
 from meshd.state import json_digest as meshd_json_digest
 from partition.link import parse_link
 from partition.cuttable import CutTable
-from partition.plan import RANGE_KEY, Plan, StageAssignment as Stage, range_from_wire, range_to_wire
+from partition.plan import Plan
 from partition.planner import make_plan
+from partition.stages import RANGE_KEY, StageAssignment as Stage, range_from_wire, range_to_wire
 from partition.synthetic import synthetic_profile
 from transport.messages import PlanUpdate, decode, encode
 from transport.wire import DEFAULT_LIMITS

@@ -16,7 +16,7 @@ from meshd.pipeline.coordinator.failures import BadTokens, ModelMismatch
 from meshd.pipeline.coordinator.service import PipelineCoordinator
 from meshd.pipeline.route import Route
 from meshd.mesh.home_plan import Plan, not_planned, plannable_members
-from partition.plan import StageAssignment as Stage
+from partition.stages import StageAssignment as Stage
 from tests.support.clients import sdk
 from tests.support.api import FakeEngine, ServerThread
 from tests.support.coordinator import generate_on

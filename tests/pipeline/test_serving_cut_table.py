@@ -12,7 +12,8 @@ from meshd.pipeline import serving
 from meshd.pipeline.serving import ServingRole, route_from_plan
 from meshd.mesh.home_plan import shipped_profiles_dir
 from partition.cuttable import CutTable
-from partition.plan import Plan, StageAssignment as Stage
+from partition.plan import Plan
+from partition.stages import StageAssignment as Stage
 from tests.support.logs import all_log_events
 
 SHIPPED = json.loads((shipped_profiles_dir() / "x86_64-2core-1thread.json").read_text())

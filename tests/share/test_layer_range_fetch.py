@@ -18,7 +18,7 @@ import pytest
 from meshd.mesh.home_plan import Plan
 from meshd.share.messages import ShareTarget
 from partition.ids import NodeId, PlanVersion
-from partition.plan import StageAssignment
+from partition.stages import StageAssignment
 from tests.support.logs import all_log_events
 from tests.support.gguf import write_tiny_gguf
 from tests.support.share_bus import Bus, close_all, shell

@@ -31,7 +31,7 @@ LAST_0_2 = "10984ed"  # meshd 0.2.0: stage rows say first/last (exclusive), no c
 
 OLD_SIDE = r"""
 import json, sys, msgpack
-from meshd.mesh.home_plan import Plan
+from meshd.plan import Plan
 from partition.plan import StageAssignment
 from transport.messages import PlanUpdate, decode, encode
 ours = decode(msgpack.unpackb(open(sys.argv[1], "rb").read())).message

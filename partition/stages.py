@@ -1,0 +1,135 @@
+"""One stage of a plan: which node runs which layers, the routes stages form, and the range on the wire.
+
+A :class:`StageAssignment` runs decoder layers ``[first, end)``, half-open, exactly
+what ``ModelSource.load_stage(first, end)`` takes; the stages of one route tile the
+model (:func:`check_tiling`). Apart from :class:`~partition.plan.Plan` because
+planners, layouts and tests build stages on their own, and because the range's
+wire spelling (:func:`range_to_wire` / :func:`range_from_wire`, the only way a
+range crosses the wire) has to stay readable by members of every meshd version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from partition.ids import NodeId
+
+#: the wire key of a stage's half-open layer range ``[start, stop)``, since meshd 0.3
+RANGE_KEY = "layers_v2"
+
+
+def range_to_wire(start: int, stop: int) -> dict[str, Any]:
+    """The wire keys of the half-open layer range ``[start, stop)``.
+
+    ``layers_v2`` names it explicitly; ``first``/``last`` are what members on
+    meshd 0.1 and 0.2 read (their ``last`` is the exclusive end, unlike the
+    inclusive ``last_layer`` of plan files of schema 1), so a mixed home agrees.
+    """
+    return {RANGE_KEY: [start, stop], "first": start, "last": stop}
+
+
+def range_from_wire(row: dict[str, Any]) -> tuple[int, int]:
+    """``[start, stop)`` from any spelling a plan row has had, newest first.
+
+    ``layers_v2: [start, stop]``; the wire's ``first``/``last`` (exclusive, meshd
+    0.1/0.2); the file's ``first_layer``/``end_layer`` (schema 2) or
+    ``first_layer``/``last_layer`` (inclusive, schema 1). KeyError/TypeError/
+    ValueError on none of these.
+    """
+    if RANGE_KEY in row:
+        start, stop = row[RANGE_KEY]
+        return int(start), int(stop)
+    if "first" in row:
+        return int(row["first"]), int(row["last"])
+    if "end_layer" in row:
+        return int(row["first_layer"]), int(row["end_layer"])
+    return int(row["first_layer"]), int(row["last_layer"]) + 1
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """One pipeline stage: ``node_id`` runs decoder layers ``[first, end)``.
+
+    The first stage (``first == 0``) also runs the embedding, the last one
+    (``end == num_layers``) the head. The timings and memory are the planner's
+    predictions for the plan's ``plan_seq_len``-token prompt (0 when unknown).
+    """
+
+    node_id: NodeId
+    first: int
+    end: int  # exclusive
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    memory_bytes: int = 0
+    memory_budget_bytes: int = 0
+    route: int = 0  # which of the plan's routes (a replica or a pipeline group) this stage belongs to
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """``(first, end)``, half-open."""
+        return (self.first, self.end)
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.first
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.first == 0
+
+    def has_head_of(self, model_layers: int) -> bool:
+        """Whether this stage runs the head of a ``model_layers``-layer model."""
+        return self.end == model_layers
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.transfer_s
+
+    def to_dict(self, model_layers: int) -> dict:
+        return {
+            "device": self.node_id,
+            "first_layer": self.first,
+            "end_layer": self.end,
+            "has_embedding": self.has_embedding,
+            "has_head": self.has_head_of(model_layers),
+            "compute_s": self.compute_s,
+            "transfer_s": self.transfer_s,
+            "memory_bytes": self.memory_bytes,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "route": self.route,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageAssignment":
+        first, end = range_from_wire(d)
+        return cls(NodeId(d["device"]), first, end, float(d.get("compute_s", 0)),
+                   float(d.get("transfer_s", 0)), int(d.get("memory_bytes", 0)),
+                   int(d.get("memory_budget_bytes", 0)), int(d.get("route", 0)))
+
+
+def group_routes(stages: Iterable[StageAssignment]) -> tuple[tuple[StageAssignment, ...], ...]:
+    """The stages of each route, routes in order of their number, stages in pipeline order."""
+    routes: dict[int, list[StageAssignment]] = {}
+    for s in stages:
+        routes.setdefault(s.route, []).append(s)
+    return tuple(tuple(routes[r]) for r in sorted(routes))
+
+
+def check_tiling(stages: Iterable[StageAssignment], num_layers: int) -> None:
+    """Each route's stages must tile ``[0, num_layers)`` contiguously, and no node may be in two
+    stages (else ValueError)."""
+    stages = tuple(stages)
+    if not stages or num_layers <= 0:
+        raise ValueError("a plan needs at least one stage and one layer")
+    for route in group_routes(stages):
+        pos = 0
+        for s in route:
+            if s.first != pos or s.end <= s.first:
+                raise ValueError(f"plan stages do not tile the layers: {stages}")
+            pos = s.end
+        if pos != num_layers:
+            raise ValueError(f"plan does not cover {num_layers} layers once: {stages}")
+    if len({s.node_id for s in stages}) != len(stages):
+        raise ValueError(f"a node holds two stages of the plan: {stages}")
