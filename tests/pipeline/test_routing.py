@@ -2,7 +2,7 @@
 
 from meshd.mesh.planner import moved
 from meshd.pipeline.route import Route, StageEndpoint
-from meshd.pipeline.coordinator.routing import RouteCounts, RouteLoad, pick_route
+from meshd.pipeline.coordinator.routes import RouteCounts, RouteLoad, pick_route
 from meshd.pipeline.coordinator.workload import MIN_REQUESTS, WorkloadMeter, combine
 from partition.layout import Workload
 

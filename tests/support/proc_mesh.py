@@ -68,7 +68,8 @@ class ProcessMesh:
     # request is prefilled in full (the stages keep nothing they are asked to reuse)
     prefix_cache: bool = True
     # devices per route, in order (None: one pipeline over every stage; [1, 1]: two replicas, whose
-    # ``ranges`` each cover every layer); the coordinator routes each request (meshd.pipeline.coordinator.routing)
+    # ``ranges`` each cover every layer); the coordinator routes each request
+    # (meshd.pipeline.coordinator.routes)
     groups: list[int] | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)

@@ -1,29 +1,79 @@
-"""The current plan's routes as one coordinator sees them: which serve, which one a request takes.
+"""Which route a request takes: the current plan's routes as one coordinator sees them.
 
 A plan has one route (a pipeline) or several (whole-model replicas, a pipeline
-group: ``partition.layout``). The table follows the plans the serving role
-adopts, probes each route's stages before its first use (after a re-plan they
-may still be loading layers), and picks a route per request from what the
-coordinator sees live (:mod:`meshd.pipeline.coordinator.routing`). The request loop itself
-stays in the coordinator.
+group: ``partition.layout``). The leader's layout decides which routes exist for
+the home's workload; this table follows the plans the serving role adopts, probes
+each route's stages before its first use (after a re-plan they may still be
+loading layers), and picks a route per request from what the coordinator sees
+live: how many of its requests each route is running, and how much of this
+prompt each route's stages already hold in their prefix caches (a conversation's
+next turn belongs where its prompt is cached). A cold prompt counts as one more
+request waiting on a route, shrunk by the route's stage count (a pipeline
+prefills it that much faster); ties go to the route with fewer stages (fewer hops
+per token), then the lower number. Requests that continue a kept prefix (outline
+children) go where that prefix lives. A request waits here (bounded) through
+re-plans until a route serves it; its loop itself stays in the coordinator.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass
 
 from meshd.log import get_logger
-from meshd.pipeline.coordinator.failures import Interrupted, ModelMismatch
-from meshd.pipeline.links import Links
+from meshd.pipeline.coordinator.failures import Interrupted, ModelMismatch, NoRoute
 from meshd.pipeline.coordinator.prefix_reuse import PrefixReuse
-from meshd.pipeline.route import Route
-from meshd.pipeline.coordinator.routing import RouteCounts, RouteLoad, pick_route
 from meshd.pipeline.coordinator.slot import RequestSlot
+from meshd.pipeline.links import Links
+from meshd.pipeline.route import Route, model_mismatch
 from partition.ids import NodeId
 from transport.errors import TransportError
 from transport.messages import Hello
 
 log = get_logger("meshd.coordinator")
+
+
+@dataclass(frozen=True)
+class RouteLoad:
+    """What a coordinator knows about one route when a request arrives."""
+
+    route: Route
+    running: int  # this coordinator's requests on it now
+    held: int = 0  # positions of this prompt every stage of it holds (prefix cache)
+
+
+def route_score(load: RouteLoad, prompt_len: int) -> tuple[float, int, int]:
+    """Lower is better: requests ahead plus the prompt's uncached share (per stage), then stages, then number."""
+    uncached = (prompt_len - min(load.held, prompt_len)) / max(1, prompt_len)
+    stages = max(1, len(load.route.stages))
+    return (load.running + uncached / stages, stages, load.route.index)
+
+
+def pick_route(loads: list[RouteLoad], prompt_len: int) -> Route:
+    return min(loads, key=lambda load: route_score(load, prompt_len)).route
+
+
+class RouteCounts:
+    """Requests this coordinator runs on each route (taken when one is picked, so a burst spreads)."""
+
+    def __init__(self) -> None:
+        self._running: Counter = Counter()
+
+    def take(self, route: Route) -> None:
+        self._running[route.key] += 1
+
+    def give(self, route: Route) -> None:
+        self._running[route.key] -= 1
+        if self._running[route.key] <= 0:
+            del self._running[route.key]
+
+    def running(self, route: Route) -> int:
+        return self._running.get(route.key, 0)
+
+    def to_dict(self) -> dict[str, int]:
+        return {f"{v}/{i}": n for (v, i), n in sorted(self._running.items())}
 
 
 class RouteTable:
@@ -37,6 +87,7 @@ class RouteTable:
         self._ready: set[tuple[int, int]] = set()  # routes whose stages all serve their plan
         self._exits: dict[tuple[int, int], int] = {}  # route -> exit layers its last stage checks (when ready)
         self._changed = asyncio.Event()
+        self.closed = False  # the coordinator is closing: no request waits for a route any more
 
     @property
     def first(self) -> Route | None:
@@ -61,8 +112,9 @@ class RouteTable:
         else:
             self._ready.discard(route.key)
 
-    def wake(self) -> None:
-        """Wake every request waiting for a plan (the coordinator is closing)."""
+    def close(self) -> None:
+        """The coordinator is closing: wake every request waiting for a plan, and let none wait again."""
+        self.closed = True
         self._changed.set()
 
     async def changed(self, timeout_s: float) -> None:
@@ -114,6 +166,44 @@ class RouteTable:
         """Whether a route known to serve checks early exits (None: none is known to serve yet)."""
         ready = [r for r in self.routes if r.key in self._ready]
         return any(self.exits_on(r) for r in ready) if ready else None
+
+    async def serving(self, timeout_s: float, model: str, slot: RequestSlot | None = None) -> Route:
+        """A current route (the one ``slot`` takes, :meth:`pick`) once all its stages serve it; waits
+        (bounded) through re-plans. ``model``: the model file this device holds (a plan for another is
+        refused at once). With a ``slot``, the route is counted as running it from the moment it is
+        picked (so a burst spreads over the routes): ``counts.give`` it back."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.closed:
+                why = (f"device {self.waiting_on} of plan {self.first.plan_version} did not answer"
+                       if self.waiting_on and self.first is not None
+                       else "devices still joining, loading layers or re-planning")
+                raise NoRoute(f"no pipeline plan could serve within {timeout_s:g}s ({why}); retry")
+            route = await self.pick(slot)
+            mismatch = model_mismatch(route.model, model) if route is not None else ""
+            if mismatch:
+                from meshd.model.store import model_flag_for
+
+                raise ModelMismatch(f"this device {mismatch}, so it answers no requests: restart it "
+                                    f"{model_flag_for(route.model)} (every member of a home holds the same "
+                                    f"model) or send requests to another member")
+            if route is None or not route.stages:
+                await self.changed(left)
+                continue
+            if slot is not None:
+                self.counts.take(route)
+            try:
+                await self.wait_ready(route, timeout_s=left)
+                return route
+            except (Interrupted, TimeoutError):
+                if slot is not None:
+                    self.counts.give(route)
+                continue
+            except BaseException:
+                if slot is not None:
+                    self.counts.give(route)
+                raise
 
     async def pick(self, slot: RequestSlot | None) -> Route | None:
         """The route ``slot``'s request takes among the current ones (None: no plan serves)."""

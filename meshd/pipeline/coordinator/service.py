@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -38,18 +37,17 @@ from decoding.speculative.params import MAX_CANDIDATES
 from meshd.engine.errors import out_of_vocab
 from meshd.log import get_logger
 from meshd.pipeline.coordinator.drafter import MeshDrafter
-from meshd.pipeline.coordinator.failures import (BadTokens, Interrupted, ModelMismatch, NoRoute, PipelineError,
-                                                 PrefixMiss, gone_message)
+from meshd.pipeline.coordinator.failures import (BadTokens, Interrupted, NoRoute, PipelineError, PrefixMiss,
+                                                 gone_message)
 from meshd.pipeline.coordinator.flights import FlightTable, Replanned
 from meshd.pipeline.coordinator.prefix_reuse import PrefixReuse
-from meshd.pipeline.coordinator.routes import RouteTable
-from meshd.pipeline.coordinator.routing import RouteCounts
+from meshd.pipeline.coordinator.routes import RouteCounts, RouteTable
 from meshd.pipeline.coordinator.slot import (Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest,
                                              TokenStep)
 from meshd.pipeline.coordinator.verify_rounds import verify_rounds
 from meshd.pipeline.coordinator.workload import WorkloadMeter
 from meshd.pipeline.links import Directory, Links
-from meshd.pipeline.route import Route, model_mismatch
+from meshd.pipeline.route import Route
 from meshd.pipeline.seqkey import SeqKeys
 from partition.ids import NodeId, RequestId
 from transport.errors import TransportError
@@ -97,7 +95,6 @@ class PipelineCoordinator:
         # What a verify round of m tokens costs on this mesh, learnt from every round any request runs.
         self.round_cost = RoundCost()
         self.medusa_paths = MAX_CANDIDATES
-        self._closing = False
 
     async def start(self, address: str = "tcp://127.0.0.1:0", advertise_host: str | None = None) -> str:
         """Bind; ``advertise_host`` is the address last stages use to reach us (when binding 0.0.0.0)."""
@@ -108,9 +105,8 @@ class PipelineCoordinator:
         return self.address
 
     async def close(self) -> None:
-        self._closing = True
         self.flights.tell(lambda f: True, lambda f: PipelineError("the coordinator is shutting down"))
-        self.table.wake()
+        self.table.close()
         await self.links.close()
         if self._server is not None:
             await self._server.close()
@@ -181,41 +177,8 @@ class PipelineCoordinator:
         await self.table.wait_ready(route, timeout_s, poll_s)
 
     async def serving_route(self, timeout_s: float, slot: RequestSlot | None = None) -> Route:
-        """A current route (the one ``slot`` takes, :meth:`RouteTable.pick`) once all its stages serve it;
-        waits (bounded) through re-plans. With a ``slot``, the route is counted as running it from the
-        moment it is picked (so a burst spreads over the routes): ``route_counts.give`` it back."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._closing:
-                why = (f"device {self.waiting_on} of plan {self.route.plan_version} did not answer"
-                       if self.waiting_on and self.route is not None
-                       else "devices still joining, loading layers or re-planning")
-                raise NoRoute(f"no pipeline plan could serve within {timeout_s:g}s ({why}); retry")
-            route = await self.table.pick(slot)
-            mismatch = model_mismatch(route.model, self.model) if route is not None else ""
-            if mismatch:
-                from meshd.model.store import model_flag_for
-
-                raise ModelMismatch(f"this device {mismatch}, so it answers no requests: restart it "
-                                    f"{model_flag_for(route.model)} (every member of a home holds the same "
-                                    f"model) or send requests to another member")
-            if route is None or not route.stages:
-                await self.table.changed(left)
-                continue
-            if slot is not None:
-                self.route_counts.take(route)
-            try:
-                await self.wait_ready(route, timeout_s=left)
-                return route
-            except (Interrupted, TimeoutError):
-                if slot is not None:
-                    self.route_counts.give(route)
-                continue
-            except BaseException:
-                if slot is not None:
-                    self.route_counts.give(route)
-                raise
+        """A current route once all its stages serve it (see :meth:`RouteTable.serving`)."""
+        return await self.table.serving(timeout_s, self.model, slot)
 
     # -- the request loop ------------------------------------------------------------
     async def steps(self, request: StepsRequest) -> AsyncIterator[TokenStep]:
