@@ -173,7 +173,7 @@ def main() -> int:
     setup = {**machine_banner(), "model": "SmolLM2-135M-Instruct Q4_1 (embedded)", "threads_per_stage": 1,
              "single_cores": [[0]], "mesh_cores": [[0], [1]], "curve": True, "sampling": "greedy",
              "tokens_per_request": args.tokens, "levels": levels, "reps": args.reps,
-             "max_batch_tokens": "stage default (512)", "prompts": COLD_OFF}
+             "max_batch_tokens": "stage default (512)", "prompt_cache": COLD_OFF}
     print("# setup", json.dumps(setup), flush=True)
     res = asyncio.run(measure_configs(levels, args.tokens, args.reps))
     rows = concurrency_rows(res, levels)

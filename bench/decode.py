@@ -62,7 +62,7 @@ async def run(args) -> dict:
              "threads_per_stage": 1, "cores": [[0], [1]], "curve": True, "sampling": "greedy",
              "max_tokens": args.max_tokens, "prompts": len(prompts), "methods": METHODS,
              "heads": args.heads or "shipped", "device": args.device or "cpu",
-             "weights": args.weights or "float32", "prompts": COLD_OFF}
+             "weights": args.weights or "float32", "prompt_cache": COLD_OFF}
     print("# setup", json.dumps(setup), flush=True)
     rows = []
     # every method runs the same prompt: with the prefix cache on, all but the first would decode from a
