@@ -189,9 +189,9 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
     from decoding.constrained import make_constraint, warm
     from decoding.sampling import SamplingParams, SamplingSpec
     from meshd.api.generation import constrain_tool_calls
-    from meshd.api.params import RequestParams
     from meshd.engine.base import GenerationRequest
     from meshd.engine.local import LocalEngine
+    from meshd.engine.options import RequestOptions
 
     engine = await LocalEngine.open(model, dtype=getattr(torch, dtype))
     tok = engine.tokenizer
@@ -201,10 +201,11 @@ async def grammar_overhead(model: str, commands: list[Command], dtype: str) -> d
         for k, cmd in enumerate(commands):
             ids = tok.apply_chat(messages_for(cmd), tools=TOOLS)
             for mode in ("without", "with"):
-                p = RequestParams(sampling=SamplingSpec(SamplingParams(temperature=0)))
+                p = RequestOptions(sampling=SamplingSpec(SamplingParams(temperature=0)))
                 if mode == "with":
-                    constrain_tool_calls(engine, p, TOOLS)
-                req = GenerationRequest(request_id=f"o{k}{mode}", prompt_ids=ids, max_tokens=96, sampling=p.sampling)
+                    p = constrain_tool_calls(engine, p, TOOLS)
+                req = GenerationRequest(request_id=f"o{k}{mode}", prompt_ids=ids, max_tokens=96,
+                                        options=RequestOptions(sampling=p.sampling))
                 t, first, got = time.perf_counter(), None, []
                 async for ev in engine.stream(req):
                     if ev.token_id is not None:

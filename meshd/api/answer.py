@@ -81,7 +81,7 @@ async def tracked(request: web.Request, engine: Engine, gen: GenerationRequest, 
             run.end(ok=False)
             raise
         rec = run.end(ok=run.ok)
-        log.info("request_done", api=api, endpoint=endpoint, stream=gen.stream, ok=run.ok,
+        log.info("request_done", api=api, endpoint=endpoint, stream=gen.options.stream, ok=run.ok,
                  finish_reason=run.finish, prompt_tokens=len(gen.prompt_ids),
                  completion_tokens=run.tokens,
                  ttft_s=None if rec.ttft_s is None else round(rec.ttft_s, 4),

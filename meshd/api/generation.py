@@ -8,14 +8,16 @@ lacks gets its 400, instead of being silently served without it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from decoding.loader.chat_template import ChatTemplateError
 from decoding.tool_grammar import style_of, tool_spec
-from meshd.api.params import RequestParams, checked_constraint
+from meshd.api.params import checked_constraint
 from meshd.api.reasoning import reasoning_start
 from meshd.api.validation import RequestError
 from meshd.engine.base import Engine, GenerationRequest
+from meshd.engine.options import RequestOptions
 from meshd.model.store import RECOMMENDED_FOR_HOME_ASSISTANT
 from partition.ids import RequestId
 
@@ -40,10 +42,10 @@ def chat_prompt(engine: Engine, messages: list[dict[str, Any]], tools: list[dict
         raise RequestError(str(exc), param="messages", code="invalid_value") from None
 
 
-def constrain_tool_calls(engine: Engine, params: RequestParams, tools: list[dict[str, Any]],
+def constrain_tool_calls(engine: Engine, options: RequestOptions, tools: list[dict[str, Any]],
                          choice: str | None = None, parallel: bool = True,
-                         prompt_ids: list[int] | None = None) -> None:
-    """Offered tools put the answer under their grammar (``decoding.tool_grammar``).
+                         prompt_ids: list[int] | None = None) -> RequestOptions:
+    """``options`` with offered tools' grammar (``decoding.tool_grammar``) over the answer.
 
     The model still answers in words when it wants to; a call it starts is
     written under the tools' grammar, so it always parses, names an offered
@@ -51,50 +53,51 @@ def constrain_tool_calls(engine: Engine, params: RequestParams, tools: list[dict
     "required" or a tool name constrains from the first token. A
     ``response_format`` already constrains the whole answer (and a forced
     choice with one was refused when parsing), so it is left as it is.
-    ``params.tools_offered`` records that calls may come (outline mode stays away).
+    ``tools_offered`` records that calls may come (outline mode stays away).
     A thinking model's think block (``prompt_ids`` say whether the prompt
     opened it) is left free: the grammar starts after it.
     """
-    params.tools_offered = bool(tools) and choice != "none"
-    if not tools or choice == "none" or params.sampling.constraint is not None:
-        return
+    options = replace(options, tools_offered=bool(tools) and choice != "none")
+    if not tools or choice == "none" or options.sampling.constraint is not None:
+        return options
     forced = choice is not None
-    if not forced and not getattr(engine, "supports_constraints", False):
-        return  # calls are parsed from free text (generation_request refuses the forced case)
+    if not forced and not engine.capabilities.constraints:
+        return options  # calls are parsed from free text (generation_request refuses the forced case)
     meta = getattr(getattr(engine, "tokenizer", None), "meta", None)
     reasoning = reasoning_start(engine.tokenizer, prompt_ids)
     spec = tool_spec(tools, style_of(getattr(meta, "chat_template", None)), required=choice == "required",
                      parallel=parallel, only=choice if forced and choice != "required" else None,
                      reasoning=reasoning)
-    params.sampling = params.sampling.with_constraint(checked_constraint(spec, "tools"))
-    params.constraint_param = "tool_choice" if forced else "tools"
+    return replace(options, sampling=options.sampling.with_constraint(checked_constraint(spec, "tools")),
+                   constraint_param="tool_choice" if forced else "tools")
 
 
-def generation_request(engine: Engine, rid: RequestId, prompt_ids: list[int], params: RequestParams,
+def generation_request(engine: Engine, rid: RequestId, prompt_ids: list[int], options: RequestOptions,
                        messages: list[dict] | None, *, context_limit: int | None = None,
                        penalty_param: str = "presence_penalty") -> GenerationRequest:
     """The engine request, or a 400 when it needs something the engine cannot do.
 
     ``context_limit`` (Ollama's ``num_ctx``) narrows the engine's context for
-    this request.
+    this request. Which modes combine is the engine's to decide (``meshd.engine.modes``).
     """
-    if params.sampling.constraint is not None and not getattr(engine, "supports_constraints", False):
+    can = engine.capabilities
+    if options.sampling.constraint is not None and not can.constraints:
         raise RequestError("structured output is not supported by this engine (yet): it cannot "
-                           "constrain the tokens it samples", param=params.constraint_param,
+                           "constrain the tokens it samples", param=options.constraint_param,
                            code="unsupported_parameter")
-    if params.sampling.penalties.active and not getattr(engine, "supports_penalties", False):
+    if options.sampling.penalties.active and not can.penalties:
         raise RequestError("repetition penalties are not supported by this engine (yet); send "
                            "them at their defaults", param=penalty_param, code="unsupported_parameter")
-    if params.outline == "on" and not getattr(engine, "supports_outline", False):
+    if options.outline == "on" and not can.outline:
         raise RequestError("outline decoding needs the mesh's pipeline engine; send outline \"auto\" or "
                            "\"off\"", param="outline", code="unsupported_parameter")
-    if params.outline == "on" and not messages:
+    if options.outline == "on" and not messages:
         raise RequestError("outline decoding needs a chat request (it asks the model for an outline of "
                            "its answer)", param="outline", code="unsupported_parameter")
-    if params.cloud not in ("auto", "off") and not getattr(engine, "supports_cloud", False):
+    if options.cloud not in ("auto", "off") and not can.cloud:
         raise RequestError("cloud verification needs the mesh's pipeline engine paired with a verifier; "
                            "send cloud \"auto\" or \"off\"", param="cloud", code="unsupported_parameter")
-    if params.exit_threshold and not getattr(engine, "supports_exits", False):
+    if options.exit_threshold and not can.exits:
         raise RequestError("early exits need the mesh's pipeline engine; send exit_threshold 0 or leave it out",
                            param="exit_threshold", code="unsupported_parameter")
     engine.check_prompt(prompt_ids)
@@ -103,10 +106,5 @@ def generation_request(engine: Engine, rid: RequestId, prompt_ids: list[int], pa
     if room < 1:
         raise RequestError(f"the prompt is {len(prompt_ids)} tokens; the context for this request "
                            f"is {ctx}", status=400, param="messages", code="context_length_exceeded")
-    return GenerationRequest(
-        request_id=rid, prompt_ids=prompt_ids, max_tokens=min(params.max_tokens or room, room),
-        messages=messages, sampling=params.sampling, stop=params.stop, stream=params.stream,
-        speculative=params.speculative,
-        outline=params.outline, tools_offered=params.tools_offered, cloud=params.cloud,
-        exit_threshold=params.exit_threshold,
-    )
+    return GenerationRequest(request_id=rid, prompt_ids=prompt_ids, max_tokens=min(options.max_tokens or room, room),
+                             messages=messages, options=options)

@@ -76,7 +76,7 @@ def final(request: web.Request, kind: str, model: str, ev: TokenEvent, run: Run,
         "total_duration": now_ns - started_ns,
         "load_duration": 0,
         # as Ollama counts it: only the prompt tokens evaluated (a cached prefix is not)
-        "prompt_eval_count": usage.prompt_tokens - usage.cached_tokens if usage else len(prompt_ids),
+        "prompt_eval_count": usage.prompt_tokens - usage.stats.cached_tokens if usage else len(prompt_ids),
         "prompt_eval_duration": max(0, first_ns - start_ns),
         "eval_count": usage.completion_tokens if usage else 0,
         "eval_duration": max(0, now_ns - first_ns),

@@ -26,12 +26,13 @@ from meshd.api.answer import Answer, tracked
 from meshd.api.common import await_engine, log, read_json, served_model, vocab_size
 from meshd.api.generation import chat_prompt, constrain_tool_calls, generation_request
 from meshd.api.names import tagged as _tagged
-from meshd.api.ollama_schema import ChatBody, GenerateBody, GenerationBody, history, request_params
-from meshd.api.params import MAX_VOCAB, RequestParams, new_id
+from meshd.api.ollama_schema import ChatBody, GenerateBody, GenerationBody, history, request_options
+from meshd.api.params import MAX_VOCAB, new_id
 from meshd.api.reasoning import splitter_for, thinks
 from meshd.api.validation import RequestError, validate
 from meshd.engine.base import Engine
 from meshd.engine.errors import EngineError
+from meshd.engine.options import RequestOptions
 
 
 def add_routes(app: web.Application) -> None:
@@ -52,7 +53,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     body = validate(ChatBody, await read_json(request))
     engine = await await_engine(request)
     served_model(request, engine, body.model, ollama=True)
-    params, num_ctx = request_params(body, vocab_size(engine))
+    options, num_ctx = request_options(body, vocab_size(engine))
     if not body.messages:  # Ollama: an empty chat loads the model and answers at once
         return web.json_response(replies.loaded(body.model or _tagged(engine.model_id), "chat"))
     try:
@@ -61,8 +62,8 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         raise exc.as_request_error() from None
     messages = history(body.messages)
     prompt_ids = chat_prompt(engine, messages, tools, **_thinking(engine, body))
-    constrain_tool_calls(engine, params, tools, prompt_ids=prompt_ids)
-    return await _run(request, engine, body, params, num_ctx, prompt_ids, messages,
+    options = constrain_tool_calls(engine, options, tools, prompt_ids=prompt_ids)
+    return await _run(request, engine, body, options, num_ctx, prompt_ids, messages,
                       tl.tool_names(tools), "chat")
 
 
@@ -70,7 +71,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     body = validate(GenerateBody, await read_json(request))
     engine = await await_engine(request)
     served_model(request, engine, body.model, ollama=True)
-    params, num_ctx = request_params(body, vocab_size(engine))
+    options, num_ctx = request_options(body, vocab_size(engine))
     if not body.prompt and not body.context:
         return web.json_response(replies.loaded(body.model or _tagged(engine.model_id), "generate"))
     vocab = vocab_size(engine) or MAX_VOCAB
@@ -86,15 +87,15 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
             {"role": "user", "content": body.prompt}]
         prompt_ids = context + chat_prompt(engine, messages, [], **_thinking(engine, body))
-    return await _run(request, engine, body, params, num_ctx, prompt_ids, messages, [], "generate")
+    return await _run(request, engine, body, options, num_ctx, prompt_ids, messages, [], "generate")
 
 
-async def _run(request: web.Request, engine: Engine, body: GenerationBody, params: RequestParams,
+async def _run(request: web.Request, engine: Engine, body: GenerationBody, options: RequestOptions,
                num_ctx: int | None, prompt_ids: list[int], messages, offered: list[str],
                kind: str) -> web.StreamResponse:
     started_ns = time.monotonic_ns()
     rid = new_id("ollama")
-    gen = generation_request(engine, rid, prompt_ids, params, messages, context_limit=num_ctx,
+    gen = generation_request(engine, rid, prompt_ids, options, messages, context_limit=num_ctx,
                              penalty_param="options.repeat_penalty")
     model = body.model or _tagged(engine.model_id)
     reasoning = splitter_for(engine.tokenizer, prompt_ids) if messages is not None else None

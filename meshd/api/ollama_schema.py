@@ -43,8 +43,9 @@ from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.api import tools as tl
 from meshd.api.openai_fields import Cloud, ExitThreshold
-from meshd.api.params import MAX_STOP_STRINGS, RequestParams, checked_constraint, cloud_choice, parse_speculative
+from meshd.api.params import MAX_STOP_STRINGS, checked_constraint, cloud_choice, parse_speculative
 from meshd.api.validation import RequestError
+from meshd.engine.options import RequestOptions
 
 # Ollama's own sampling defaults (used when a client sends no options).
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
@@ -205,31 +206,32 @@ def sampling_spec(body: GenerationBody, vocab: int | None) -> SamplingSpec:
     return SamplingSpec(params, penalties, constraint)
 
 
-def request_params(body: GenerationBody, vocab: int | None) -> tuple[RequestParams, int | None]:
-    """Ollama's options and fields -> (our request params, num_ctx)."""
+def request_options(body: GenerationBody, vocab: int | None) -> tuple[RequestOptions, int | None]:
+    """Ollama's options and fields -> (the request's options, num_ctx)."""
     o = body.options or Options()
     sampling = sampling_spec(body, vocab)
-    p = RequestParams(sampling=sampling, stream=body.stream,
-                      constraint_param="format" if sampling.constraint is not None else None)
-    p.max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else None
     if o.num_predict == 0:
         raise RequestError("'options.num_predict' 0 generates nothing; use -1 for no limit",
                            param="options.num_predict", code="invalid_value")
-    p.stop = [s for s in (o.stop or []) if s]
     if body.speculative is not None and o.speculative is not None:
         raise RequestError("'speculative' given both at the top level and in options",
                            param="speculative", code="invalid_value")
     spec_param = "speculative" if body.speculative is not None else "options.speculative"
-    p.speculative = parse_speculative(body.speculative if body.speculative is not None
-                                      else o.speculative, spec_param)
-    p.outline = getattr(body, "outline", None) or "auto"
-    p.cloud = cloud_choice(getattr(body, "cloud", None))
     top = getattr(body, "exit_threshold", None)
     if top is not None and o.exit_threshold is not None:
         raise RequestError("'exit_threshold' given both at the top level and in options",
                            param="exit_threshold", code="invalid_value")
-    p.exit_threshold = top if top is not None else o.exit_threshold
-    return p, o.num_ctx
+    return RequestOptions(
+        sampling=sampling, stream=body.stream,
+        constraint_param="format" if sampling.constraint is not None else None,
+        max_tokens=o.num_predict if o.num_predict is not None and o.num_predict > 0 else None,
+        stop=tuple(s for s in (o.stop or []) if s),
+        speculative=parse_speculative(body.speculative if body.speculative is not None else o.speculative,
+                                      spec_param),
+        outline=getattr(body, "outline", None) or "auto",
+        cloud=cloud_choice(getattr(body, "cloud", None)),
+        exit_threshold=top if top is not None else o.exit_threshold,
+    ), o.num_ctx
 
 
 def history(messages: list[Message]) -> list[dict[str, Any]]:

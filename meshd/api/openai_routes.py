@@ -23,12 +23,13 @@ from meshd.api.errors import from_engine_error, internal_error, log_rejected
 from meshd.api.generation import chat_prompt, constrain_tool_calls, generation_request
 from meshd.api.names import not_found
 from meshd.api.openai_schema import parse_chat_request, parse_completion_request
-from meshd.api.params import RequestParams, new_id
+from meshd.api.params import new_id
 from meshd.api.reasoning import ReasoningSplitter, Split, splitter_for
 from meshd.api.usage import public_usage
 from meshd.api.validation import RequestError
 from meshd.engine.base import Engine, TokenEvent
 from meshd.engine.errors import EngineError
+from meshd.engine.options import RequestOptions
 
 
 def add_routes(app: web.Application) -> None:
@@ -44,9 +45,9 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(body, vocab_size=vocab_size(engine))
     served_model(request, engine, req.model, ollama=False)
     prompt_ids = chat_prompt(engine, req.messages, req.tools, **req.template_variables)
-    constrain_tool_calls(engine, req.params, req.tools, req.tool_choice, req.parallel_tool_calls,
-                         prompt_ids=prompt_ids)
-    return await _serve(request, engine, "chat", prompt_ids, req.params, req.messages,
+    options = constrain_tool_calls(engine, req.options, req.tools, req.tool_choice, req.parallel_tool_calls,
+                                   prompt_ids=prompt_ids)
+    return await _serve(request, engine, "chat", prompt_ids, options, req.messages,
                         tl.tool_names(req.tools), req.parallel_tool_calls,
                         splitter_for(engine.tokenizer, prompt_ids))
 
@@ -62,7 +63,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = req.prompt  # checked against the vocabulary by the schema
     if not prompt_ids:
         raise RequestError("'prompt' is empty", param="prompt", code="invalid_value")
-    return await _serve(request, engine, "text", prompt_ids, req.params, None, [], True)
+    return await _serve(request, engine, "text", prompt_ids, req.options, None, [], True)
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -85,16 +86,16 @@ async def _model(request: web.Request) -> web.Response:
 
 async def _serve(
     request: web.Request, engine: Engine, kind: str, prompt_ids: list[int],
-    params: RequestParams, messages: list[dict] | None, offered: list[str], parallel: bool,
+    options: RequestOptions, messages: list[dict] | None, offered: list[str], parallel: bool,
     reasoning: ReasoningSplitter | None = None,
 ) -> web.StreamResponse:
     """``reasoning``: a thinking model's splitter (its think block goes to ``reasoning_content``)."""
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-    gen = generation_request(engine, rid, prompt_ids, params, messages)
+    gen = generation_request(engine, rid, prompt_ids, options, messages)
     endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     async with tracked(request, engine, gen, "openai", endpoint) as (events, run):
-        if params.stream:
-            return await _stream(request, engine, kind, rid, params, events, run, offered, parallel, reasoning)
+        if options.stream:
+            return await _stream(request, engine, kind, rid, options, events, run, offered, parallel, reasoning)
         return await _collect(request, engine, kind, rid, events, run, offered, parallel, reasoning)
 
 
@@ -128,7 +129,7 @@ async def _collect(request: web.Request, engine: Engine, kind: str, rid: str, ev
 
 async def _stream(
     request: web.Request, engine: Engine, kind: str, rid: str,
-    params: RequestParams, events, run, offered: list[str], parallel: bool,
+    options: RequestOptions, events, run, offered: list[str], parallel: bool,
     reasoning: ReasoningSplitter | None,
 ) -> web.StreamResponse:
     answer = await Answer.begin(events, run, offered, reasoning)
@@ -153,7 +154,7 @@ async def _stream(
                 finish = "tool_calls"
                 await resp.write(frames.tool_calls(calls))
             await resp.write(frames.text(finish=finish))
-            if params.include_usage and answer.final.usage is not None:
+            if options.include_usage and answer.final.usage is not None:
                 await resp.write(frames.usage(public_usage(request, answer.final.usage)))
             await resp.write(replies.SSE_DONE)
     except ConnectionResetError:

@@ -33,8 +33,9 @@ from meshd.api import tools as tl
 from meshd.api.openai_fields import (
     STRICT, Cloud, ExitThreshold, MaxTokens, OneChoice, Penalty, Seed, Stop, Temperature, TopP, only_default, vocab_bound,
 )
-from meshd.api.params import RequestParams, cloud_choice
+from meshd.api.params import cloud_choice
 from meshd.api.validation import RequestError, described, invalid, validate
+from meshd.engine.options import RequestOptions
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -43,7 +44,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 class ChatRequest:
     model: str | None
     messages: list[dict[str, Any]]
-    params: RequestParams
+    options: RequestOptions
     tools: list[dict[str, Any]] = field(default_factory=list)  # validated, for the chat template
     tool_choice: str | None = None  # None (auto), "none", "required" or a tool name
     parallel_tool_calls: bool = True
@@ -54,7 +55,7 @@ class ChatRequest:
 class CompletionRequest:
     model: str | None
     prompt: str | list[int]
-    params: RequestParams
+    options: RequestOptions
 
 
 class StreamOptions(BaseModel):
@@ -123,13 +124,13 @@ class _Params(BaseModel):
         penalties = Penalties(presence=self.presence_penalty or 0.0, frequency=self.frequency_penalty or 0.0)
         return SamplingSpec(params, penalties, constraint)
 
-    def params(self, constraint: dict[str, Any] | None = None, constraint_param: str | None = None
-               ) -> RequestParams:
-        return RequestParams(
+    def options(self, constraint: dict[str, Any] | None = None, constraint_param: str | None = None
+               ) -> RequestOptions:
+        return RequestOptions(
             sampling=self.sampling_spec(constraint),
             constraint_param=constraint_param,
             max_tokens=self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens,
-            stop=[s for s in self.stop or [] if s],
+            stop=tuple(s for s in self.stop or [] if s),
             stream=bool(self.stream),
             include_usage=bool(self.stream_options and self.stream_options.include_usage),
             speculative=self.speculative if self.speculative is not None else SpeculativeParams(),
@@ -282,17 +283,17 @@ class ChatBody(_Params):
 
     def request(self) -> ChatRequest:
         fmt = self.response_format
-        params = self.params(fmt.constraint(), "response_format") if fmt is not None else self.params()
+        options = self.options(fmt.constraint(), "response_format") if fmt is not None else self.options()
         try:
             messages = [m.history(f"messages[{i}]") for i, m in enumerate(self.messages)]
             tools = tl.parse_tools(self.tools)
             choice = tl.parse_tool_choice(self.tool_choice, tools)
         except tl.ToolError as exc:
             raise exc.as_request_error() from None
-        if choice not in (None, "none") and params.sampling.constraint is not None:
+        if choice not in (None, "none") and options.sampling.constraint is not None:
             raise RequestError("'tool_choice' that forces a call cannot be combined with "
                                "'response_format'", param="tool_choice", code="invalid_value")
-        return ChatRequest(self.model, messages, params, tools if choice != "none" else [], choice,
+        return ChatRequest(self.model, messages, options, tools if choice != "none" else [], choice,
                            self.parallel_tool_calls is not False, dict(self.chat_template_kwargs or {}))
 
 
@@ -327,7 +328,7 @@ class CompletionBody(_Params):
         return v
 
     def request(self) -> CompletionRequest:
-        return CompletionRequest(self.model, self.prompt, self.params())
+        return CompletionRequest(self.model, self.prompt, self.options())
 
 
 def parse_chat_request(body: dict[str, Any], *, vocab_size: int | None = None) -> ChatRequest:

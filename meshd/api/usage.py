@@ -34,12 +34,13 @@ def public_usage(request: web.Request, usage: Usage) -> dict[str, Any]:
 def ollama_extensions(request: web.Request, usage: Usage | None) -> dict[str, Any]:
     """meshd's additions to Ollama's final message: how speculation, an outline attempt and early exits went."""
     out: dict[str, Any] = {}
-    if usage is not None and usage.speculative is not None:
+    stats = usage.stats if usage is not None else None
+    if stats is not None and stats.speculative is not None:
         out["speculative"] = public_usage(request, usage)["speculative"]
-    if usage is not None and usage.outline is not None:
-        out["outline"] = dict(usage.outline)
-    if usage is not None and usage.exits is not None:
-        out["exits"] = dict(usage.exits)
+    if stats is not None and stats.outline is not None:
+        out["outline"] = dict(stats.outline)
+    if stats is not None and stats.exits is not None:
+        out["exits"] = dict(stats.exits)
     return out
 
 

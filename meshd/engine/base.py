@@ -20,11 +20,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from decoding.detok import IncrementalDetokenizer
-from decoding.sampling import SamplingSpec
-from decoding.speculative.params import SpeculativeParams, SpeculativeStats
-from meshd.engine.errors import (
-    BadEngineRequest, BadTokenIds, EngineBusy, EngineError, EngineUnavailable, GenerationFailed, NoPlan,
-    PromptTooLong, WrongModel, out_of_vocab)
+from decoding.speculative.params import SpeculativeStats
+from meshd.engine.errors import BadTokenIds, PromptTooLong, out_of_vocab
+from meshd.engine.options import Capabilities, RequestOptions
 from meshd.log import get_logger
 from partition.ids import RequestId
 
@@ -34,35 +32,52 @@ log = get_logger("meshd.engine.base")
 
 
 @dataclass(frozen=True)
+class GenerationStats:
+    """How a generation went, beyond its tokens: what the engine tried, as usage reports it.
+
+    ``speculative``: how speculation went (None: not attempted); ``outline``: how an
+    outline attempt went (None: none was made; its ``used`` says whether the answer
+    came from it); ``cloud``: how a cloud verifier was used (None: it was not);
+    ``cached_tokens``: prompt tokens not computed again (a prefix cache held them).
+    """
+
+    speculative: SpeculativeStats | None = None
+    outline: dict[str, Any] | None = None
+    cloud: dict[str, Any] | None = None
+    cached_tokens: int = 0  # prompt tokens a prefix cache served (the first attempt's, if it was replayed)
+    exits: dict[str, Any] | None = None  # early exits: threshold, tokens that left early and where (None: off)
+
+
+
+@dataclass(frozen=True)
 class Usage:
+    """A generation's token counts and how it went (:class:`GenerationStats`), as replies report them."""
+
     prompt_tokens: int
     completion_tokens: int
-    speculative: SpeculativeStats | None = None  # how speculation went (None: not attempted)
-    cloud: dict[str, Any] | None = None  # how a cloud verifier was used (None: it was not)
-    outline: dict[str, Any] | None = None  # how an outline attempt went (None: none was attempted)
-    cached_tokens: int = 0  # prompt tokens taken from the mesh's prefix cache, not computed again
-    exits: dict[str, Any] | None = None  # early exits: how many tokens left early, and where (None: off)
+    stats: GenerationStats = field(default_factory=GenerationStats)
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
     def to_dict(self) -> dict[str, Any]:
+        s = self.stats
         d: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
             # OpenAI's name for prompt tokens served from a cache (its SDK reads it here)
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
         }
-        if self.speculative is not None:
-            d["speculative"] = self.speculative.to_dict()
-        if self.cloud is not None:
-            d["cloud"] = dict(self.cloud)
-        if self.outline is not None:
-            d["outline"] = dict(self.outline)
-        if self.exits is not None:
-            d["exits"] = dict(self.exits)
+        if s.speculative is not None:
+            d["speculative"] = s.speculative.to_dict()
+        if s.cloud is not None:
+            d["cloud"] = dict(s.cloud)
+        if s.outline is not None:
+            d["outline"] = dict(s.outline)
+        if s.exits is not None:
+            d["exits"] = dict(s.exits)
         return d
 
 
@@ -88,56 +103,23 @@ class Budget:
         return "length" if produced >= self.max_tokens else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationRequest:
     """One generation, already tokenised by the API layer.
 
     ``prompt_ids`` is authoritative; ``messages`` is kept for engines that want
     the conversation (e.g. to log it, or to forward it to a cloud helper).
     ``max_tokens`` is the resolved budget (the API clips it to the context).
-    ``sampling`` is the one :class:`decoding.sampling.SamplingSpec` (the draw,
-    penalties, a grammar) that reaches the sampler unchanged; its default is
-    greedy (the API maps OpenAI's default temperature of 1.0 itself, in
-    ``meshd.api.openai_schema``). The API sends a grammar only to engines with
-    ``supports_constraints`` and active penalties only to those with
-    ``supports_penalties``.
+    ``options`` is the request's one :class:`~meshd.engine.options.RequestOptions`
+    (sampling, stop strings, decoding modes), as the API built it; the API sends
+    only what the engine's :attr:`Engine.capabilities` cover.
     """
 
     request_id: RequestId
     prompt_ids: list[int]
     max_tokens: int
     messages: list[dict[str, Any]] | None = None
-    sampling: SamplingSpec = field(default_factory=SamplingSpec)
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
-    # Tools were offered (their calls may be parsed from free text even without a constraint).
-    tools_offered: bool = False
-    # Outline-based parallel decoding: "auto" (meshd.pipeline.outline_gate decides), "on" or "off";
-    # engines with ``supports_outline`` honour it.
-    outline: str = "auto"
-    # A paired cloud verifier: "auto" (use it at the daemon's budget), "off", or a budget in [0, 1].
-    cloud: str | float = "auto"
-    # Early exits (Synera, lossy): a token leaves at an exit layer whose top-2 margin clears this;
-    # None: the daemon's default; 0: off. Engines with ``supports_exits`` honour it.
-    exit_threshold: float | None = None
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    """How a generation went, beyond its tokens: what the engine tried, as usage reports it.
-
-    ``speculative``: how speculation went (None: not attempted); ``outline``: how an
-    outline attempt went (None: none was made; its ``used`` says whether the answer
-    came from it); ``cloud``: how a cloud verifier was used (None: it was not);
-    ``cached_tokens``: prompt tokens not computed again (a prefix cache held them).
-    """
-
-    speculative: SpeculativeStats | None = None
-    outline: dict[str, Any] | None = None
-    cloud: dict[str, Any] | None = None
-    cached_tokens: int = 0  # prompt tokens a prefix cache served (the first attempt's, if it was replayed)
-    exits: dict[str, Any] | None = None  # early exits: threshold, tokens that left early and where (None: off)
+    options: RequestOptions = field(default_factory=RequestOptions)
 
 
 Report = Callable[..., None]
@@ -264,10 +246,7 @@ class Engine(abc.ABC):
     model_id: str
     context_length: int
     tokenizer: Tokenizer
-    # What the engine honours beyond plain sampling. The API answers 400 to a request
-    # that needs a capability its engine lacks, instead of silently ignoring it.
-    supports_constraints: bool = False  # GenerationRequest.sampling.constraint (structured output)
-    supports_penalties: bool = False  # GenerationRequest.sampling.penalties
+    capabilities: Capabilities = Capabilities()  # what it honours beyond plain sampling (the API checks)
 
     @abc.abstractmethod
     def token_ids(self, req: GenerationRequest) -> AsyncIterator[int]:
@@ -302,7 +281,7 @@ class Engine(abc.ABC):
         """Text events for ``req``: the one place stop strings are cut, finish reasons named and usage built."""
         self.check_prompt(req.prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopMatcher(req.stop)
+        stops = StopMatcher(req.options.stop)
         budget = Budget(req.max_tokens, self.eos_ids)
         produced = 0
         finish = "length"
@@ -328,9 +307,7 @@ class Engine(abc.ABC):
                 # natural stop (e.g. the engine's own end-of-context).
                 finish = "stop" if produced < req.max_tokens else "length"
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        stats = stats_of(ids)
-        yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, stats.speculative,
-                                                   stats.cloud, stats.outline, stats.cached_tokens, stats.exits))
+        yield TokenEvent(None, tail, finish, Usage(len(req.prompt_ids), produced, stats_of(ids)))
 
 
 def model_id_of(source) -> str:

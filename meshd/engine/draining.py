@@ -48,11 +48,7 @@ class DrainingEngine(Engine):
     vocab_size = property(lambda self: getattr(self.inner, "vocab_size", None))
     context_length = property(lambda self: self.inner.context_length)
     tokenizer = property(lambda self: self.inner.tokenizer)
-    supports_constraints = property(lambda self: getattr(self.inner, "supports_constraints", False))
-    supports_penalties = property(lambda self: getattr(self.inner, "supports_penalties", False))
-    supports_outline = property(lambda self: getattr(self.inner, "supports_outline", False))
-    supports_cloud = property(lambda self: getattr(self.inner, "supports_cloud", False))
-    supports_exits = property(lambda self: getattr(self.inner, "supports_exits", False))
+    capabilities = property(lambda self: self.inner.capabilities)
 
     def token_ids(self, req: GenerationRequest) -> TokenStream:
         return TokenStream.relay(self.inner.token_ids(req), self._guarded)  # the inner engine's stats ride along

@@ -14,6 +14,7 @@ from typing import Any
 
 from meshd.engine.base import Budget, Engine, GenerationRequest, model_id_of
 from meshd.engine.errors import EngineError, GenerationFailed, PromptTooLong
+from meshd.engine.options import Capabilities
 from meshd.errors import USER_ERRORS
 from meshd.log import get_logger
 
@@ -87,8 +88,6 @@ class LocalEngine(Engine):
     :meth:`open` from async code).
     """
 
-    supports_penalties = True
-
     def __init__(self, source, *, dtype=None, max_context: int | None = None, stages: int = 1, device=None):
         """``device``: where the model runs (default the CPU); ``dtype`` None: that device's default."""
         import concurrent.futures
@@ -106,9 +105,10 @@ class LocalEngine(Engine):
         self._lock = asyncio.Lock()
 
     @property
-    def supports_constraints(self) -> bool:
-        """The grammar library reads the vocabulary from the model's tokenizer.json."""
-        return getattr(self.tokenizer, "path", None) is not None
+    def capabilities(self) -> Capabilities:
+        """Penalties, and grammars where the model has a tokenizer.json (the grammar library reads its
+        vocabulary there)."""
+        return Capabilities(constraints=getattr(self.tokenizer, "path", None) is not None, penalties=True)
 
     @classmethod
     async def open(cls, path=None, **kw) -> LocalEngine:
@@ -145,7 +145,7 @@ class LocalEngine(Engine):
 
         eos = self.eos_ids
         budget = Budget(req.max_tokens, eos)
-        select = TokenSelector.for_spec(req.sampling, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+        select = TokenSelector.for_spec(req.options.sampling, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                                         prompt_tail=req.prompt_ids)
         pipe, seq = self._pipeline, req.request_id
         pipe.create(seq, len(req.prompt_ids) + req.max_tokens)

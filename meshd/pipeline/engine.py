@@ -16,8 +16,10 @@ from collections.abc import AsyncIterator, Callable
 from decoding.errors import DrafterError
 from decoding.offload.policy import GAMMA
 from decoding.speculative.session import SpeculationSession
-from meshd.engine.errors import BadEngineRequest, BadTokenIds, EngineBusy, GenerationFailed, NoPlan, WrongModel
 from meshd.engine.base import Engine, GenerationRequest, Report, TokenStream, model_id_of
+from meshd.engine.modes import Ask, Mode, Resolution, resolve
+from meshd.engine.options import Capabilities
+from meshd.engine.errors import BadEngineRequest, BadTokenIds, EngineBusy, GenerationFailed, NoPlan, WrongModel
 from meshd.log import get_logger
 from meshd.pipeline.coordinator.cuts import default_cuts
 from meshd.pipeline.coordinator.failures import BadTokens, ModelMismatch, NoRoute, PipelineBusy, PipelineError
@@ -60,25 +62,65 @@ class PipelineEngine(Engine):
     def in_flight(self) -> int:
         return self.coordinator.in_flight
 
-    supports_penalties = True
-
     @property
-    def supports_constraints(self) -> bool:
-        """The grammar library reads the vocabulary from the model's tokenizer.json."""
-        return getattr(self.tokenizer, "path", None) is not None
+    def capabilities(self) -> Capabilities:
+        """All of them; grammars where the model has a tokenizer.json (the grammar library reads its
+        vocabulary there). A cloud budget is refused later when the device is not paired."""
+        return Capabilities(constraints=getattr(self.tokenizer, "path", None) is not None, penalties=True,
+                            outline=True, cloud=True, exits=True)
+
+    def modes_for(self, req: GenerationRequest) -> Resolution:
+        """Which decoding modes this answer combines: what it asks, as far as this engine has it now (a
+        paired verifier, a serving route whose last stage checks exits), through ``meshd.engine.modes``.
+        Raises :class:`BadEngineRequest` for what was asked explicitly and cannot be had."""
+        o = req.options
+        threshold, explicit = self._exit_threshold(req)
+        exits = Ask.OFF if threshold <= 0.0 else Ask.ON if explicit else Ask.AUTO
+        available = self.coordinator.exits_available() if exits is not Ask.OFF else None
+        if exits is Ask.AUTO and available is False:  # the serving routes' last stages check none
+            exits = Ask.OFF
+        modes = resolve({
+            Mode.SHAPED: Ask.ON if o.sampling.shaped else Ask.OFF,
+            Mode.TOOLS: Ask.ON if o.tools_offered else Ask.OFF,
+            Mode.SPECULATIVE: Ask(o.speculative.mode),
+            Mode.OUTLINE: Ask(o.outline),
+            Mode.CLOUD: self._cloud_ask(req),
+            Mode.EXITS: exits,
+        })
+        if Mode.EXITS in modes.runs and available is False:
+            raise BadEngineRequest("early exits are not available in this home: the last stage has no exit "
+                                   "heads for this model ('meshd status' says why); send exit_threshold 0")
+        if Mode.CLOUD in modes.runs and self.cloud is None:
+            raise BadEngineRequest("this device is not paired with a cloud verifier "
+                                   "(run 'meshd cloud pair ADDRESS TOKEN')")
+        return modes
+
+    def _exit_threshold(self, req: GenerationRequest) -> tuple[float, bool]:
+        """(the early-exit threshold this answer would decode with, whether the request set it)."""
+        asked = req.options.exit_threshold
+        return float(asked if asked is not None else self.exit_threshold), asked is not None
+
+    def _cloud_ask(self, req: GenerationRequest) -> Ask:
+        """A paired cloud verifier checks this answer's hard chunks: "auto" at the daemon's budget (when
+        paired), a number sets the budget (asked for: refused when not paired), "off" never; a budget
+        of 0 checks nothing."""
+        cloud = req.options.cloud
+        if isinstance(cloud, float):
+            return Ask.ON if cloud > 0.0 else Ask.OFF
+        if cloud == "off" or self.cloud is None or self.cloud.budget <= 0.0:
+            return Ask.OFF
+        return Ask.AUTO
+
+    def exits_for(self, req: GenerationRequest) -> float:
+        """The early-exit threshold this answer decodes with (0: none). Exits are lossy: the modes
+        table has them give way to (or refused with) what needs the full model's distribution."""
+        return self._exit_threshold(req)[0] if Mode.EXITS in self.modes_for(req).runs else 0.0
 
     def speculation_for(self, req: GenerationRequest, context: list[int] | None = None
-                        ) -> SpeculationSession | None:
-        """The drafting session a request asked for (``auto``: Medusa heads + prompt lookup;
+                        ) -> SpeculationSession:
+        """The drafting session of an answer that speculates (``auto``: Medusa heads + prompt lookup;
         the adaptive controller sends no candidates where they do not pay)."""
-        spec = req.speculative
-        if not spec.enabled:
-            return None
-        if req.sampling.shaped:
-            if spec.mode == "on":
-                raise BadEngineRequest("speculative decoding cannot be combined with structured output or "
-                                       "repetition penalties; use speculative \"auto\" or \"off\"")
-            return None  # auto: the grammar / penalties shape every token, plain decoding it is
+        spec = req.options.speculative
         drafter = spec.drafter or "auto"
         model_drafter = None
         if drafter == "draft_model":
@@ -93,15 +135,12 @@ class PipelineEngine(Engine):
                                   cost=self.coordinator.round_cost,
                                   fixed=spec.max_candidates, model_drafter=model_drafter)
 
-    supports_outline = True
-
-    def outline_for(self, req: GenerationRequest) -> OutlineDecision:
+    def outline_for(self, req: GenerationRequest, modes: Resolution) -> OutlineDecision:
         """Whether to answer in outline mode, decided before any token (``meshd.pipeline.outline.gate``);
         a declined "auto" is counted by its reason."""
-        decision = decide_outline(req.outline, req.messages, req.max_tokens, outline_router(),
-                                  constrained=req.sampling.constraint is not None,
-                                  penalties=req.sampling.penalties.active,
-                                  tools=req.tools_offered)
+        o = req.options
+        decision = decide_outline(o.outline, req.messages, req.max_tokens, outline_router(),
+                                  gave_way_to=modes.gave_way.get(Mode.OUTLINE))
         if not decision.use and decision.reason != "off":
             self.totals.outline.decline(decision.reason)
             log.debug("outline_declined", request_id=req.request_id, reason=decision.reason,
@@ -111,49 +150,19 @@ class PipelineEngine(Engine):
     def token_ids(self, req: GenerationRequest) -> TokenStream:
         return TokenStream(lambda report: self._ids(req, report))
 
-    supports_exits = True
-
-    def exits_for(self, req: GenerationRequest) -> float:
-        """The early-exit threshold this answer decodes with (0: none).
-
-        Exits are lossy and change what the model says, so they never mix silently
-        with what needs the full model's distribution: a verify round, a grammar or
-        penalties, an outline's expansions, a cloud verifier. Asked for explicitly
-        with one of those, the request is refused; coming from the daemon's default,
-        exits step aside for them."""
-        explicit = req.exit_threshold is not None
-        threshold = float(req.exit_threshold if explicit else self.exit_threshold)
-        if threshold <= 0.0:
-            return 0.0
-        clash = ("structured output or repetition penalties" if req.sampling.shaped else
-                 "speculative decoding \"on\"" if req.speculative.mode == "on" else
-                 "outline \"on\"" if req.outline == "on" else
-                 "a cloud budget" if isinstance(req.cloud, float) else "")
-        if clash:
-            if explicit:
-                raise BadEngineRequest(f"early exits (exit_threshold) cannot be combined with {clash}: they "
-                                       f"change the model's distribution; send exit_threshold 0 or drop {clash}")
-            return 0.0
-        if not explicit and self.cloud_for(req):  # a paired verifier's answer is the big model's
-            return 0.0
-        if self.coordinator.exits_available() is False:  # the serving routes' last stages check none
-            if explicit:
-                raise BadEngineRequest("early exits are not available in this home: the last stage has no exit "
-                                       "heads for this model ('meshd status' says why); send exit_threshold 0")
-            return 0.0
-        return threshold
-
     async def _ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
         # aclosing: a caller that stops early closes the inner generator now, so its bookkeeping
         # (speculation stats for usage, the outline's shared prefix) is done before usage is read
-        exit_threshold = self.exits_for(req)
-        if exit_threshold > 0:  # a plain answer whose confident tokens may leave the model early
-            inner = self._plain_ids(req, report, exit_threshold)
-        elif self.cloud_for(req):
+        modes = self.modes_for(req)
+        speculate = Mode.SPECULATIVE in modes.runs
+        if Mode.EXITS in modes.runs:  # a plain answer whose confident tokens may leave the model early
+            inner = self._plain_ids(req, report, exit_threshold=self._exit_threshold(req)[0])
+        elif Mode.CLOUD in modes.runs:
             inner = self._cloud_ids(req, report)
         else:
-            decision = self.outline_for(req)
-            inner = self._outline_ids(req, decision, report) if decision.use else self._plain_ids(req, report)
+            decision = self.outline_for(req, modes)
+            inner = (self._outline_ids(req, decision, report, speculate) if decision.use
+                     else self._plain_ids(req, report, speculate))
         try:
             async with contextlib.aclosing(inner) as ids:
                 async for t in ids:
@@ -169,34 +178,14 @@ class PipelineEngine(Engine):
         except PipelineError as exc:
             raise GenerationFailed(str(exc)) from exc
 
-    supports_cloud = True  # the request's "cloud" field is honoured (or refused when not paired)
-
-    def cloud_for(self, req: GenerationRequest) -> bool:
-        """Whether a paired cloud verifier checks this answer's hard chunks (``cloud``: "auto" uses it
-        when paired at the daemon's budget; a number sets the budget; "off" never)."""
-        if req.cloud == "off":
-            return False
-        if self.cloud is None:
-            if req.cloud not in ("auto", None):
-                raise BadEngineRequest("this device is not paired with a cloud verifier "
-                                       "(run 'meshd cloud pair ADDRESS TOKEN')")
-            return False
-        if req.sampling.shaped:
-            if req.cloud not in ("auto", None):
-                raise BadEngineRequest("cloud verification cannot be combined with structured output or "
-                                       "repetition penalties")
-            return False
-        budget = self.cloud.budget if not isinstance(req.cloud, float) else req.cloud
-        return budget > 0.0
-
     async def _cloud_ids(self, req: GenerationRequest, report: Report) -> AsyncIterator[int]:
         cloud = self.cloud  # the home may unpair or re-pair meanwhile: this answer keeps its verifier's link
         # unshaped: a cloud-verified answer has no penalties or grammar
-        sampling, draft_sampling = cloud.samplings(req.sampling.params)
+        sampling, draft_sampling = cloud.samplings(req.options.sampling.params)
         capacity = min(len(req.prompt_ids) + req.max_tokens + 3 * GAMMA + 2, self.context_length)
         drafter = self.coordinator.drafter(req.request_id, capacity, draft_sampling, cuts=self.cuts_for,
                                            wait_s=self.wait_s)
-        budget = req.cloud if isinstance(req.cloud, float) else None
+        budget = req.options.cloud if isinstance(req.options.cloud, float) else None
         decoder = cloud.decoder(drafter, sampling, self.eos_ids, budget)
         n = 0
         try:
@@ -209,30 +198,29 @@ class PipelineEngine(Engine):
             await drafter.close()
 
     async def _outline_ids(self, req: GenerationRequest, decision: OutlineDecision,
-                           report: Report) -> AsyncIterator[int]:
+                           report: Report, speculate: bool) -> AsyncIterator[int]:
         totals = self.totals.outline
         totals.attempt()
         stats = OutlineStats()
         sessions: list[SpeculationSession] = []  # the points' branches: counted when the answer ends
 
-        def speculation(ids: list[int]) -> SpeculationSession | None:
+        def speculation(ids: list[int]) -> SpeculationSession:
             session = self.speculation_for(req, ids)
-            if session is not None:
-                sessions.append(session)
+            sessions.append(session)
             return session
 
         decoder = OutlineDecoder(self.coordinator, self.tokenizer, self.eos_ids, self.wait_s,
-                                 speculation=speculation if req.speculative.enabled else None)
-        log.info("outline_attempt", request_id=req.request_id, mode=req.outline, reason=decision.reason,
+                                 speculation=speculation if speculate else None)
+        log.info("outline_attempt", request_id=req.request_id, mode=req.options.outline, reason=decision.reason,
                  detail=decision.detail, max_tokens=req.max_tokens)
-        stream = await decoder.run(req.request_id, req.messages, req.max_tokens, req.sampling, stats,
+        stream = await decoder.run(req.request_id, req.messages, req.max_tokens, req.options.sampling, stats,
                                    cuts=self.cuts_for)
         report(outline=stats.to_dict())
         if stream is None:  # no usable outline: the plain answer it is (the outline's time is lost)
             totals.fall_back(stats.fallback_reason)
             log.warning("outline_fallback", request_id=req.request_id, reason=stats.fallback_reason,
                         detail=stats.fallback, outline_tokens=stats.outline_tokens)
-            stream = self._plain_ids(req, report)
+            stream = self._plain_ids(req, report, speculate)
         else:
             totals.use(stats.points)
         try:
@@ -243,15 +231,16 @@ class PipelineEngine(Engine):
             for session in sessions:
                 self.totals.speculative.add(session.stats())
 
-    async def _plain_ids(self, req: GenerationRequest, report: Report,
+    async def _plain_ids(self, req: GenerationRequest, report: Report, speculate: bool = False,
                          exit_threshold: float = 0.0) -> AsyncIterator[int]:
-        session = self.speculation_for(req) if exit_threshold <= 0 else None
+        session = self.speculation_for(req) if speculate else None
         reported = False  # a replayed request reports what its first attempt reused
         exits = ExitCount(exit_threshold) if exit_threshold > 0 else None
         try:
             async for step in self.coordinator.steps(StepsRequest(
-                    req.request_id, list(req.prompt_ids), req.max_tokens, req.sampling, self.eos_ids,
-                    cuts=self.cuts_for, wait_s=self.wait_s, speculation=session, typical=req.speculative.typical,
+                    req.request_id, list(req.prompt_ids), req.max_tokens, req.options.sampling, self.eos_ids,
+                    cuts=self.cuts_for, wait_s=self.wait_s, speculation=session,
+                    typical=req.options.speculative.typical,
                     context_limit=self.context_length, exit_threshold=exit_threshold)):
                 if step.cached is not None and not reported:
                     report(cached_tokens=step.cached)

@@ -12,10 +12,12 @@ from decoding.detok import IncrementalDetokenizer
 from meshd.engine.errors import PromptTooLong
 from meshd.engine.local import iterate_in_thread
 from tests.support.api import FakeEngine
+from meshd.engine.options import RequestOptions
 
 
-def run_stream(engine, **kw):
-    req = GenerationRequest(request_id="r", prompt_ids=[1, 2, 3], max_tokens=kw.pop("max_tokens", 100), **kw)
+def run_stream(engine, max_tokens=100, **options):
+    req = GenerationRequest(request_id="r", prompt_ids=[1, 2, 3], max_tokens=max_tokens,
+                            options=RequestOptions(**options))
 
     async def main():
         return [ev async for ev in engine.stream(req)]
@@ -45,7 +47,7 @@ def test_stream_ends_at_max_tokens_and_closes_the_source():
 
 def test_stop_string_spanning_tokens_is_cut_and_not_emitted():
     eng = FakeEngine(reply="one two three")
-    events = run_stream(eng, stop=["two"])
+    events = run_stream(eng, stop=("two",))
     assert text_of(events) == "one "
     assert events[-1].finish_reason == "stop"
     assert events[-1].usage.completion_tokens == len("one two")
@@ -53,13 +55,13 @@ def test_stop_string_spanning_tokens_is_cut_and_not_emitted():
 
 
 def test_text_that_only_looks_like_a_stop_prefix_is_released():
-    events = run_stream(FakeEngine(reply="tw tx"), stop=["twice"])
+    events = run_stream(FakeEngine(reply="tw tx"), stop=("twice",))
     assert text_of(events) == "tw tx"
     assert events[-1].finish_reason == "stop"
 
 
 def test_earliest_of_several_stop_strings_wins():
-    assert text_of(run_stream(FakeEngine(reply="a-b+c"), stop=["+", "-"])) == "a"
+    assert text_of(run_stream(FakeEngine(reply="a-b+c"), stop=("+", "-"))) == "a"
 
 
 def test_prompt_filling_the_context_is_refused_before_generation():

@@ -139,7 +139,8 @@ def test_token_ids_outside_the_vocabulary_are_a_400(server, prompt):
 def test_the_whole_signed_64_bit_seed_range_is_accepted(server, engine, seed):
     with http(server) as c:
         assert c.post(CHAT, json={"messages": HI, "seed": seed, "top_k": VOCAB}).status_code == 200
-    assert (engine.requests[-1].sampling.params.seed, engine.requests[-1].sampling.params.top_k) == (seed, VOCAB)
+    s = engine.requests[-1].options.sampling.params
+    assert (s.seed, s.top_k) == (seed, VOCAB)
 
 
 def test_an_absurd_max_tokens_is_clipped_to_the_context():

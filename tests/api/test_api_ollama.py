@@ -61,14 +61,14 @@ def test_options_map_to_sampling_and_limits(srv):
                          options={"temperature": 0.3, "top_k": 5, "top_p": 0.5, "seed": 9,
                                   "num_predict": 7, "num_ctx": 4096})
     req = srv.engine.requests[-1]
-    s = req.sampling.params
+    s = req.options.sampling.params
     assert (s.temperature, s.top_k, s.top_p, s.seed) == (0.3, 5, 0.5, 9)
     assert req.max_tokens == 7 and r.eval_count == 7 and r.done_reason == "length"
 
 
 def test_ollamas_sampling_defaults_apply_when_no_options_are_sent(srv):
     ollama_client(srv).chat(model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=False)
-    s = srv.engine.requests[-1].sampling.params
+    s = srv.engine.requests[-1].options.sampling.params
     assert (s.temperature, s.top_k, s.top_p) == (0.8, 40, 0.9)
 
 
@@ -132,8 +132,8 @@ def test_the_speculative_extension_is_accepted_at_the_top_level_and_in_options(s
             r = h.post("/api/chat", json={"model": "fake-model", "stream": False,
                                           "messages": [{"role": "user", "content": "hi"}], **body})
             assert r.status_code == 200, r.text
-        assert srv.engine.requests[-2].speculative.mode == "off"
-        assert srv.engine.requests[-1].speculative.drafter == "lookup"
+        assert srv.engine.requests[-2].options.speculative.mode == "off"
+        assert srv.engine.requests[-1].options.speculative.drafter == "lookup"
         r = h.post("/api/chat", json={"model": "fake-model", "messages": [], "speculative": {"drafter": "nope"}})
         assert r.status_code == 400 and "speculative" in r.json()["error"]
 

@@ -59,7 +59,8 @@ def test_non_streamed_chat_reports_usage_and_passes_sampling_fields(server, engi
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage.completion_tokens == len(REPLY)
     req = engine.requests[-1]
-    assert (req.sampling.params.temperature, req.sampling.params.top_p, req.sampling.params.seed, req.max_tokens) == \
+    s = req.options.sampling.params
+    assert (s.temperature, s.top_p, s.seed, req.max_tokens) == \
         (0.0, 0.5, 7, 100)
 
 
@@ -68,8 +69,8 @@ def test_the_api_keeps_openais_default_temperature_of_one(server, engine):
     from meshd.engine.base import GenerationRequest
 
     sdk(server).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
-    assert engine.requests[-1].sampling == SamplingSpec(SamplingParams(temperature=1.0))
-    assert GenerationRequest("r", [1], 1).sampling == SamplingSpec()  # the engine's own default: greedy
+    assert engine.requests[-1].options.sampling == SamplingSpec(SamplingParams(temperature=1.0))
+    assert GenerationRequest("r", [1], 1).options.sampling == SamplingSpec()  # the engine's own default: greedy
 
 
 def test_stop_string_ends_the_answer_and_is_never_emitted(server):

@@ -168,19 +168,18 @@ def test_a_model_that_does_not_think_keeps_its_text_as_it_is(srv):
 def test_offered_tools_tell_the_grammar_that_the_model_thinks_first(opens, expected):
     """The grammar leaves the think block free (``decoding.constrained``): the spec says it may come."""
     from meshd.api.generation import chat_prompt, constrain_tool_calls
-    from meshd.api.params import RequestParams
+    from meshd.engine.options import Capabilities, RequestOptions
 
     engine = FakeEngine()
     engine.tokenizer = ThinkingTokenizer(opens)
-    engine.supports_constraints = True
-    params = RequestParams()
+    engine.capabilities = Capabilities(constraints=True)
     prompt = chat_prompt(engine, ASK, TOOLS)
-    constrain_tool_calls(engine, params, TOOLS, prompt_ids=prompt)
-    assert params.sampling.constraint["reasoning"] == expected
+    options = constrain_tool_calls(engine, RequestOptions(), TOOLS, prompt_ids=prompt)
+    assert options.sampling.constraint["reasoning"] == expected
     plain = FakeEngine()
-    plain.tokenizer, plain.supports_constraints = ToolTokenizer(), True
-    constrain_tool_calls(plain, params := RequestParams(), TOOLS, prompt_ids=chat_prompt(plain, ASK, TOOLS))
-    assert "reasoning" not in params.sampling.constraint
+    plain.tokenizer, plain.capabilities = ToolTokenizer(), Capabilities(constraints=True)
+    options = constrain_tool_calls(plain, RequestOptions(), TOOLS, prompt_ids=chat_prompt(plain, ASK, TOOLS))
+    assert "reasoning" not in options.sampling.constraint
 
 
 def test_openai_chat_template_kwargs_switch_thinking_as_vllm_does(qwen3):

@@ -3,7 +3,7 @@
 The real embedded SmolLM2 (a model that does not reliably write JSON on its
 own) answers through ``LocalEngine`` with llguidance's token mask; sampling
 at temperature 1 with several seeds shows the guarantee holds whatever the
-sampler picks. Engines without ``supports_constraints`` (today the pipeline
+sampler picks. Engines without ``capabilities.constraints`` (today the pipeline
 engine) refuse with a 400 instead of ignoring the request.
 """
 

@@ -54,14 +54,14 @@ def test_huge_and_out_of_range_numbers_name_their_field(extra, param):
 
 
 def test_a_huge_max_tokens_is_valid_and_left_for_the_server_to_clip():
-    assert oa.parse_chat_request({"messages": HI, "max_tokens": 10**99}).params.max_tokens == 10**99
+    assert oa.parse_chat_request({"messages": HI, "max_tokens": 10**99}).options.max_tokens == 10**99
 
 
 def test_top_k_is_bounded_by_the_engines_vocabulary_when_it_is_known():
     assert chat_error({"messages": HI, "top_k": 1001}).message == (
         "'top_k' must be an integer from 0 to 1000 (0 disables it) (got 1001)")
-    assert oa.parse_chat_request({"messages": HI, "top_k": 1000}, vocab_size=1000).params.sampling.params.top_k == 1000
-    assert oa.parse_chat_request({"messages": HI, "top_k": 5000}, vocab_size=None).params.sampling.params.top_k == 5000
+    assert oa.parse_chat_request({"messages": HI, "top_k": 1000}, vocab_size=1000).options.sampling.params.top_k == 1000
+    assert oa.parse_chat_request({"messages": HI, "top_k": 5000}, vocab_size=None).options.sampling.params.top_k == 5000
 
 
 def test_messages_say_what_to_send_and_what_came():
@@ -97,7 +97,7 @@ def test_wrong_types_are_not_coerced(extra, param):
 
 
 def test_whole_number_floats_are_fine_where_a_number_is_asked():
-    p = oa.parse_chat_request({"messages": HI, "temperature": 1, "top_p": 1, "presence_penalty": 0}).params
+    p = oa.parse_chat_request({"messages": HI, "temperature": 1, "top_p": 1, "presence_penalty": 0}).options
     assert (p.sampling.params.temperature, p.sampling.params.top_p, p.sampling.penalties.presence) == (1.0, 1.0, 0.0)
 
 
@@ -109,7 +109,7 @@ def test_unknown_fields_anywhere_are_ignored():
         "messages": [{"role": "user", "content": "hi", "x_note": 1}], "service_tier": "auto",
         "x_client_field": {"a": [1]}, "stream_options": {"include_usage": True, "x": 1},
         "user": ["any", "shape"], "metadata": {"k": "v"}, "store": "yes"})
-    assert req.messages == HI and req.params.include_usage
+    assert req.messages == HI and req.options.include_usage
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -202,7 +202,9 @@ class _GrammarEngine:
     def __init__(self, supports: bool = True):
         from types import SimpleNamespace
 
-        self.supports_constraints = supports
+        from meshd.engine.options import Capabilities
+
+        self.capabilities = Capabilities(constraints=supports)
         self.tokenizer = SimpleNamespace(meta=SimpleNamespace(chat_template="... <tool_call> ... {{ tools }}"))
 
 
@@ -212,7 +214,7 @@ def test_offered_tools_whose_schema_cannot_compile_are_a_400_naming_tools(choice
 
     req = oa.parse_chat_request({"messages": HI, "tools": BAD_SCHEMA_TOOL, "tool_choice": choice})
     with pytest.raises(oa.RequestError) as info:
-        constrain_tool_calls(_GrammarEngine(), req.params, req.tools, req.tool_choice, req.parallel_tool_calls)
+        constrain_tool_calls(_GrammarEngine(), req.options, req.tools, req.tool_choice, req.parallel_tool_calls)
     assert (info.value.param, info.value.code) == ("tools", "invalid_schema")
 
 
@@ -225,9 +227,8 @@ def test_offered_tools_put_the_answer_under_their_grammar():
     def spec(choice, parallel=True, engine=None):
         req = oa.parse_chat_request({"messages": HI, "tools": tools, "tool_choice": choice,
                                      "parallel_tool_calls": parallel})
-        constrain_tool_calls(engine or _GrammarEngine(), req.params, req.tools, req.tool_choice,
-                             req.parallel_tool_calls)
-        return req.params
+        return constrain_tool_calls(engine or _GrammarEngine(), req.options, req.tools, req.tool_choice,
+                                    req.parallel_tool_calls)
 
     def grammar(choice, **kw):
         return spec(choice, **kw).sampling.constraint
@@ -249,7 +250,7 @@ def test_offered_tools_put_the_answer_under_their_grammar():
 
 def test_response_formats_become_constraints():
     def constraint(rf):
-        return oa.parse_chat_request({"messages": HI, "response_format": rf}).params.sampling.constraint
+        return oa.parse_chat_request({"messages": HI, "response_format": rf}).options.sampling.constraint
 
     schema = {"type": "object", "properties": {"on": {"type": "boolean"}}}
     assert constraint({"type": "text"}) is None
@@ -320,9 +321,9 @@ def test_the_cloud_field_takes_auto_off_or_a_budget_from_0_to_1(value):
     err = chat_error({"messages": HI, "cloud": value})
     assert (err.param, err.code, err.status) == ("cloud", "invalid_value", 400)
     assert "cloud budget from 0 to 1" in err.message
-    assert oa.parse_chat_request({"messages": HI, "cloud": 1}).params.cloud == 1.0
-    assert oa.parse_chat_request({"messages": HI, "cloud": "off"}).params.cloud == "off"
-    assert oa.parse_chat_request({"messages": HI}).params.cloud == "auto"
+    assert oa.parse_chat_request({"messages": HI, "cloud": 1}).options.cloud == 1.0
+    assert oa.parse_chat_request({"messages": HI, "cloud": "off"}).options.cloud == "off"
+    assert oa.parse_chat_request({"messages": HI}).options.cloud == "auto"
 
 
 def test_a_cloud_budget_on_an_engine_without_a_verifier_is_refused_not_ignored(server):  # noqa: F811

@@ -119,6 +119,7 @@ def test_the_real_embedded_model_sampled_hot_only_writes_calls_that_parse(real_s
     from decoding.sampling import SamplingParams, SamplingSpec
     from meshd.engine.base import GenerationRequest
     from meshd.engine.local import LocalEngine
+    from meshd.engine.options import RequestOptions
 
     engine = LocalEngine(real_source)
     tok = engine.tokenizer
@@ -127,9 +128,10 @@ def test_the_real_embedded_model_sampled_hot_only_writes_calls_that_parse(real_s
                         "Assistant: ")
     spec = tool_spec(TOOLS, "hermes", required=False, parallel=True)
 
-    async def answer(seed: int, **kw) -> tuple[str, str]:
+    async def answer(seed: int) -> tuple[str, str]:
+        sampling = SamplingSpec(SamplingParams(temperature=1.3, seed=seed), constraint=spec)
         req = GenerationRequest(request_id=f"hot{seed}", prompt_ids=prompt, max_tokens=64,
-                                sampling=SamplingSpec(SamplingParams(temperature=1.3, seed=seed), constraint=spec), **kw)
+                                options=RequestOptions(sampling=sampling))
         parts, finish = [], None
         async for ev in engine.stream(req):
             parts.append(ev.text)

@@ -6,7 +6,6 @@ the local engine's loop) stop computing at it and the API's stream names the rea
 
 import pytest
 
-from decoding.sampling import SamplingSpec
 from meshd.engine.base import Budget, GenerationRequest
 from meshd.engine.local import LocalEngine
 from meshd.pipeline.engine import PipelineEngine
@@ -28,7 +27,7 @@ def test_the_budget_names_eos_first_then_the_spent_budget():
 
 
 async def _events(engine, ids, max_tokens):
-    events = [e async for e in engine.stream(GenerationRequest("r", list(ids), max_tokens, sampling=SamplingSpec()))]
+    events = [e async for e in engine.stream(GenerationRequest("r", list(ids), max_tokens))]
     return [e.token_id for e in events if e.token_id is not None], events[-1]
 
 

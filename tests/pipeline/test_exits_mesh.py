@@ -134,10 +134,11 @@ def test_the_engine_decodes_with_exits_only_where_they_are_asked_for_and_can_mix
     from decoding.speculative.params import SpeculativeParams
     from meshd.engine.errors import BadEngineRequest
     from meshd.engine.base import GenerationRequest
+    from meshd.engine.options import RequestOptions
     from meshd.pipeline.engine import PipelineEngine
 
     def req(threshold=None, **kw):
-        return GenerationRequest("r", [1, 2, 3], 8, exit_threshold=threshold, **kw)
+        return GenerationRequest("r", [1, 2, 3], 8, options=RequestOptions(exit_threshold=threshold, **kw))
 
     off = PipelineEngine(real_source, _Coordinator(True))
     assert off.exits_for(req()) == 0.0 and off.exits_for(req(0.7)) == 0.7 and off.exits_for(req(0.0)) == 0.0

@@ -14,10 +14,11 @@ import contextlib
 
 import pytest
 
-from decoding.sampling import SamplingSpec
 from meshd.commands.chat import summary_line
 from meshd.commands.status_extras import outline_line
 from meshd.engine.errors import BadEngineRequest
+from meshd.engine.modes import Mode
+from meshd.engine.options import RequestOptions
 from meshd.engine.base import GenerationRequest
 from meshd.pipeline.outline.gate import (BREVITY_CUES, MIN_ANSWER_TOKENS, PAYING_ANSWER_TOKENS, brevity_cue,
                                          decide)
@@ -61,9 +62,8 @@ def user(text) -> list[dict]:
     ("auto", user(LIST_QUESTION), 40, 0.99, {}, False, "budget"),
     ("auto", user(LIST_QUESTION), PAYING_ANSWER_TOKENS - 1, 0.99, {}, False, "budget"),
     ("auto", user(LIST_QUESTION), PAYING_ANSWER_TOKENS, 0.99, {}, True, "router"),
-    ("auto", user(LIST_QUESTION), 512, 0.99, {"constrained": True}, False, "shaped"),
-    ("auto", user(LIST_QUESTION), 512, 0.99, {"penalties": True}, False, "shaped"),
-    ("auto", user(LIST_QUESTION), 512, 0.99, {"tools": True}, False, "shaped"),
+    ("auto", user(LIST_QUESTION), 512, 0.99, {"gave_way_to": Mode.SHAPED}, False, "shaped"),
+    ("auto", user(LIST_QUESTION), 512, 0.99, {"gave_way_to": Mode.TOOLS}, False, "shaped"),
     ("auto", None, 512, 0.99, {}, False, "not_chat"),
     ("auto", [{"role": "assistant", "content": "1. Seal gaps"}], 512, 0.99, {}, False, "not_chat"),
     ("auto", [{"role": "user", "content": [{"type": "text", "text": LIST_QUESTION}]}], 512, 0.99, {}, False,
@@ -80,15 +80,14 @@ def test_outline_mode_is_decided_from_the_request_alone(mode, messages, max_toke
         assert router.asked == []  # ruled out before the router is even asked
 
 
-@pytest.mark.parametrize("messages, max_tokens, shaping, match", [
-    (user(LIST_QUESTION), MIN_ANSWER_TOKENS - 1, {}, f"max_tokens of at least {MIN_ANSWER_TOKENS}.*allows"),
-    (user(LIST_QUESTION), 512, {"constrained": True}, "without structured output"),
-    (user(LIST_QUESTION), 512, {"tools": True}, "without tools"),
-    ([{"role": "system", "content": "Be helpful."}], 512, {}, "plain chat question"),
+@pytest.mark.parametrize("messages, max_tokens, match", [
+    (user(LIST_QUESTION), MIN_ANSWER_TOKENS - 1, f"max_tokens of at least {MIN_ANSWER_TOKENS}.*allows"),
+    ([{"role": "system", "content": "Be helpful."}], 512, "plain chat question"),
 ])
-def test_an_outline_that_cannot_be_written_is_refused_when_asked_for(messages, max_tokens, shaping, match):
+def test_an_outline_that_cannot_be_written_is_refused_when_asked_for(messages, max_tokens, match):
+    """(An outline "on" with a grammar, penalties or tools is refused by the modes table: tests/engine.)"""
     with pytest.raises(BadEngineRequest, match=match) as err:
-        decide("on", messages, max_tokens, Scored(1.0), **shaping)
+        decide("on", messages, max_tokens, Scored(1.0))
     assert err.value.http_status == 400
 
 
@@ -149,7 +148,7 @@ async def _answer(engine, req: GenerationRequest, most: int | None = None):
 def _request(tok, rid, question, max_tokens, outline="auto"):
     msgs = user(question)
     return GenerationRequest(rid, tok.apply_chat(msgs), max_tokens, messages=msgs,
-                             sampling=SamplingSpec(), outline=outline)
+                             options=RequestOptions(outline=outline))
 
 
 async def test_a_one_sentence_question_under_auto_is_answered_plainly_with_no_outline_attempt(real_mesh_source):

@@ -229,6 +229,7 @@ async def test_when_no_plan_can_serve_the_request_fails_naming_the_device(tiny):
 
 async def test_engine_streams_text_through_the_mesh_and_maps_errors(tiny):
     from meshd.engine.base import GenerationRequest
+    from meshd.engine.options import RequestOptions
     from meshd.engine.errors import NoPlan
     from meshd.pipeline.engine import PipelineEngine
 
@@ -241,7 +242,8 @@ async def test_engine_streams_text_through_the_mesh_and_maps_errors(tiny):
     tiny.__dict__["tokenizer"] = Tok()
     async with Mesh(tiny, 2) as mesh:
         engine = PipelineEngine(tiny, mesh.coord)
-        req = GenerationRequest("q1", list(range(5, 45)), max_tokens=12, sampling=SamplingSpec(SamplingParams(temperature=0.0)))
+        greedy = RequestOptions(sampling=SamplingSpec(SamplingParams(temperature=0.0)))
+        req = GenerationRequest("q1", list(range(5, 45)), max_tokens=12, options=greedy)
         ids = [t async for t in engine.token_ids(req)]
         assert ids == generate(LocalPipeline.from_source(tiny, 1), list(range(5, 45)), 12).token_ids
         mesh.coord.set_route(None)

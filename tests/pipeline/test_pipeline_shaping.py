@@ -14,6 +14,7 @@ import pytest
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, SamplingSpec
 from meshd.engine.base import GenerationRequest
+from meshd.engine.options import RequestOptions
 from meshd.engine.local import LocalEngine
 from meshd.pipeline.coordinator.slot import StepsRequest
 from tests.support.inprocess import Mesh
@@ -31,7 +32,8 @@ def local(real_source):
 
 
 async def _local_tokens(engine, ids, max_tokens, sampling, constraint=None, penalties=Penalties()):
-    req = GenerationRequest("ref", list(ids), max_tokens, sampling=SamplingSpec(sampling, penalties, constraint))
+    req = GenerationRequest("ref", list(ids), max_tokens,
+                            options=RequestOptions(sampling=SamplingSpec(sampling, penalties, constraint)))
     return [t async for t in engine.token_ids(req)]
 
 

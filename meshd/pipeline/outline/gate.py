@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from meshd.engine.errors import BadEngineRequest
+from meshd.engine.modes import Mode
 from meshd.pipeline.outline.decoder import MIN_POINT_TOKENS, MIN_POINTS, TITLE_TOKENS
 
 HEADER_TOKENS = 4  # what a point's header adds to its title: a line break, "k", "." and ":"
@@ -68,12 +69,13 @@ def brevity_cue(text: str) -> str | None:
 
 
 def decide(mode: str, messages: list[dict[str, Any]] | None, max_tokens: int, router: Router, *,
-           constrained: bool = False, penalties: bool = False, tools: bool = False) -> OutlineDecision:
+           gave_way_to: Mode | None = None) -> OutlineDecision:
     """Outline mode for one request, or why not; raises :class:`BadEngineRequest` for an impossible "on".
 
-    Reason codes: ``asked`` / ``router`` (used); ``off``, ``not_chat``, ``shaped`` (structured
-    output, penalties or tools: every token is shaped, or a call is expected), ``budget``,
-    ``brevity``, ``router`` (declined).
+    ``gave_way_to``: the mode the outline gave way to in :mod:`meshd.engine.modes` (structured
+    output, penalties or tools: every token is shaped, or a call is expected; an "on" that clashes
+    with one was refused there). Reason codes: ``asked`` / ``router`` (used); ``off``,
+    ``not_chat``, ``shaped``, ``budget``, ``brevity``, ``router`` (declined).
     """
     if mode == "off":
         return OutlineDecision(False, "off")
@@ -82,13 +84,8 @@ def decide(mode: str, messages: list[dict[str, Any]] | None, max_tokens: int, ro
         if mode == "on":
             raise BadEngineRequest("outline decoding needs a plain chat question as the last message")
         return OutlineDecision(False, "not_chat", "the last message is not a plain user question")
-    shaping = [name for name, on in (("structured output", constrained), ("repetition penalties", penalties),
-                                     ("tools", tools)) if on]
-    if shaping:
-        if mode == "on":
-            raise BadEngineRequest("outline decoding needs a plain chat question as the last message, "
-                                   f"without {' or '.join(shaping)}")
-        return OutlineDecision(False, "shaped", f"the request has {' and '.join(shaping)}")
+    if gave_way_to is not None:
+        return OutlineDecision(False, "shaped", f"the request has {gave_way_to.value}")
     if mode == "on":
         if max_tokens < MIN_ANSWER_TOKENS:
             raise BadEngineRequest(f"outline decoding needs max_tokens of at least {MIN_ANSWER_TOKENS} "
