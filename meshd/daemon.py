@@ -150,7 +150,7 @@ class Daemon:
         return {"state": "draining" if self.stopping.is_set() else "ready",
                 "requests_in_flight": self.models.in_flight(),
                 "kv_tokens": int((self.models.stage_status() or {}).get("kv_tokens_in_use") or 0),
-                "layouts": 1, "exits": 1, "workload": self.models.workload() or None,
+                "workload": self.models.workload() or None,
                 **self.cloud_sync.heartbeat_fields()}
 
     def _home_workload(self):

@@ -44,8 +44,7 @@ class MeshHeartbeat:
     cloud_changed_at: float = 0.0  # the cloud pairing record it holds (meshd.cloud.record): when made,
     cloud_digest: str = ""  # and its digest; a member holding a newer one sends it (CloudShare)
     plan_digest: str = ""  # Plan.digest() of the plan it serves: same version, other digest = a conflict
-    layouts: int = 0  # 1: it serves plans of several routes (replicas, mixed); 0: one pipeline only
-    exits: int = 0  # 1: its coordinator reads early-exit fields (HelloReply.exits); 0: a meshd without them
+    caps: list[str] | None = None  # what its daemon can do (meshd.mesh.caps); None: a release before the set
     # what its coordinator observes (meshd.pipeline.coordinator.workload); None: not enough yet
     workload: dict | None = None
 

@@ -16,6 +16,7 @@ from typing import Any
 from meshd.mesh import control
 from meshd.errors import USER_ERRORS
 from meshd.log import get_logger
+from meshd.mesh.caps import OURS, Cap
 from meshd.mesh.membership import Change, affects_plan
 from meshd.mesh.local import meshd_version
 from meshd.mesh.planner import Planner
@@ -26,17 +27,7 @@ from transport.messages import Envelope, PlanUpdate
 
 log = get_logger("meshd.gossip")
 
-#: the first meshd whose heartbeats are extensible (older ones refuse any field they lack)
-EXTENSIBLE_HEARTBEATS_SINCE = (0, 2, 0)
 _UNKNOWN_FIELDS_BOUND = 256
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """"0.2.0" -> (0, 2, 0); anything unparsable (an unknown peer) -> () (oldest)."""
-    try:
-        return tuple(int(x) for x in version.split("+")[0].split("."))
-    except ValueError:
-        return ()
 
 
 def safe_fingerprint(key: str) -> str:
@@ -105,8 +96,8 @@ class Gossip:
                 "incarnation": msg.incarnation, "load_state": msg.load_state, "model": msg.model,
                 "model_layers": msg.model_layers, "version": msg.version,
                 "uptime_s": msg.uptime_s, "kv_tokens": msg.kv_tokens, "last_error": msg.last_error,
-                "profile_digest": msg.profile_digest, "layouts": int(getattr(msg, "layouts", 0) or 0),
-                "exits": int(getattr(msg, "exits", 0) or 0),
+                "profile_digest": msg.profile_digest,
+                "caps": list(msg.caps) if msg.caps is not None else None,
                 "workload": dict(getattr(msg, "workload", None) or {})}
         before = dict(self.view.info_of(sender))
         self.apply(self.view.membership.heartbeat(sender, now, info))
@@ -126,7 +117,7 @@ class Gossip:
         if old_inc and old_inc != info.get("incarnation"):
             log.info("peer_restarted", peer=node_id, stage_port=info.get("stage_port"))
             self.on_peer_restarted(node_id)
-        if any(before.get(k) != info.get(k) for k in ("load_state", "model", "model_layers", "layouts")):
+        if any(before.get(k) != info.get(k) for k in ("load_state", "model", "model_layers", "caps")):
             self.planner.poke()  # who can be planned over changed
             self.planner.check_home_model()
 
@@ -200,7 +191,8 @@ class Gossip:
             timestamp=time.time(), stage_port=local.stage_port, incarnation=local.incarnation,
             load_state=local.load_state, model=model, model_layers=layers,
             version=meshd_version(), uptime_s=round(self.clock() - local.started_at, 1),
-            last_error=local.last_error, plan_digest=plan.digest() if plan else "", **self.extras(),
+            last_error=local.last_error, plan_digest=plan.digest() if plan else "", caps=OURS.to_wire(),
+            **self.extras(),
         )
 
     def send_heartbeat(self, node_id: NodeId | None = None) -> None:
@@ -208,10 +200,6 @@ class Gossip:
             return
         hb = self.heartbeat()
         # fields at their default are left out on the wire: strict 0.1 daemons refuse any they lack
-        legacy = dataclasses.replace(hb, plan_digest="", layouts=0, workload=None, exits=0)
+        legacy = dataclasses.replace(hb, plan_digest="", workload=None, caps=None)
         for peer in ([node_id] if node_id is not None else list(self.link.peers)):
-            self.link.send(peer, hb if self._takes_extended_heartbeats(peer) else legacy)
-
-    def _takes_extended_heartbeats(self, peer: NodeId) -> bool:
-        """Whether ``peer`` decodes heartbeat fields added since 0.1 (its heartbeats say its version)."""
-        return version_tuple(str(self.view.info_of(peer).get("version") or "")) >= EXTENSIBLE_HEARTBEATS_SINCE
+            self.link.send(peer, hb if Cap.HEARTBEAT_FIELDS in self.view.caps_of(peer) else legacy)

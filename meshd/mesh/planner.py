@@ -14,6 +14,7 @@ from typing import Any
 
 from meshd.config import Config
 from meshd.log import get_logger
+from meshd.mesh.caps import Cap
 from meshd.mesh.membership import Debouncer
 from meshd.mesh.view import MeshView
 from meshd.mesh.home_plan import MemberInput, PlanIssuer, model_name, not_planned, plan_home, plannable_members
@@ -159,7 +160,7 @@ class Planner:
         wanted = str(getattr(self.config, "layout", "pipeline") or "pipeline")
         if wanted == "pipeline":
             return wanted
-        old = [n for n in ready if n != self.view.node_id and not self.view.info_of(n).get("layouts")]
+        old = [n for n in ready if Cap.LAYOUTS not in self.view.caps_of(n)]
         if old:
             if old != self._said_old:
                 log.info("layout_pipeline_only", members=old, wanted=wanted,

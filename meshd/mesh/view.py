@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from meshd.mesh.caps import OURS, PeerCaps
 from meshd.mesh.discovery import Interface
 from meshd.mesh.membership import Membership, PeerState
 from meshd.mesh.local import LocalMember
@@ -53,6 +54,10 @@ class MeshView:
         """A member's facts from its latest heartbeat ({} if none heard)."""
         peer = self.membership.peers.get(node_id)
         return peer.info if peer is not None else {}
+
+    def caps_of(self, node_id: NodeId) -> PeerCaps:
+        """What a member's daemon can do, as its heartbeats announce it (this device: :data:`OURS`)."""
+        return OURS if node_id == self.node_id else PeerCaps.of(self.info_of(node_id))
 
     def state_of(self, node_id: NodeId) -> PeerState | None:
         return self.membership.state_of(node_id)

@@ -20,6 +20,7 @@ from meshd.pipeline.coordinator.cuts import prompt_cuts
 from meshd.pipeline.coordinator.service import PipelineCoordinator
 from meshd.pipeline.coordinator.slot import StepsRequest
 from meshd.pipeline.route import Route, model_mismatch
+from meshd.mesh.caps import PeerCaps
 from meshd.mesh.home_plan import cut_table_over, stage_timings_over
 from partition.plan import Plan
 from partition.ids import NodeId
@@ -61,13 +62,9 @@ class MeshDirectory:
             return "", member.public_key
         return f"tcp://{view.addresses[node_id][0]}:{port}", member.public_key
 
-    def version_of(self, node_id: NodeId) -> str:
-        """The meshd version ``node_id`` announced in its heartbeats ("": not known)."""
-        return str(self.view.info_of(node_id).get("version") or "")
-
-    def reads_exits(self, node_id: NodeId) -> bool:
-        """Whether ``node_id``'s coordinator reads early-exit fields (its heartbeats say so)."""
-        return node_id == self.view.node_id or bool(self.view.info_of(node_id).get("exits"))
+    def caps_of(self, node_id: NodeId) -> PeerCaps:
+        """What ``node_id``'s daemon decodes, as its heartbeats announce it (``meshd.mesh.caps``)."""
+        return self.view.caps_of(node_id)
 
 
 def routes_from_plan(plan: Plan, directory) -> tuple[Route, ...]:
@@ -269,8 +266,7 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
                          activation_dtype=None if wire == "float32" else wire,
                          medusa=medusa_factory(source, getattr(cfg, "medusa_heads", None)),
                          exits=exits_factory(source, getattr(cfg, "exit_heads", None)),
-                         peer_version=directory.version_of, prefix_cache=PrefixCache(share, pins),
-                         peer_reads_exits=directory.reads_exits)
+                         peer_caps=directory.caps_of, prefix_cache=PrefixCache(share, pins))
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
     directory.own_port = int(address.rsplit(":", 1)[1])

@@ -321,6 +321,29 @@ def test_heartbeats_carry_the_plan_digest_only_to_members_that_decode_it(tmp_pat
         assert "plan_digest" not in msgpack.unpackb(encode(sent[n])[0])["fields"]
 
 
+def test_heartbeats_announce_one_capability_set_and_peers_decide_from_it(tmp_path):
+    """A member's set says what it decodes; one without a set (an older release) has none of it."""
+    from meshd.mesh.caps import OURS, Cap, PeerCaps
+    from transport.messages import Envelope
+
+    a = _daemon(tmp_path, "a", {"b": "key-b", "old": "key-old", "quiet": "key-quiet"})
+    assert a.gossip.heartbeat().caps == OURS.to_wire() and a.view.caps_of("a") == OURS
+    theirs = dataclasses.replace(a.gossip.heartbeat(), node_id="b", name="b", caps=["layouts", "from_the_future"])
+    a.gossip.on_message("key-b", Envelope(theirs))
+    assert a.view.caps_of("b") == PeerCaps(frozenset({Cap.LAYOUTS, Cap.HEARTBEAT_FIELDS}))
+    a.membership.peers["old"].info["version"] = "0.2.0"  # extensible heartbeats, no set: nothing more
+    assert a.view.caps_of("old") == PeerCaps(frozenset({Cap.HEARTBEAT_FIELDS}))
+    assert a.view.caps_of("quiet") == PeerCaps()  # not heard from: not even new heartbeat fields
+
+    a.planner.config.layout = "replicas"
+    assert a.planner.layout_for(["a", "b"]) == "replicas"
+    assert a.planner.layout_for(["a", "b", "old"]) == "pipeline"  # it follows one pipeline only
+
+    a.gossip.send_heartbeat()
+    sent = {n: m for n, m in a.link.sent}
+    assert sent["b"].caps == sent["old"].caps == OURS.to_wire() and sent["quiet"].caps is None
+
+
 def test_a_conflict_is_settled_even_while_a_new_plan_waits_for_members_to_fetch_layers(tmp_path):
     class FetchingStill:  # meshd.share: the better plan waits; the current one can serve
         def gate(self, plan, current, ready, model, plan_over):

@@ -93,3 +93,40 @@ def test_daemons_time_themselves_once_and_are_planned_with_what_they_measured(me
     wait_until(lambda: a.status().get("load_state") == "loaded", 90, what="alpha to load again")
     assert a.status()["profile"] == "reused"
     assert sum(e.get("event") == "self_profile_measured" for e in a.events()) == 1
+
+
+def test_a_stage_that_cannot_reach_the_next_names_it_to_a_coordinator_on_another_daemon(mesh, real_source):
+    """``ErrorReply.node`` travels between daemons of this tree (their heartbeats announce ``error_node``).
+
+    Three daemons, one stage each; the request is coordinated by the last. The middle one is
+    killed first: the first stage cannot send the prompt on to it and says so in its error
+    reply, whose text starts with the first stage's own name. The coordinator suspects the
+    middle one, so it read the reply's ``node``, not its text. (Failure detection is slowed
+    down so the reply, not a re-plan, is what tells the coordinator.)"""
+    from tests.support.daemons import StreamInBackground, kill_hard
+
+    model, slow = str(real_source.path), ["--suspect-after", "30", "--gone-after", "60"]
+    procs = []
+    for name in ("alpha", "beta", "gamma"):
+        token = {"new_home": "error-node"} if not procs else {"token": mesh.invite(procs[0])}
+        p = mesh.spawn(name, "--model", model, "--memory-budget-mb", "64", start=False, **token)
+        p.cmd += slow  # after FAST: the last value counts
+        procs.append(p.start())
+        p.wait_serving(60)
+    wait_until(lambda: all(len(plan_stages(p)) == 3 and p.status().get("ready") for p in procs), 180,
+               what="a three-stage plan, warm", explain=lambda: summary(*procs))
+    by_node = {p.node_id(): p for p in procs}
+    first, middle, last = (by_node[s["node_id"]] for s in plan_stages(procs[0]))
+    kill_hard(middle)
+    answer = StreamInBackground(last, "Write a story about a lighthouse keeper.", 8)
+
+    def replayed():
+        return [e for e in last.events() if e.get("event") == "request_replaying"]
+
+    wait_until(replayed, 60, what="the coordinator to replay the request", explain=lambda: last.log_tail(20))
+    why = replayed()[0]
+    assert why["device"] == middle.node_id(), why
+    assert first.node_id() in why["reason"] and "link" in why["reason"], why  # the text names the reporter
+    for p in (first, last):
+        kill_hard(p)
+    answer.result(60)

@@ -111,7 +111,9 @@ async def test_a_coordinator_on_an_older_meshd_is_never_told_of_exits_nor_asked_
                                                                                                prompt):
     """Its heartbeats lack the ``exits`` capability: the stage's readiness reply leaves the field out (an older
     decoder refuses a reply with a field it lacks), so that coordinator never sends an exit threshold."""
-    async with Mesh(real_source, 2, exits=lambda stage: heads, peer_reads_exits=lambda node: False) as mesh:
+    from meshd.mesh.caps import PeerCaps
+
+    async with Mesh(real_source, 2, exits=lambda stage: heads, peer_caps=lambda node: PeerCaps()) as mesh:
         got = [s async for s in mesh.coord.steps(StepsRequest("x", prompt, 8, SamplingSpec(), exit_threshold=0.4))]
         plain = await mesh.run(prompt, 8, rid="plain")
         assert mesh.coord.exits_available() is False and mesh.services[1].status()["exits"]["asked"] == 0

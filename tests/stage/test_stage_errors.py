@@ -6,7 +6,8 @@ import msgpack
 import pytest
 
 from meshd.pipeline.stage import StageService
-from meshd.pipeline.stage.errors import HopUnreachable, error_code, failed_node, names_failed_node
+from meshd.mesh.caps import OURS, PeerCaps
+from meshd.pipeline.stage.errors import HopUnreachable, error_code, failed_node
 from transport.errors import TransportTimeout
 from transport.messages import ErrorReply, StageForward, decode, encode
 
@@ -25,21 +26,15 @@ def test_an_unreachable_next_hop_is_the_failed_node():
     assert failed_node(hop, "dev0") == "dev1" and failed_node(ValueError("x"), "dev0") == "dev0"
 
 
-@pytest.mark.parametrize("version,decodes", [("0.2.0", False), ("", False), ("0.3.0", True), ("1.0.0+dev", True),
-                                             ("garbage", False)])
-def test_only_members_past_0_2_are_sent_the_node(version, decodes):
-    assert names_failed_node(version) is decodes
-
-
 class NoNode:  # the stage never sends or serves in these tests
     pass
 
 
-@pytest.mark.parametrize("coordinator_version,node", [(None, "dev0"), ("0.2.0", ""), ("0.3.0", "dev0")])
-async def test_a_stage_names_itself_when_it_fails_unless_the_coordinator_predates_the_field(coordinator_version,
-                                                                                          node):
-    versions = None if coordinator_version is None else (lambda _: coordinator_version)
-    svc = StageService(NoNode(), "dev0", object(), lambda n: ("", ""), peer_version=versions)
+@pytest.mark.parametrize("coordinator_caps,node", [(None, "dev0"), (PeerCaps(), ""), (OURS, "dev0")])
+async def test_a_stage_names_itself_when_it_fails_unless_the_coordinator_lacks_the_capability(coordinator_caps,
+                                                                                             node):
+    caps = None if coordinator_caps is None else (lambda _: coordinator_caps)
+    svc = StageService(NoNode(), "dev0", object(), lambda n: ("", ""), peer_caps=caps)
     try:
         reply = await svc.handle(StageForward(request_id="r", plan_version=1, seq_id="coord/ab/1",
                                               position_offset=0), None)

@@ -1,8 +1,9 @@
 """What can go wrong with a request in the pipeline, and which device it is blamed on.
 
-A stage's ``ErrorReply`` carries the failed node as a field (a stage on 0.3 or
-later sets it); members still on 0.2 only write it at the head of the message,
-so :func:`legacy_failed_node` reads it from there, and nowhere else parses text.
+A stage's ``ErrorReply`` carries the failed node as a field, set for every coordinator
+whose heartbeats announce the ``error_node`` capability (``meshd.mesh.caps``: every daemon
+of this tree); a stage of an older release only writes it at the head of the message, so
+:func:`legacy_failed_node` reads it from there, and nowhere else parses text.
 """
 
 from __future__ import annotations
@@ -55,12 +56,12 @@ class PrefixMiss(Interrupted):
 
 
 def legacy_failed_node(message: str) -> str:
-    """The node a 0.2 stage names at the head of its error text ("node: what happened")."""
+    """The node an older stage names at the head of its error text ("node: what happened")."""
     return message.split(":", 1)[0]
 
 
 def failed_node(reply: ErrorReply) -> str:
-    """The device a stage's error is blamed on: its ``node`` field, else (a 0.2 stage) its text."""
+    """The device a stage's error is blamed on: its ``node`` field, else (an older stage) its text."""
     return reply.node or legacy_failed_node(reply.message)
 
 

@@ -13,7 +13,7 @@ from meshd.errors import USER_ERRORS, MeshdError
 from partition.ids import NodeId
 from transport.errors import TransportError
 
-__all__ = ["StageError", "HopUnreachable", "error_code", "failed_node", "names_failed_node", "ERROR_NODE_SINCE"]
+__all__ = ["StageError", "HopUnreachable", "error_code", "failed_node"]
 
 
 class StageError(MeshdError):
@@ -47,16 +47,3 @@ def error_code(exc: BaseException) -> str:
 def failed_node(exc: BaseException, own: NodeId) -> NodeId:
     """The node a failure belongs to: the unreachable next hop, else this stage."""
     return exc.node if isinstance(exc, HopUnreachable) else own
-
-
-#: the first meshd whose ErrorReply carries ``node`` (0.2's refuses a field it lacks, so the whole reply)
-ERROR_NODE_SINCE = (0, 3, 0)
-
-
-def names_failed_node(version: str) -> bool:
-    """Whether a member announcing meshd ``version`` decodes ``ErrorReply.node`` ("" unknown: no)."""
-    try:
-        parts = tuple(int(x) for x in version.split("+")[0].split("."))
-    except ValueError:
-        return False
-    return parts >= ERROR_NODE_SINCE

@@ -14,10 +14,11 @@ from typing import Any, Callable
 
 from decoding.models import StageModel
 from meshd.log import get_logger
+from meshd.mesh.caps import Cap, PeerCaps
 from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.route import Route
 from meshd.pipeline.seqkey import coordinator_of
-from meshd.pipeline.stage.errors import HopUnreachable, error_code, failed_node, names_failed_node
+from meshd.pipeline.stage.errors import HopUnreachable, error_code, failed_node
 from meshd.pipeline.stage.stats import StageStats
 from partition.ids import NodeId
 from transport.errors import TransportError
@@ -32,15 +33,15 @@ __all__ = ["StageOutbox"]
 class StageOutbox:
     def __init__(self, node: TransportNode, node_id: NodeId, directory: Directory, stats: StageStats,
                  activation_dtype: str | None = None, send_timeout_s: float = 5.0,
-                 peer_version: Callable[[NodeId], str] | None = None):
+                 peer_caps: Callable[[NodeId], PeerCaps] | None = None):
         """``activation_dtype``: hidden states travel at this precision ("float16"/"bfloat16"; None: as
-        computed); ``peer_version``: see :class:`~meshd.pipeline.stage.service.StageService`."""
+        computed); ``peer_caps``: see :class:`~meshd.pipeline.stage.service.StageService`."""
         self.node_id = node_id
         self.stats = stats
         self.activation_dtype = activation_dtype
         self.send_timeout_s = send_timeout_s
         self.links = Links(node, directory)
-        self._peer_version = peer_version
+        self._peer_caps = peer_caps
 
     async def close(self) -> None:
         await self.links.close()
@@ -98,7 +99,8 @@ class StageOutbox:
                           node=failed if new else "", seq_id=seq if new and isinstance(seq, str) else "")
 
     def _decodes_node(self, node_id: NodeId) -> bool:
-        """Whether ``node_id`` accepts ``ErrorReply.node`` (a member on 0.2 refuses the whole reply)."""
-        if self._peer_version is None or node_id == self.node_id:
+        """Whether ``node_id`` accepts ``ErrorReply.node`` (a coordinator without the capability refuses the
+        whole reply: its ErrorReply is strict)."""
+        if self._peer_caps is None or node_id == self.node_id:
             return True
-        return names_failed_node(self._peer_version(node_id) if node_id else "")
+        return bool(node_id) and Cap.ERROR_NODE in self._peer_caps(node_id)

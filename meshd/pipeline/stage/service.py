@@ -38,6 +38,7 @@ import torch
 from decoding.device import dtype_name
 from decoding.models import StageModel
 from meshd.log import get_logger
+from meshd.mesh.caps import Cap, PeerCaps
 from meshd.pipeline.links import Directory
 from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import coordinator_of
@@ -65,13 +66,13 @@ class StageService:
                  activation_dtype: str | None = None, send_timeout_s: float = 5.0,
                  idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS,
                  device: torch.device | None = None, packed: str = "",
-                 peer_version: Callable[[NodeId], str] | None = None, prefix_cache: PrefixCache | None = None,
-                 exits=None, peer_reads_exits: Callable[[NodeId], bool] | None = None):
+                 peer_caps: Callable[[NodeId], PeerCaps] | None = None, prefix_cache: PrefixCache | None = None,
+                 exits=None):
         """``device``/``dtype``/``packed``/``exits``: see :class:`StageWorker`; ``medusa``: see :class:`StageSampler`;
         ``prefix_cache``: finished requests' KV kept for later ones (default: half the KV budget).
-        ``peer_version``: the meshd version a member announced ("": unknown), so an error names the failed
-        node only to coordinators that decode it (None: every peer runs this code); ``peer_reads_exits``
-        likewise whether a coordinator reads ``HelloReply.exits`` (None: every one does)."""
+        ``peer_caps``: what a member's daemon decodes (``meshd.mesh.caps``), so an error names the failed
+        node, and a readiness reply the exit layers, only to coordinators that read them (None: every
+        peer runs this code)."""
         self.node = node
         self.node_id = node_id
         self.source = model_source
@@ -85,9 +86,9 @@ class StageService:
         self.index: int | None = None
         self.model_mismatch = ""  # the current plan names another model than this stage's file holds
         self.outbox = StageOutbox(node, node_id, directory, self.stats, activation_dtype, send_timeout_s,
-                                  peer_version)
+                                  peer_caps)
         self.server: StageServer | None = None
-        self._peer_reads_exits = peer_reads_exits
+        self._peer_caps = peer_caps
         self._deploy_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
 
@@ -204,7 +205,7 @@ class StageService:
                 case Hello():  # readiness probe: which plan is loaded and serving here
                     refused = self._refusal(msg.plan_version)
                     # a coordinator on an older meshd would refuse the whole reply with a field it lacks
-                    reads = self._peer_reads_exits is None or self._peer_reads_exits(msg.node_id)
+                    reads = self._peer_caps is None or Cap.EXITS in self._peer_caps(msg.node_id)
                     return HelloReply(self.node_id, self.serving_version, "", accepted=not refused, reason=refused,
                                       exits=len(self.worker.exit_layers) if reads else 0)
                 case StageForward():
