@@ -151,7 +151,7 @@ class WanLink:
         from meshd.cloud.link import to_message
         from transport.messages import encode
 
-        from transport.messages import CloudVerdict
+        from transport.cloud_messages import CloudVerdict
 
         up = sum(len(f) for f in encode(to_message(req), call_id=1000))
         await asyncio.sleep(self.rtt_s / 2 + 8 * (up + CURVE_OVERHEAD_B) / self.up_bps)
@@ -319,8 +319,8 @@ def selection_quality(chunks: list[dict], budget: float = 0.2) -> dict:
 
 def home_main(info: dict, key_secret: tuple[str, str], prompt: list[int], rounds: int, start_evt, out_q) -> None:
     pin(None, 1)
+    from transport.cloud_messages import CloudVerify
     from transport.keys import AllowList, Keypair
-    from transport.messages import CloudVerify
     from transport.node import TransportNode
 
     async def main():

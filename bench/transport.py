@@ -56,8 +56,9 @@ import zmq.asyncio  # noqa: E402
 from transport import loop as tloop  # noqa: E402
 from transport.keys import Keypair  # noqa: E402
 from transport.peer import Peer  # noqa: E402
-from transport.messages import Ack, FreeSequence, StageForward  # noqa: E402
+from transport.messages import Ack  # noqa: E402
 from transport.node import TransportNode  # noqa: E402
+from transport.stage_messages import FreeSequence, StageForward  # noqa: E402
 from transport.tuning import tune_allocator_for_large_messages  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024

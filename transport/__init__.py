@@ -2,8 +2,13 @@
 
 Modules, one job each:
 
-- ``wire``      header schema, tensor (de)serialisation, limits, ``ProtocolError``
-- ``messages``  typed message dataclasses + the one ``encode``/``decode``
+- ``wire``      the format: header schema, dtypes, limits; encoding frames
+- ``wire_decode`` frames back: the header checked first, tensors over the frame's memory
+- ``hints``     a header field's type hint: checked at registration, enforced on decode
+- ``registry``  ``@message``: a frozen dataclass becomes a wire message
+- ``messages``  the envelope, the one ``encode``/``decode``, the link's own messages
+- ``stage_messages`` the stage protocol (``StageForward``, ``TokenResult``, ...)
+- ``cloud_messages`` the cloud verifier's compact messages
 - ``keys``      the home's keypair store and allow-list
 - ``auth``      ZAP authenticator admitting allow-listed keys
 - ``link``      ``StageServer`` (ROUTER) on asyncio: receives, queues, replies
@@ -23,9 +28,10 @@ from transport.errors import (
 )
 from transport.keys import AllowList, Keypair, fingerprint, load_or_create_keypair
 from transport.link import Endpoint, Request, StageServer
-from transport.messages import Envelope, decode, encode, message
+from transport.messages import Envelope, decode, encode
 from transport.node import TransportNode
 from transport.peer import Peer
+from transport.registry import message
 from transport.wire import DEFAULT_LIMITS, PROTOCOL_VERSION, Limits
 
 __all__ = [

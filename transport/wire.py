@@ -20,17 +20,16 @@ which is what lets a malformed or hostile message be refused with a
 ``ProtocolError`` instead of crashing a stage.
 
 This module knows nothing about message classes (see ``transport.messages``);
-it turns (type name, plain fields, tensors) into frames and back, and enforces
-the limits. Byte order on the wire is little-endian, the native order of every
+it defines the format and its limits and turns (type name, plain fields,
+tensors) into frames; ``transport.wire_decode`` turns frames back, checking
+everything first. Byte order on the wire is little-endian, the native order of every
 device we target (x86-64, ARM64); big-endian numpy input is converted on send.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import msgpack
 import numpy as np
@@ -47,14 +46,11 @@ __all__ = [
     "DEFAULT_LIMITS",
     "Header",
     "TensorSpec",
-    "ProtocolError",
     "REDUCED_PRECISION_ERROR",
     "WireStats",
     "stats",
     "encode_frames",
     "encode_compact",
-    "decode_header",
-    "decode_tensor",
 ]
 
 log = get_logger("transport.wire")
@@ -121,7 +117,7 @@ DTYPES: dict[str, _DType] = {
 }
 _TORCH_NAMES = {d.torch: d.name for d in DTYPES.values()}
 _NUMPY_NAMES = {d.numpy.newbyteorder("="): d.name for d in DTYPES.values() if d.name != "bfloat16"}
-_REDUCIBLE = {"float16", "bfloat16"}
+REDUCIBLE = {"float16", "bfloat16"}
 KINDS = ("torch", "numpy")
 
 
@@ -187,15 +183,16 @@ class TensorSpec:
         return d
 
 
-@dataclass
+@dataclass(frozen=True)
 class Header:
-    """A decoded, validated header frame."""
+    """A decoded, validated header frame (``fields`` is a list for a compact message: the class maps
+    positions to names)."""
 
     type: str
     call_id: int = 0
     seq: int = 0
     sender: str = ""
-    fields: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, Any] | list[Any] = field(default_factory=dict)
     tensors: list[TensorSpec] = field(default_factory=list)
     version: int = PROTOCOL_VERSION
 
@@ -294,8 +291,8 @@ def encode_frames(
     specs: list[dict[str, Any]] = []
     frames: list[Any] = [b""]
     for name, value, wire_dtype in tensors:
-        if wire_dtype is not None and wire_dtype not in _REDUCIBLE:
-            raise ProtocolError(f"activation dtype must be one of {sorted(_REDUCIBLE)}, not {wire_dtype!r}")
+        if wire_dtype is not None and wire_dtype not in REDUCIBLE:
+            raise ProtocolError(f"activation dtype must be one of {sorted(REDUCIBLE)}, not {wire_dtype!r}")
         arr, dtype, wire, kind, shape = _payload(value, wire_dtype)
         nbytes = arr.nbytes
         # A flat uint8 view of the same memory: every dtype (bool, 0-d, empty)
@@ -336,242 +333,3 @@ def encode_compact(type_name: str, values: list[Any], *, call_id: int = 0) -> li
                               default=_msgpack_default)]
     except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"cannot encode {type_name}: {e}", call_id=call_id) from e
-
-
-# --------------------------------------------------------------------- decode
-
-
-_HEADER_KEYS = frozenset({"version", "type", "request_id", "seq", "sender", "fields", "tensors"})
-_DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape", "nbytes", "frame", "kind", "wire_dtype"})
-
-
-def _buffer(frame: Any) -> memoryview:
-    if isinstance(frame, zmq.Frame):
-        return frame.buffer
-    return memoryview(frame)
-
-
-def _frame_len(frame: Any) -> int:
-    if isinstance(frame, zmq.Frame):
-        return len(frame)
-    return memoryview(frame).nbytes
-
-
-def _is_uint(v: Any, bits: int = 64) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << bits)
-
-
-def decode_header(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Header:
-    """Parse and validate frame 0 against the frames that follow it.
-
-    Everything a tensor decode later relies on (dtype allowed, byte length ==
-    dtype x shape, frame present and of that length, limits) is checked here,
-    so a message that passes can be rebuilt without further surprises.
-    """
-    if len(frames) == 0:
-        raise ProtocolError("empty message (no header frame)")
-    if len(frames) > limits.max_frames:
-        raise ProtocolError(f"message has {len(frames)} frames, limit is {limits.max_frames}")
-    lengths = [_frame_len(f) for f in frames]
-    hlen = lengths[0]
-    if hlen > limits.max_header_bytes:
-        raise ProtocolError(f"header is {hlen} bytes, limit is {limits.max_header_bytes}",
-                            call_id=_peek_call_id(frames[0]))
-    total = sum(lengths)
-    if total > limits.max_total_bytes:
-        raise ProtocolError(f"message is {total} bytes, limit is {limits.max_total_bytes}",
-                            call_id=_peek_call_id(frames[0]))
-    try:
-        raw = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises a zoo of types on garbage
-        raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
-    if isinstance(raw, list):
-        return _compact_header(raw, len(frames))
-    if not isinstance(raw, dict):
-        raise ProtocolError(f"header must be a map, got {type(raw).__name__}")
-
-    rid = raw.get("request_id", 0)
-    rid = rid if _is_uint(rid) else 0
-
-    def fail(msg: str) -> ProtocolError:
-        return ProtocolError(msg, call_id=rid)
-
-    version = raw.get("version")
-    if version != PROTOCOL_VERSION:
-        raise fail(f"unsupported protocol version {version!r} (this node speaks {PROTOCOL_VERSION})")
-    unknown = raw.keys() - _HEADER_KEYS
-    if unknown:
-        raise fail(f"unknown header keys: {sorted(map(str, unknown))}")
-    type_name = raw.get("type")
-    if not isinstance(type_name, str) or not type_name:
-        raise fail("header has no message type")
-    if not _is_uint(raw.get("request_id", 0)):
-        raise fail("request_id must be an unsigned 64-bit integer")
-    seq = raw.get("seq", 0)
-    if not _is_uint(seq):
-        raise fail("seq must be an unsigned 64-bit integer")
-    sender = raw.get("sender", "")
-    if not isinstance(sender, str):
-        raise fail("sender must be a string")
-    fields = raw.get("fields", {})
-    if not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):
-        raise fail("fields must be a map with string keys")
-    descs = raw.get("tensors", [])
-    if not isinstance(descs, list):
-        raise fail("tensors must be a list")
-    if len(descs) != len(frames) - 1:
-        raise fail(
-            f"{type_name}: header describes {len(descs)} tensor(s) but {len(frames) - 1} "
-            f"tensor frame(s) arrived"
-        )
-
-    specs: list[TensorSpec] = []
-    names: set[str] = set()
-    for i, d in enumerate(descs, start=1):
-        specs.append(_tensor_spec(d, i, lengths[i], names, limits, fail, type_name))
-    return Header(type_name, rid, seq, sender, fields, specs, version)
-
-
-def _peek_call_id(frame: Any) -> int:
-    """The request id of a header too large to decode, read from its first entries only, so the
-    sender's request fails with the size error at once instead of timing out (0 if unreadable)."""
-    try:
-        u = msgpack.Unpacker(raw=False, max_buffer_size=2 ** 31 - 1)
-        u.feed(_buffer(frame))
-        try:
-            n = u.read_array_header()
-            if n >= 3:
-                u.skip()
-                u.skip()
-                rid = u.unpack()
-                return rid if _is_uint(rid) else 0
-            return 0
-        except msgpack.UnpackValueError:
-            pass
-        u = msgpack.Unpacker(raw=False, max_buffer_size=2 ** 31 - 1)
-        u.feed(_buffer(frame))
-        for _ in range(min(u.read_map_header(), 4)):
-            if u.unpack() == "request_id":
-                rid = u.unpack()
-                return rid if _is_uint(rid) else 0
-            u.skip()
-    except Exception:  # noqa: BLE001 - best effort on a message we refuse anyway
-        pass
-    return 0
-
-
-def _compact_header(raw: list, nframes: int) -> Header:
-    """The array header of :func:`encode_compact`; ``fields`` stays a list (the class maps positions)."""
-    rid = raw[2] if len(raw) > 2 and _is_uint(raw[2]) else 0
-    if len(raw) != 4:
-        raise ProtocolError(f"a compact header has 4 entries, got {len(raw)}", call_id=rid)
-    version, type_name, _, values = raw
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r} (this node speaks {PROTOCOL_VERSION})",
-                            call_id=rid)
-    if not isinstance(type_name, str) or not type_name:
-        raise ProtocolError("header has no message type", call_id=rid)
-    if not _is_uint(raw[2]):
-        raise ProtocolError("request_id must be an unsigned 64-bit integer", call_id=rid)
-    if not isinstance(values, list):
-        raise ProtocolError(f"{type_name}: compact values must be a list", call_id=rid)
-    if nframes != 1:
-        raise ProtocolError(f"{type_name}: a compact message has no tensor frames, got {nframes - 1}",
-                            call_id=rid)
-    return Header(type_name, rid, 0, "", values, [], version)  # type: ignore[arg-type]
-
-
-def _tensor_spec(d, index, got, names, limits, fail, type_name) -> TensorSpec:
-    if not isinstance(d, dict):
-        raise fail(f"{type_name}: tensor descriptor {index} is not a map")
-    extra = d.keys() - _DESCRIPTOR_KEYS
-    if extra:
-        raise fail(f"{type_name}: tensor descriptor {index} has unknown keys {sorted(map(str, extra))}")
-    name = d.get("name")
-    if not isinstance(name, str) or not name:
-        raise fail(f"{type_name}: tensor descriptor {index} has no name")
-    if name in names:
-        raise fail(f"{type_name}: tensor {name!r} appears twice")
-    names.add(name)
-    dtype = d.get("dtype")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise fail(f"{type_name}.{name}: dtype {dtype!r} is not allowed (allowed: {', '.join(DTYPES)})")
-    wire = d.get("wire_dtype", dtype)
-    if wire != dtype and not (dtype == "float32" and isinstance(wire, str) and wire in _REDUCIBLE):
-        raise fail(f"{type_name}.{name}: cannot restore {dtype!r} from wire dtype {wire!r}")
-    kind = d.get("kind", "torch")
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise fail(f"{type_name}.{name}: kind must be 'torch' or 'numpy', not {kind!r}")
-    shape = d.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > limits.max_ndim
-        or not all(_is_uint(s, 63) for s in shape)
-    ):
-        raise fail(
-            f"{type_name}.{name}: shape must be a list of at most {limits.max_ndim} "
-            f"non-negative integers, got {shape!r}"
-        )
-    nbytes = d.get("nbytes")
-    if not _is_uint(nbytes):
-        raise fail(f"{type_name}.{name}: nbytes must be a non-negative integer")
-    expected = math.prod(shape) * DTYPES[wire].itemsize
-    if nbytes != expected:
-        raise fail(
-            f"{type_name}.{name}: nbytes {nbytes} does not match {wire} x {tuple(shape)} = {expected}"
-        )
-    if nbytes > limits.max_tensor_bytes:
-        raise fail(f"{type_name}.{name}: {nbytes} bytes exceeds the tensor limit {limits.max_tensor_bytes}")
-    if d.get("frame") != index or isinstance(d.get("frame"), bool):
-        raise fail(f"{type_name}.{name}: frame index {d.get('frame')!r} should be {index}")
-    if got != nbytes:
-        raise fail(f"{type_name}.{name}: frame {index} holds {got} bytes, header says {nbytes}")
-    return TensorSpec(name, dtype, tuple(shape), nbytes, index, kind, wire)
-
-
-def decode_tensor(frame: Any, spec: TensorSpec, kind: str | None = None) -> torch.Tensor | np.ndarray:
-    """Rebuild a tensor over the frame's memory (no copy).
-
-    The result keeps the frame alive through numpy's ``base`` chain. Copies
-    happen only where the bytes cannot be used as they are, and are counted in
-    ``stats``: a payload not aligned to its item size (libzmq packs small
-    messages into a shared buffer) and reduced-precision payloads restored to
-    float32. ``kind`` overrides the sender's choice of torch/numpy.
-    """
-    kind = kind or spec.kind
-    wire = DTYPES[spec.wire_dtype]
-    if kind == "numpy" and spec.dtype == "bfloat16":
-        raise ProtocolError(f"{spec.name}: bfloat16 cannot be received as a numpy array (use torch)")
-    if spec.nbytes == 0:  # nothing to share; build a normal (well-strided) empty tensor
-        if kind == "numpy":
-            return np.empty(spec.shape, dtype=DTYPES[spec.dtype].numpy)
-        return torch.empty(spec.shape, dtype=DTYPES[spec.dtype].torch)
-    arr = np.frombuffer(_buffer(frame), dtype=wire.numpy)
-    if not arr.flags.aligned:
-        stats.unaligned_copies += 1
-        arr = arr.copy()
-    arr = arr.reshape(spec.shape)
-    if spec.wire_dtype == "bool" and arr.view(np.uint8).max() > 1:
-        # Any byte other than 0/1 is not a bool; torch would carry it as UB.
-        raise ProtocolError(f"{spec.name}: bool tensor holds bytes other than 0 and 1")
-
-    if kind == "numpy" and spec.wire_dtype == spec.dtype:
-        return arr
-
-    if arr.flags.writeable:
-        t = torch.from_numpy(arr)
-    else:
-        # Frames from pyzmq's Cython backend are writable; other backends or
-        # bytes objects give a read-only buffer. Sharing it is still safe: the
-        # frame is ours alone, nobody else reads those bytes after us, so the
-        # "undefined behaviour on write" torch warns about cannot bite.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            t = torch.from_numpy(arr)
-    if spec.wire_dtype == "bfloat16":
-        t = t.view(torch.bfloat16)
-    if spec.wire_dtype != spec.dtype:
-        t = t.to(DTYPES[spec.dtype].torch)
-    if kind == "numpy":
-        return t.numpy()
-    return t

@@ -18,7 +18,8 @@ from decoding.sampling import SamplingParams
 from meshd.cloud.link import CloudLink
 from meshd.log import get_logger
 from partition.ids import CloudSession
-from transport.messages import Ack, CloudMembers
+from transport.cloud_messages import CloudMembers
+from transport.messages import Ack
 
 log = get_logger("meshd.cloud.home")
 

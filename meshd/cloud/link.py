@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from decoding.offload.loop import VerifierEvicted, VerifierUnavailable, VerifyRequest, VerifyResult
 from meshd.log import get_logger
 from partition.ids import CloudSession
+from transport.cloud_messages import CloudClose, CloudVerdict, CloudVerify
 from transport.errors import RemoteError, TransportError
-from transport.messages import CloudClose, CloudVerdict, CloudVerify, encode
+from transport.messages import encode
 
 log = get_logger("meshd.cloud.link")
 

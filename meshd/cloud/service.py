@@ -20,7 +20,8 @@ from meshd.engine.base import model_id_of
 from meshd.log import get_logger
 from meshd.state import StateDir
 from meshd.mesh.pairing import PairingError
-from transport.messages import Ack, CloudClose, CloudMembers, CloudVerify, ErrorReply
+from transport.cloud_messages import CloudClose, CloudMembers, CloudVerify
+from transport.messages import Ack, ErrorReply
 from transport.node import TransportNode
 from transport.wire import Limits
 

@@ -36,7 +36,7 @@ from meshd.cloud.verify_request import VerifierRefusal, checked, session_open
 from meshd.cloud.verify_worker import Job, Session, VerifierStats, Worker
 from meshd.log import get_logger
 from partition.ids import CloudSession
-from transport.messages import CloudVerdict, CloudVerify
+from transport.cloud_messages import CloudVerdict, CloudVerify
 
 log = get_logger("meshd.cloud.verifier")
 

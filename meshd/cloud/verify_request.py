@@ -14,7 +14,7 @@ from decoding.offload.loop import SUPPORT_MAX
 from decoding.sampling import BadSamplingParams, SamplingParams
 from decoding.speculative.verify import dense_draft_probs
 from meshd.errors import MeshdError
-from transport.messages import CloudVerify
+from transport.cloud_messages import CloudVerify
 
 MAX_DRAFTS = 16
 DEFAULT_CAPACITY = 1024

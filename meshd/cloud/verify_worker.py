@@ -21,7 +21,7 @@ from decoding.models import StageModel
 from decoding.sampling import Sampler
 from decoding.speculative.verify import verify_offloaded
 from meshd.cloud.verify_request import Support, VerifierRefusal
-from transport.messages import CloudVerdict, CloudVerify
+from transport.cloud_messages import CloudVerdict, CloudVerify
 
 Outcome = tuple[CloudVerdict | None, Exception | None]  # (verdict, refusal); (None, None): a piece of a fill
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from transport.messages import message
 from partition.ids import NodeId, PlanVersion
+from transport.registry import message
 
 
 @message(extensible=True)
-@dataclass
+@dataclass(frozen=True)
 class MeshHeartbeat:
     """Sent to every known member each heartbeat interval; liveness + cheap gossip.
 
@@ -50,7 +50,7 @@ class MeshHeartbeat:
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class MemberList:
     """Key sync: every member (node id, name, z85 public key) the sender knows."""
 
@@ -58,13 +58,13 @@ class MemberList:
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class ProfileRequest:
     node_id: NodeId
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class ProfileShare:
     node_id: NodeId
     digest: str
@@ -72,7 +72,7 @@ class ProfileShare:
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class Bye:
     """Graceful shutdown: mark me gone now rather than after the heartbeat timeout."""
 
@@ -81,7 +81,7 @@ class Bye:
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class CloudShare:
     """The home's newest cloud pairing or unpairing (``meshd.cloud.record``), sent to a member whose
     heartbeat shows it holds an older one."""

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from transport.messages import message
+from transport.registry import message
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class ShareAdvert:
     """What a member holds of which model, where it serves pieces, how its own fetch goes.
 
@@ -38,7 +38,7 @@ class ShareAdvert:
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class ShareTarget:
     """From the leader: fetch what layers ``[first, end)`` of this model need (a plan waits for it)."""
 
@@ -49,27 +49,27 @@ class ShareTarget:
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class ManifestRequest:
     sha256: str
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class ManifestReply:
     sha256: str
     data: np.ndarray | None = None  # uint8: the manifest's canonical bytes
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class PieceRequest:
     sha256: str
     index: int
 
 
 @message
-@dataclass
+@dataclass(frozen=True)
 class PieceReply:
     sha256: str
     index: int

@@ -244,7 +244,7 @@ def test_an_evicted_session_is_resent_and_the_answer_stays_exact(pair):
 
 def test_the_verifier_refuses_malformed_requests_clearly_and_keeps_serving(pair):
     _, big = pair
-    from transport.messages import CloudVerify
+    from transport.cloud_messages import CloudVerify
 
     pk = lambda xs: struct.pack(f"<{len(xs)}I", *xs)  # noqa: E731
 
@@ -279,7 +279,7 @@ def test_the_verifier_refuses_malformed_requests_clearly_and_keeps_serving(pair)
 
 def test_a_session_reopened_or_closed_while_its_pass_runs_is_freed_once_the_pass_ends(pair):
     _, big = pair
-    from transport.messages import CloudVerify
+    from transport.cloud_messages import CloudVerify
 
     pk = lambda xs: struct.pack(f"<{len(xs)}I", *xs)  # noqa: E731
 

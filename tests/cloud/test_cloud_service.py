@@ -20,8 +20,8 @@ from meshd.cloud.pairing import create_cloud_invite, pair_with_cloud
 from meshd.cloud.service import VerifierService
 from meshd.mesh.pairing import PairingError, Token
 from meshd.state import StateDir
+from transport.cloud_messages import CloudVerify
 from transport.errors import AuthenticationRefused, RemoteError, TransportTimeout
-from transport.messages import CloudVerify
 from transport.node import TransportNode
 from tests.support.waiting import eventually
 

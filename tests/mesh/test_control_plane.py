@@ -13,7 +13,8 @@ from meshd.mesh.local import LocalMember
 from meshd.mesh.planner import Planner
 from meshd.mesh.view import MeshView
 from meshd.state import StateDir
-from transport.messages import Envelope, registry
+from transport.messages import Envelope
+from transport.registry import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 ABOVE = ("meshd.pipeline", "meshd.share", "meshd.api", "meshd.daemon", "meshd.model.host")

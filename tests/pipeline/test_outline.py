@@ -80,7 +80,7 @@ async def test_a_fork_that_arrives_after_its_free_creates_nothing(tiny):
     """A cancelled child's free overtakes its queued fork; the late fork must not leak a sequence."""
     import torch
 
-    from transport.messages import ForkSequence, FreeSequence, StageForward
+    from transport.stage_messages import ForkSequence, FreeSequence, StageForward
 
     async with Mesh(tiny, 1) as mesh:
         svc, v = mesh.services[0], mesh.route.plan_version

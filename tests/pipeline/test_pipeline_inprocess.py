@@ -40,8 +40,8 @@ async def test_half_precision_activations_on_the_wire_halve_the_bytes_and_keep_g
     its own dtype. Parity is a measured property of the model (36/36 prompts for SmolLM2, RESULTS.md),
     checked here on the test model. The bytes are counted on the encoded frames, not taken from stats."""
     import transport.peer as peer_mod
-    from transport.messages import StageForward
-    from transport.wire import _frame_len
+    from transport.stage_messages import StageForward
+    from transport.wire_decode import _frame_len
 
     real_encode = peer_mod.encode
     frame_bytes = []
@@ -130,7 +130,7 @@ async def test_hanging_up_during_prefill_leaks_nothing_even_when_frees_overtake_
 
 
 async def test_a_late_chunk_for_a_freed_sequence_is_dropped_not_recreated(tiny):
-    from transport.messages import FreeSequence, StageForward
+    from transport.stage_messages import FreeSequence, StageForward
 
     async with Mesh(tiny, 2) as mesh:
         last = mesh.services[1]

@@ -24,8 +24,9 @@ from decoding.speculative.session import SpeculationSession
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 from tests.support.speculative import PROMPTS, MirrorHeads
-from transport.messages import ErrorReply, StageForward
+from transport.messages import ErrorReply
 from meshd.pipeline.coordinator.slot import StepsRequest
+from transport.stage_messages import StageForward
 
 
 def mirror_medusa(stage):

@@ -11,7 +11,7 @@ from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.prefix_cache import CacheKey, PrefixCache
 from meshd.pipeline.stage.scheduler import StageScheduler
 from meshd.pipeline.stage.stats import StageStats
-from transport.messages import ReusePrefix, StageForward
+from transport.stage_messages import ReusePrefix, StageForward
 
 CONFIG = ModelConfig("llama", vocab_size=50_000, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
                      num_kv_heads=1, head_dim=4)

@@ -16,11 +16,11 @@ from decoding.loader import open_model
 from decoding.pipeline_local import LocalPipeline
 from decoding.sampling import SamplingParams, SamplingSpec
 from decoding.speculative.session import SpeculationSession
-from transport.messages import StageForward
 from tests.support.coordinator import generate_on
 from tests.support.inprocess import Mesh
 from tests.support.waiting import eventually
 from meshd.pipeline.coordinator.slot import StepsRequest
+from transport.stage_messages import StageForward
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from meshd.pipeline.stage import StageService
 from meshd.mesh.caps import OURS, PeerCaps
 from meshd.pipeline.stage.errors import HopUnreachable, error_code, failed_node
 from transport.errors import TransportTimeout
-from transport.messages import ErrorReply, StageForward, decode, encode
+from transport.messages import ErrorReply, decode, encode
+from transport.stage_messages import StageForward
 
 
 def test_error_reply_carries_the_node_and_a_reply_without_one_is_what_0_2_sends():

@@ -13,7 +13,7 @@ from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.scheduler import MAX_BATCH_MESSAGES, StageScheduler
 from meshd.pipeline.stage.slot import SeqState
 from meshd.pipeline.stage.stats import StageStats
-from transport.messages import FreeSequence, StageForward
+from transport.stage_messages import FreeSequence, StageForward
 
 CONFIG = ModelConfig("llama", vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
                      num_kv_heads=1, head_dim=4)

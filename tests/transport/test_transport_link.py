@@ -16,16 +16,8 @@ from transport import loop as transport_loop
 from transport.errors import ProtocolError, RemoteError, TransportClosed, TransportTimeout
 from transport.link import StageServer
 from transport.peer import Peer
-from transport.messages import (
-    Ack,
-    ErrorReply,
-    FreeSequence,
-    LinkProbe,
-    StageForward,
-    TokenResult,
-    Truncate,
-    encode,
-)
+from transport.messages import Ack, ErrorReply, LinkProbe, encode
+from transport.stage_messages import FreeSequence, StageForward, TokenResult, Truncate
 from transport.wire import Limits
 from tests.support.logs import all_log_events
 from tests.support.waiting import eventually

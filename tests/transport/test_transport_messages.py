@@ -17,9 +17,13 @@ from hypothesis import strategies as st
 
 from decoding.penalties import Penalties
 from decoding.sampling import SamplingParams, SamplingSpec
+from transport import cloud_messages as C
 from transport import messages as M
+from transport import stage_messages as S
 from transport.errors import ProtocolError
-from transport.messages import Envelope, decode, encode, message, registry
+from transport.hints import BAD, coerce
+from transport.messages import Envelope, decode, encode
+from transport.registry import message, registry, spec_of
 
 # TRANSPORT_FUZZ_EXAMPLES=20000 for a deeper hunt; the default keeps the suite fast.
 FAST = settings(
@@ -33,38 +37,38 @@ EXAMPLES = [
     M.HelloReply("laptop", 3, "1111-2222-3333-4444", accepted=False, reason="stale plan"),
     M.LinkProbe("kitchen", "serving", 0.5, 3, 1_700_000_000.25),
     M.LinkProbeAck("laptop", 3, 1_700_000_000.5),
-    M.StageForward(
+    S.StageForward(
         "req-1", 3, "kitchen/ab12/17", 128, chunk_index=2, hidden=torch.randn(64, 576),
         tree_mask=torch.tril(torch.ones(4, 4, dtype=torch.bool)),
         sampling=SamplingSpec(SamplingParams(temperature=0.7, top_p=0.9, seed=42)), sample_step=3, capacity=512,
         reply_to="tcp://10.0.0.1:5710", is_last_chunk=False,
     ),
-    M.StageForward(
+    S.StageForward(
         "req-3", 3, "kitchen/ab12/19", 0, token_ids=torch.arange(4), prompt_tail=[1, 2], history=[],
         sampling=SamplingSpec(SamplingParams(0.9, 40, seed=7), Penalties(presence=0.5, repeat=1.2),
                               {"type": "json_object"}),
     ),
-    M.StageForward("req-2", 3, "kitchen/ab12/18", 0, token_ids=torch.arange(32)),
-    M.TokenResult(
+    S.StageForward("req-2", 3, "kitchen/ab12/18", 0, token_ids=torch.arange(32)),
+    S.TokenResult(
         "req-1", 3, "kitchen/ab12/17", torch.tensor([42]), topk_ids=torch.tensor([[42, 7, 1]]),
         topk_probs=torch.tensor([[0.8, 0.15, 0.05]]), logprobs=[-0.22],
     ),
-    M.Truncate(3, "kitchen/ab12/17", 140),
-    M.FreeSequence(3, "kitchen/ab12/17"),
-    M.ForkSequence(3, "kitchen/ab12/19", "kitchen/ab12/17", 128),
-    M.PrefixProbe(3, torch.tensor([1, 2, 3], dtype=torch.long)),
-    M.PrefixMatch(3, 2),
-    M.ReusePrefix("req-1", 3, "kitchen/ab12/21", torch.tensor([1, 2], dtype=torch.long), 300, "kitchen|tcp://x:1"),
-    M.CacheSequence(3, "kitchen/ab12/17"),
+    S.Truncate(3, "kitchen/ab12/17", 140),
+    S.FreeSequence(3, "kitchen/ab12/17"),
+    S.ForkSequence(3, "kitchen/ab12/19", "kitchen/ab12/17", 128),
+    S.PrefixProbe(3, torch.tensor([1, 2, 3], dtype=torch.long)),
+    S.PrefixMatch(3, 2),
+    S.ReusePrefix("req-1", 3, "kitchen/ab12/21", torch.tensor([1, 2], dtype=torch.long), 300, "kitchen|tcp://x:1"),
+    S.CacheSequence(3, "kitchen/ab12/17"),
     M.Ack(3, "ok"),
     M.ErrorReply("stale_plan", "plan 2 is older than 3", "req-1"),
     M.PlanUpdate(4, {"kitchen": {"layers": [0, 12], "next": "laptop"}, "laptop": {"layers": [12, 24]}}),
-    M.CloudVerify(3, 412, struct.pack("<5I", 151000, 15, 16, 17, 18), 4),
-    M.CloudVerify(4, 0, struct.pack("<3I", 1, 2, 3), 2, q=[struct.pack("<If", 7, 1.0)] * 2,
+    C.CloudVerify(3, 412, struct.pack("<5I", 151000, 15, 16, 17, 18), 4),
+    C.CloudVerify(4, 0, struct.pack("<3I", 1, 2, 3), 2, q=[struct.pack("<If", 7, 1.0)] * 2,
                   open={"temperature": 0.7, "top_k": 40, "seed": 5, "draws": 0, "capacity": 300}),
-    M.CloudVerdict(3, 2, 151000, 17),
-    M.CloudClose(3),
-    M.CloudMembers(["rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7", "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"]),
+    C.CloudVerdict(3, 2, 151000, 17),
+    C.CloudClose(3),
+    C.CloudMembers(["rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7", "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"]),
 ]
 
 
@@ -83,7 +87,7 @@ def _same_message(a, b) -> bool:
 
 
 def test_every_message_of_the_mesh_has_an_example_here():
-    ours = {cls for cls in registry().values() if cls.__module__ == M.__name__}
+    ours = {cls for cls in registry().values() if cls.__module__ in (M.__name__, S.__name__, C.__name__)}
     assert ours == {type(m) for m in EXAMPLES}
 
 
@@ -96,13 +100,13 @@ def test_every_mesh_message_round_trips(msg):
 
 
 def test_envelope_and_keyword_forms_encode_the_same():
-    msg = M.FreeSequence(1, "n/x/2")
+    msg = S.FreeSequence(1, "n/x/2")
     assert encode(Envelope(msg, 7, 3, "n")) == encode(msg, call_id=7, seq=3, sender="n")
 
 
 def test_numpy_scalars_in_header_fields_travel_as_python_values():
     spec = SamplingSpec(SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3)))
-    got = decode(encode(M.StageForward("r", 1, "n/x/0", 0, sampling=spec)))
+    got = decode(encode(S.StageForward("r", 1, "n/x/0", 0, sampling=spec)))
     p = got.message.sampling.params
     assert (p.temperature, p.top_k) == (0.5, 3) and (type(p.temperature), type(p.top_k)) == (float, int)
 
@@ -128,8 +132,24 @@ def test_registry_refuses_duplicates_and_unverifiable_field_types():
             x: set = dataclasses.field(default_factory=set)
 
 
+def test_a_message_is_a_frozen_dataclass():
+    """A decoded message is a value a handler may keep or pass on; a changed one is built anew."""
+    with pytest.raises(TypeError, match="frozen"):
+
+        @message(name="TestMutable")
+        @dataclasses.dataclass
+        class Mutable:
+            x: int = 0
+
+    assert all(cls.__dataclass_params__.frozen for cls in registry().values())
+    ack = decode(encode(M.Ack(3, "ok"))).message
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ack.detail = "changed"
+    assert dataclasses.replace(ack, detail="changed") == M.Ack(3, "changed")
+
+
 def test_missing_required_field_is_a_protocol_error():
-    frames = encode(M.Truncate(1, "s2", 3))
+    frames = encode(S.Truncate(1, "s2", 3))
     h = msgpack.unpackb(frames[0])
     del h["fields"]["new_length"]
     with pytest.raises(ProtocolError, match="missing field.*new_length"):
@@ -137,7 +157,7 @@ def test_missing_required_field_is_a_protocol_error():
 
 
 def test_unknown_field_is_a_protocol_error():
-    frames = encode(M.Truncate(1, "s2", 3))
+    frames = encode(S.Truncate(1, "s2", 3))
     h = msgpack.unpackb(frames[0])
     h["fields"]["surprise"] = 1
     with pytest.raises(ProtocolError, match="no field 'surprise'"):
@@ -145,14 +165,14 @@ def test_unknown_field_is_a_protocol_error():
 
 
 @message(name="TestExtensibleGossip", extensible=True)
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Gossip:
     name: str
     load: float = 0.0
 
 
 @message(name="TestExtensibleTensorGossip", extensible=True)
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TensorGossip:
     name: str
     sketch: torch.Tensor | None = None
@@ -175,7 +195,7 @@ def test_an_extensible_message_sends_only_fields_off_their_default():
     assert msgpack.unpackb(encode(Gossip("kitchen", 0.5))[0])["fields"] == {"name": "kitchen", "load": 0.5}
     assert decode(encode(Gossip("kitchen"))).message == Gossip("kitchen")
     # a strict message still sends everything
-    assert "new_length" in msgpack.unpackb(encode(M.Truncate(1, "s2", 0))[0])["fields"]
+    assert "new_length" in msgpack.unpackb(encode(S.Truncate(1, "s2", 0))[0])["fields"]
 
 
 def test_a_field_added_later_to_a_strict_message_travels_only_when_set():
@@ -183,7 +203,7 @@ def test_a_field_added_later_to_a_strict_message_travels_only_when_set():
     hello = msgpack.unpackb(encode(M.HelloReply("a", 1, ""))[0])["fields"]
     assert "exits" not in hello and decode(encode(M.HelloReply("a", 1, ""))).message.exits == 0
     assert msgpack.unpackb(encode(M.HelloReply("a", 1, "", exits=3))[0])["fields"]["exits"] == 3
-    fwd = M.StageForward(request_id="r", plan_version=1, seq_id="s", position_offset=0)
+    fwd = S.StageForward(request_id="r", plan_version=1, seq_id="s", position_offset=0)
     assert "exit_threshold" not in msgpack.unpackb(encode(fwd)[0])["fields"]
     set_ = dataclasses.replace(fwd, exit_threshold=0.7)
     assert decode(encode(set_)).message.exit_threshold == 0.7
@@ -227,7 +247,7 @@ def test_a_compact_message_cannot_be_extensible():
 
 
 @message(name="TestPropertyProbe")
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Probe:
     a: torch.Tensor | None = None
     b: np.ndarray | None = None
@@ -296,14 +316,14 @@ def _assert_valid_or_protocol_error(frames):
     cls = type(env.message)
     assert cls in registry().values()
     header = M.header_values(env.message)
-    for f in M._SPECS[cls].fields:
+    for f in spec_of(cls).fields:
         value = header[f.name] if f.tensor_kind is None else getattr(env.message, f.name)
         if f.tensor_kind is None:
-            assert M._coerce(value, f.hint) is not M._BAD, (f.name, value)
+            assert coerce(value, f.hint) is not BAD, (f.name, value)
         else:
             assert value is None or isinstance(value, (torch.Tensor, np.ndarray))
     assert all(isinstance(n, str) for n in env.unknown_fields)
-    assert not set(env.unknown_fields) & set(M._SPECS[cls].by_name)
+    assert not set(env.unknown_fields) & set(spec_of(cls).by_name)
     assert len(env.unknown_fields) <= M.MAX_UNKNOWN_NAMED + 1
 
 
@@ -372,16 +392,16 @@ def test_decoder_never_crashes_on_corrupted_bytes(which, cuts, truncate, drop_fr
 # ------------------------------------------------------------------ compact messages (a home's WAN uplink)
 
 def test_a_greedy_verification_round_fits_in_fifty_bytes_each_way():
-    up = encode(M.CloudVerify(123, 4000, struct.pack("<5I", 151000, 151001, 151002, 151003, 151004), 4),
+    up = encode(C.CloudVerify(123, 4000, struct.pack("<5I", 151000, 151001, 151002, 151003, 151004), 4),
                 call_id=70000, seq=70000)
-    down = encode(M.CloudVerdict(123, 4, 151005, 0), call_id=70000, seq=70000)
+    down = encode(C.CloudVerdict(123, 4, 151005, 0), call_id=70000, seq=70000)
     assert len(up) == 1 and len(up[0]) <= 50
     assert len(down) == 1 and len(down[0]) <= 50
 
 
 def test_compact_messages_leave_trailing_defaults_out():
-    bare = encode(M.CloudVerify(1, 0, b"\x00" * 8, 1))[0]
-    full = encode(M.CloudVerify(1, 0, b"\x00" * 8, 1, open={"seed": 1}))[0]
+    bare = encode(C.CloudVerify(1, 0, b"\x00" * 8, 1))[0]
+    full = encode(C.CloudVerify(1, 0, b"\x00" * 8, 1, open={"seed": 1}))[0]
     assert len(bare) < len(full)
     assert decode([bare]).message.open is None and decode([full]).message.open == {"seed": 1}
 
@@ -440,12 +460,12 @@ _FLAT_SAMPLING = ("temperature", "top_k", "top_p", "seed", "constraint", "penalt
 def test_a_stage_forwards_sampling_spec_travels_as_the_flat_fields_members_on_0_2_read():
     spec = SamplingSpec(SamplingParams(0.8, 40, 0.95, 7), Penalties(presence=0.5, repeat=1.2, repeat_last_n=16),
                         {"type": "json_object"})
-    h = msgpack.unpackb(encode(M.StageForward("r", 1, "n/x/0", 0, sampling=spec))[0], strict_map_key=False)
+    h = msgpack.unpackb(encode(S.StageForward("r", 1, "n/x/0", 0, sampling=spec))[0], strict_map_key=False)
     assert "sampling" not in h["fields"]
     assert {k: h["fields"][k] for k in _FLAT_SAMPLING} == {
         "temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7, "constraint": {"type": "json_object"},
         "penalties": {"presence": 0.5, "frequency": 0.0, "repeat": 1.2, "repeat_last_n": 16}}
-    plain = msgpack.unpackb(encode(M.StageForward("r", 1, "n/x/0", 0))[0], strict_map_key=False)["fields"]
+    plain = msgpack.unpackb(encode(S.StageForward("r", 1, "n/x/0", 0))[0], strict_map_key=False)["fields"]
     assert (plain["constraint"], plain["penalties"]) == (None, None)  # inactive penalties: None, as 0.2 sends
     # ... and what a 0.2 member sends (the same flat fields, some left out) decodes into the spec.
     h["fields"] = {k: v for k, v in h["fields"].items() if k not in ("constraint", "seed")}
@@ -458,7 +478,7 @@ def test_a_stage_forwards_sampling_spec_travels_as_the_flat_fields_members_on_0_
     ("temperature", -1.0), ("top_p", 0.0), ("top_k", -3),
 ])
 def test_hostile_sampling_fields_are_refused_when_decoded(field, value):
-    h = msgpack.unpackb(encode(M.StageForward("r", 1, "n/x/0", 0))[0], strict_map_key=False)
+    h = msgpack.unpackb(encode(S.StageForward("r", 1, "n/x/0", 0))[0], strict_map_key=False)
     h["fields"][field] = value
     with pytest.raises(ProtocolError, match="invalid StageForward"):
         decode([msgpack.packb(h, use_bin_type=True)])

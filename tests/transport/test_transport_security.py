@@ -15,11 +15,12 @@ from transport.errors import AuthenticationRefused, KeyStoreError, TransportErro
 from transport.keys import AllowList, Keypair, fingerprint, load_or_create_keypair
 from transport.link import StageServer
 from transport.peer import Peer
-from transport.messages import Ack, FreeSequence, encode
+from transport.messages import Ack, encode
 from transport.node import TransportNode
 from tests.support.logs import all_log_events
 from tests.support.waiting import eventually
 from tests.support.repo import ROOT
+from transport.stage_messages import FreeSequence
 
 pytestmark = pytest.mark.timeout(60)
 

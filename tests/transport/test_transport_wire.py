@@ -13,7 +13,9 @@ import zmq
 
 from transport import wire
 from transport.errors import ProtocolError
-from transport.messages import StageForward, decode, encode, message
+from transport.messages import decode, encode
+from transport.registry import message
+from transport.stage_messages import StageForward
 from transport.wire import DTYPES, REDUCED_PRECISION_ERROR, Limits
 
 

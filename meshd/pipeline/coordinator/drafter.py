@@ -17,7 +17,7 @@ from meshd.log import get_logger
 from meshd.pipeline.coordinator.failures import BadTokens, Interrupted, PipelineError, PrefixMiss
 from meshd.pipeline.coordinator.slot import Cuts, Flight
 from partition.ids import RequestId
-from transport.messages import StageForward
+from transport.stage_messages import StageForward
 
 log = get_logger("meshd.coordinator")
 

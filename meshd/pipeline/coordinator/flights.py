@@ -20,7 +20,8 @@ from meshd.pipeline.coordinator.failures import Interrupted, PipelineError, repl
 from meshd.pipeline.coordinator.slot import Flight
 from partition.ids import RequestId
 from transport.errors import TransportError
-from transport.messages import CacheSequence, ErrorReply, FreeSequence, TokenResult
+from transport.messages import ErrorReply
+from transport.stage_messages import CacheSequence, FreeSequence, TokenResult
 
 log = get_logger("meshd.coordinator")
 

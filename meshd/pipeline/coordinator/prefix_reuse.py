@@ -29,7 +29,7 @@ from meshd.pipeline.links import Links
 from meshd.pipeline.route import Route
 from partition.ids import RequestId
 from transport.errors import TransportError
-from transport.messages import PrefixMatch, PrefixProbe, ReusePrefix
+from transport.stage_messages import PrefixMatch, PrefixProbe, ReusePrefix
 
 log = get_logger("meshd.coordinator")
 

@@ -52,8 +52,9 @@ from meshd.pipeline.seqkey import SeqKeys
 from partition.ids import NodeId, RequestId
 from transport.errors import TransportError
 from transport.link import Request
-from transport.messages import Ack, ErrorReply, ForkSequence, StageForward, TokenResult
+from transport.messages import Ack, ErrorReply
 from transport.node import TransportNode
+from transport.stage_messages import ForkSequence, StageForward, TokenResult
 
 __all__ = ["PipelineCoordinator"]
 

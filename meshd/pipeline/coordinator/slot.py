@@ -23,7 +23,7 @@ from meshd.engine.base import Budget
 from meshd.pipeline.route import Route
 from meshd.pipeline.seqkey import SeqKey
 from partition.ids import RequestId
-from transport.messages import TokenResult
+from transport.stage_messages import TokenResult
 
 __all__ = ["Cuts", "Flight", "RequestSlot", "SharedPrefix", "SlotState", "StepsRequest", "TokenStep"]
 

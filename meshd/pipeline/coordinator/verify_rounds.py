@@ -19,7 +19,7 @@ from decoding.speculative.verify import Verdict
 from meshd.log import get_logger
 from meshd.pipeline.coordinator.failures import PipelineError
 from meshd.pipeline.coordinator.slot import RequestSlot, TokenStep
-from transport.messages import StageForward, TokenResult
+from transport.stage_messages import StageForward, TokenResult
 
 log = get_logger("meshd.coordinator")
 

@@ -22,8 +22,9 @@ from meshd.pipeline.stage.errors import HopUnreachable, error_code, failed_node
 from meshd.pipeline.stage.stats import StageStats
 from partition.ids import NodeId
 from transport.errors import TransportError
-from transport.messages import ErrorReply, StageForward
+from transport.messages import ErrorReply
 from transport.node import TransportNode
+from transport.stage_messages import StageForward
 
 log = get_logger("meshd.stage")
 

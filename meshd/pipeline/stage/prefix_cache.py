@@ -42,7 +42,7 @@ from meshd.log import get_logger
 from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.slot import SeqSlot, SeqState
 from partition.ids import SeqKey
-from transport.messages import StageForward
+from transport.stage_messages import StageForward
 
 log = get_logger("meshd.stage")
 

@@ -11,6 +11,7 @@ goes when the scheduler frees the sequence.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import torch
 
@@ -24,7 +25,7 @@ from decoding.models import StageModel
 from meshd.log import get_logger
 from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.worker import Work
-from transport.messages import StageForward, TokenResult
+from transport.stage_messages import StageForward, TokenResult
 
 log = get_logger("meshd.stage")
 
@@ -60,17 +61,16 @@ class StageSampler:
         msg = work.msg
         if isinstance(out, ExitCheck):  # the token left at an exit layer: drawn from that exit's distribution
             result = self._sample(stage, work, out.logits.to("cpu"))
-            result.exit_layer = out.layer
-            return result
+            return dataclasses.replace(result, exit_layer=out.layer)
         logits, hidden = out if work.normed else (out, None)
         if work.tree is not None:
             result = self._verify(stage, work, logits, hidden)
         else:
             result = self._sample(stage, work, logits[-1])
             if msg.medusa_paths > 0:
-                self._attach_proposals(stage, result, hidden[-1], msg.medusa_paths)
+                result = self._with_proposals(stage, result, hidden[-1], msg.medusa_paths)
         if probe is not None:  # the drafter of a cloud-verified answer judges importance from it
-            result.attention = [float(a) for a in probe[-1].tolist()]
+            result = dataclasses.replace(result, attention=[float(a) for a in probe[-1].tolist()])
         return result
 
     def _selector(self, stage: StageModel, work: Work) -> TokenSelector:
@@ -91,7 +91,7 @@ class StageSampler:
                              token_ids=torch.tensor(verdict.committed(tree), dtype=torch.long),
                              chunk_index=msg.chunk_index, path=list(verdict.path))
         if msg.medusa_paths > 0:
-            self._attach_proposals(stage, result, hidden[verdict.path[-1]], msg.medusa_paths)
+            result = self._with_proposals(stage, result, hidden[verdict.path[-1]], msg.medusa_paths)
         return result
 
     def _sample(self, stage: StageModel, work: Work, logits: torch.Tensor) -> TokenResult:
@@ -108,12 +108,12 @@ class StageSampler:
                            token_ids=torch.tensor([token], dtype=torch.long), chunk_index=msg.chunk_index,
                            topk_ids=topk_ids, topk_probs=topk_probs, finished=selector.finished)
 
-    def _attach_proposals(self, stage: StageModel, result: TokenResult, hidden: torch.Tensor, paths: int) -> None:
+    def _with_proposals(self, stage: StageModel, result: TokenResult, hidden: torch.Tensor,
+                        paths: int) -> TokenResult:
         prop, note = self._propose(stage, hidden, paths)
         if prop is None:
-            result.note = note
-        else:
-            result.proposals, result.proposal_values = prop.sequences, list(prop.values)
+            return dataclasses.replace(result, note=note)
+        return dataclasses.replace(result, proposals=prop.sequences, proposal_values=list(prop.values))
 
     def _propose(self, stage: StageModel, hidden: torch.Tensor, paths: int):
         if self._medusa is None and not self._medusa_error:

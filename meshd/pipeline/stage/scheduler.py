@@ -43,8 +43,8 @@ from partition.ids import SeqKey
 from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.prefix_cache import CacheKey, PrefixCache
 from meshd.pipeline.stage.stats import StageStats
-from transport.messages import ReusePrefix, StageForward
 from meshd.pipeline.stage.slot import SeqSlot, SeqState
+from transport.stage_messages import ReusePrefix, StageForward
 
 log = get_logger("meshd.stage")
 

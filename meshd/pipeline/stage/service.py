@@ -51,8 +51,18 @@ from meshd.pipeline.stage.stats import StageStats
 from meshd.pipeline.stage.worker import StageWorker, Work
 from partition.ids import NodeId, SeqKey
 from transport.link import Request, StageServer
-from transport.messages import (Ack, CacheSequence, ErrorReply, ForkSequence, FreeSequence, Hello, HelloReply,
-                                PrefixMatch, PrefixProbe, ReusePrefix, StageForward, TokenResult, Truncate)
+from transport.messages import Ack, ErrorReply, Hello, HelloReply
+from transport.stage_messages import (
+    CacheSequence,
+    ForkSequence,
+    FreeSequence,
+    PrefixMatch,
+    PrefixProbe,
+    ReusePrefix,
+    StageForward,
+    TokenResult,
+    Truncate,
+)
 from transport.node import TransportNode
 
 log = get_logger("meshd.stage")

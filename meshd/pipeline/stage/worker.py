@@ -36,8 +36,8 @@ from meshd.log import get_logger
 from meshd.pipeline.route import Route
 from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.slot import SeqSlot
-from transport.messages import StageForward
 from partition.ids import SeqKey
+from transport.stage_messages import StageForward
 
 log = get_logger("meshd.stage")
 
