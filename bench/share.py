@@ -535,6 +535,7 @@ def main() -> int:
     from bench._common import emit_json, machine_banner
     from meshd.model.store import default_model_path, is_pulled
     from meshd.share import manifest as mf
+    from meshd.share import manifest_build as mb
 
     if args.model is None and not is_pulled():
         raise SystemExit("the embedded model is not pulled (meshd model pull)")
@@ -545,7 +546,7 @@ def main() -> int:
     log(f"bench/share.py: {banner['cores']} cores ({banner['cpu']}), torch {banner['torch']}, load "
         f"{banner['load_avg_1m']:.2f}; model {model.name}; daemons: 1 torch thread each, alpha core 0, "
         f"gamma core 1, beta core 1; memory budget {args.memory_budget_mb or 'default'} MB each; links {links}")
-    manifest = mf.build(model)
+    manifest = mb.build(model)
     log(f"manifest: {len(manifest.pieces)} pieces of <= {manifest.piece_size >> 20} MiB, {len(manifest.regions)} "
         f"regions, header {manifest.header.length / 1e6:.2f} MB of {manifest.size / 1e6:.1f} MB")
     reference = references(model)

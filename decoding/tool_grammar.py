@@ -31,7 +31,7 @@ A thinking model (Qwen3) reasons in a ``<think>…</think>`` block before it
 answers; ``reasoning`` in the spec says the block may open at the start
 (``"start"``) or is already open because the prompt opened it (``"inside"``).
 Nothing is masked or triggered inside it: the grammar starts over, as at the
-start of an answer, after ``</think>`` (``decoding.constrained``).
+start of an answer, after ``</think>`` (``decoding.tool_constraint``).
 
 The spec is a plain dict so it crosses the wire to whichever stage samples::
 

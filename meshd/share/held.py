@@ -17,6 +17,7 @@ from typing import Any
 
 from meshd.log import get_logger
 from meshd.share import manifest as mf
+from meshd.share import manifest_build as mb
 from meshd.share.deps import ShareError
 from meshd.share.gate import NOTHING, Holdings
 from meshd.share.manifest import Manifest, ManifestError
@@ -102,7 +103,7 @@ class HeldModel:
             try:
                 m = Manifest.from_data(cached.read_bytes())
             except (OSError, ManifestError):
-                m = await asyncio.to_thread(mf.build, path, mf.PIECE_SIZE, None, reader,
+                m = await asyncio.to_thread(mb.build, path, mf.PIECE_SIZE, None, reader,
                                             self.local_parts or None, self._local_readers or None)
                 from meshd.state import atomic_write
 

@@ -24,7 +24,8 @@ import torch
 
 from decoding.errors import ModelLoadError
 from decoding.loader.gguf_source import GGUFSource
-from meshd.share.manifest import ManifestError, check_against_header, needed_tensors
+from meshd.share.manifest import ManifestError, needed_tensors
+from meshd.share.manifest_build import check_against_header
 from meshd.share.store import CachedModel
 
 

@@ -166,7 +166,7 @@ def test_a_model_that_does_not_think_keeps_its_text_as_it_is(srv):
 
 @pytest.mark.parametrize("opens, expected", [(False, "start"), (True, "inside")])
 def test_offered_tools_tell_the_grammar_that_the_model_thinks_first(opens, expected):
-    """The grammar leaves the think block free (``decoding.constrained``): the spec says it may come."""
+    """The grammar leaves the think block free (``decoding.tool_constraint``): the spec says it may come."""
     from meshd.api.generation import chat_prompt, constrain_tool_calls
     from meshd.engine.options import Capabilities, RequestOptions
 

@@ -15,6 +15,7 @@ from decoding.generate import generate
 from decoding.pipeline_local import LocalPipeline
 from meshd.client import MeshdClient
 from meshd.share import manifest as mf
+from meshd.share import manifest_build as mb
 from tests.support.daemons import HALF_THE_MODEL, kill_hard, run_cli, summary
 from tests.support.waiting import wait_until
 
@@ -48,7 +49,7 @@ def warm_plan_over(procs, n) -> bool:
 
 @pytest.fixture(scope="module")
 def manifest(real_source):
-    return mf.build(real_source.path, reader=real_source._reader)
+    return mb.build(real_source.path, reader=real_source._reader)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshd.share import manifest as mf
+from meshd.share import manifest_build as mb
 from meshd.share.gate import Holdings, gate_plan, holdings_of
 from meshd.share.runs import from_runs, to_runs
 from meshd.share.throttle import RateError, TokenBucket, parse_rate
@@ -38,7 +39,7 @@ def file_layouts(draw):
 @given(file_layouts(), st.integers(1, 97))
 def test_regions_and_pieces_tile_the_file_exactly(layout, piece_size):
     size, header, tensors = layout
-    spans = mf.layout(size, header, tensors)
+    spans = mb.layout(size, header, tensors)
     owner = [None] * size  # brute force: which region owns every byte
     for k, (_, off, n) in enumerate(spans):
         for b in range(off, off + n):
@@ -60,11 +61,11 @@ def test_regions_and_pieces_tile_the_file_exactly(layout, piece_size):
 
 def test_overlapping_tensors_or_tensors_in_the_header_are_refused():
     with pytest.raises(mf.ManifestError):
-        mf.layout(100, 10, [("a", 20, 10), ("b", 25, 10)])
+        mb.layout(100, 10, [("a", 20, 10), ("b", 25, 10)])
     with pytest.raises(mf.ManifestError):
-        mf.layout(100, 10, [("a", 5, 10)])
+        mb.layout(100, 10, [("a", 5, 10)])
     with pytest.raises(mf.ManifestError):
-        mf.layout(100, 10, [("a", 95, 10)])
+        mb.layout(100, 10, [("a", 95, 10)])
 
 
 @settings(max_examples=200, deadline=None)
@@ -87,7 +88,7 @@ def test_malformed_runs_are_refused(bad):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", layers=5, rope_freqs=True)
-    return path, mf.build(path, piece_size=1000)
+    return path, mb.build(path, piece_size=1000)
 
 
 def test_a_manifest_describes_every_byte_of_its_file(tiny):
@@ -109,7 +110,7 @@ def test_a_manifest_describes_every_byte_of_its_file(tiny):
 def test_the_manifest_travels_as_canonical_bytes_with_a_stable_digest(tiny):
     path, m = tiny
     again = mf.Manifest.from_data(m.data)
-    assert again.data == m.data and again.digest == m.digest == mf.build(path, piece_size=1000).digest
+    assert again.data == m.data and again.digest == m.digest == mb.build(path, piece_size=1000).digest
     doc = json.loads(m.data)
     doc["pieces"][3] = "0" * 64  # a tampered digest is still a manifest, but another one
     assert mf.Manifest.from_data(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()).digest != m.digest
@@ -132,7 +133,7 @@ def test_malformed_manifests_are_refused(tiny, mutate):
 
 def test_a_manifest_that_disagrees_with_the_files_header_is_refused(tiny, tmp_path):
     path, m = tiny
-    mf.check_against_header(m, path)
+    mb.check_against_header(m, path)
     spans = [(r.name, r.offset, r.length, r.sha256) for r in m.regions]
     i = next(k for k, s in enumerate(spans) if s[0] == mf.GAP)  # move a gap before the tensor it follows
     (n0, o0, l0, s0), (n1, _, l1, s1) = spans[i - 1], spans[i]
@@ -140,7 +141,7 @@ def test_a_manifest_that_disagrees_with_the_files_header_is_refused(tiny, tmp_pa
     moved = mf.assemble(m.name, m.sha256, m.size, m.piece_size, spans,
                         [p.sha256 for p in m.pieces])  # digests no longer matter: the layout is wrong
     with pytest.raises(mf.ManifestError):
-        mf.check_against_header(moved, path)
+        mb.check_against_header(moved, path)
 
 
 # ------------------------------------------------------------------ which tensors a stage reads

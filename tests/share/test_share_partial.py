@@ -12,6 +12,7 @@ import torch
 from decoding.errors import ModelLoadError
 from decoding.loader.gguf_source import GGUFSource
 from meshd.share import manifest as mf
+from meshd.share import manifest_build as mb
 from meshd.share.fetch import Fetch, Holder, NoHolder
 from meshd.share.source import PartialGGUFSource
 from meshd.share.store import CachedModel, ModelCache
@@ -24,7 +25,7 @@ LAYERS = 5
 @pytest.fixture
 def model(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", layers=LAYERS, rope_freqs=True)
-    return path, mf.build(path, piece_size=1000)
+    return path, mb.build(path, piece_size=1000)
 
 
 class FileHolder:

@@ -17,6 +17,7 @@ import torch
 
 from decoding.loader.gguf_source import GGUFSource
 from meshd.share import manifest as mf
+from meshd.share import manifest_build as mb
 from meshd.share.fetch import Fetch, Holder
 from meshd.share.source import PartialGGUFSource
 from meshd.share.store import CachedModel, ModelCache
@@ -44,19 +45,19 @@ def same_weights(a, b):
 
 def test_the_manifest_of_a_split_set_is_the_loaders_model(model):
     single, parts = model
-    m = mf.build(parts[0], piece_size=1000, parts=parts)
+    m = mb.build(parts[0], piece_size=1000, parts=parts)
     assert m.identity == GGUFSource(parts[0]).identity
     assert [(p.name, p.size) for p in m.parts] == [(p.name, p.stat().st_size) for p in parts]
     assert [r.name for r in m.header_regions] == ["@header", "@header:2", "@header:3"]
     assert m.size == sum(p.stat().st_size for p in parts)
     assert set(m.tensor_names) == {t.name for t in GGUFSource(single)._reader.tensors}
     assert mf.Manifest.from_data(m.data) == m
-    assert "parts" not in json.loads(mf.build(single, piece_size=1000).data), "a single file's manifest is unchanged"
+    assert "parts" not in json.loads(mb.build(single, piece_size=1000).data), "a single file's manifest is unchanged"
 
 
 def test_a_manifest_whose_parts_are_not_a_set_is_refused(model):
     _, parts = model
-    doc = json.loads(mf.build(parts[0], piece_size=1000, parts=parts).data)
+    doc = json.loads(mb.build(parts[0], piece_size=1000, parts=parts).data)
     doc["parts"][1][0] = "other-00002-of-00003.gguf"
     with pytest.raises(mf.ManifestError, match="not part of"):
         mf.Manifest.from_data(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode())
@@ -76,7 +77,7 @@ class PartsHolder:
 
 def test_a_layer_range_is_fetched_into_sparse_parts_and_loads_as_the_single_file(model, tmp_path):
     single, parts = model
-    m = mf.build(parts[0], piece_size=1000, parts=parts)
+    m = mb.build(parts[0], piece_size=1000, parts=parts)
     entry = ModelCache(tmp_path / "cache").create(m)
     assert [p.name for p in entry.paths] == [p.name for p in parts]
     wanted = [*m.header_pieces, *m.pieces_of(mf.needed_tensors(m.tensor_names, LAYERS, 1, 3))]
@@ -97,7 +98,7 @@ def test_a_layer_range_is_fetched_into_sparse_parts_and_loads_as_the_single_file
 
 def test_a_whole_split_set_fetched_is_verified_by_the_hash_of_all_parts(model, tmp_path):
     _, parts = model
-    m = mf.build(parts[0], piece_size=1000, parts=parts)
+    m = mb.build(parts[0], piece_size=1000, parts=parts)
     entry = ModelCache(tmp_path / "cache").create(m)
     holder = PartsHolder(parts, m)
     asyncio.run(Fetch(entry, range(len(m.pieces)), lambda: {"a": Holder("a", lambda i: True, holder.get)}).run())
