@@ -182,7 +182,7 @@ def test_training_the_router_reproduces_the_shipped_weights():
 @pytest.mark.parametrize("value", ["auto", "on", "off"])
 def test_the_outline_field_is_parsed(value):
     req = oa.parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "outline": value})
-    assert req.params.outline == value
+    assert req.options.outline == value
 
 
 @pytest.mark.parametrize("value", ["sometimes", True, 1, {"mode": "on"}])
