@@ -268,10 +268,11 @@ class ErrorReply:
 
     ``node``: the node that failed — the stage reporting, or the next stage it
     could not reach — so a coordinator knows whom to suspect without reading
-    ``message``. Members on 0.2 neither send it (it decodes to "") nor accept
-    it (their ErrorReply is strict): a sender sets it only for peers that do.
-    Extensible, and fields at their default stay off the wire, so a reply
-    without a node is the one 0.2 sends.
+    ``message``. Releases before it neither send it (it decodes to "") nor
+    accept it (their ErrorReply is strict): a sender sets it only for peers
+    that say they decode it (meshd: ``error_node`` in their heartbeats'
+    capability set). Extensible, and fields at their default stay off the
+    wire, so a reply without a node is the one an older release sends.
     """
 
     code: str
