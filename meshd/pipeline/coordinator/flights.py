@@ -26,6 +26,11 @@ from transport.stage_messages import CacheSequence, FreeSequence, TokenResult
 log = get_logger("meshd.coordinator")
 
 
+# How long a token of prompt may take on the slowest device we wait for (20 tokens/s: a
+# 1.5B model in float32 on one small core) before a stage counts as stuck.
+PREFILL_BUDGET_S_PER_TOKEN = 0.05
+
+
 @dataclass(frozen=True)
 class Replanned:
     """The mesh re-planned under a flight (``new`` None: no plan yet)."""

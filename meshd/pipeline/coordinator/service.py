@@ -3,7 +3,8 @@
 The coordinator is whichever daemon received the request. It injects the
 prompt's sub-sequences back to back into the first stage (stage i then works
 on chunk j while stage i+1 works on chunk j-1), waits for the last stage's
-sampled token, and feeds each new token back in. Many requests may be in
+sampled token, and feeds each new token back in (one attempt: :mod:`.attempt`;
+this module is the request's loop around its attempts). Many requests may be in
 flight at once: each has its own home-wide sequence key in every stage's
 cache, and the stages interleave their messages, so the devices stay busy.
 
@@ -24,27 +25,23 @@ still queued upstream cannot re-create a freed sequence).
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from collections.abc import AsyncIterator
 
-import torch
-
-from decoding.pipeline_local import chunk_bounds
 from decoding.sampling import SamplingParams
 from decoding.speculative.adaptive import RoundCost
 from decoding.speculative.params import MAX_CANDIDATES
 from meshd.engine.errors import out_of_vocab
 from meshd.log import get_logger
+from meshd.pipeline.coordinator.attempt import attempt
 from meshd.pipeline.coordinator.drafter import MeshDrafter
 from meshd.pipeline.coordinator.failures import (BadTokens, Interrupted, NoRoute, PipelineError, PrefixMiss,
                                                  gone_message)
-from meshd.pipeline.coordinator.flights import FlightTable, Replanned
+from meshd.pipeline.coordinator.flights import PREFILL_BUDGET_S_PER_TOKEN, FlightTable, Replanned
 from meshd.pipeline.coordinator.prefix_reuse import PrefixReuse
 from meshd.pipeline.coordinator.routes import RouteCounts, RouteTable
 from meshd.pipeline.coordinator.slot import (Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest,
                                              TokenStep)
-from meshd.pipeline.coordinator.verify_rounds import verify_rounds
 from meshd.pipeline.coordinator.workload import WorkloadMeter
 from meshd.pipeline.links import Directory, Links
 from meshd.pipeline.route import Route
@@ -54,16 +51,11 @@ from transport.errors import TransportError
 from transport.link import Request
 from transport.messages import Ack, ErrorReply
 from transport.node import TransportNode
-from transport.stage_messages import ForkSequence, StageForward, TokenResult
+from transport.stage_messages import TokenResult
 
 __all__ = ["PipelineCoordinator"]
 
 log = get_logger("meshd.coordinator")
-
-
-# How long a token of prompt may take on the slowest device we wait for (20 tokens/s: a
-# 1.5B model in float32 on one small core) before a stage counts as stuck.
-PREFILL_BUDGET_S_PER_TOKEN = 0.05
 
 
 class PipelineCoordinator:
@@ -199,7 +191,7 @@ class PipelineCoordinator:
             running = route  # counted in route_counts until given back
             while True:
                 try:
-                    async for step in self._attempt(slot, route):
+                    async for step in attempt(self, slot, route):
                         slot.generated.append(step.token)
                         if len(slot.generated) == 1:
                             cached = step.cached or 0
@@ -260,98 +252,6 @@ class PipelineCoordinator:
     def note_replay(self) -> None:
         """Count a request (or a drafter) that lost its sequence and goes on on a fresh one."""
         self.resumes += 1
-
-    async def _attempt(self, slot: RequestSlot, route: Route) -> AsyncIterator[TokenStep]:
-        """One pass on one route: (re-)prefill prompt + generated tokens, then decode.
-
-        The prompt starts on what every stage already holds of it (``reuse`` positions, see
-        :class:`PrefixReuse`); only the rest is prefilled. A request that ends well leaves its
-        sequence in the stages' prefix caches for the next one."""
-        request, speculation, keep, fork = slot.request, slot.request.speculation, slot.request.keep, \
-            slot.request.fork
-        flight = slot.flight = self.open_flight(slot.request_id, route)
-        slot.state = SlotState.RUNNING
-        seq, first = flight.seq, route.stages[0].node_id
-        base = 0  # positions before ours: a forked parent's, read in place
-        kept = completed = caches = False
-        fields = dict(request_id=slot.request_id, plan_version=route.plan_version, seq_id=seq,
-                      reply_to=self.reply_to, capacity=slot.capacity(), sampling=slot.sampling.unshaped(),
-                      return_topk=int(request.return_topk),
-                      exit_threshold=float(request.exit_threshold) if self.table.exits_on(route) else 0.0)
-        medusa_paths = self.medusa_paths if speculation is not None and speculation.uses_medusa else 0
-        ids = slot.context
-        try:
-            if fork is not None:
-                if fork.seq is None or fork.route is None or fork.route.key != route.key:
-                    raise PipelineError("the shared prefix is gone (the mesh re-planned); retry the request")
-                base = fork.length
-                await self.send(first, ForkSequence(route.plan_version, seq, fork.seq, base))
-                reuse = 0
-            else:
-                reuse, caches = await self.prefixes.start(
-                    slot.request_id, route, seq, ids, slot.capacity(), self.send, self.reply_to,
-                    self.token_timeout_s + len(ids) * PREFILL_BUDGET_S_PER_TOKEN, allowed=slot.reuse)
-                caches = caches and keep is None
-            prefill = ids[reuse:]
-            cuts = request.cuts
-            cut_points = cuts(len(prefill), route) if callable(cuts) else cuts  # fixed cuts stay valid on a replay
-            bounds = chunk_bounds(len(prefill), request.chunks, cut_points)
-            for j, (a, b) in enumerate(bounds):
-                last = j == len(bounds) - 1
-                shape = slot.shaping() if last else {}
-                await self.send(first, StageForward(
-                    position_offset=base + reuse + a, chunk_index=j,
-                    token_ids=torch.tensor(prefill[a:b], dtype=torch.long), is_last_chunk=last,
-                    sample_step=len(slot.generated), medusa_paths=medusa_paths if last else 0,
-                    **{**fields, **shape}))
-            pos = base + len(ids)
-            if speculation is not None:
-                first_step = True
-                async for step in verify_rounds(self, slot, speculation, fields, base):
-                    if first_step:
-                        self.prefixes.prefilled(slot.request_id)
-                        step, first_step = dataclasses.replace(step, cached=reuse), False
-                    completed = True  # a caller that stops here ends it well (stages keep verified positions)
-                    yield step
-                    completed = False
-                completed = True
-                return
-            work = len(prefill)  # the first token waits for the whole prompt's prefill
-            while True:
-                result = await self.next_result(flight, work)
-                step, finished = TokenStep.of(result), result.finished
-                if work == len(prefill):
-                    self.prefixes.prefilled(slot.request_id)
-                    step = dataclasses.replace(step, cached=reuse)
-                work = 1
-                token = step.token
-                if keep is not None:
-                    # Should the caller stop here (or the request end), the stages hold ``pos``
-                    # positions (this token is not fed): that is the prefix it keeps.
-                    keep.route, keep.seq, keep.length = route, seq, pos
-                    kept = True
-                completed = True  # a caller that stops here ends the request well
-                yield step  # the caller appends it to ``slot.generated`` before resuming us
-                if slot.ends_with(token):
-                    return
-                if finished:  # the grammar is complete: nothing may follow but the end
-                    if request.eos_ids:
-                        yield TokenStep(min(request.eos_ids))
-                    return
-                kept = completed = False  # feeding another token: what was kept moves on
-                await self.send(first, StageForward(
-                    position_offset=pos, chunk_index=0, token_ids=torch.tensor([token], dtype=torch.long),
-                    is_last_chunk=True, sample_step=len(slot.generated), **fields))
-                pos += 1
-        finally:
-            self.prefixes.prefilled(slot.request_id)
-            slot.flight = None
-            if kept:
-                self.flights.forget(flight)
-            else:
-                if keep is not None:
-                    keep.seq = None
-                await self.flights.end(flight, cache=caches and completed)
 
     def exits_available(self) -> bool | None:
         """Whether a route known to serve checks early exits at its last stage (None: none serves yet)."""
