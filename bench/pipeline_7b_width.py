@@ -59,9 +59,8 @@ def build_model(layers: int) -> Path:
 async def run(args) -> dict:
     import torch
 
-    from decoding.generate import generate
     from decoding.loader import open_model
-    from decoding.pipeline_local import LocalPipeline, even_split
+    from decoding.pipeline_local import even_split
     from decoding.sampling import SamplingSpec
     from tests.support.coordinator import generate_on
     from tests.support.proc_mesh import ProcessMesh
