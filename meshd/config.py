@@ -169,13 +169,6 @@ def placement_of(cfg: Config | None):
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
-def parse_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
 def _coerce(key: str, value: Any, source: str) -> Any:
     """Convert a TOML/env/flag value to the field's type, with a clear error."""
     ftype = str(FIELDS[key].type)

@@ -207,9 +207,6 @@ class AllowList:
         self._reload_if_changed()
         return key in self._peers
 
-    def contains(self, public_key: bytes | str) -> bool:
-        return public_key in self
-
     def keys(self) -> list[bytes]:
         self._reload_if_changed()
         return sorted(self._peers)

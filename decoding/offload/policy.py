@@ -152,12 +152,6 @@ class OffloadPolicy:
         self._fit, self._since = (c_th, (lo + hi) / 2), 0
         return self._fit
 
-    def conf_threshold(self) -> float:
-        return self.thresholds()[0]
-
-    def i_th(self) -> float:
-        return self.thresholds()[1]
-
     def decide(self, confidence: float, importance: float, generated: int, max_tokens: int,
                rng: random.Random) -> bool:
         """Offload this chunk? (Also records it for the calibration.) The budget is the share of

@@ -187,15 +187,6 @@ class CachedModel:
         fd, local = self._at(p.offset)
         return os.pread(fd, p.length, local)
 
-    def verify_region(self, name: str) -> bool:
-        """Re-hash one region from disk against the manifest."""
-        r = self.manifest.by_name[name]
-        h = hashlib.sha256()
-        fd, local = self._at(r.offset)
-        for start in range(local, local + r.length, 8 << 20):
-            h.update(os.pread(fd, min(8 << 20, local + r.length - start), start))
-        return h.hexdigest() == r.sha256
-
     def verify_whole(self) -> bool:
         """All pieces held and the file's sha256 right: mark it complete."""
         if len(self.have) != len(self.manifest.pieces):
