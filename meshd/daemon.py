@@ -32,21 +32,22 @@ from collections.abc import Callable
 import structlog
 import zmq
 
-from meshd.mesh import control
 from meshd.cloud.sync import CloudSync
 from meshd.config import Config
-from meshd.mesh.discovery import select_interfaces
 from meshd.engine.draining import DaemonError
 from meshd.log import get_logger
-from meshd.mesh.membership import Debouncer, Membership
+from meshd.mesh import control
 from meshd.mesh.admission import Admission
+from meshd.mesh.discovery import select_interfaces
 from meshd.mesh.gossip import Gossip
 from meshd.mesh.local import LocalMember
+from meshd.mesh.maintenance import Maintenance
+from meshd.mesh.membership import Debouncer, Membership
+from meshd.mesh.peerlink import PeerLink, probe_interval_for
 from meshd.mesh.planner import Planner
 from meshd.mesh.status import StatusDocument
 from meshd.mesh.view import MeshView
 from meshd.model.host import ModelHost
-from meshd.mesh.peerlink import PeerLink, probe_interval_for
 from meshd.sdnotify import Notifier
 from meshd.share.deps import ShareDeps, ShareSettings, share_address
 from meshd.share.service import start_sharing
@@ -192,7 +193,9 @@ class Daemon:
         await self._start_api()
         await self.admission.start_discovery()
         self.planner.poke()  # first plan: this node alone, until peers answer
-        self._tasks.append(asyncio.create_task(self._maintenance_loop(), name="maintenance"))
+        maintenance = Maintenance(self.view, self.gossip, self.link, self.planner, self.debounce, cfg.heartbeat_interval_s,
+                                  cfg.replan_debounce_s, self.clock, on_heartbeat=self.cloud_sync.tick)
+        self._tasks.append(asyncio.create_task(maintenance.run(), name="maintenance"))
         if self.notifier.watchdog_interval_s:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(), name="watchdog"))
         self._tasks.append(asyncio.create_task(self.models.wait_ready(self.notifier), name="readiness"))
@@ -264,26 +267,6 @@ class Daemon:
         with contextlib.suppress(FileNotFoundError):
             (self.state.root / RUNTIME_FILE).unlink()
         log.info("daemon_stopped")
-
-    async def _maintenance_loop(self) -> None:
-        cfg = self.config
-        step = max(0.05, min(cfg.heartbeat_interval_s, cfg.replan_debounce_s) / 4)
-        next_beat = 0.0
-        while True:
-            now = self.clock()
-            try:
-                if now >= next_beat:
-                    self.gossip.send_heartbeat()
-                    self.cloud_sync.tick()
-                    next_beat = now + cfg.heartbeat_interval_s
-                self.link.probe_due()  # round trips, in background tasks: never waits here
-                self.gossip.apply(self.view.membership.tick(now))
-                if self.debounce.due(now):
-                    self.planner.maybe_replan()
-                self.planner.check_workload()
-            except Exception:  # never let one bad tick end liveness tracking
-                log.exception("maintenance_failed")
-            await asyncio.sleep(step)
 
     async def _watchdog_loop(self) -> None:
         while True:
