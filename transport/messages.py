@@ -15,8 +15,8 @@ the client API.
 The messages here are the link's own: hello, probes, acks, error replies and plan
 updates. The stage protocol's are ``transport.stage_messages``, the cloud verifier's
 ``transport.cloud_messages``; the control plane's and model sharing's live with them
-(``meshd.mesh.control``, ``meshd.share.messages``). A process decodes the messages whose
-modules it imported, which every handler of them does.
+(``meshd.mesh.control``, ``meshd.share.messages``): those are decoded where their
+handlers imported them. Transport's own three modules are always registered together (see the end).
 """
 
 from __future__ import annotations
@@ -297,3 +297,11 @@ class PlanUpdate:
 
     plan_version: PlanVersion
     assignment: dict[str, Any]
+
+
+# Every transport message is known wherever a link decodes: the stage protocol and the cloud
+# verifier's register themselves when imported, and a process that never used them must still
+# answer an unknown peer's message with "unknown type" rather than a protocol error.
+from transport import cloud_messages as _cloud_protocol, stage_messages as _stage_protocol  # noqa: E402
+
+TRANSPORT_PROTOCOLS = (_stage_protocol, _cloud_protocol)
