@@ -118,8 +118,8 @@ async def measure(mesh, guard: CacheGuard, what: str, ids, cuts, decode_tokens: 
     """Cold TTFT: every rep's prompt is one no stage has seen (same length, same cuts), and the stages'
     counters must show nothing reused while it ran."""
     from decoding.sampling import SamplingSpec
-
     from tests.support.coordinator import generate_on
+
     ttfts, decode_rates = [], []
     for r in range(reps):
         fresh = unseen(ids, next(_serials), vocab_size)
@@ -144,8 +144,8 @@ async def concurrent_decode(mesh, guard: CacheGuard, ids, n_requests: int, token
     """Aggregate decode tokens/s with ``n_requests`` generating at once (each its own unseen prompt
     the length of ``ids``: none shares another's prefill)."""
     from decoding.sampling import SamplingSpec
-
     from tests.support.coordinator import generate_on
+
     stamps: list[float] = []
 
     async def one(i, prompt):
@@ -165,8 +165,8 @@ async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
     from decoding.pipeline_local import LocalPipeline
     from decoding.sampling import SamplingSpec
     from meshd.model.store import open_model
-
     from tests.support.coordinator import generate_on
+
     src = open_model(None)
     ref = LocalPipeline.from_source(src, 1)
     bad = []
