@@ -128,7 +128,7 @@ def test_advise_on_this_device_alone_uses_the_shipped_profile_and_says_so(home, 
 
 
 def test_advise_uses_this_devices_own_profile_and_scales_its_speed(home, capsys):
-    shipped = Path(model_store.__file__).parent / "profiles" / "x86_64-2core-1thread-packed-qwen2.5-coder-1.5b.json"
+    shipped = Path(model_store.__file__).parent.parent / "profiles" / "x86_64-2core-1thread-packed-qwen2.5-coder-1.5b.json"
     (home / "profiles").mkdir(parents=True)
     data = json.loads(shipped.read_text())
     data["decode_step_s"] = [s / 4 for s in data["decode_step_s"]]  # a device four times as fast

@@ -183,7 +183,7 @@ class ProcessMesh:
             if time.monotonic() > deadline:
                 late = [str(f.parent.name) for f, b in zip(files, before) if serial(f) <= b]
                 raise RuntimeError(f"stage processes {late} did not report their status within {timeout_s}s")
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # sleep-ok: polls files the stage processes write on SIGUSR1
         return [json.loads(f.read_text())["status"] for f in files]
 
     async def reused_tokens(self) -> int:
