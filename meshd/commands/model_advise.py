@@ -113,7 +113,9 @@ def _speed(state: Path) -> Speed:
                                 f" {str(data.get('measured_at', ''))[:10]}")
         if sp is not None:
             return sp
-    shipped = Path(model_store.__file__).parent.parent / "profiles"
+    from meshd.mesh.home_plan import shipped_profiles_dir
+
+    shipped = shipped_profiles_dir()
     rec = model_store.CATALOG[model_store.RECOMMENDED_FOR_HOME_ASSISTANT]
     for path, data in read_profiles(shipped):
         if data.get("dtype") == "packed" and (profile_model(data) or "").startswith(rec.file_name):
