@@ -238,6 +238,11 @@ class StageServer:
         while True:
             await self._handle(await self.inbox.get())
 
+    def queued(self) -> list[Any]:
+        """The ordered messages waiting in :attr:`inbox` now, oldest first (a snapshot; ``[]`` without one)."""
+        # asyncio.Queue has no public peek; its deque is read, never changed, here and only here.
+        return [r.message for r in list(self.inbox._queue)] if self.inbox is not None else []
+
     async def answer(self, reqs: list[Request], step: Callable[[list[Any]], Awaitable[list[Any]]]) -> None:
         """Answer ``reqs`` with ``step(their messages)``, one reply each (None: ``Ack``); if the step fails,
         each gets the error reply. One-way messages are answered only with errors."""

@@ -23,7 +23,7 @@ from partition.ids import PlanVersion, RequestId, SeqKey
 from transport.registry import WirePart, activation, flattened, later, message
 
 __all__ = ["SAMPLING_WIRE", "StageForward", "TokenResult", "Truncate", "FreeSequence", "ForkSequence",
-           "PrefixProbe", "PrefixMatch", "ReusePrefix", "CacheSequence"]
+           "PrefixProbe", "PrefixMatch", "ReusePrefix", "CacheSequence", "StageProgress"]
 
 
 def _sampling_to_wire(s: SamplingSpec) -> dict[str, Any]:
@@ -209,3 +209,18 @@ class CacheSequence:
 
     plan_version: PlanVersion
     seq_id: SeqKey
+
+
+@message
+@dataclass(frozen=True)
+class StageProgress:
+    """A stage is computing, or holds queued behind what it computes, work of ``seq_ids``: sent to
+    their coordinator every few seconds while a pass runs, so a coordinator waits on progress rather
+    than on a speed it assumed (a slow device is not a dead one; a stuck one stops sending).
+
+    ``done``: rows x layers this stage has computed since it started, a count that grows with every
+    layer of every pass; a stage sends only when it grew since its last report."""
+
+    node_id: str
+    seq_ids: list[str]
+    done: int

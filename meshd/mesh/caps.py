@@ -30,6 +30,7 @@ class Cap(enum.Enum):
     LAYOUTS = "layouts"  # follows plans of several routes (replicas, mixed layouts), not one pipeline only
     EXITS = "exits"  # its coordinator reads early-exit fields (HelloReply.exits, TokenResult.exit_layer)
     ERROR_NODE = "error_node"  # its coordinator reads ErrorReply.node and .seq_id
+    PROGRESS = "progress"  # its stage reports StageProgress during long passes; its coordinator reads them
 
 
 @dataclass(frozen=True)

@@ -272,7 +272,7 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
     directory.own_port = int(address.rsplit(":", 1)[1])
     coordinator = PipelineCoordinator(node, view.node_id, directory, resume_timeout_s=cfg.request_wait_s,
                                       model=source.identity, vocab_size=source.config.vocab_size,
-                                      prefix_cache=share > 0)
+                                      prefix_cache=share > 0, peer_caps=directory.caps_of)
     await coordinator.start(f"tcp://{cfg.listen}:0", advertise_host=directory.own_host())
 
     def profiles_for() -> dict[str, dict]:

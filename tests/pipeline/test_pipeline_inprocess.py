@@ -294,28 +294,70 @@ def test_daemon_cut_points_come_from_the_sequence_partitioner_table():
     assert cut_table_for(route, {"a": prof}, 30, "1gbit,1ms") is None  # a member without a profile
 
 
-async def test_a_prompt_slower_than_the_token_timeout_is_waited_for_not_replayed(tiny):
-    """The wait for the first token grows with the prompt: a slow device is not a dead one.
-
-    Before, a fixed 30 s wait made a 3,600-token Home Assistant prompt on a 1.5B model in
-    float32 time out, replay from scratch, time out again, for ever.
-    """
+def _slow_layers(stage, seconds, times=None):
+    """Each layer of a prompt pass (more than one row) on ``stage`` takes ``seconds`` longer, as on a slow
+    device (``times``: only the first that many such layers; None: all)."""
     import time as _time
 
+    real, left = stage._layer, [times]
+
+    def slow(kv, li, lw, h, *args):
+        if h.shape[0] > 1 and (left[0] is None or left[0] > 0):
+            left[0] = None if left[0] is None else left[0] - 1
+            _time.sleep(seconds)  # sleep-ok: a layer of a prompt on a slow device (compute thread)
+        return real(kv, li, lw, h, *args)
+
+    stage._layer = slow
+
+
+async def test_a_prompt_far_slower_than_the_token_timeout_is_waited_for_while_its_stages_advance(tiny):
+    """The wait follows progress, not an assumed speed: a slow device is not a dead one.
+
+    Before, the first token's wait grew by a constant per prompt token (itself a replacement for a
+    fixed 30 s), so a device slower than the constant assumed — Home Assistant's first 2,900-token
+    prompt on the recommended 1.5B model — timed out, replayed from scratch and timed out for ever.
+    Here every prompt layer takes 0.3 of the token timeout, the prompt several timeouts, and no stage
+    is ever silent for a whole timeout: the request completes with no replay.
+    """
     prompt = list(range(5, 45))
-    async with Mesh(tiny, 2) as mesh:
+    async with Mesh(tiny, 2, prefix_share=0, progress_every_s=0.02) as mesh:  # every prompt computed in full
         ref = await mesh.run(prompt, 4, rid="ref")
-        mesh.coord.token_timeout_s = 0.3  # the prompt's 40 positions add 1.95 s to the first wait
-        stage = mesh.services[0].stage
-        real = stage.forward_batch
-
-        def slow(kv, items, probes):
-            if sum(w.tokens for w in items) > 1:
-                _time.sleep(0.8)  # sleep-ok: a prompt chunk on a slow device; decode steps stay fast
-            return real(kv, items, probes)
-
-        stage.forward_batch = slow
-        before = mesh.coord.resumes
-        async with asyncio.timeout(30):  # the old fixed wait replayed the prompt for ever
+        mesh.coord.token_timeout_s = 0.5
+        for svc in mesh.services:
+            _slow_layers(svc.stage, 0.15)
+        before, heard = mesh.coord.resumes, mesh.coord.flights.progress_heard
+        async with asyncio.timeout(60):
             assert await mesh.run(prompt, 4, rid="slow") == ref
         assert mesh.coord.resumes == before
+        assert mesh.coord.flights.progress_heard > heard
+
+
+async def test_a_stage_that_stops_advancing_is_given_up_on_and_the_request_replays(tiny):
+    """The other half: a pass that computes nothing for longer than the token timeout (a stuck
+    compute thread) sends no progress, so the coordinator stops waiting and replays the request."""
+    prompt = list(range(5, 45))
+    async with Mesh(tiny, 2, prefix_share=0, progress_every_s=0.02) as mesh:  # every prompt computed in full
+        ref = await mesh.run(prompt, 4, rid="ref")
+        mesh.coord.token_timeout_s = 0.4
+        _slow_layers(mesh.services[0].stage, 1.5, times=1)  # one layer, once: silent for 1.5 s
+        before = mesh.coord.resumes
+        async with asyncio.timeout(60):
+            assert await mesh.run(prompt, 4, rid="stuck") == ref
+        assert mesh.coord.resumes > before
+
+
+def test_only_a_route_with_a_stage_that_never_reports_progress_keeps_a_budget_per_prompt_token():
+    """A release from before ``Cap.PROGRESS`` sends no word during a long prompt: for routes through
+    one, the first token's wait still grows with the prompt, as those releases' own coordinators did."""
+    from meshd.mesh.caps import OURS, PeerCaps
+    from meshd.pipeline.coordinator.flights import LEGACY_PREFILL_S_PER_TOKEN
+    from meshd.pipeline.coordinator.service import PipelineCoordinator
+    from transport.node import TransportNode
+
+    caps = {"new": OURS, "old": PeerCaps.of({"version": "0.2.0"})}
+    coord = PipelineCoordinator(TransportNode("c", curve=False), "c", lambda n: ("", ""), token_timeout_s=30,
+                                peer_caps=caps.__getitem__)
+    ours = Route(1, (StageEndpoint("new", "", "", 0, 30),))
+    mixed = Route(1, (StageEndpoint("new", "", "", 0, 15), StageEndpoint("old", "", "", 15, 30)))
+    assert coord.wait_for(ours, 3000) == 30
+    assert coord.wait_for(mixed, 3000) == 30 + 2999 * LEGACY_PREFILL_S_PER_TOKEN

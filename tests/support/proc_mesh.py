@@ -64,6 +64,8 @@ class ProcessMesh:
     weights: str | None = None  # each stage's numeric mode (None: the stage process's default, float32)
     device: str | None = None  # each stage's device ("cuda" puts every stage on the GPU; None: the CPU)
     ready_timeout_s: float = 180.0
+    progress_every_s: float | None = None  # how often a long pass reports progress (None: the stage's default)
+    slow_layers: float = 1.0  # every stage's layers take this many times as long as they compute
     # the coordinator starts requests on the prefix the stages hold (as a daemon does); False: every
     # request is prefilled in full (the stages keep nothing they are asked to reuse)
     prefix_cache: bool = True
@@ -147,6 +149,10 @@ class ProcessMesh:
                 argv += ["--weights", self.weights]
             if self.device:
                 argv += ["--device", self.device]
+            if self.slow_layers != 1.0:
+                argv += ["--slow-layers", str(self.slow_layers)]
+            if self.progress_every_s is not None:
+                argv += ["--progress-every", str(self.progress_every_s)]
             p = (self.launcher(i, argv) if self.launcher else
                  subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True, env=stage_env()))
             self.procs.append(p)

@@ -59,9 +59,12 @@ async def serve(args) -> int:
     svc = StageService(node, args.node_id, source, lambda n: directory[n], dtype=placement.dtype, packed=placement.packed,
                        device=placement.device, activation_dtype=args.activation_dtype, medusa=medusa_factory(source, args.heads),
                        exits=exits_factory(source, args.exit_heads),
+                       **({} if args.progress_every is None else {"progress_every_s": args.progress_every}),
                        **({} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}))
     address = await svc.start(args.bind)
     await svc.deploy(route)
+    if args.slow_layers > 1:
+        slow_layers(svc.stage, args.slow_layers)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -83,6 +86,22 @@ async def serve(args) -> int:
     await svc.close()
     await node.close()
     return 0
+
+
+def slow_layers(stage, factor: float) -> None:
+    """Every layer of ``stage`` takes ``factor`` times as long as it computes: a device that many
+    times slower, layer by layer (the compute thread sleeps; the event loop stays as fast as here)."""
+    import time
+
+    real = stage._layer
+
+    def slowed(*args, **kw):
+        t = time.perf_counter()
+        out = real(*args, **kw)
+        time.sleep((factor - 1) * (time.perf_counter() - t))  # sleep-ok: the emulated slow device
+        return out
+
+    stage._layer = slowed
 
 
 def _die_with_parent() -> None:
@@ -110,6 +129,10 @@ def main(argv=None) -> int:
                     help="tokens in one batched forward (0: one message per forward)")
     ap.add_argument("--heads", default=None, help="Medusa heads file (default: shipped heads; 'none': off)")
     ap.add_argument("--exit-heads", default=None, help="early-exit heads file (default: shipped heads; 'none': off)")
+    ap.add_argument("--slow-layers", type=float, default=1.0,
+                    help="every layer takes this many times as long as it computes (emulates a slower device)")
+    ap.add_argument("--progress-every", type=float, default=None,
+                    help="seconds between a long pass's progress reports to its coordinator (default: the stage's)")
     ap.add_argument("--device", default="cpu", help="auto, cpu (default), cuda or cuda:N")
     ap.add_argument("--dtype", default="auto", help="auto (the device's default), float32, bfloat16 or float16")
     ap.add_argument("--weights", default="float32", help="numeric mode: float32 (default), bfloat16, float16, packed, packed4, auto")

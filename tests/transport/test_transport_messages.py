@@ -60,6 +60,7 @@ EXAMPLES = [
     S.PrefixMatch(3, 2),
     S.ReusePrefix("req-1", 3, "kitchen/ab12/21", torch.tensor([1, 2], dtype=torch.long), 300, "kitchen|tcp://x:1"),
     S.CacheSequence(3, "kitchen/ab12/17"),
+    S.StageProgress("laptop", ["kitchen/ab12/17", "kitchen/ab12/19"], 90_112),
     M.Ack(3, "ok"),
     M.ErrorReply("stale_plan", "plan 2 is older than 3", "req-1"),
     M.PlanUpdate(4, {"kitchen": {"layers": [0, 12], "next": "laptop"}, "laptop": {"layers": [12, 24]}}),

@@ -53,6 +53,9 @@ class StageModel:
         self.packing = ""  # "", "packed" or "packed4" (decoding.device.PACKINGS)
         self.exits = None  # BoundExits (decoding.exits.bound): early exits inside this stage's layers, if any
         self.exited = ExitedRows()  # exited rows whose later layers still owe KV
+        # Rows x layers computed so far: it grows layer by layer, so another thread can see a long
+        # pass advance (a stage tells the coordinators waiting on it; see meshd.pipeline.stage.progress).
+        self.work_done = 0
 
     @classmethod
     def from_source(cls, source, first: int, end: int, dtype: torch.dtype = torch.float32,
@@ -166,6 +169,7 @@ class StageModel:
         everyone, exited = (items, plans), {}
         for li, lw in enumerate(self.layers):
             h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes, dense)
+            self.work_done += h.shape[0]
             if exits is not None and li in exits.at:
                 h, (cos, sin, dense), items, plans = self.exited.leave(exits, li, h, (cos, sin, dense), items, plans,
                                                                        exited)

@@ -18,7 +18,6 @@ import torch
 
 from decoding.pipeline_local import chunk_bounds
 from meshd.pipeline.coordinator.failures import PipelineError
-from meshd.pipeline.coordinator.flights import PREFILL_BUDGET_S_PER_TOKEN
 from meshd.pipeline.coordinator.slot import RequestSlot, SlotState, TokenStep
 from meshd.pipeline.coordinator.verify_rounds import verify_rounds
 from meshd.pipeline.route import Route
@@ -56,7 +55,7 @@ async def attempt(coord, slot: RequestSlot, route: Route) -> AsyncIterator[Token
         else:
             reuse, caches = await coord.prefixes.start(
                 slot.request_id, route, seq, ids, slot.capacity(), coord.send, coord.reply_to,
-                coord.token_timeout_s + len(ids) * PREFILL_BUDGET_S_PER_TOKEN, allowed=slot.reuse)
+                allowed=slot.reuse)
             caches = caches and keep is None
         prefill = ids[reuse:]
         cuts = request.cuts

@@ -87,7 +87,7 @@ class MeshDrafter:
         if at == 0 and not self.held and len(tokens) > 1:
             skip, self.caches = await self.coord.prefixes.start(
                 self.request_id, flight.route, flight.seq, tokens, self.capacity, self.coord.send,
-                self.coord.reply_to, self.wait_s, allowed=self.reuse)
+                self.coord.reply_to, allowed=self.reuse)
         rest = tokens[skip:]
         bounds = chunk_bounds(len(rest), None, (self.cuts(len(rest), flight.route) if callable(self.cuts)
                                                 else self.cuts) if at == 0 and len(rest) > 1 else None)

@@ -21,14 +21,15 @@ from meshd.pipeline.coordinator.slot import Flight
 from partition.ids import RequestId
 from transport.errors import TransportError
 from transport.messages import ErrorReply
-from transport.stage_messages import CacheSequence, FreeSequence, TokenResult
+from transport.stage_messages import CacheSequence, FreeSequence, StageProgress, TokenResult
 
 log = get_logger("meshd.coordinator")
 
 
-# How long a token of prompt may take on the slowest device we wait for (20 tokens/s: a
-# 1.5B model in float32 on one small core) before a stage counts as stuck.
-PREFILL_BUDGET_S_PER_TOKEN = 0.05
+#: Only for routes with a stage from a release that does not report its progress
+#: (``Cap.PROGRESS``): how long a token of prompt may take there before the stage counts as
+#: stuck. Stages that report progress are waited on for as long as they advance.
+LEGACY_PREFILL_S_PER_TOKEN = 0.05
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class FlightTable:
         self.send_timeout_s = send_timeout_s
         self._flights: dict[SeqKey, Flight] = {}
         self._freeing: set[asyncio.Task] = set()
+        self.progress_heard = 0  # StageProgress messages received (a flight's wait followed them)
 
     def open(self, request_id: RequestId, route: Route) -> Flight:
         flight = Flight(request_id, route, self.keys.next())
@@ -74,13 +76,30 @@ class FlightTable:
         flight.queue.put_nowait(msg)
         return True
 
+    def progressed(self, msg: StageProgress) -> None:
+        """A stage advances on these sequences: their flights' waits start again from now."""
+        now = asyncio.get_running_loop().time()
+        self.progress_heard += 1
+        for seq in msg.seq_ids:
+            flight = self._flights.get(seq)
+            if flight is not None:
+                flight.progress_at = now
+
     async def next_result(self, flight: Flight, wait_s: float) -> TokenResult:
-        """The next result in ``flight``'s queue; anything else there ends the flight's sequence."""
-        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a client's cancel
-            async with asyncio.timeout(wait_s):
-                item = await flight.queue.get()
-        except TimeoutError:
-            raise Interrupted(f"no token from the last stage within {wait_s:g}s") from None
+        """The next result in ``flight``'s queue; anything else there ends the flight's sequence.
+
+        ``wait_s`` counts from now or from the last word of progress on the flight, whichever is
+        later: a stage that keeps advancing is waited for, one that falls silent is not."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        while True:
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a client's cancel
+                async with asyncio.timeout_at(max(since, flight.progress_at) + wait_s):
+                    item = await flight.queue.get()
+                break
+            except TimeoutError:
+                if flight.progress_at + wait_s <= loop.time():
+                    raise Interrupted(f"no token and no progress from the stages within {wait_s:g}s") from None
         match item:
             case TokenResult():
                 if item.token_ids is None or item.token_ids.ndim != 1 or item.token_ids.numel() == 0:

@@ -77,17 +77,17 @@ class PrefixReuse:
         self._prefilling: dict[RequestId, tuple[list[int], asyncio.Event]] = {}
 
     async def start(self, request_id: RequestId, route: Route, seq, ids: list[int], capacity: int,
-                    send: Callable[[str, object], Awaitable[None]], reply_to: str, wait_s: float,
+                    send: Callable[[str, object], Awaitable[None]], reply_to: str,
                     allowed: bool = True) -> tuple[int, bool]:
         """Where a request's sequence ``seq`` starts: (how many leading ``ids`` it takes from the stages'
         caches, whether every stage keeps prefixes). Asked of every stage once siblings prefilling the
-        same prefix are done (at most ``wait_s``), then announced down the chain (``send`` to the first
+        same prefix are done, then announced down the chain (``send`` to the first
         stage) ahead of the first chunk. ``allowed`` False (a stage missed before): nothing reused."""
         if not self.enabled:
             return 0, False
         self.prefilling(request_id, ids)  # a request arriving after us may wait for our prefill
         reuse, speaks = await self.reusable(route, ids)
-        if await self.after_siblings(request_id, ids, reuse, wait_s):
+        if await self.after_siblings(request_id, ids, reuse):
             reuse, speaks = await self.reusable(route, ids, count=False)
         if not reuse or not allowed:
             return 0, speaks
@@ -135,10 +135,13 @@ class PrefixReuse:
         self.totals.misses += 1
 
     # -- siblings prefilling at once ---------------------------------------------------------------
-    async def after_siblings(self, request_id: RequestId, ids: Sequence[int], held: int, wait_s: float) -> bool:
-        """Wait (at most ``wait_s``) for requests that announced their prefill before ours and share at
-        least ``MIN_SHARED`` more of ``ids`` than the stages hold (``held``). True: we waited (ask again).
-        Only earlier ones: two requests arriving together never wait for each other."""
+    async def after_siblings(self, request_id: RequestId, ids: Sequence[int], held: int) -> bool:
+        """Wait for requests that announced their prefill before ours and share at least ``MIN_SHARED``
+        more of ``ids`` than the stages hold (``held``). True: we waited (ask again). Only earlier ones:
+        two requests arriving together never wait for each other. No clock bounds the wait: each
+        sibling's attempt ends (its event set) once prefilled, failed or hung up, and its own wait on
+        the stages follows their progress — a fixed bound here would start a second prefill of the
+        same prompt beside a slow first one, on the same cores."""
         events = []
         for rid, (other, ev) in self._prefilling.items():
             if rid == request_id:
@@ -148,11 +151,7 @@ class PrefixReuse:
         if not events:
             return False
         self.totals.waits += 1
-        try:
-            async with asyncio.timeout(wait_s):
-                await asyncio.gather(*(ev.wait() for ev in events))
-        except TimeoutError:
-            log.info("prefix_sibling_wait_expired", request_id=request_id, waited_s=wait_s)
+        await asyncio.gather(*(ev.wait() for ev in events))
         return True
 
     def prefilling(self, request_id: RequestId, ids: Sequence[int]) -> asyncio.Event:

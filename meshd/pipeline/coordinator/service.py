@@ -26,18 +26,19 @@ still queued upstream cannot re-create a freed sequence).
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from decoding.sampling import SamplingParams
 from decoding.speculative.adaptive import RoundCost
 from decoding.speculative.params import MAX_CANDIDATES
 from meshd.engine.errors import out_of_vocab
 from meshd.log import get_logger
+from meshd.mesh.caps import Cap, PeerCaps
 from meshd.pipeline.coordinator.attempt import attempt
 from meshd.pipeline.coordinator.drafter import MeshDrafter
 from meshd.pipeline.coordinator.failures import (BadTokens, Interrupted, NoRoute, PipelineError, PrefixMiss,
                                                  gone_message)
-from meshd.pipeline.coordinator.flights import PREFILL_BUDGET_S_PER_TOKEN, FlightTable, Replanned
+from meshd.pipeline.coordinator.flights import LEGACY_PREFILL_S_PER_TOKEN, FlightTable, Replanned
 from meshd.pipeline.coordinator.prefix_reuse import PrefixReuse
 from meshd.pipeline.coordinator.routes import RouteCounts, RouteTable
 from meshd.pipeline.coordinator.slot import (Cuts, Flight, RequestSlot, SharedPrefix, SlotState, StepsRequest,
@@ -51,7 +52,7 @@ from transport.errors import TransportError
 from transport.link import Request
 from transport.messages import Ack, ErrorReply
 from transport.node import TransportNode
-from transport.stage_messages import TokenResult
+from transport.stage_messages import StageProgress, TokenResult
 
 __all__ = ["PipelineCoordinator"]
 
@@ -62,16 +63,20 @@ class PipelineCoordinator:
     def __init__(self, node: TransportNode, node_id: NodeId, directory: Directory,
                  token_timeout_s: float = 30.0, send_timeout_s: float = 10.0,
                  activation_dtype: str | None = None, resume_timeout_s: float = 60.0,
-                 model: str = "", vocab_size: int = 0, prefix_cache: bool = True):
+                 model: str = "", vocab_size: int = 0, prefix_cache: bool = True,
+                 peer_caps: Callable[[NodeId], PeerCaps] | None = None):
         """``model``: identity of this device's model file (a plan for another is refused at
         once); ``vocab_size``: its vocabulary, which bounds every prompt's token ids (0: unchecked);
-        ``prefix_cache``: start requests on the prefix the stages hold of them (see PrefixReuse)."""
+        ``prefix_cache``: start requests on the prefix the stages hold of them (see PrefixReuse).
+        ``token_timeout_s``: how long a request waits on stages that neither answer nor say they
+        advance; ``peer_caps``: what a member's daemon does (None: every peer runs this code)."""
         self.node = node
         self.model = model
         self.vocab_size = vocab_size
         self.node_id = node_id
         self.directory = directory
         self.token_timeout_s = token_timeout_s
+        self._peer_caps = peer_caps
         self.send_timeout_s = send_timeout_s
         self.activation_dtype = activation_dtype
         self.resume_timeout_s = resume_timeout_s
@@ -149,6 +154,9 @@ class PipelineCoordinator:
 
     # -- incoming ------------------------------------------------------------------
     async def _on_message(self, msg, req: Request):
+        if isinstance(msg, StageProgress):
+            self.flights.progressed(msg)
+            return Ack()
         if isinstance(msg, (TokenResult, ErrorReply)):
             if not self.flights.deliver(msg):
                 log.debug("late_result_dropped", request_id=msg.request_id, message_type=type(msg).__name__)
@@ -286,9 +294,16 @@ class PipelineCoordinator:
         """The next result of ``flight``, which was just sent ``work_tokens`` positions to compute.
 
         The wait is a backstop (a device that leaves is noticed by membership and
-        re-planning first), but it must outlast honest work: a 3,600-token prompt
-        takes over a minute on a slow device, and a replay after a timeout would
-        start it again, for ever. So it grows with the positions in flight.
+        re-planning first), and it must outlast honest work: a 3,600-token prompt
+        takes minutes on a slow device, and a replay after a timeout would start it
+        again, for ever. So it follows progress: stages say they advance every few
+        seconds, and only ``token_timeout_s`` without a word ends the wait.
         """
-        wait_s = self.token_timeout_s + max(0, work_tokens - 1) * PREFILL_BUDGET_S_PER_TOKEN
-        return await self.flights.next_result(flight, wait_s)
+        return await self.flights.next_result(flight, self.wait_for(flight.route, work_tokens))
+
+    def wait_for(self, route: Route, work_tokens: int) -> float:
+        """How long ``work_tokens`` positions on ``route`` may go without a word: ``token_timeout_s``, and on a
+        route with a stage that never reports progress (an older release) a budget per position besides."""
+        if self._peer_caps is None or all(Cap.PROGRESS in self._peer_caps(s.node_id) for s in route.stages):
+            return self.token_timeout_s
+        return self.token_timeout_s + max(0, work_tokens - 1) * LEGACY_PREFILL_S_PER_TOKEN

@@ -97,12 +97,14 @@ class StepsRequest:
 
 @dataclass
 class Flight:
-    """One sequence of a request on one route: results for ``seq`` arrive on ``queue``."""
+    """One sequence of a request on one route: results for ``seq`` arrive on ``queue``; ``progress_at``
+    is when a stage last said it advances on it (``loop.time()``; 0: never)."""
 
     request_id: RequestId
     route: Route
     seq: SeqKey
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    progress_at: float = 0.0
 
 
 class SlotState(enum.Enum):

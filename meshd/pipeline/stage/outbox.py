@@ -95,13 +95,13 @@ class StageOutbox:
                     message_type=type(msg).__name__, exc_info=code == "internal")
         reply_to = getattr(msg, "reply_to", "")
         told = reply_to.partition("|")[0] if reply_to else coordinator_of(seq) if isinstance(seq, str) else ""
-        new = self._decodes_node(told)
+        new = self.reads(told, Cap.ERROR_NODE)
         return ErrorReply(code, f"{self.node_id}: {text}", rid if isinstance(rid, str) else "",
                           node=failed if new else "", seq_id=seq if new and isinstance(seq, str) else "")
 
-    def _decodes_node(self, node_id: NodeId) -> bool:
-        """Whether ``node_id`` accepts ``ErrorReply.node`` (a coordinator without the capability refuses the
-        whole reply: its ErrorReply is strict)."""
+    def reads(self, node_id: NodeId, cap: Cap) -> bool:
+        """Whether ``node_id``'s daemon has ``cap`` (say, accepts ``ErrorReply.node``: a coordinator
+        without that capability refuses the whole reply, its ErrorReply being strict)."""
         if self._peer_caps is None or node_id == self.node_id:
             return True
-        return bool(node_id) and Cap.ERROR_NODE in self._peer_caps(node_id)
+        return bool(node_id) and cap in self._peer_caps(node_id)

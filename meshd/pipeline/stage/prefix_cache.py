@@ -61,6 +61,16 @@ class CacheKey:
     upstream: tuple  # (node id, layers) of every stage before this one, in order, and the plan's mode
     device: str = "cpu"  # where the KV lives: a stage reloaded on another device computes (and holds) it anew
 
+    @classmethod
+    def of(cls, model: str, stage, mode: str, route, index: int | None, activation_dtype: str | None
+           ) -> CacheKey | None:
+        """The key of ``stage`` (a StageModel; None: no layers here) at ``index`` of ``route``."""
+        if stage is None or index is None:
+            return None
+        upstream = tuple((s.node_id, tuple(s.layers)) for s in route.stages[:index])
+        return cls(model, (stage.first, stage.end), mode,
+                   upstream + ((route.weights or "", activation_dtype or ""),), str(stage.device))
+
 
 @dataclass
 class PrefixStats:

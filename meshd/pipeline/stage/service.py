@@ -44,6 +44,7 @@ from meshd.pipeline.route import Route, model_mismatch
 from meshd.pipeline.seqkey import coordinator_of
 from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.outbox import StageOutbox
+from meshd.pipeline.stage.progress import PROGRESS_EVERY_S, ProgressReporter
 from meshd.pipeline.stage.prefix_cache import CacheKey, PrefixCache
 from meshd.pipeline.stage.sampler import StageSampler
 from meshd.pipeline.stage.scheduler import MAX_BATCH_TOKENS, StageScheduler
@@ -77,12 +78,13 @@ class StageService:
                  idle_seq_timeout_s: float = 300.0, medusa=None, max_batch_tokens: int = MAX_BATCH_TOKENS,
                  device: torch.device | None = None, packed: str = "",
                  peer_caps: Callable[[NodeId], PeerCaps] | None = None, prefix_cache: PrefixCache | None = None,
-                 exits=None):
+                 exits=None, progress_every_s: float = PROGRESS_EVERY_S):
         """``device``/``dtype``/``packed``/``exits``: see :class:`StageWorker`; ``medusa``: see :class:`StageSampler`;
         ``prefix_cache``: finished requests' KV kept for later ones (default: half the KV budget).
         ``peer_caps``: what a member's daemon decodes (``meshd.mesh.caps``), so an error names the failed
         node, and a readiness reply the exit layers, only to coordinators that read them (None: every
-        peer runs this code)."""
+        peer runs this code). ``progress_every_s``: how often a long step tells the coordinators waiting
+        on it that it advances (:mod:`meshd.pipeline.stage.progress`)."""
         self.node = node
         self.node_id = node_id
         self.source = model_source
@@ -97,10 +99,11 @@ class StageService:
         self.model_mismatch = ""  # the current plan names another model than this stage's file holds
         self.outbox = StageOutbox(node, node_id, directory, self.stats, activation_dtype, send_timeout_s,
                                   peer_caps)
+        self.progress = ProgressReporter(node_id, self.outbox, progress_every_s)
         self.server: StageServer | None = None
         self._peer_caps = peer_caps
         self._deploy_lock = asyncio.Lock()
-        self._reaper: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []  # the reaper and the progress reporter, for the stage's life
 
     # -- lifecycle --------------------------------------------------------------
     async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
@@ -110,7 +113,10 @@ class StageService:
                                             urgent=lambda m: isinstance(m, (FreeSequence, CacheSequence, Hello,
                                                                             PrefixProbe)),
                                             lane=self._steps)
-        self._reaper = asyncio.create_task(self.scheduler.reap_forever(), name="stage-reaper")
+        self._tasks = [asyncio.create_task(self.scheduler.reap_forever(), name="stage-reaper"),
+                       asyncio.create_task(self.progress.run_forever(
+                           lambda: self.stage.work_done if self.stage is not None else 0, self.server.queued),
+                           name="stage-progress")]
         return self.server.address
 
     async def _steps(self, server: StageServer) -> None:
@@ -120,9 +126,9 @@ class StageService:
             await server.answer(reqs, self.step)
 
     async def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.outbox.close()
         if self.server is not None:
             await self.server.close()
@@ -157,18 +163,11 @@ class StageService:
                 stage = await self.worker.load(rng, route)
                 if stage.lm_head is not None:
                     self.sampler.warm_grammar(stage)
-            self.scheduler.reset(self.worker.stage, len(route.stages), self._cache_key(route, idx))
+            key = CacheKey.of(str(getattr(self.source, "identity", "") or ""), self.worker.stage, self.mode, route, idx,
+                              self.activation_dtype)
+            self.scheduler.reset(self.worker.stage, len(route.stages), key)
             self.sampler.reset()
             self.route, self.index = route, idx
-
-    def _cache_key(self, route: Route, idx: int | None) -> CacheKey | None:
-        """What this stage's KV depends on under ``route`` besides token ids (None: no layers here)."""
-        stage = self.worker.stage
-        if stage is None or idx is None:
-            return None
-        upstream = tuple((s.node_id, tuple(s.layers)) for s in route.stages[:idx])
-        return CacheKey(str(getattr(self.source, "identity", "") or ""), (stage.first, stage.end), self.mode,
-                        upstream + ((route.weights or "", self.activation_dtype or ""),), str(stage.device))
 
     # -- what the daemon, status and tests read ----------------------------------------
     @property
@@ -205,7 +204,7 @@ class StageService:
                 "dtype": dtype_name(self.worker.dtype), "weights": self.mode,
                 "exit_layers": self.worker.exit_layers, **({"exits_note": self.worker.exits_note}
                                                             if self.worker.exits_note else {}),
-                **self.stats.to_dict()}
+                "progress_reports": self.progress.sent, **self.stats.to_dict()}
 
     # -- message handling ------------------------------------------------------------
     async def handle(self, msg: Any, req: Request | None = None) -> Any:
@@ -315,26 +314,35 @@ class StageService:
         to the next stage or back to the coordinator, failures reported (:meth:`_update`).
         """
         replies: list = [None] * len(msgs)
-        for run in self.scheduler.runs(msgs):
-            if not isinstance(msgs[run[0]], StageForward):
-                replies[run[0]] = await self.handle(msgs[run[0]])
-                continue
-            works = await self._admit([msgs[i] for i in run], run, replies)
-            if not works:
-                continue
-            stage, kv = self.stage, self.kv
-            slots = [w.slot for w in works]
-            self.scheduler.begin_pass(slots)
-            t = time.perf_counter()
-            fill = None
-            try:
-                outcomes, fill = await self.worker.run(stage, kv, works, self.sampler.answer)
-            finally:  # a sequence whose token left early stays busy until its skipped layers are filled
-                held = {id(w.slot) for w in fill.works} if fill is not None else set()
-                self.scheduler.end_pass([sl for sl in slots if id(sl) not in held])
-            self.scheduler.count_pass(len(works), time.perf_counter() - t)
-            await self._update(works, outcomes, fill, stage, replies)
+        runs = self.scheduler.runs(msgs)
+        try:
+            for k, run in enumerate(runs):
+                self.progress.holding = [msgs[i] for later in runs[k:] for i in later]  # what still waits on us
+                await self._run(msgs, run, replies)
+        finally:
+            self.progress.holding = []
         return [Ack(self.serving_version) if r is None else r for r in replies]
+
+    async def _run(self, msgs: list, run: list[int], replies: list) -> None:
+        """One run of the step: a control message, or a pass (admit, execute, update)."""
+        if not isinstance(msgs[run[0]], StageForward):
+            replies[run[0]] = await self.handle(msgs[run[0]])
+            return
+        works = await self._admit([msgs[i] for i in run], run, replies)
+        if not works:
+            return
+        stage, kv = self.stage, self.kv
+        slots = [w.slot for w in works]
+        self.scheduler.begin_pass(slots)
+        t = time.perf_counter()
+        fill = None
+        try:
+            outcomes, fill = await self.worker.run(stage, kv, works, self.sampler.answer)
+        finally:  # a sequence whose token left early stays busy until its skipped layers are filled
+            held = {id(w.slot) for w in fill.works} if fill is not None else set()
+            self.scheduler.end_pass([sl for sl in slots if id(sl) not in held])
+        self.scheduler.count_pass(len(works), time.perf_counter() - t)
+        await self._update(works, outcomes, fill, stage, replies)
 
     async def _admit(self, msgs: list[StageForward], where: list[int], replies: list) -> list[Work]:
         """Each message's share of the pass, its slot admitted (event loop); a late chunk is dropped, and a
