@@ -361,3 +361,29 @@ def test_only_a_route_with_a_stage_that_never_reports_progress_keeps_a_budget_pe
     mixed = Route(1, (StageEndpoint("new", "", "", 0, 15), StageEndpoint("old", "", "", 15, 30)))
     assert coord.wait_for(ours, 3000) == 30
     assert coord.wait_for(mixed, 3000) == 30 + 2999 * LEGACY_PREFILL_S_PER_TOKEN
+
+
+async def test_progress_counts_only_from_a_stage_of_the_flights_own_route():
+    """Any member may send a StageProgress; only the flight's own stages keep its wait going."""
+    from meshd.pipeline.coordinator.failures import Interrupted
+    from meshd.pipeline.coordinator.flights import FlightTable
+    from meshd.pipeline.seqkey import SeqKeys
+    from transport.stage_messages import StageProgress
+
+    table = FlightTable(SeqKeys("coord"), links=None, send_timeout_s=1.0)
+    flight = table.open("r", Route(1, (StageEndpoint("dev0", "", "", 0, 30),)))
+
+    async def stranger_keeps_talking():
+        while True:
+            table.progressed(StageProgress("stranger", [flight.seq], 1))
+            await asyncio.sleep(0.01)
+
+    talk = asyncio.create_task(stranger_keeps_talking())
+    try:
+        with pytest.raises(Interrupted):
+            async with asyncio.timeout(5):
+                await table.next_result(flight, 0.2)
+    finally:
+        talk.cancel()
+    table.progressed(StageProgress("dev0", [flight.seq], 1))
+    assert flight.progress_at > 0

@@ -174,3 +174,21 @@ async def test_hundreds_of_distinct_2000_token_prompts_stay_within_every_stages_
             status = svc.scheduler.prefix.status()
             assert status["evictions"] >= 290 and status["entries"] <= 3
         assert await eventually(lambda: all(svc.sequences() == [] for svc in mesh.services))
+
+
+async def test_a_request_that_announces_its_prefill_again_releases_whoever_waited_on_the_first():
+    """A replay (or a drafter's retry) announces anew; a later request sharing the prompt must not
+    wait on the first announcement for ever (the sibling wait has no clock of its own)."""
+    from meshd.pipeline.coordinator.prefix_reuse import MIN_SHARED, PrefixReuse
+
+    reuse = PrefixReuse(links=None)
+    prompt = list(range(MIN_SHARED + 10))
+    first = reuse.prefilling("a", prompt)
+    reuse.prefilling("b", prompt)
+    waiting = asyncio.create_task(reuse.after_siblings("b", prompt, 0))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    reuse.prefilling("a", prompt)  # "a" replays
+    assert first.is_set()
+    async with asyncio.timeout(5):
+        assert await waiting is True

@@ -2,7 +2,7 @@
 completes with no replay, because the coordinator waits on the stage's progress, not on a speed.
 
 The stage process slows itself layer by layer (``stage_proc --slow-layers 50``: each layer of every
-pass sleeps 49 times what it computed), over real sockets with CURVE on; the coordinator knows
+pass sleeps 49 times the CPU time it computed for), over real sockets with CURVE on; the coordinator knows
 nothing of it.
 """
 
@@ -28,7 +28,7 @@ async def test_a_prompt_on_a_stage_slowed_50x_completes_with_no_replay(real_sour
         want = [t async for t in generate_on(fast.coord, "ref", ids, 3, SamplingSpec(), tok.eos_ids)]
     async with ProcessMesh([(0, 15), (15, 30)], curve=True, slow_layers=50, progress_every_s=0.25,
                            prefix_cache=False) as mesh:
-        mesh.coord.token_timeout_s = 2.0  # a small fraction of what the slowed prompt takes
+        mesh.coord.token_timeout_s = 3.0  # a small fraction of what the slowed prompt takes
         async with asyncio.timeout(600):
             got = [t async for t in generate_on(mesh.coord, "slowed", ids, 3, SamplingSpec(), tok.eos_ids)]
         assert got == want

@@ -101,6 +101,17 @@ def test_a_forked_child_gets_a_slot_and_an_idle_sequence_is_reaped(sched):
     assert sched.sequences() == [] and sched.stats.reaped == 2
 
 
+def test_a_sequence_with_work_queued_here_is_not_reaped_however_long_it_waits(sched):
+    """Queued behind a long prompt, a sequence is idle only in appearance: its coordinator hears that
+    this stage advances, so freeing it would drop its chunk unanswered and replay it at the back."""
+    sched.admit(fwd("c/1/8"), 1)
+    sched.idle_seq_timeout_s = -1.0
+    sched.reap(waiting={"c/1/8"})
+    assert sched.sequences() == ["c/1/8"] and sched.stats.reaped == 0
+    sched.reap()
+    assert sched.sequences() == [] and sched.stats.reaped == 1
+
+
 def test_runs_keep_a_sequences_messages_and_control_messages_in_order(sched):
     msgs = [fwd("a/1/1"), fwd("b/1/1"), fwd("a/1/1", offset=1), FreeSequence(1, "b/1/1"), fwd("c/1/1", rows=8),
             fwd("d/1/1", rows=4)]

@@ -89,16 +89,17 @@ async def serve(args) -> int:
 
 
 def slow_layers(stage, factor: float) -> None:
-    """Every layer of ``stage`` takes ``factor`` times as long as it computes: a device that many
-    times slower, layer by layer (the compute thread sleeps; the event loop stays as fast as here)."""
+    """Every layer of ``stage`` takes ``factor`` times the CPU time it computes for: a device that
+    many times slower, layer by layer (the compute thread sleeps; the event loop stays as fast as
+    here). CPU time, not wall time: a layer preempted on a busy machine is not slowed further."""
     import time
 
     real = stage._layer
 
     def slowed(*args, **kw):
-        t = time.perf_counter()
+        t = time.thread_time()
         out = real(*args, **kw)
-        time.sleep((factor - 1) * (time.perf_counter() - t))  # sleep-ok: the emulated slow device
+        time.sleep((factor - 1) * (time.thread_time() - t))  # sleep-ok: the emulated slow device
         return out
 
     stage._layer = slowed

@@ -6,6 +6,7 @@ set -uo pipefail
 round="${1:-1}"
 out="$(cd "$(dirname "$0")" && pwd)"
 py=/work/main/.venv/bin/python
+after="${AFTER:-/work/main}"  # the refactored tree (a worktree of it, so edits meanwhile do not change what runs)
 run() {  # side dir bench args...
   local side=$1 dir=$2 name=$3; shift 3
   local t0=$SECONDS
@@ -15,5 +16,5 @@ run() {  # side dir bench args...
 }
 for b in decode concurrency pipeline soak share home_assistant; do
   run before /work/base "$b" --quick --json
-  run after /work/main "$b" --quick --json
+  run after "$after" "$b" --quick --json
 done

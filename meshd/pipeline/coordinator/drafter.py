@@ -84,20 +84,21 @@ class MeshDrafter:
         self.settled = False
         rollback = at < len(self.held)
         skip = 0  # leading tokens the stages' prefix caches already hold (a fresh sequence's prompt)
-        if at == 0 and not self.held and len(tokens) > 1:
-            skip, self.caches = await self.coord.prefixes.start(
-                self.request_id, flight.route, flight.seq, tokens, self.capacity, self.coord.send,
-                self.coord.reply_to, allowed=self.reuse)
-        rest = tokens[skip:]
-        bounds = chunk_bounds(len(rest), None, (self.cuts(len(rest), flight.route) if callable(self.cuts)
-                                                else self.cuts) if at == 0 and len(rest) > 1 else None)
-        for j, (a, b) in enumerate(bounds):
-            commit = dict(commit_start=at, commit_keep=[]) if rollback and j == 0 else {}
-            await self.coord.send(first, StageForward(
-                position_offset=at + skip + a, chunk_index=j, token_ids=torch.tensor(rest[a:b], dtype=torch.long),
-                is_last_chunk=j == len(bounds) - 1, sample_step=self.steps, **commit, **fields))
-        self.held = self.held[:at] + tokens
-        try:
+        try:  # however this ends (a hang-up, a send that fails), a request waiting for our prefill goes on
+            if at == 0 and not self.held and len(tokens) > 1:
+                skip, self.caches = await self.coord.prefixes.start(
+                    self.request_id, flight.route, flight.seq, tokens, self.capacity, self.coord.send,
+                    self.coord.reply_to, allowed=self.reuse)
+            rest = tokens[skip:]
+            bounds = chunk_bounds(len(rest), None, (self.cuts(len(rest), flight.route) if callable(self.cuts)
+                                                    else self.cuts) if at == 0 and len(rest) > 1 else None)
+            for j, (a, b) in enumerate(bounds):
+                commit = dict(commit_start=at, commit_keep=[]) if rollback and j == 0 else {}
+                await self.coord.send(first, StageForward(
+                    position_offset=at + skip + a, chunk_index=j,
+                    token_ids=torch.tensor(rest[a:b], dtype=torch.long),
+                    is_last_chunk=j == len(bounds) - 1, sample_step=self.steps, **commit, **fields))
+            self.held = self.held[:at] + tokens
             res = await self.coord.next_result(flight, len(rest))
         finally:
             self.coord.prefixes.prefilled(self.request_id)

@@ -77,12 +77,13 @@ class FlightTable:
         return True
 
     def progressed(self, msg: StageProgress) -> None:
-        """A stage advances on these sequences: their flights' waits start again from now."""
+        """A stage advances on these sequences: their flights' waits start again from now (only a stage
+        of the flight's own route speaks for it)."""
         now = asyncio.get_running_loop().time()
         self.progress_heard += 1
         for seq in msg.seq_ids:
             flight = self._flights.get(seq)
-            if flight is not None:
+            if flight is not None and flight.route.index_of(msg.node_id) is not None:
                 flight.progress_at = now
 
     async def next_result(self, flight: Flight, wait_s: float) -> TokenResult:

@@ -155,8 +155,12 @@ class PrefixReuse:
         return True
 
     def prefilling(self, request_id: RequestId, ids: Sequence[int]) -> asyncio.Event:
-        """Announce a prefill of ``ids``; set the returned event once its prompt is computed (or it ends)."""
+        """Announce a prefill of ``ids``; set the returned event once its prompt is computed (or it ends).
+        A request announcing again (a replay) releases whoever waited on its earlier announcement."""
         ev = asyncio.Event()
+        old = self._prefilling.pop(request_id, None)
+        if old is not None:
+            old[1].set()
         self._prefilling[request_id] = (list(ids), ev)
         return ev
 

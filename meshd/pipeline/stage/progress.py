@@ -47,6 +47,10 @@ class ProgressReporter:
         self.sent = 0  # reports sent (a stage's status shows them)
         self.holding: list = []  # the messages of the step running now, not yet done (the stage sets it)
 
+    def held_seqs(self, queued: Iterable[Any]) -> set[str]:
+        """The sequences with work here now: the running step's, and ``queued`` behind it."""
+        return {m.seq_id for m in (*self.holding, *queued) if isinstance(m, StageForward)}
+
     async def run_forever(self, done: Callable[[], int], queued: Callable[[], Iterable[Any]]) -> None:
         """Every ``every_s``, if ``done()`` (the model's rows x layers, raised by the compute thread) grew,
         tell the coordinators of the work held here: :attr:`holding`, then ``queued()`` behind it (none
@@ -58,10 +62,13 @@ class ProgressReporter:
             if now == last:  # nothing computed since the last word: say nothing
                 continue
             last = now
-            held = [*self.holding, *queued()] if self.holding else []
-            sends = [self._tell(reply_to, seqs, now) for reply_to, seqs in waiting_by_coordinator(held).items()
-                     if self.outbox.reads(reply_to.partition("|")[0], Cap.PROGRESS)]
-            await asyncio.gather(*sends)
+            try:
+                held = [*self.holding, *queued()] if self.holding else []
+                sends = [self._tell(reply_to, seqs, now) for reply_to, seqs in waiting_by_coordinator(held).items()
+                         if self.outbox.reads(reply_to.partition("|")[0], Cap.PROGRESS)]
+                await asyncio.gather(*sends)
+            except Exception as exc:  # noqa: BLE001 - one bad round must not silence the stage for good
+                log.warning("progress_report_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def _tell(self, reply_to: str, seqs: list[str], done: int) -> None:
         await self.outbox.report(reply_to, StageProgress(self.node_id, seqs, done))

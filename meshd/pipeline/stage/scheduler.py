@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Collection
 from typing import Any
 
 from decoding.batch import EXACT_BLOCK
@@ -352,17 +353,20 @@ class StageScheduler:
         return max(1, -(-len(stepping) // max(1, self._depth)))
 
     # -- reaping -------------------------------------------------------------------------------
-    def reap(self) -> None:
-        """Free every sequence untouched for ``idle_seq_timeout_s`` (its coordinator vanished)."""
+    def reap(self, waiting: Collection[str] = ()) -> None:
+        """Free every sequence untouched for ``idle_seq_timeout_s`` (its coordinator vanished), but none
+        with work ``waiting`` here (queued behind long prompts: its coordinator is told it advances)."""
         now = time.monotonic()
         cutoff = now - self.idle_seq_timeout_s
         for slot in list(self._slots.values()):
-            if slot.touched < cutoff and slot.state is not SeqState.FINISHED:
+            if slot.seq in waiting:
+                slot.touched = now
+            elif slot.touched < cutoff and slot.state is not SeqState.FINISHED:
                 self.stats.reaped += 1
                 log.warning("sequence_reaped", seq=slot.seq, idle_s=round(now - slot.touched, 1))
                 self.free(slot.seq, "reaped")
 
-    async def reap_forever(self) -> None:
+    async def reap_forever(self, waiting: Callable[[], Collection[str]] = frozenset) -> None:
         while True:
             await asyncio.sleep(max(1.0, self.idle_seq_timeout_s / 10))
-            self.reap()
+            self.reap(waiting())

@@ -113,10 +113,10 @@ class StageService:
                                             urgent=lambda m: isinstance(m, (FreeSequence, CacheSequence, Hello,
                                                                             PrefixProbe)),
                                             lane=self._steps)
-        self._tasks = [asyncio.create_task(self.scheduler.reap_forever(), name="stage-reaper"),
-                       asyncio.create_task(self.progress.run_forever(
-                           lambda: self.stage.work_done if self.stage is not None else 0, self.server.queued),
-                           name="stage-progress")]
+        queued, done = self.server.queued, lambda: self.stage.work_done if self.stage is not None else 0
+        self._tasks = [asyncio.create_task(self.scheduler.reap_forever(lambda: self.progress.held_seqs(queued())),
+                                           name="stage-reaper"),
+                       asyncio.create_task(self.progress.run_forever(done, queued), name="stage-progress")]
         return self.server.address
 
     async def _steps(self, server: StageServer) -> None:
