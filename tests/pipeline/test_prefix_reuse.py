@@ -186,7 +186,7 @@ async def test_a_request_that_announces_its_prefill_again_releases_whoever_waite
     first = reuse.prefilling("a", prompt)
     reuse.prefilling("b", prompt)
     waiting = asyncio.create_task(reuse.after_siblings("b", prompt, 0))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # sleep-ok: one turn of the loop, so the waiter is waiting
     assert not waiting.done()
     reuse.prefilling("a", prompt)  # "a" replays
     assert first.is_set()

@@ -6,6 +6,7 @@ import torch
 
 from meshd.mesh.caps import Cap
 from meshd.pipeline.stage.progress import ProgressReporter, waiting_by_coordinator
+from tests.support.waiting import eventually
 from transport.stage_messages import FreeSequence, StageForward, StageProgress
 
 
@@ -41,13 +42,11 @@ async def test_reports_go_only_while_the_count_grows_and_only_to_coordinators_th
     queued = [forward("b:1", "b|tcp://y")]
     task = asyncio.create_task(reporter.run_forever(lambda: count[0], lambda: queued))
     try:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # sleep-ok: ten report intervals with nothing computed
         assert outbox.sent == []  # nothing computed: a stuck stage says nothing
         count[0] = 7
-        async with asyncio.timeout(5):
-            while not outbox.sent:
-                await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
+        await eventually(lambda: outbox.sent, 5, "a report after the count grew")
+        await asyncio.sleep(0.1)  # sleep-ok: ten more intervals with the count unchanged
         assert outbox.sent == [("a|tcp://x", StageProgress("dev0", ["a:1"], 7))]  # one word per advance
     finally:
         task.cancel()
