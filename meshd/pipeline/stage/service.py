@@ -101,7 +101,6 @@ class StageService:
                                   peer_caps)
         self.progress = ProgressReporter(node_id, self.outbox, progress_every_s)
         self.server: StageServer | None = None
-        self._peer_caps = peer_caps
         self._deploy_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []  # the reaper and the progress reporter, for the stage's life
 
@@ -214,7 +213,7 @@ class StageService:
                 case Hello():  # readiness probe: which plan is loaded and serving here
                     refused = self._refusal(msg.plan_version)
                     # a coordinator on an older meshd would refuse the whole reply with a field it lacks
-                    reads = self._peer_caps is None or Cap.EXITS in self._peer_caps(msg.node_id)
+                    reads = self.outbox.reads(msg.node_id, Cap.EXITS)
                     return HelloReply(self.node_id, self.serving_version, "", accepted=not refused, reason=refused,
                                       exits=len(self.worker.exit_layers) if reads else 0)
                 case StageForward():
