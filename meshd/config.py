@@ -26,7 +26,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/meshd/meshd.toml")
 # The spellings decoding.device accepts, repeated so reading a config never imports torch.
 _DEVICE_RE = re.compile(r"auto|cpu|cuda(?::\d+)?")
 _DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-_WEIGHT_NAMES = ("float32", "bfloat16", "float16", "packed", "packed4")
+_WEIGHT_NAMES = ("float32", "bfloat16", "float16", "packed", "packed4", "gguf")
 DEFAULT_PORT = 7410
 DEFAULT_PAIRING_PORT = 7411
 
@@ -60,8 +60,8 @@ class Config:
     memory_budget_mb: int = field(default_factory=_default_memory_budget_mb)
     model: str | None = None  # None: embedded default; "none": no model (control plane only)
     device: str = "auto"  # where this device's stage computes: auto (CUDA if available), cpu, cuda, cuda:N
-    weights: str | None = None  # numeric mode: auto (packed on a CPU, bfloat16/float16 on a GPU), float32,
-    #                              bfloat16, float16, packed, packed4; the leader's is the plan's, for every member
+    weights: str | None = None  # numeric mode: auto (gguf or packed on a CPU, bfloat16/float16 on a GPU), float32,
+    #                              bfloat16, float16, packed, packed4, gguf; the leader's is the plan's, for every member
     dtype: str | None = None  # older spelling of a dense mode (float32, bfloat16, float16); weights wins
     wire_dtype: str = "float32"  # activations this stage sends on: float16/bfloat16 halve the bytes per hop
     self_profile: str = "quick"  # no profile of this model yet: "quick" times one layer at start-up; "off"

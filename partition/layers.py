@@ -86,8 +86,8 @@ def stage_memory_bytes(profile: DeviceProfile, first: int, end: int, max_seq: in
         weights += wb[0]
     if has_head:
         weights += wb[L + 1]
-        if first == 0 and profile.model.tie_embeddings:  # one tensor serves both
-            weights -= profile.model.vocab_size * profile.model.hidden_size * profile.dtype_bytes
+        if first == 0 and profile.model.tie_embeddings:  # one tensor serves both: counted in each end's unit
+            weights -= min(wb[0], wb[L + 1])
     kv = profile.kv_bytes_per_token_per_layer * (end - first) * max_seq
     return int(weights + kv + workspace_bytes(profile, max_seq, has_head))
 

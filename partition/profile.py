@@ -45,8 +45,9 @@ from partition.interpolate import bilinear, interp1
 SCHEMA = "meshd.device-profile"
 SCHEMA_VERSION = 1
 
-#: Bytes per activation element of each numeric mode ("packed": 4-bit matrices, bfloat16 activations).
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "packed": 2, "packed4": 2}
+#: Bytes per activation element of each numeric mode ("packed": 4-bit matrices, bfloat16 activations;
+#: "gguf": the file's blocks, float32 activations).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "packed": 2, "packed4": 2, "gguf": 4}
 
 #: Share of device memory the planner leaves to the OS and other apps by default.
 DEFAULT_HEADROOM = 0.25

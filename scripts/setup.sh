@@ -23,6 +23,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     fi
     echo "$want" > "$stamp"
 fi
+# The gguf numeric mode's kernels (C++, a few seconds with g++): built now so the first request does
+# not wait for them; a machine without a compiler serves in another mode and says why.
+.venv/bin/python -m decoding.quant.native || echo "[setup] warning: the integer kernels did not build" \
+    "(install g++); meshd will serve in the packed or float32 mode"
 .venv/bin/meshd model pull --quiet
 # The tool-calling model for the Home Assistant tests (~490 MB, fetched once, sha256-checked): only
 # for the test command (`setup.sh --with-tool-model`), never for the demo. Those tests skip with the

@@ -59,6 +59,7 @@ class GGUFSource(ModelSource):
                 raise ModelLoadError(f"{part}: not a readable GGUF file ({exc})") from exc
         check_parts(self.parts, self._readers)
         self._reader = self._readers[0]
+        self._fields = self._compact_fields()
         self._cache_root = cache_root
         # No family for the architecture: no tensors are indexed, and .config says why.
         self._family = models.family(self.arch)
@@ -76,12 +77,31 @@ class GGUFSource(ModelSource):
             raise ModelLoadError(f"{self.path}: GGUF lacks tensors {missing}")
 
     # -- metadata -----------------------------------------------------------
+    _LARGE_FIELD = 4096  # array fields longer than this (the vocabulary, its merges) are not kept
+
+    def _compact_fields(self) -> dict:
+        """The metadata as plain values, and the readers' parsed fields let go.
+
+        gguf-py parses every metadata entry into numpy views, one per vocabulary token: ~490 MB
+        resident for a 152k-token vocabulary, four times what a stage of the 0.5B holds in weights.
+        Only the scalars and short arrays are read afterwards (the tokenizer is built from the file
+        by transformers, once, and cached), so the rest is dropped and the heap returned.
+        """
+        import gc
+
+        from decoding.memory import release_free_memory
+
+        kept = {k: f.contents() for k, f in self._reader.fields.items() if len(f.data) <= self._LARGE_FIELD}
+        for reader in self._readers:
+            reader.fields = {}
+        gc.collect()
+        release_free_memory()
+        return kept
+
     def field(self, key: str, default=None):
-        """One metadata value of the file (``default`` when the file does not carry ``key``)."""
-        f = self._reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
+        """One metadata value of the file (``default`` when the file does not carry it, or carries it as
+        an array too long to keep: the vocabulary's tokens, types and merges)."""
+        return self._fields.get(key, default)
 
     @property
     def file_type(self) -> int | None:
@@ -156,6 +176,25 @@ class GGUFSource(ModelSource):
         if heads is not None:
             return groups.permute_rows(self._family.unpermute_rows(np.arange(rows), heads))
         return groups
+
+    def read_blocks(self, name: str):
+        """A matrix as the file stores it, for the integer kernels (``decoding.quant.blocks.BlockPart``):
+        a view of the mapped file, not a copy; rows llama.cpp permuted are put back through the part's
+        output columns. None when the kernels do not multiply its type (a float or a rarer quant)."""
+        from decoding.quant.blocks import BlockPart, supported
+
+        t = self._tensors.get(name)
+        if t is None or len(t.shape) != 2 or not supported(t.tensor_type.name):
+            return None
+        cols, rows = (int(d) for d in t.shape)
+        blocks = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+        heads = self._family.gguf_heads_permuted(self.config, name)
+        colmap = None
+        if heads is not None:  # stored row order[i] is row i: its output goes to column i
+            order = np.asarray(self._family.unpermute_rows(np.arange(rows), heads))
+            colmap = np.empty(rows, np.int64)
+            colmap[order] = np.arange(rows, dtype=np.int64)
+        return BlockPart(t.tensor_type.name, blocks, cols, colmap)
 
     def read_row_blocks(self, name: str):
         """A matrix's rows as stored (``(type name, uint8 [rows, bytes per row], cols)``), for lookups

@@ -40,8 +40,10 @@ _FLAGS = [
     ("--model", "model", str, "model path; 'none' runs the control plane only"),
     ("--device", "device", str, "where this device's stage computes: auto (default: CUDA when available), "
                                 "cpu, cuda or cuda:N"),
-    ("--weights", "weights", str, "numeric mode: auto (default: packed on a CPU, bfloat16 or float16 on a GPU), "
-                                  "float32, bfloat16, float16, packed (the file's 4-bit codes kept, wider ones as 8-bit), "
+    ("--weights", "weights", str, "numeric mode: auto (default: on a CPU the faster of gguf and packed, "
+                                  "bfloat16 or float16 on a GPU), float32, bfloat16, float16, "
+                                  "gguf (the file's blocks, mapped, times int8 activations: llama.cpp's arithmetic), "
+                                  "packed (the file's 4-bit codes kept, wider ones as 8-bit, bfloat16 activations), "
                                   "packed4 (every matrix 4-bit: faster, less faithful); "
                                   "the leader's mode is the plan's"),
     ("--dtype", "dtype", str, "older spelling of a dense --weights mode: float32, bfloat16, float16"),

@@ -35,7 +35,7 @@ def register(subparsers) -> None:
                    help="device to measure: cpu (default); measuring a GPU (cuda, cuda:N, auto on a CUDA "
                         "machine) is not built yet and is refused")
     p.add_argument("--max-seq", type=int, default=2048, help="longest sequence profiled (default 2048)")
-    p.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "float16", "packed", "packed4"],
+    p.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "float16", "packed", "packed4", "gguf"],
                    help="numeric mode to measure in (default float32; a daemon plans with the one it serves in)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per grid point (median)")
     p.add_argument("--headroom", type=float, default=None,

@@ -76,6 +76,8 @@ def render_status(s: dict[str, Any]) -> str:
         how = s.get("profile")
         if isinstance(how, str) and how.startswith("shipped default:"):
             lines.append(f"this device's profile: {how}")
+        if isinstance(s.get("numeric_mode"), str):
+            lines.append(f"this device's numeric mode: {s['numeric_mode']}")
     else:
         lines.append("no devices in the mesh yet")
     lines.append("")

@@ -34,6 +34,7 @@ class LocalMember:
         self.last_error = ""  # shown per member by `meshd status` (sent in heartbeats)
         self.own_profile: dict[str, Any] | None = None
         self.profile_how = ""  # how this device came by the profile it is planned with (set once the model is open)
+        self.mode_how = ""  # the numeric mode this device serves in and why (set once the model is open)
         self.stage_port = 0  # set by the model host once the serving role's stage listens
         self.port = 0  # the control link's transport port
         self.pairing_port = 0

@@ -94,8 +94,10 @@ class Planner:
     def plan(self) -> Plan | None:
         return self.view.plan
 
-    @functools.cached_property
+    @property
     def weights_mode(self) -> str:
+        """Read from the config each time: ``--weights auto`` becomes the measured mode once the model
+        is open (``meshd.model.host``), and plans from then on name it."""
         return weights_mode_of(self.config)
 
     def poke(self) -> None:

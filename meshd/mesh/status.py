@@ -100,6 +100,7 @@ class StatusDocument:
             "model_identity": local.model_identity()[0] or None,
             "load_state": local.load_state,
             "profile": local.profile_how,
+            "numeric_mode": local.mode_how or None,
             "ready": self.ready(),
             "not_planned": [{"node_id": n, "name": members[n].name if n in members else None,
                              "reason": r} for n, r in sorted(self.planner.not_planned().items())],

@@ -77,7 +77,7 @@ class ModelHost:
 
             self.serving = s = await start_serving(
                 cfg, self.view, self.node, sharing=self.sharing, weights_mode=self.planner.weights_mode,
-                follow_plans=self.planner.listeners.append)
+                follow_plans=self.planner.listeners.append, choose_mode=self._choose_mode)
             self.local.model_source = s.source
             self.local.stage_port = s.stage_port
             self._check_fit(s.source)
@@ -103,6 +103,36 @@ class ModelHost:
         self.gossip.send_heartbeat()  # peers may plan with us now
         self.planner.poke()
         self.planner.check_home_model()
+
+    async def _choose_mode(self, source) -> None:
+        """``--weights auto`` on a CPU: serve in the mode this CPU measured fastest on this model
+        (``meshd.model.mode_choice``; kept in the state directory), and say why in ``meshd status``.
+        With self-profiling off the CPU's flags decide (``decoding.device.default_cpu_mode``)."""
+        import torch
+
+        from meshd.config import placement_of
+        from meshd.model.mode_choice import settle
+
+        cfg = self.config
+        placement = placement_of(cfg)
+        if str(cfg.weights or "auto").strip().lower() != "auto" or str(cfg.dtype or "auto").lower() != "auto":
+            self.local.mode_how = f"{placement.mode} (as configured)"
+            return
+        if placement.device.type != "cpu":
+            self.local.mode_how = f"{placement.mode} (the default on {placement.device})"
+            return
+        if cfg.self_profile == "off":
+            self.local.mode_how = f"{placement.mode} (from the CPU's flags: self-profiling is off)"
+            return
+        try:
+            choice = await asyncio.to_thread(settle, self.view.state, source, torch.get_num_threads())
+        except Exception as exc:  # noqa: BLE001 - timing failed: the flags' guess still serves
+            self.local.mode_how = f"{placement.mode} (from the CPU's flags; timing failed: {exc})"[:300]
+            log.warning("numeric_mode_timing_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        cfg.weights = choice.mode
+        self.local.mode_how = choice.describe()
+        log.info("numeric_mode", mode=choice.mode, how=choice.how)
 
     def _check_fit(self, source) -> None:
         """Say at once when this device alone cannot hold the model (and what to do)."""

@@ -35,10 +35,16 @@ def profile_model(data: dict[str, Any]) -> str | None:
     return (data.get("model") or {}).get("identity")
 
 
+#: A mode without a profile of its own is planned with the nearest one's: the gguf mode holds about the
+#: file's bytes, as packed does (float32 holds four to eight times them).
+NEAREST_MODE = {"gguf": "packed", "packed4": "packed"}
+
+
 def prefer_mode(items: list, weights: str, profile_of):
-    """The first of ``items`` whose profile (``profile_of(item)``) was measured in ``weights``, else
-    the first float32 one (profiles before modes had names), else the first; None for none."""
-    for want in (weights, "float32"):
+    """The first of ``items`` whose profile (``profile_of(item)``) was measured in ``weights``, else in
+    the nearest mode (:data:`NEAREST_MODE`), else the first float32 one (profiles before modes had
+    names), else the first; None for none."""
+    for want in (weights, NEAREST_MODE.get(weights, ""), "float32"):
         hit = next((it for it in items if want and profile_of(it).get("dtype") == want), None)
         if hit is not None:
             return hit

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
+from decoding.device import PACKINGS
 from decoding.sampling import SamplingSpec
 from meshd.log import get_logger
 from meshd.pipeline.coordinator.cuts import prompt_cuts
@@ -224,7 +225,7 @@ class ServingRole:
     def cuts(self, prompt_len: int, route: Route) -> list[int]:
         """Where the engine cuts a prompt on ``route``: its plan's cut table (see
         ``meshd.pipeline.coordinator.cuts``)."""
-        packed = (route.weights or getattr(self.stage, "mode", "")).startswith("packed")
+        packed = (route.weights or getattr(self.stage, "mode", "")) in PACKINGS  # rows computed exactly
         return prompt_cuts(prompt_len, len(route.stages), self._cut_tables.get(route.key), packed)
 
     async def aclose(self) -> None:
@@ -233,7 +234,7 @@ class ServingRole:
 
 
 async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = "",
-                        follow_plans=None) -> ServingRole:
+                        follow_plans=None, choose_mode=None) -> ServingRole:
     """Open the model, start the stage service and the coordinator, follow the home's plans.
 
     Loads the local model file's metadata and tokenizer (weights are loaded per
@@ -241,7 +242,8 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
     ``node``. ``view`` (``meshd.mesh.view.MeshView``) says where members' stages are
     and what profiles they shared; ``sharing`` (``meshd.share``) fetches the model from
     the home when this device has no file; ``follow_plans(listener)`` subscribes the
-    role to every plan adopted from now on.
+    role to every plan adopted from now on; ``await choose_mode(source)`` settles the numeric mode
+    (``--weights auto``: the one this CPU measured fastest) before the stage is built in it.
     """
     from meshd.config import placement_of
     from meshd.engine.drafting import exits_factory, medusa_factory
@@ -256,6 +258,8 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
     # Everything lazy is done now, off the event loop: the tokenizer, and the file's
     # identity (a sha256 over the file, cached) that heartbeats carry.
     await asyncio.to_thread(lambda: (source.tokenizer, getattr(source, "identity", None)))
+    if choose_mode is not None:
+        await choose_mode(source)
     directory = MeshDirectory(view, cfg.listen)
     placement = placement_of(cfg)
     wire = getattr(cfg, "wire_dtype", "float32")

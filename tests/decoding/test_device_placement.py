@@ -241,10 +241,28 @@ def test_auto_is_the_cpu_here_and_cpu_is_always_there():
     want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else dv.CPU
     assert dv.resolve_device("auto") == dv.resolve_device(None) == want
     assert dv.resolve_device("cpu") == dv.resolve_device(" CPU ") == dv.CPU
-    # auto on a CPU: the packed numeric mode (4-bit matrices, bfloat16 activations), float32 on request
-    assert dv.Placement.resolve("cpu") == dv.Placement(dv.CPU, torch.bfloat16, "packed")
+    # auto on a CPU: the mode this CPU is fast in before it has timed them (see below), float32 on request
+    mode = dv.default_cpu_mode()
+    assert dv.Placement.resolve("cpu") == dv.Placement(dv.CPU, dv.PACKING_DTYPES[mode], mode)
     assert dv.Placement.resolve("cpu", weights="float32") == dv.Placement(dv.CPU, torch.float32)
     assert dv.Placement.resolve("cpu", dtype="float32").mode == "float32"
+
+
+def test_auto_on_a_cpu_is_packed_with_a_bfloat16_unit_and_the_integer_kernels_without(monkeypatch):
+    """bfloat16 is emulated on an AVX2 mini PC or an ARM board: there the GGUF blocks' integer kernels
+    (llama.cpp's arithmetic) are the default; AMX or AVX-512 BF16 keeps the packed mode."""
+    import decoding.quant.native as native
+
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c", "amx_bf16"})
+    assert dv.default_cpu_mode() == ("packed" if dv.mode_available("packed")[0] else "gguf")
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    if dv.mode_available("gguf")[0]:
+        assert dv.default_cpu_mode() == "gguf"
+        assert dv.Placement.resolve("cpu", weights="gguf") == dv.Placement(dv.CPU, torch.float32, "gguf")
+    monkeypatch.setattr(dv, "mode_available", lambda mode: (mode == "float32", "not here"))
+    assert dv.default_cpu_mode() == "float32"
+    with pytest.raises(DeviceError, match="--weights gguf: not here"):
+        dv.resolve_weights("gguf", dv.CPU)
 
 
 def test_cuda_without_cuda_is_one_clear_line(monkeypatch):

@@ -22,13 +22,15 @@ from pathlib import Path
 
 from meshd.client import MeshdClient
 from tests.support.repo import ROOT
+from decoding.device import default_cpu_mode
 from tests.support.waiting import wait_until
 
 # Fast timings so membership changes show within a few seconds.
 FAST = ["--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--gone-after", "2.0"]
-# Packed (the CPU's default mode), the embedded model is fastest on one device of this machine, so a
-# home of two splits it only when neither can hold it all: 154 MiB with a 2048-token cache.
-HALF_THE_MODEL = ("--memory-budget-mb", "120")
+# The embedded model is fastest on one device of this machine, so a home of two splits it only when neither
+# can hold it all: ~190 MiB with a 2048-token cache packed, ~290 MiB in the gguf mode (float32 activations
+# and KV cache), which either CPU default mode may be (decoding.device.default_cpu_mode).
+HALF_THE_MODEL = ("--memory-budget-mb", "250" if default_cpu_mode() == "gguf" else "120")
 # Self-profiling is off unless a test turns it on: two daemons timing themselves on one loaded
 # test machine would get different plans from run to run (tests/mesh/test_self_profile.py covers it).
 FAST_ENV = {"MESHD_REPLAN_DEBOUNCE_S": "0.5", "MESHD_DRAIN_TIMEOUT_S": "0.5", "MESHD_SELF_PROFILE": "off"}

@@ -27,6 +27,8 @@ def load_stage(cls, source, first: int, end: int, dtype: torch.dtype = torch.flo
             f"{source.path}: invalid layer range [{first}, {end}) for a {cfg.num_layers}-layer model")
     device = CPU if device is None else torch.device(device)
     packing = "packed" if packed is True else (packed or "")
+    if packing == "gguf":
+        return load_blocks(cls, source, first, end, device)
     if packing:
         return load_packed(cls, source, first, end, dtype, device, packing)
     cast = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
@@ -140,4 +142,52 @@ def load_packed(cls, source, first: int, end: int, dtype: torch.dtype, device: t
     inv_freq, _ = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, source.rope_freq_factors())
     stage = cls(cfg, first, end, layers, embed, final_norm, lm_head, inv_freq, dtype)
     stage.formats, stage.scratch, stage.packing = formats, scratch, packing
+    return stage
+
+
+def load_blocks(cls, source, first: int, end: int, device: torch.device):
+    """``[first, end)`` in the ``gguf`` mode: every matrix the integer kernels multiply stays a view of the
+    mapped file (``decoding.quant.blocks``); the rest (norms, biases, a matrix of a type they do not
+    take) is read as float32. Nothing is widened or copied, so loading costs the page reads only.
+    """
+    from decoding.quant.blocks import BlockLinear
+
+    if device.type != "cpu":
+        raise ModelLoadError(f"the gguf numeric mode runs on the CPU; {device} takes bfloat16 or float16")
+    cfg = source.config
+    formats: dict[str, str] = {}
+    blocks_of = getattr(source, "read_blocks", lambda n: None)
+
+    def weight(*names: str, key: str = ""):
+        parts = [blocks_of(n) for n in names]
+        if all(p is not None for p in parts) and len({p.cols for p in parts}) == 1:
+            w = BlockLinear(parts)
+            formats[key or names[0]] = f"{'+'.join(dict.fromkeys(w.types))} blocks, mapped"
+            return w
+        formats[key or names[0]] = "float32 (a type the integer kernels do not take)"
+        return torch.cat([source.read_tensor(n) for n in names]).contiguous()
+
+    layers = []
+    for i in range(first, end):
+        p = f"layers.{i}."
+        r = lambda n: source.read_tensor(p + n)  # noqa: E731
+        bias = torch.cat([r("q_bias"), r("k_bias"), r("v_bias")]) if cfg.attention_bias else None
+        layers.append(LayerWeights(
+            attn_norm=r("attn_norm"), qkv=weight(p + "q", p + "k", p + "v"), qkv_bias=bias,
+            o=weight(p + "o"), mlp_norm=r("mlp_norm"), gate_up=weight(p + "gate", p + "up"),
+            down=weight(p + "down")))
+    embed = final_norm = lm_head = None
+    if end == cfg.num_layers:
+        final_norm = source.read_tensor("final_norm")
+        lm_head = weight("embed" if cfg.tie_embeddings else "lm_head", key="lm_head")
+    if first == 0:
+        if cfg.tie_embeddings and lm_head is not None:
+            embed = lm_head  # one matrix, as in the file: rows widened per lookup
+        else:
+            embed = weight("embed")
+        if isinstance(embed, BlockLinear):
+            formats["embed"] = formats.get("embed", formats.get("lm_head", "")) + ", rows widened per lookup"
+    inv_freq, _ = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, source.rope_freq_factors())
+    stage = cls(cfg, first, end, layers, embed, final_norm, lm_head, inv_freq, torch.float32)
+    stage.formats, stage.packing = formats, "gguf"
     return stage

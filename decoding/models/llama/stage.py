@@ -32,6 +32,7 @@ from decoding.kv_cache import KVCache
 from decoding.linear import linear, nbytes
 from decoding.masks import chunk_mask
 from decoding.models.llama.layers import LayerWeights, rms_norm, rotate
+from decoding.quant import row_ops
 
 
 class StageModel:
@@ -220,12 +221,16 @@ class StageModel:
         cfg = self.config
         hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         total = h.shape[0]
-        x = rms_norm(h, lw.attn_norm, cfg.rms_eps)
+        fused = self.packing == "gguf"  # the row steps as single kernel calls (decoding.quant.row_ops)
+        x = (row_ops.rms_norm if fused else rms_norm)(h, lw.attn_norm, cfg.rms_eps)
         qkv = linear(x, lw.qkv, lw.qkv_bias, dense)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k = lw.norm_heads(q.view(total, nh, hd), k.view(total, nkv, hd), cfg.rms_eps)
-        q = rotate(q.transpose(0, 1), cos, sin)
-        k = rotate(k.transpose(0, 1), cos, sin)
+        if fused:
+            q, k = row_ops.rope_(q, cos, sin).transpose(0, 1), row_ops.rope_(k, cos, sin).transpose(0, 1)
+        else:
+            q = rotate(q.transpose(0, 1), cos, sin)
+            k = rotate(k.transpose(0, 1), cos, sin)
         v = v.view(total, nkv, hd).transpose(0, 1)
         if len(items) == 1:
             attn = self._attend(kv, li, items[0].seq_id, plans[0], q, k, v, probes)
@@ -238,7 +243,7 @@ class StageModel:
                 start = end
             attn = torch.cat(parts, dim=1)
         h = h + linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o, None, dense)
-        x = rms_norm(h, lw.mlp_norm, cfg.rms_eps)
+        x = (row_ops.rms_norm if fused else rms_norm)(h, lw.mlp_norm, cfg.rms_eps)
         gate, up = linear(x, lw.gate_up, None, dense).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, lw.down, None, dense)
 

@@ -1,0 +1,133 @@
+"""The gguf numeric mode: a model multiplied on its file's own blocks, mapped, exact within the mode."""
+
+import resource
+
+import pytest
+import torch
+
+from decoding.quant import native, row_ops
+from decoding.quant.blocks import BlockLinear
+
+OK, WHY = native.available()
+pytestmark = pytest.mark.skipif(not OK, reason=f"integer kernels unavailable: {WHY}")
+
+
+@pytest.fixture(scope="module")
+def gguf_stage(real_source):
+    return real_source.load_stage(0, real_source.config.num_layers, torch.float32, packed="gguf")
+
+
+def test_every_matrix_is_a_view_of_the_mapped_file(real_source, gguf_stage):
+    assert gguf_stage.packing == "gguf" and gguf_stage.dtype == torch.float32
+    kinds = set(gguf_stage.formats.values())
+    # the embedded Q4_1 file: Q4_1 layers, and the Q8_0 embedding that is also the head
+    assert kinds == {"Q4_1 blocks, mapped", "Q8_0 blocks, mapped", "Q8_0 blocks, mapped, rows widened per lookup"}
+    w = gguf_stage.layers[0].gate_up
+    assert isinstance(w, BlockLinear)
+    base = w.parts[0].blocks
+    while base.base is not None and not hasattr(base, "filename"):
+        base = base.base
+    assert hasattr(base, "filename") or type(base).__name__ == "mmap", "weights are the file's mapped pages"
+    assert gguf_stage.weight_bytes() <= 1.02 * real_source.path.stat().st_size
+
+
+def test_loading_reads_no_weights_into_the_heap(real_source):
+    """Ready in the time it takes to map the file: the heap grows by norms and biases only."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    stage = real_source.load_stage(0, real_source.config.num_layers, torch.float32, packed="gguf")
+    grown_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert stage.weight_bytes() > 50e6 and grown_kb * 1024 < 0.1 * stage.weight_bytes()
+
+
+def test_a_tied_head_serves_lookups_with_the_embeddings_rows(real_source, gguf_stage):
+    ids = torch.tensor([0, 5, 64, 63, 49151, 5])
+    assert torch.equal(gguf_stage.embed.lookup(ids), real_source.read_tensor("embed")[ids])
+    assert gguf_stage.embed is gguf_stage.lm_head
+
+
+def test_each_token_gets_the_same_logits_alone_or_in_a_verify_round(real_source, gguf_stage):
+    tok = real_source.tokenizer
+    prompt = torch.tensor(tok.encode("The three primary colours are"))
+    more = torch.tensor(tok.encode(" red, yellow and blue, and"))[:6]
+    kv = gguf_stage.new_cache(512)
+    kv.create("one", 64)
+    kv.create("all", 64)
+    gguf_stage.forward(kv, "one", prompt, all_logits=False)
+    gguf_stage.forward(kv, "all", prompt, all_logits=False)
+    steps = torch.cat([gguf_stage.forward(kv, "one", more[i:i + 1]) for i in range(len(more))])
+    assert torch.equal(steps, gguf_stage.forward(kv, "all", more))
+
+
+def test_a_prompt_cut_at_block_boundaries_is_computed_as_uncut(real_source, gguf_stage):
+    from decoding.batch import EXACT_BLOCK
+
+    ids = torch.tensor(real_source.tokenizer.encode("A home is a collection of small systems. " * 20))
+    assert len(ids) > 2 * EXACT_BLOCK + 10
+
+    def run(chunks):
+        kv = gguf_stage.new_cache(1024)
+        kv.create("s", 16)
+        start, rows = 0, []
+        for end in [*chunks, len(ids)]:
+            rows.append(gguf_stage.forward(kv, "s", ids[start:end])[-1])
+            start = end
+        x = rows[-1].argmax().view(1)
+        for _ in range(3):
+            rows.append(gguf_stage.forward(kv, "s", x)[-1])
+            x = rows[-1].argmax().view(1)
+        return torch.stack(rows[-4:])
+
+    whole = run([])
+    assert torch.equal(run([EXACT_BLOCK]), whole)
+    assert torch.equal(run([EXACT_BLOCK, 2 * EXACT_BLOCK]), whole)
+
+
+def test_two_gguf_stages_give_one_devices_tokens(real_source):
+    from decoding.batch import EXACT_BLOCK
+    from decoding.generate import generate
+    from decoding.pipeline_local import LocalPipeline
+
+    one = LocalPipeline.from_source(real_source, 1, torch.float32, packed="gguf")
+    two = LocalPipeline.from_source(real_source, 2, torch.float32, packed="gguf")
+    ids = real_source.tokenizer.encode("A home is a collection of small systems that were never designed together. " * 8)
+    want = generate(one, ids, 12).token_ids
+    assert generate(two, ids, 12).token_ids == want
+    assert generate(two, ids, 12, cuts=[EXACT_BLOCK]).token_ids == want
+
+
+def test_gguf_and_float32_pick_the_same_token_wherever_float32_is_not_a_near_tie(real_source, gguf_stage, real_stage):
+    """int8 activations move the logits a little (llama.cpp's own arithmetic); clear choices stay."""
+    from decoding.generate import generate
+    from decoding.pipeline_local import LocalPipeline
+
+    tok = real_source.tokenizer
+    ids = tok.apply_chat([{"role": "user", "content": "What is the capital of France?"}])
+    answer = generate(LocalPipeline([real_stage]), ids, 16, eos_ids=tok.eos_ids).token_ids
+    seq = torch.tensor(ids + answer)
+    logits = {}
+    for name, stage in (("float32", real_stage), ("gguf", gguf_stage)):
+        kv = stage.new_cache(128)
+        kv.create("s", len(seq))
+        logits[name] = stage.forward(kv, "s", seq)[len(ids) - 1:].float()
+    top2 = torch.softmax(logits["float32"], -1).topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05
+    assert clear.sum() >= len(answer) // 2
+    agree = logits["gguf"].argmax(-1) == logits["float32"].argmax(-1)
+    assert bool(agree[clear].all()), f"gguf disagrees at clear positions {(~agree & clear).nonzero().flatten().tolist()}"
+
+
+def test_the_row_steps_match_torchs_and_each_row_is_its_own(real_source):
+    from decoding.models.llama.layers import rms_norm, rotate
+
+    x, w = torch.randn(7, 576), torch.randn(576)
+    torch.testing.assert_close(row_ops.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    assert torch.equal(row_ops.rms_norm(x[3:4], w, 1e-5)[0], row_ops.rms_norm(x, w, 1e-5)[3])
+    q, cos, sin = torch.randn(7, 9, 64), torch.randn(7, 64), torch.randn(7, 64)
+    want = rotate(q.transpose(0, 1), cos, sin)
+    assert torch.equal(row_ops.rope_(q.clone(), cos, sin).transpose(0, 1), want)
+    wide = torch.randn(7, 3 * 9 * 64)  # q inside a fused q/k/v row: rotated in place, the rest untouched
+    view = wide[:, :9 * 64].view(7, 9, 64)
+    expect = rotate(view.transpose(0, 1).clone(), cos, sin)
+    rest = wide[:, 9 * 64:].clone()
+    row_ops.rope_(view, cos, sin)
+    assert torch.equal(view.transpose(0, 1), expect) and torch.equal(wide[:, 9 * 64:], rest)
