@@ -11,7 +11,8 @@ text), wrong tool, no call, and latency per request. ``--overhead N`` also times
 in-process with and without the tool grammar (same engine, same prompts) to state what the
 grammar costs a request.
 
-    .venv/bin/python bench/ha_commands.py [--quick] [--json] [--models a,b] [--dtype bfloat16]
+    .venv/bin/python bench/ha_commands.py [--quick] [--json] [--models a,b] [--weights MODE] [--core N]
+        [--llama-cpp]
 
 Commands alternate between the two APIs (``--both``: every command through both); ``--quick``:
 the first 20 commands, on the 0.5B and the embedded model unless ``--models`` says. Models not in the cache are skipped with the reason (``meshd model
@@ -55,17 +56,26 @@ def _free_port() -> int:
 class Daemon:
     """One ``meshd join --new-home`` serving ``model`` alone (a one-device home)."""
 
-    def __init__(self, root: Path, model: str, dtype: str):
+    def __init__(self, root: Path, model: str, weights: str, core: int | None = None):
         self.root, self.model = root, model
         self.sock = root / "api.sock"
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "meshd", "join", "--new-home", "ha-bench", "--name", "ha-bench",
+        pin = ["taskset", "-c", str(core)] if core is not None else []
+        cmd = [*pin, sys.executable, "-m", "meshd", "join", "--new-home", "ha-bench", "--name", "ha-bench",
                "--state-dir", str(root / "state"), "--socket", str(self.sock), "--listen", "127.0.0.1",
                "--port", "0", "--pairing-port", "0", "--api-listen", f"127.0.0.1:{self.port}",
-               "--model", model, "--dtype", dtype, "--log-format", "json"]
+               "--model", model, "--log-format", "json"]
+        if weights != "auto":
+            cmd += ["--weights", weights]
         self.log_path = root / "daemon.log"
+        threads = {"OMP_NUM_THREADS": "1"} if core is not None else {}
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "MESHD_SELF_PROFILE": "off"})
+                                     env={**os.environ, "MESHD_SELF_PROFILE": "off", **threads})
+
+    def count(self, event: str) -> int:
+        """Log lines of ``event`` so far (``request_replaying``: a request started over)."""
+        return sum(f'"event": "{event}"' in line or f"'event': '{event}'" in line or f" {event} " in line
+                   for line in self.log_path.read_text(errors="replace").splitlines())
 
     def wait_ready(self, timeout_s: float) -> None:
         import httpx
@@ -123,9 +133,10 @@ def via_ollama(d: Daemon, model: str, cmd: Command) -> tuple[list, str]:
     return calls, content
 
 
-def run_model(model: str, path: str, commands: list[Command], apis: list[list[str]], dtype: str) -> dict:
+def run_model(model: str, path: str, commands: list[Command], apis: list[list[str]], weights: str,
+              core: int | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ha-bench-") as tmp:
-        d = Daemon(Path(tmp), path, dtype)
+        d = Daemon(Path(tmp), path, weights, core)
         try:
             t = time.monotonic()
             d.wait_ready(600)
@@ -147,9 +158,29 @@ def run_model(model: str, path: str, commands: list[Command], apis: list[list[st
                     mark = "ok " if verdict["exact"] else ("~  " if verdict["loose"] else "ERR" if error else "x  ")
                     log(f"[{model}] {i + 1:2d}/{len(commands)} {api:6s} {dt:6.1f}s {mark} {cmd.text!r} -> "
                         f"{error or (calls if calls else repr(content[:80]))}")
-            return summarize(rows)
+            out = summarize(rows)
+            out["request_replaying"] = d.count("request_replaying")
+            return out
         finally:
             d.stop()
+
+
+def llama_server_times(path: str, commands: list[Command], core: int) -> dict:
+    """The same requests through ``llama-server --jinja`` (same GGUF, one thread pinned to ``core``,
+    its prompt cache on): what a home gets from its best device alone."""
+    from bench.llama_server import LlamaServer
+
+    if not LlamaServer.available():
+        return {"skipped": "llama.cpp is not built (bench/build_llama_cpp.sh)"}
+    times = []
+    with LlamaServer(Path(path), core=core) as srv:
+        for i, cmd in enumerate(commands):
+            r = srv.chat(messages_for(cmd), TOOLS, 96)
+            times.append(r.total_s)
+            log(f"[llama-server] {i + 1:2d}/{len(commands)} {r.total_s:6.1f}s prompt {r.prompt_tokens} "
+                f"cached {r.cached}")
+    return {"requests": len(times), "median_request_s": round(statistics.median(times), 3),
+            "setup": f"llama-server --jinja, -t 1 pinned to core {core}, cache_prompt on, the same GGUF"}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -257,7 +288,11 @@ def main() -> int:
     ap.add_argument("--commands", type=int, default=None, help="use the first N commands")
     ap.add_argument("--quick", action="store_true", help="the first 20 commands")
     ap.add_argument("--both", action="store_true", help="every command through both APIs (default: alternate)")
-    ap.add_argument("--dtype", default="bfloat16", help="the daemons' --dtype (default bfloat16)")
+    ap.add_argument("--weights", default="auto", help="the daemons' numeric mode (default: theirs, auto)")
+    ap.add_argument("--dtype", default="bfloat16", help="the in-process grammar timing's dtype (--overhead)")
+    ap.add_argument("--core", type=int, default=None,
+                    help="pin the daemon (one torch thread) and llama-server to this core")
+    ap.add_argument("--llama-cpp", action="store_true", help="also time the same requests on llama-server")
     ap.add_argument("--overhead", type=int, default=0, help="also time N commands in-process with/without grammar")
     ap.add_argument("--overhead-only", action="store_true", help="only the in-process grammar timing (no daemons)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -270,7 +305,8 @@ def main() -> int:
     n = args.commands or (20 if args.quick else len(COMMANDS))
     commands = list(COMMANDS[:n])
     apis = [["openai", "ollama"]] * n if args.both else [[("openai", "ollama")[i % 2]] for i in range(n)]
-    setup = {**machine_banner(), "torch_threads": "daemon default (all cores)", "dtype": args.dtype,
+    setup = {**machine_banner(), "weights": args.weights,
+             "torch_threads": "daemon default (all cores)" if args.core is None else f"1, pinned to core {args.core}",
              "entities": len(HOME), "tools": len(TOOLS), "commands": n, "quick": args.quick,
              "apis": "both per command" if args.both else "alternating openai / ollama",
              "decoding": "greedy, max_tokens 96",
@@ -291,13 +327,16 @@ def main() -> int:
                 grammar_overhead(path, commands[:args.overhead or 4], args.dtype))}
             log(f"[{model}] {json.dumps(result['models'][model])}")
             continue
-        res = run_model(model, path, commands, apis, args.dtype)
+        res = run_model(model, path, commands, apis, args.weights, args.core)
+        if args.llama_cpp:
+            res["llama_server"] = llama_server_times(path, commands, 0 if args.core is None else args.core)
         if args.overhead and not res["errors"]:
             res["grammar_overhead"] = asyncio.run(grammar_overhead(path, commands[:args.overhead], args.dtype))
         result["models"][model] = res
         log(f"[{model}] success {res['success']:.0%} (name-insensitive {res['name_insensitive_success']:.0%}), "
             f"unparsed {res['unparsed']:.0%}, wrong tool {res['wrong_tool']:.0%}, no call {res['no_call']:.0%}, "
-            f"errors {res['errors']}, median {res['median_latency_s']} s"
+            f"errors {res['errors']}, median {res['median_latency_s']} s, request_replaying {res['request_replaying']}"
+            + (f", llama-server median {res['llama_server'].get('median_request_s')} s" if "llama_server" in res else "")
             + (f"; grammar: {res['grammar_overhead']['grammar_s_per_request']} s a request (at most "
                f"{res['grammar_overhead']['grammar_share_of_request']:.1%} of one), A/B per request "
                f"x{res['grammar_overhead']['per_request_ratio']}, per token x{res['grammar_overhead']['per_token_ratio']}"

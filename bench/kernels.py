@@ -122,8 +122,22 @@ def _ort(codes, scales, accuracy_level: int):
     return lambda x: torch.from_numpy(sess.run(None, {"A": x.numpy()})[0])
 
 
+def cand_meshd_gguf(codes, scales):
+    """meshd's own kernel (the gguf mode) on the same weights as Q4_0 blocks: a float16 scale, then
+    16 bytes holding elements 0..15 in low nibbles and 16..31 in high ones."""
+    from decoding.quant.blocks import BlockLinear, BlockPart
+
+    n, k = codes.shape
+    c = codes.reshape(n, k // BLOCK, BLOCK)
+    qs = (c[:, :, :16] | (c[:, :, 16:] << 4)).astype(np.uint8)
+    d = scales.astype(np.float16).view(np.uint8).reshape(n, k // BLOCK, 2)
+    raw = np.ascontiguousarray(np.concatenate([d, qs], axis=2).reshape(n, -1))
+    return BlockLinear([BlockPart("Q4_0", raw, k)])
+
+
 CANDIDATES = {
     "float32": cand_float32,
+    "meshd-gguf": cand_meshd_gguf,
     "torch-int4-bf16": cand_torch_int4_bf16,
     "torch-bf16-dense": cand_torch_bf16_dense,
     "torch-dyn-quant": cand_torch_dyn_quant,

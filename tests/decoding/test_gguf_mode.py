@@ -7,6 +7,7 @@ import torch
 
 from decoding.quant import native, row_ops
 from decoding.quant.blocks import BlockLinear
+from tests.support.parity import logits_after_cuts
 
 OK, WHY = native.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"integer kernels unavailable: {WHY}")
@@ -64,18 +65,7 @@ def test_a_prompt_cut_at_block_boundaries_is_computed_as_uncut(real_source, gguf
     ids = torch.tensor(real_source.tokenizer.encode("A home is a collection of small systems. " * 20))
     assert len(ids) > 2 * EXACT_BLOCK + 10
 
-    def run(chunks):
-        kv = gguf_stage.new_cache(1024)
-        kv.create("s", 16)
-        start, rows = 0, []
-        for end in [*chunks, len(ids)]:
-            rows.append(gguf_stage.forward(kv, "s", ids[start:end])[-1])
-            start = end
-        x = rows[-1].argmax().view(1)
-        for _ in range(3):
-            rows.append(gguf_stage.forward(kv, "s", x)[-1])
-            x = rows[-1].argmax().view(1)
-        return torch.stack(rows[-4:])
+    run = lambda cuts: logits_after_cuts(gguf_stage, ids, cuts, 3)  # noqa: E731
 
     whole = run([])
     assert torch.equal(run([EXACT_BLOCK]), whole)

@@ -8,6 +8,7 @@ import torch
 from decoding.quant.groups import (EIGHT_BIT_TYPES, FOUR_BIT_TYPES, Int4Groups, from_gguf_blocks,
                                    from_gguf_eight_bit, requantize, requantize_8bit)
 from decoding.quant.packed import DENSE_FROM_ROWS, INT4_OK, ConcatLinear, PackedLinear
+from tests.support.parity import logits_after_cuts
 
 pytestmark = pytest.mark.skipif(not INT4_OK, reason="this torch has no CPU int4 kernel")
 
@@ -185,18 +186,7 @@ def test_a_prompt_cut_at_block_boundaries_is_computed_as_one_device_computes_it_
     ids = torch.tensor(tok.encode("A home is a collection of small systems that were never designed together. " * 12))
     assert len(ids) > 2 * EXACT_BLOCK + 10
 
-    def run(chunks):
-        kv = packed_stage.new_cache(1024)
-        kv.create("s", 16)
-        start, rows = 0, []
-        for end in [*chunks, len(ids)]:
-            rows.append(packed_stage.forward(kv, "s", ids[start:end])[-1])
-            start = end
-        x = rows[-1].argmax().view(1)
-        for _ in range(4):
-            rows.append(packed_stage.forward(kv, "s", x)[-1])
-            x = rows[-1].argmax().view(1)
-        return torch.stack(rows[-5:])
+    run = lambda cuts: logits_after_cuts(packed_stage, ids, cuts, 4)  # noqa: E731
 
     whole = run([])
     assert torch.equal(run([EXACT_BLOCK]), whole)

@@ -137,3 +137,18 @@ def assert_equals_transformers(files: "TinyFiles", source: str, mode: str) -> No
     if MODES[mode][1]:
         assert torch.equal(two, one)
 
+
+def logits_after_cuts(stage, ids, cuts: list[int], decode_steps: int) -> torch.Tensor:
+    """The last row's logits of a prompt fed to ``stage`` in pieces ending at ``cuts``, then of
+    ``decode_steps`` greedy steps: an exact mode gives the uncut prompt's bits whatever the cuts."""
+    kv = stage.new_cache(1024)
+    kv.create("s", 16)
+    start, rows = 0, []
+    for end in [*cuts, len(ids)]:
+        rows.append(stage.forward(kv, "s", ids[start:end])[-1])
+        start = end
+    x = rows[-1].argmax().view(1)
+    for _ in range(decode_steps):
+        rows.append(stage.forward(kv, "s", x)[-1])
+        x = rows[-1].argmax().view(1)
+    return torch.stack(rows[-(decode_steps + 1):])
