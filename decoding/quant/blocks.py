@@ -13,7 +13,7 @@ are still computed together: one pass over the weights for all of them.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,20 +57,19 @@ def supported(type_name: str) -> bool:
 
 class _Pool:
     """The threads a product is split over: torch's intra-op thread count, so ``--threads`` (and the
-    one-thread-per-pinned-stage setting) governs these kernels as it does torch's."""
+    one-thread-per-pinned-stage setting) governs these kernels as it does torch's. One pool per count,
+    never shut down: a caller with another count (the profiler, the mode chooser) cannot close the
+    pool another product is using."""
 
     _lock = threading.Lock()
-    _pool: ThreadPoolExecutor | None = None
-    _size = 0
+    _pools: dict[int, ThreadPoolExecutor] = {}
 
     @classmethod
     def get(cls, n: int) -> ThreadPoolExecutor:
         with cls._lock:
-            if cls._pool is None or cls._size != n:
-                if cls._pool is not None:
-                    cls._pool.shutdown(wait=False)
-                cls._pool, cls._size = ThreadPoolExecutor(n, thread_name_prefix="meshd-kernel"), n
-            return cls._pool
+            if n not in cls._pools:
+                cls._pools[n] = ThreadPoolExecutor(n, thread_name_prefix=f"meshd-kernel{n}")
+            return cls._pools[n]
 
 
 class BlockLinear:
@@ -129,9 +128,11 @@ class BlockLinear:
             self._fused.run(x.data_ptr(), m, self.in_features, out.data_ptr(), self.out_features)
         else:  # ctypes lets go of the GIL: the threads' ranges run at once
             step = -(-self.out_features // threads)
-            futures = [_Pool.get(threads).submit(self._fused.run, x.data_ptr(), m, self.in_features, out.data_ptr(),
-                                                 self.out_features, n0, min(n0 + step, self.out_features))
+            pool = _Pool.get(threads)
+            futures = [pool.submit(self._fused.run, x.data_ptr(), m, self.in_features, out.data_ptr(),
+                                   self.out_features, n0, min(n0 + step, self.out_features))
                        for n0 in range(0, self.out_features, step)]
+            wait(futures)  # every range done with x and out before anything is raised or returned
             for f in futures:
                 f.result()
         return out if bias is None else out.add_(bias)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.model.profile_files import prefer_mode, profile_model, read_profiles
+from meshd.model.profile_files import as_mode, prefer_mode, profile_model, read_profiles
 from partition.ids import NodeId, PlanVersion
 from partition.cuttable import CutTable
 from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, Plan
@@ -94,7 +94,7 @@ def default_profile(weights: str = "", model: str = "") -> dict[str, Any] | None
     ``weights`` if possible; else the first (by name) of that mode, else the first of any."""
     shipped = shipped_profiles()
     same_model = [data for data in shipped if model and profile_model(data) == model]
-    return prefer_mode(same_model or shipped, weights, lambda d: d)
+    return as_mode(prefer_mode(same_model or shipped, weights, lambda d: d), weights)
 
 
 def _device_profiles(members: list[MemberInput], weights: str, model: str) -> list | None:

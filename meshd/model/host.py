@@ -70,6 +70,11 @@ class ModelHost:
         cfg = self.config
         log.info("model_loading", model=cfg.model or "embedded default")
         try:
+            from decoding.device import default_cpu_mode
+
+            # which mode "auto" is depends on whether the integer kernels build: compile them (seconds,
+            # once) in a thread, before the planner and the status ask on the event loop
+            await asyncio.to_thread(default_cpu_mode)
             from decoding.speculative.draft_model import tokenizer_fingerprint
             from meshd.engine.drafting import DraftModels
             from meshd.pipeline.engine import PipelineEngine

@@ -147,10 +147,16 @@ def settle(state, source, threads: int = 1, chooser=choose) -> ModeChoice:
     except (OSError, ValueError):
         kept = {}
     if isinstance(kept, dict) and isinstance(kept.get(key), dict):
+        from decoding.device import mode_available
+
         try:
-            return ModeChoice.from_json(kept[key], "reused")
+            choice = ModeChoice.from_json(kept[key], "reused")
         except (KeyError, TypeError, ValueError):
-            pass
+            choice = None
+        # a kept mode this machine can no longer compute (kernels gone, no compiler since an upgrade)
+        # is measured again rather than failing the model's load
+        if choice is not None and mode_available(choice.mode)[0]:
+            return choice
     t0 = time.perf_counter()
     choice = chooser(source, threads)
     log.info("numeric_mode_chosen", mode=choice.mode, seconds=round(time.perf_counter() - t0, 1),

@@ -49,3 +49,19 @@ def prefer_mode(items: list, weights: str, profile_of):
         if hit is not None:
             return hit
     return items[0] if items else None
+
+
+def as_mode(data: dict[str, Any] | None, weights: str) -> dict[str, Any] | None:
+    """A profile measured in another numeric mode, planned as ``weights``: its layer times are kept
+    (the nearest guess there is until the device measures itself), its KV cache and activations are
+    sized for ``weights`` (a gguf stage's cache is float32, twice a packed one's), and it says so in
+    ``planned_as``. The profile as it is when it already is of ``weights`` (or no mode is asked)."""
+    from partition.profile import DTYPE_BYTES
+
+    if not data or not weights or data.get("dtype") == weights or weights not in DTYPE_BYTES:
+        return data
+    measured = str(data.get("dtype") or "float32")
+    ratio = DTYPE_BYTES[weights] / DTYPE_BYTES.get(measured, 4)
+    out = dict(data, dtype=weights, planned_as={"measured_in": measured, "kv_and_activations_x": ratio})
+    out["kv_bytes_per_token_per_layer"] = int(round(data.get("kv_bytes_per_token_per_layer", 0) * ratio))
+    return out

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
-from meshd.model.profile_files import prefer_mode, profile_model, read_profiles
+from meshd.model.profile_files import as_mode, prefer_mode, profile_model, read_profiles
 from meshd.state import StateDir
 
 log = get_logger("meshd.model.self_profile")
@@ -88,6 +88,10 @@ def settle(state: StateDir, source, *, mode: str, threads: int, on_cpu: bool, re
     from partition.scaling import scale
 
     reference = pf.load(ref_path)
+    if weights and reference.dtype != weights and weights in pf.DTYPE_BYTES:
+        # a reference measured in another mode (the gguf mode has packed ones): time this device in
+        # its own mode against it, and size its KV cache for that mode (meshd.model.profile_files.as_mode)
+        reference = pf.DeviceProfile.from_dict(as_mode(reference.to_dict(), weights))
     # the wall clock by default: what this device serves at, quotas and all (see estimate_speed)
     estimate = estimate or functools.partial(estimate_speed, clock=time.perf_counter)
     speed = estimate(source, reference, threads=threads)

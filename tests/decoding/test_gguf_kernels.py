@@ -114,10 +114,15 @@ def test_the_avx2_and_portable_builds_give_the_same_bits():
         "import numpy as np, sys; sys.path.insert(0, '.');"
         "from tests.decoding.test_gguf_kernels import random_blocks;"
         "from decoding.quant import native;"
+        "from decoding.quant.row_ops import rms_norm, rope_; import torch;"
         "x = np.random.default_rng(7).standard_normal((6, 512)).astype(np.float32);"
         "parts = [];"
-        "[parts.append((native.matmul_into(o := np.zeros((6, 24), np.float32), native.quantize_rows(x, native.ACT_BLOCK[t]),"
-        " t, random_blocks(t, 24, 512, seed=8), 512), o.tobytes().hex())[1]) for t in native.TYPE_IDS];"
+        # 1 and 3 rows take the decode path (blocks decoded as read), 6 the pre-decoded one
+        "[parts.append((native.matmul_into(o := np.zeros((m, 24), np.float32), native.quantize_rows(x[:m], native.ACT_BLOCK[t]),"
+        " t, random_blocks(t, 24, 512, seed=8), 512), o.tobytes().hex())[1]) for t in native.TYPE_IDS for m in (1, 3, 6)];"
+        "xt = torch.from_numpy(x); q = xt.view(6, 8, 64).clone();"
+        "parts.append(rms_norm(xt, torch.ones(512), 1e-6).numpy().tobytes().hex());"
+        "parts.append(rope_(q, xt[:, :64], xt[:, 64:128]).numpy().tobytes().hex());"
         "print(native.isa(), '|'.join(parts))"
     )
     outs = {}

@@ -121,3 +121,44 @@ def test_the_row_steps_match_torchs_and_each_row_is_its_own(real_source):
     rest = wide[:, 9 * 64:].clone()
     row_ops.rope_(view, cos, sin)
     assert torch.equal(view.transpose(0, 1), expect) and torch.equal(wide[:, 9 * 64:], rest)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_a_quantised_file_computes_what_transformers_computes_on_its_stored_weights(tmp_path, kind):
+    """Llama files store q/k rows permuted (put back through the output columns); Qwen3 normalises
+    q/k per head: the mode's logits are transformers' on the file's values, up to int8 activations."""
+    from decoding.loader import open_model
+    from tests.support.gguf_convert import as_stored, write_gguf
+    from tests.support.tiny_archs import build_model
+
+    model = build_model(kind)
+    source = open_model(write_gguf(model, tmp_path / f"{kind}.gguf", "Q4_0"))
+    stage = source.load_stage(0, source.config.num_layers, torch.float32, packed="gguf")
+    assert "Q4_0 blocks, mapped" in stage.formats.values()
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1))
+    kv = stage.new_cache(64)
+    kv.create("s", 40)
+    got = stage.forward(kv, "s", ids)
+    with torch.no_grad():
+        want = as_stored(model, "Q4_0")(ids[None]).logits[0].float()
+    assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_types_the_kernels_do_not_take_are_rounded_to_q8_0_and_stay_exact(tmp_path):
+    from decoding.loader import open_model
+    from tests.support.gguf_convert import write_gguf
+    from tests.support.tiny_archs import build_model
+
+    model = build_model("llama3")
+    source = open_model(write_gguf(model, tmp_path / "f16.gguf", "F16"))
+    stage = source.load_stage(0, source.config.num_layers, torch.float32, packed="gguf")
+    kinds = set(stage.formats.values())
+    assert "Q8_0, rounded from F16" in kinds and "F16 rows, widened per lookup" in kinds
+    prompt, more = torch.arange(5, 25), torch.arange(40, 46)
+    kv = stage.new_cache(128)
+    for seq in ("one", "all"):
+        kv.create(seq, 32)
+        stage.forward(kv, seq, prompt, all_logits=False)
+    steps = torch.cat([stage.forward(kv, "one", more[i:i + 1]) for i in range(len(more))])
+    assert torch.equal(steps, stage.forward(kv, "all", more))

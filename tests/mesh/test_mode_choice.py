@@ -89,3 +89,28 @@ def test_one_layer_of_the_embedded_model_is_timed_in_a_mode(real_source, mode):
         pytest.skip(f"{mode} is not available here")
     timing = mc.time_mode(real_source, mode, repeats=2)
     assert timing.mode == mode and timing.decode_s > 0 and timing.prefill_s > 0
+
+
+def test_a_kept_choice_this_machine_can_no_longer_compute_is_measured_again(tmp_path, monkeypatch):
+    """Kernels gone after an upgrade (no compiler): the kept "gguf" must not fail the model's load."""
+    import decoding.device as dv
+
+    state, source = SimpleNamespace(root=tmp_path), SimpleNamespace(identity="m@1")
+    keep = lambda s, t=1: mc.ModeChoice("gguf", "measured", (mc.ModeTiming("gguf", 0.01, 0.1),))  # noqa: E731
+    mc.settle(state, source, chooser=keep)
+    monkeypatch.setattr(dv, "mode_available", lambda mode: (mode != "gguf", "no compiler"))
+    again = mc.settle(state, source, chooser=lambda s, t=1: mc.ModeChoice(
+        "float32", "measured", (mc.ModeTiming("float32", 0.02, 0.1),)))
+    assert again.mode == "float32" and again.how == "measured"
+
+
+def test_a_profile_of_another_mode_is_planned_with_this_modes_kv_cache():
+    """The gguf mode has no shipped profile of the Qwen models: their packed ones plan it, with the
+    KV cache and activations a gguf stage holds (float32: twice packed's bfloat16)."""
+    from meshd.model.profile_files import as_mode
+
+    packed = {"dtype": "packed", "kv_bytes_per_token_per_layer": 1024, "layer_latency_s": [[0.1]]}
+    gguf = as_mode(packed, "gguf")
+    assert gguf["dtype"] == "gguf" and gguf["kv_bytes_per_token_per_layer"] == 2048
+    assert gguf["layer_latency_s"] == packed["layer_latency_s"] and gguf["planned_as"]["measured_in"] == "packed"
+    assert as_mode(packed, "packed") is packed and as_mode(None, "gguf") is None and as_mode(packed, "") is packed

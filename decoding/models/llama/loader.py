@@ -147,25 +147,39 @@ def load_packed(cls, source, first: int, end: int, dtype: torch.dtype, device: t
 
 def load_blocks(cls, source, first: int, end: int, device: torch.device):
     """``[first, end)`` in the ``gguf`` mode: every matrix the integer kernels multiply stays a view of the
-    mapped file (``decoding.quant.blocks``); the rest (norms, biases, a matrix of a type they do not
-    take) is read as float32. Nothing is widened or copied, so loading costs the page reads only.
+    mapped file (``decoding.quant.blocks``). Nothing is widened or copied, so loading costs the page reads.
+
+    A matrix of a type they do not take (F16, BF16, F32, Q2_K, Q3_K, the IQ types; a source that is not
+    a GGUF) is rounded to Q8_0 once, in memory: every product still goes through the kernels, so every
+    row stays computed alike whatever is batched with it (a float product would not), and ``formats``
+    names the rounding. Norms and biases are read as float32.
     """
-    from decoding.quant.blocks import BlockLinear
+    import gguf
+    import numpy as np
+
+    from decoding.quant.blocks import BlockLinear, BlockPart
 
     if device.type != "cpu":
         raise ModelLoadError(f"the gguf numeric mode runs on the CPU; {device} takes bfloat16 or float16")
     cfg = source.config
     formats: dict[str, str] = {}
     blocks_of = getattr(source, "read_blocks", lambda n: None)
+    kind_of = getattr(source, "tensor_type", lambda n: None)
+
+    def part(name: str) -> tuple[BlockPart, str]:
+        found = blocks_of(name)
+        if found is not None:
+            return found, f"{found.type_name} blocks, mapped"
+        w = source.read_tensor(name).float().numpy()  # rows as the model orders them
+        if w.shape[1] % 32:
+            raise ModelLoadError(f"{name}: {w.shape[1]} columns are not whole Q8_0 blocks for the gguf mode")
+        raw = np.asarray(gguf.quants.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.Q8_0))
+        return BlockPart("Q8_0", raw.reshape(w.shape[0], -1), w.shape[1]), f"Q8_0, rounded from {kind_of(name) or 'float'}"
 
     def weight(*names: str, key: str = ""):
-        parts = [blocks_of(n) for n in names]
-        if all(p is not None for p in parts) and len({p.cols for p in parts}) == 1:
-            w = BlockLinear(parts)
-            formats[key or names[0]] = f"{'+'.join(dict.fromkeys(w.types))} blocks, mapped"
-            return w
-        formats[key or names[0]] = "float32 (a type the integer kernels do not take)"
-        return torch.cat([source.read_tensor(n) for n in names]).contiguous()
+        made = [part(n) for n in names]
+        formats[key or names[0]] = "+".join(dict.fromkeys(how for _, how in made))
+        return BlockLinear([p for p, _ in made])
 
     layers = []
     for i in range(first, end):
@@ -183,10 +197,15 @@ def load_blocks(cls, source, first: int, end: int, device: torch.device):
     if first == 0:
         if cfg.tie_embeddings and lm_head is not None:
             embed = lm_head  # one matrix, as in the file: rows widened per lookup
+            formats["embed"] = formats["lm_head"] + ", rows widened per lookup"
+        elif blocks_of("embed") is None and hasattr(source, "read_row_blocks"):
+            from decoding.quant.rows import QuantRows  # only looked up: any type, as stored
+
+            embed = QuantRows(*source.read_row_blocks("embed"), torch.float32)
+            formats["embed"] = f"{embed.type_name} rows, widened per lookup"
         else:
             embed = weight("embed")
-        if isinstance(embed, BlockLinear):
-            formats["embed"] = formats.get("embed", formats.get("lm_head", "")) + ", rows widened per lookup"
+            formats["embed"] += ", rows widened per lookup"
     inv_freq, _ = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, source.rope_freq_factors())
     stage = cls(cfg, first, end, layers, embed, final_norm, lm_head, inv_freq, torch.float32)
     stage.formats, stage.packing = formats, "gguf"

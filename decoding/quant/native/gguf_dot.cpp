@@ -586,10 +586,17 @@ int meshd_quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int q
             const float* v = xr + qk * j;
             float amax = 0.0f;
             for (int i = 0; i < qk; i++) amax = std::fmax(amax, std::fabs(v[i]));
-            const float dj = amax / 127.0f;
-            const float id = dj != 0.0f ? 1.0f / dj : 0.0f;
+            float dj = amax / 127.0f;
+            float id = dj != 0.0f ? 1.0f / dj : 0.0f;
+            if (!std::isfinite(id) || !std::isfinite(dj)) {  // a tiny (subnormal) or non-finite block: zeros
+                id = 0.0f;                                   // times NaN, the same in every build
+                if (!std::isfinite(dj)) dj = NAN;
+            }
             int8_t* qj = q + m * K + qk * j;
-            for (int i = 0; i < qk; i++) qj[i] = (int8_t)(int)std::nearbyint(v[i] * id);
+            for (int i = 0; i < qk; i++) {
+                const float t = v[i] * id;
+                qj[i] = std::isfinite(t) ? (int8_t)(int)std::nearbyint(t) : (int8_t)0;
+            }
             d[m * (K / qk) + j] = dj;
             for (int h = 0; h < qk / 16; h++) {
                 int sum = 0;
