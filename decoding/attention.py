@@ -16,6 +16,19 @@ from decoding.batch import EXACT_BLOCK, RowPlan
 from decoding.masks import chunk_mask
 
 
+def one_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row's attention, [heads, 1, head_dim], as two matrix products and a softmax.
+
+    Why not SDPA: on a CPU its kernel splits a single row's keys between threads, so the row's bits
+    depend on the thread count (a daemon with two threads, its reference with one). Per head these
+    products keep each output's reduction in one thread (checked for 1-6,000 keys, 1 vs 2 threads).
+    """
+    heads, kv_heads = q.shape[0], keys.shape[0]
+    qg = q.reshape(kv_heads, heads // kv_heads, q.shape[-1])
+    probs = torch.softmax(torch.matmul(qg, keys.transpose(1, 2)) * scale, dim=-1)
+    return torch.matmul(probs, values).reshape(heads, 1, -1)
+
+
 def exact_attention(p: RowPlan, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                     gqa: bool) -> torch.Tensor:
     """Attention that gives each row the same bits however its sequence was cut or batched.
@@ -39,6 +52,10 @@ def exact_attention(p: RowPlan, q: torch.Tensor, keys: torch.Tensor, values: tor
         else:
             rows, end = 1, p.past + i + 1
             k_i, v_i, mask = keys[:, :end], values[:, :end], None
+        if rows == 1 and q.dtype == torch.float32:  # the gguf mode: the same bits at any thread count
+            outs.append(one_row_attention(q[:, i:i + 1], k_i, v_i, scale))
+            i += 1
+            continue
         outs.append(F.scaled_dot_product_attention(
             q[:, i:i + rows].contiguous().unsqueeze(0), k_i.unsqueeze(0), v_i.unsqueeze(0), attn_mask=mask,
             scale=scale, enable_gqa=gqa)[0])

@@ -7,7 +7,7 @@ import torch
 
 from decoding.quant import native, row_ops
 from decoding.quant.blocks import BlockLinear
-from tests.support.parity import logits_after_cuts
+from tests.support.parity import disagreements_at_clear_choices, logits_after_cuts, steps_and_round
 
 OK, WHY = native.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"integer kernels unavailable: {WHY}")
@@ -50,13 +50,8 @@ def test_each_token_gets_the_same_logits_alone_or_in_a_verify_round(real_source,
     tok = real_source.tokenizer
     prompt = torch.tensor(tok.encode("The three primary colours are"))
     more = torch.tensor(tok.encode(" red, yellow and blue, and"))[:6]
-    kv = gguf_stage.new_cache(512)
-    kv.create("one", 64)
-    kv.create("all", 64)
-    gguf_stage.forward(kv, "one", prompt, all_logits=False)
-    gguf_stage.forward(kv, "all", prompt, all_logits=False)
-    steps = torch.cat([gguf_stage.forward(kv, "one", more[i:i + 1]) for i in range(len(more))])
-    assert torch.equal(steps, gguf_stage.forward(kv, "all", more))
+    steps, together = steps_and_round(gguf_stage, prompt, more)
+    assert torch.equal(steps, together)
 
 
 def test_a_prompt_cut_at_block_boundaries_is_computed_as_uncut(real_source, gguf_stage):
@@ -87,23 +82,8 @@ def test_two_gguf_stages_give_one_devices_tokens(real_source):
 
 def test_gguf_and_float32_pick_the_same_token_wherever_float32_is_not_a_near_tie(real_source, gguf_stage, real_stage):
     """int8 activations move the logits a little (llama.cpp's own arithmetic); clear choices stay."""
-    from decoding.generate import generate
-    from decoding.pipeline_local import LocalPipeline
-
-    tok = real_source.tokenizer
-    ids = tok.apply_chat([{"role": "user", "content": "What is the capital of France?"}])
-    answer = generate(LocalPipeline([real_stage]), ids, 16, eos_ids=tok.eos_ids).token_ids
-    seq = torch.tensor(ids + answer)
-    logits = {}
-    for name, stage in (("float32", real_stage), ("gguf", gguf_stage)):
-        kv = stage.new_cache(128)
-        kv.create("s", len(seq))
-        logits[name] = stage.forward(kv, "s", seq)[len(ids) - 1:].float()
-    top2 = torch.softmax(logits["float32"], -1).topk(2).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.05
-    assert clear.sum() >= len(answer) // 2
-    agree = logits["gguf"].argmax(-1) == logits["float32"].argmax(-1)
-    assert bool(agree[clear].all()), f"gguf disagrees at clear positions {(~agree & clear).nonzero().flatten().tolist()}"
+    wrong, clear, n = disagreements_at_clear_choices(real_source, real_stage, gguf_stage)
+    assert clear >= n // 2 and not wrong, f"gguf disagrees at clear positions {wrong}"
 
 
 def test_the_row_steps_match_torchs_and_each_row_is_its_own(real_source):
@@ -155,10 +135,27 @@ def test_types_the_kernels_do_not_take_are_rounded_to_q8_0_and_stay_exact(tmp_pa
     stage = source.load_stage(0, source.config.num_layers, torch.float32, packed="gguf")
     kinds = set(stage.formats.values())
     assert "Q8_0, rounded from F16" in kinds and "F16 rows, widened per lookup" in kinds
-    prompt, more = torch.arange(5, 25), torch.arange(40, 46)
-    kv = stage.new_cache(128)
-    for seq in ("one", "all"):
-        kv.create(seq, 32)
-        stage.forward(kv, seq, prompt, all_logits=False)
-    steps = torch.cat([stage.forward(kv, "one", more[i:i + 1]) for i in range(len(more))])
-    assert torch.equal(steps, stage.forward(kv, "all", more))
+    steps, together = steps_and_round(stage, torch.arange(5, 25), torch.arange(40, 46))
+    assert torch.equal(steps, together)
+
+
+def test_a_stage_computes_the_same_bits_with_one_thread_or_two(real_source, gguf_stage):
+    """A daemon and the reference it is held to may run different thread counts: a prompt (a whole
+    position block and the rows after it) and decode steps give the same logits either way."""
+    ids = torch.tensor(real_source.tokenizer.encode("Once upon a time there was a sailor who loved the sea. " * 5))
+    before = torch.get_num_threads()
+
+    def run(threads: int) -> list[torch.Tensor]:
+        torch.set_num_threads(threads)
+        kv = gguf_stage.new_cache(512)
+        kv.create("s", 64)
+        outs = [gguf_stage.forward(kv, "s", ids, all_logits=False)]
+        for _ in range(4):
+            outs.append(gguf_stage.forward(kv, "s", outs[-1][-1].argmax().view(1), all_logits=False))
+        return outs
+
+    try:
+        one, two = run(1), run(2)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))

@@ -8,7 +8,7 @@ import torch
 from decoding.quant.groups import (EIGHT_BIT_TYPES, FOUR_BIT_TYPES, Int4Groups, from_gguf_blocks,
                                    from_gguf_eight_bit, requantize, requantize_8bit)
 from decoding.quant.packed import DENSE_FROM_ROWS, INT4_OK, ConcatLinear, PackedLinear
-from tests.support.parity import logits_after_cuts
+from tests.support.parity import disagreements_at_clear_choices, logits_after_cuts, steps_and_round
 
 pytestmark = pytest.mark.skipif(not INT4_OK, reason="this torch has no CPU int4 kernel")
 
@@ -167,13 +167,7 @@ def test_a_packed_stage_gives_each_token_the_same_logits_alone_or_in_a_verify_ro
     tok = real_source.tokenizer
     prompt = torch.tensor(tok.encode("The three primary colours are"))
     more = torch.tensor(tok.encode(" red, yellow and blue, and"))[:6]
-    kv = packed_stage.new_cache(512)
-    kv.create("one", 64)
-    kv.create("all", 64)
-    packed_stage.forward(kv, "one", prompt, all_logits=False)
-    packed_stage.forward(kv, "all", prompt, all_logits=False)
-    steps = torch.cat([packed_stage.forward(kv, "one", more[i:i + 1]) for i in range(len(more))])
-    together = packed_stage.forward(kv, "all", more)
+    steps, together = steps_and_round(packed_stage, prompt, more)
     assert torch.equal(steps, together)
 
 
@@ -217,24 +211,9 @@ def test_packed_and_float32_pick_the_same_token_wherever_float32_is_not_a_near_t
     the packed stage picks float32's token. (Near-ties may flip by rounding — on an AVX2 CPU "The"
     vs "L" for this question is 0.152 vs 0.140 — which greedy agreement over whole answers, in
     bench/peers.py, measures; a layout read back wrong flips every token.)"""
-    from decoding.generate import generate
-    from decoding.pipeline_local import LocalPipeline
-
-    tok = real_source.tokenizer
-    ids = tok.apply_chat([{"role": "user", "content": "What is the capital of France?"}])
-    answer = generate(LocalPipeline([real_stage]), ids, 16, eos_ids=tok.eos_ids).token_ids
-    seq = torch.tensor(ids + answer)
-    logits = {}
-    for name, stage in (("float32", real_stage), ("packed", packed_stage)):
-        kv = stage.new_cache(128)
-        kv.create("s", len(seq))
-        logits[name] = stage.forward(kv, "s", seq)[len(ids) - 1:].float()
-    probs = torch.softmax(logits["float32"], -1)
-    top2 = probs.topk(2).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.05
-    assert clear.sum() >= len(answer) // 2, "the answer has enough clear choices to compare"
-    agree = logits["packed"].argmax(-1) == logits["float32"].argmax(-1)
-    assert bool(agree[clear].all()), f"packed disagrees at clear positions {(~agree & clear).nonzero().flatten().tolist()}"
+    wrong, clear, n = disagreements_at_clear_choices(real_source, real_stage, packed_stage)
+    assert clear >= n // 2, "the answer has enough clear choices to compare"
+    assert not wrong, f"packed disagrees at clear positions {wrong}"
 
 
 def test_the_kernels_row_layout_is_read_back_on_this_cpu():

@@ -152,3 +152,36 @@ def logits_after_cuts(stage, ids, cuts: list[int], decode_steps: int) -> torch.T
         rows.append(stage.forward(kv, "s", x)[-1])
         x = rows[-1].argmax().view(1)
     return torch.stack(rows[-(decode_steps + 1):])
+
+
+def steps_and_round(stage, prompt: torch.Tensor, more: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of ``more`` after ``prompt`` computed as decode steps one by one, and as one verify round:
+    an exact mode gives the two the same bits."""
+    kv = stage.new_cache(512)
+    for seq in ("one", "all"):
+        kv.create(seq, 64)
+        stage.forward(kv, seq, prompt, all_logits=False)
+    steps = torch.cat([stage.forward(kv, "one", more[i:i + 1]) for i in range(len(more))])
+    return steps, stage.forward(kv, "all", more)
+
+
+def disagreements_at_clear_choices(source, reference_stage, stage, margin: float = 0.05) -> tuple[list[int], int, int]:
+    """Teacher-forced over ``reference_stage``'s own greedy answer to a short chat question: the answer
+    positions where the reference's top two tokens are more than ``margin`` apart and ``stage`` picks
+    another token, how many clear positions there were (near-ties may flip by rounding), and the
+    answer's length."""
+    from decoding.generate import generate
+
+    tok = source.tokenizer
+    ids = tok.apply_chat([{"role": "user", "content": "What is the capital of France?"}])
+    answer = generate(LocalPipeline([reference_stage]), ids, 16, eos_ids=tok.eos_ids).token_ids
+    seq = torch.tensor(ids + answer)
+    logits = []
+    for st in (reference_stage, stage):
+        kv = st.new_cache(128)
+        kv.create("s", len(seq))
+        logits.append(st.forward(kv, "s", seq)[len(ids) - 1:].float())
+    top2 = torch.softmax(logits[0], -1).topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > margin
+    agree = logits[1].argmax(-1) == logits[0].argmax(-1)
+    return (~agree & clear).nonzero().flatten().tolist(), int(clear.sum()), len(answer)
