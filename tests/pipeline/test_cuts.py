@@ -1,7 +1,7 @@
 """Where the coordinator cuts a prompt: the plan's table, equal chunks past it, block-aligned when packed."""
 
 from decoding.batch import EXACT_BLOCK
-from meshd.pipeline.coordinator.cuts import UNCUT_PROMPT, aligned_cuts, default_cuts, prompt_cuts
+from meshd.pipeline.coordinator.cuts import UNCUT_PROMPT, aligned_cuts, decoded_runs, default_cuts, prompt_cuts
 from partition.cuttable import CutTable
 
 
@@ -37,3 +37,16 @@ def test_short_prompts_and_one_stage_homes_go_whole_and_packed_cuts_sit_on_block
     assert prompt_cuts(500, 1, table, packed=False) == []
     assert all(c % EXACT_BLOCK == 0 for c in prompt_cuts(500, 2, table, packed=True))
     assert prompt_cuts(500, 2, table, packed=True) == aligned_cuts([250], 500, EXACT_BLOCK)
+
+
+def test_tokens_decoded_one_at_a_time_are_prefilled_again_in_chunks_holding_no_whole_block():
+    """A replay re-prefills what was decoded: no chunk may take a whole block's dense path (brute force)."""
+    b = 8
+    for start in range(0, 3 * b):
+        for end in range(start, start + 4 * b):
+            runs = decoded_runs(start, end, b)
+            assert [p for r in runs for p in range(*r)] == list(range(start, end))  # in order, each once
+            for lo, hi in runs:
+                assert hi - lo <= b
+                assert not any(lo <= k * b and (k + 1) * b <= hi for k in range(hi // b + 1)), (start, end, lo, hi)
+            assert len(runs) <= (end - start) // b + 2  # no needless messages

@@ -387,3 +387,36 @@ async def test_progress_counts_only_from_a_stage_of_the_flights_own_route():
         talk.cancel()
     table.progressed(StageProgress("dev0", [flight.seq], 1))
     assert flight.progress_at > 0
+
+
+
+async def test_an_answer_replayed_past_a_block_boundary_goes_on_as_one_exact_device(real_source):
+    """gguf mode, exact within the mode: a device leaves once prompt + answer cross a whole position
+    block. The replay prefills the tokens decoded so far row by row, as they were decoded (a whole
+    block's dense path would give them other bits), so every later step's probabilities are the
+    uninterrupted answer's, bit for bit, and its tokens one device's."""
+    from decoding.batch import EXACT_BLOCK
+    from decoding.quant import native
+
+    if not native.available()[0]:
+        pytest.skip(f"integer kernels unavailable: {native.available()[1]}")
+    tok = real_source.tokenizer
+    prompt = tok.apply_chat([{"role": "user", "content": "Write a long story about a lighthouse keeper."}])
+    assert len(prompt) < EXACT_BLOCK
+    leave_after = EXACT_BLOCK + 24 - len(prompt)  # the replay prefills a whole block and more
+    n = leave_after + 8
+
+    async def steps(leave: bool) -> list:
+        async with Mesh(real_source, 3, dtype=torch.float32, packed="gguf") as mesh:
+            out = []
+            async for step in mesh.coord.steps(StepsRequest("r", prompt, n, return_topk=4)):
+                out.append((step.token, step.topk_probs))
+                if leave and len(out) == leave_after:
+                    await mesh.drop_middle()
+            assert mesh.coord.resumes == int(leave)
+            return out
+
+    ref = generate(LocalPipeline.from_source(real_source, 1, torch.float32, packed="gguf"), prompt, n).token_ids
+    uninterrupted, replayed = await steps(False), await steps(True)
+    assert [t for t, _ in uninterrupted] == ref
+    assert replayed == uninterrupted

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from decoding.pipeline_local import chunk_bounds
+from meshd.pipeline.coordinator.cuts import decoded_runs
 from meshd.pipeline.coordinator.failures import PipelineError
 from meshd.pipeline.coordinator.slot import RequestSlot, SlotState, TokenStep
 from meshd.pipeline.coordinator.verify_rounds import verify_rounds
@@ -53,14 +54,13 @@ async def attempt(coord, slot: RequestSlot, route: Route) -> AsyncIterator[Token
             await coord.send(first, ForkSequence(route.plan_version, seq, fork.seq, base))
             reuse = 0
         else:
+            # of the prompt only: a replay's generated tokens were decode steps, never a cached prompt's rows
             reuse, caches = await coord.prefixes.start(
-                slot.request_id, route, seq, ids, slot.capacity(), coord.send, coord.reply_to,
-                allowed=slot.reuse)
+                slot.request_id, route, seq, ids[:len(request.prompt_ids)], slot.capacity(), coord.send,
+                coord.reply_to, allowed=slot.reuse)
             caches = caches and keep is None
         prefill = ids[reuse:]
-        cuts = request.cuts
-        cut_points = cuts(len(prefill), route) if callable(cuts) else cuts  # fixed cuts stay valid on a replay
-        bounds = chunk_bounds(len(prefill), request.chunks, cut_points)
+        bounds = prefill_bounds(request, route, base + reuse, base + len(request.prompt_ids), base + len(ids))
         for j, (a, b) in enumerate(bounds):
             last = j == len(bounds) - 1
             shape = slot.shaping() if last else {}
@@ -117,3 +117,14 @@ async def attempt(coord, slot: RequestSlot, route: Route) -> AsyncIterator[Token
             if keep is not None:
                 keep.seq = None
             await coord.flights.end(flight, cache=caches and completed)
+
+
+def prefill_bounds(request, route: Route, start: int, prompt_end: int, end: int) -> list[tuple[int, int]]:
+    """The chunks, relative to ``start``, of an attempt's prefill of positions ``[start, end)``: the prompt's
+    rest cut as the request cuts it (fixed cuts stay valid on a replay), then the tokens generated before
+    a replay cut so that each row is computed as the decode step that made it was (:func:`decoded_runs`):
+    the replayed answer goes on exactly as one device's would have, in an exact mode too."""
+    head = prompt_end - start
+    cuts = request.cuts
+    bounds = chunk_bounds(head, request.chunks, cuts(head, route) if callable(cuts) else cuts)
+    return bounds + [(a - start, b - start) for a, b in decoded_runs(prompt_end, end)]

@@ -15,7 +15,7 @@ from partition.cuttable import CutTable
 MIN_CHUNK = 32  # shorter sub-sequences cost more in per-message overhead than they win in overlap
 UNCUT_PROMPT = 128  # below this a prompt goes as one chunk: cutting costs more hops than it overlaps
 
-__all__ = ["MIN_CHUNK", "UNCUT_PROMPT", "aligned_cuts", "default_cuts", "prompt_cuts"]
+__all__ = ["MIN_CHUNK", "UNCUT_PROMPT", "aligned_cuts", "decoded_runs", "default_cuts", "prompt_cuts"]
 
 
 def default_cuts(prompt_len: int, num_stages: int) -> list[int]:
@@ -50,3 +50,19 @@ def prompt_cuts(prompt_len: int, num_stages: int, table: CutTable | None, packed
     else:
         cuts = default_cuts(prompt_len, num_stages)
     return aligned_cuts(cuts, prompt_len, EXACT_BLOCK) if packed else cuts
+
+
+def decoded_runs(start: int, end: int, block: int = EXACT_BLOCK) -> list[tuple[int, int]]:
+    """Positions ``[start, end)`` that were decoded one at a time, as chunks to prefill them again (a replay).
+
+    A packed stage computes a chunk's whole blocks together and every other row alone
+    (``decoding.batch``). One device computed these positions alone (decode steps), so
+    no chunk may hold a whole block: each ends one past a block boundary, and holds at
+    most ``block`` rows, which then all go the row-at-a-time way a decode step went.
+    """
+    out, a = [], start
+    while a < end:
+        b = min(end, ((a - 1) // block + 1) * block + 1)  # the first position past a that is 1 mod block
+        out.append((a, b))
+        a = b
+    return out
