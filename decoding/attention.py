@@ -14,22 +14,22 @@ import torch.nn.functional as F
 
 from decoding.batch import EXACT_BLOCK, RowPlan
 from decoding.masks import chunk_mask
+from decoding.quant import row_ops
 
 
-def one_row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row's attention, [heads, 1, head_dim], as two matrix products and a softmax.
+def upto(segments: list[tuple[torch.Tensor, torch.Tensor]], end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``end`` positions of keys/values stored in ``segments`` (views)."""
+    out, left = [], end
+    for k, v in segments:
+        if left <= 0:
+            break
+        take = min(left, k.shape[1])
+        out.append((k[:, :take], v[:, :take]))
+        left -= take
+    return out
 
-    Why not SDPA: on a CPU its kernel splits a single row's keys between threads, so the row's bits
-    depend on the thread count (a daemon with two threads, its reference with one). Per head these
-    products keep each output's reduction in one thread (checked for 1-6,000 keys, 1 vs 2 threads).
-    """
-    heads, kv_heads = q.shape[0], keys.shape[0]
-    qg = q.reshape(kv_heads, heads // kv_heads, q.shape[-1])
-    probs = torch.softmax(torch.matmul(qg, keys.transpose(1, 2)) * scale, dim=-1)
-    return torch.matmul(probs, values).reshape(heads, 1, -1)
 
-
-def exact_attention(p: RowPlan, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+def exact_attention(p: RowPlan, q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
                     gqa: bool) -> torch.Tensor:
     """Attention that gives each row the same bits however its sequence was cut or batched.
 
@@ -37,25 +37,45 @@ def exact_attention(p: RowPlan, q: torch.Tensor, keys: torch.Tensor, values: tor
     end; any other row attends alone over the keys up to itself, as a decode
     step does. CPU SDPA's result for a row does depend on the other rows of the
     call (its tiles), so these are the only two shapes of call a row ever sees.
+    In the gguf mode (float32) a lone row attends through the kernels' own
+    one-row attention (``decoding.quant.row_ops.row_attention``: SDPA's splits a
+    lone row's keys between threads), which reads a forked sequence's segments in
+    place; the others are joined once, only if a block or a tree node needs them.
     """
+    joined: list = []
+
+    def whole() -> tuple[torch.Tensor, torch.Tensor]:
+        if not joined:
+            joined.append(segments[0] if len(segments) == 1 else
+                          (torch.cat([k for k, _ in segments], dim=1), torch.cat([v for _, v in segments], dim=1)))
+        return joined[0]
+
     outs, i = [], 0
-    whole = p.whole.tolist()
+    lone_rows = q.dtype == torch.float32  # the gguf mode
+    whole_rows = p.whole.tolist()
     while i < p.n:
         if p.mask is not None:  # a tree node: its ancestors and itself
             sel = p.mask[i].nonzero().squeeze(1)
+            keys, values = whole()
             k_i, v_i, rows = keys[:, sel], values[:, sel], 1
             mask = None
-        elif whole[i]:
+            if lone_rows:
+                outs.append(row_ops.row_attention(q[:, i:i + 1], [(k_i, v_i)], scale))
+                i += 1
+                continue
+        elif whole_rows[i]:
             rows, end = EXACT_BLOCK, p.past + i + EXACT_BLOCK
+            keys, values = whole()
             k_i, v_i = keys[:, :end], values[:, :end]
             mask = torch.arange(end, device=q.device).unsqueeze(0) <= p.positions[i:i + rows].unsqueeze(1)
         else:
             rows, end = 1, p.past + i + 1
+            if lone_rows:
+                outs.append(row_ops.row_attention(q[:, i:i + 1], upto(segments, end), scale))
+                i += 1
+                continue
+            keys, values = whole()
             k_i, v_i, mask = keys[:, :end], values[:, :end], None
-        if rows == 1 and q.dtype == torch.float32:  # the gguf mode: the same bits at any thread count
-            outs.append(one_row_attention(q[:, i:i + 1], k_i, v_i, scale))
-            i += 1
-            continue
         outs.append(F.scaled_dot_product_attention(
             q[:, i:i + rows].contiguous().unsqueeze(0), k_i.unsqueeze(0), v_i.unsqueeze(0), attn_mask=mask,
             scale=scale, enable_gqa=gqa)[0])

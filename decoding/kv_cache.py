@@ -228,6 +228,20 @@ class KVCache:
             node, upto = node.parent, node.prefix_len
         return segs[::-1]
 
+    def spans(self, seq_id, own_end: int) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """:meth:`segments` of every layer at once: (keys, values, positions read), oldest first, keys and
+        values the whole buffers [layers, kv_heads, capacity, head_dim] (for a kernel that steps through
+        the layers itself: layer ``i``'s segment starts ``i`` layer strides in)."""
+        s = self._seqs[seq_id]
+        spans = [(s.k, s.v, own_end)]
+        node, upto = s.parent, s.prefix_len
+        while node is not None:
+            take = upto - node.prefix_len
+            if take:
+                spans.append((node.k, node.v, take))
+            node, upto = node.parent, node.prefix_len
+        return spans[::-1]
+
     def visible(self, seq_id, layer: int, own_end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All keys/values this sequence attends to, as one tensor each (a copy when it is forked)."""
         segs = self.segments(seq_id, layer, own_end)

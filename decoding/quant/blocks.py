@@ -108,6 +108,11 @@ class BlockLinear:
         return sum(p.blocks.nbytes for p in self.parts)
 
     @property
+    def spec(self) -> native.MatrixSpec:
+        """The matrices as the step kernels take them (``native/decode_step.cpp``)."""
+        return self._fused.spec
+
+    @property
     def types(self) -> tuple[str, ...]:
         return tuple(p.type_name for p in self.parts)
 

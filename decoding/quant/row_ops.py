@@ -8,6 +8,8 @@ the same bits alone, batched or in a prompt chunk.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from decoding.quant import native
@@ -51,3 +53,45 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     _kernels().meshd_rope(x.data_ptr(), n, heads, hd, x.stride(0), x.stride(1), cos.data_ptr(),
                                 sin.data_ptr())
     return x
+
+
+def segments_spec(segments) -> tuple[native.SegmentSpec, list]:
+    """``segments`` [(keys, values)], each [kv_heads, length, head_dim] with a position every head_dim floats
+    (a cache buffer's view), as the C struct; also what must stay alive while it is used."""
+    n = len(segments)
+    keep, ks, vs, lengths, strides = [], [], [], [], []
+    for k, v in segments:
+        if k.dtype != torch.float32 or v.dtype != torch.float32:
+            raise TypeError("the gguf mode's attention reads float32 keys and values")
+        hd = k.shape[-1]
+        if k.stride(2) != 1 or k.stride(1) != hd or v.stride() != k.stride():
+            k, v = k.contiguous(), v.contiguous()
+        keep += [k, v]
+        ks.append(k.data_ptr())
+        vs.append(v.data_ptr())
+        lengths.append(k.shape[1])
+        strides.append(k.stride(0))
+    arrays = ((ctypes.c_void_p * n)(*ks), (ctypes.c_void_p * n)(*vs), (ctypes.c_int64 * n)(*lengths),
+              (ctypes.c_int64 * n)(*strides))
+    spec = native.SegmentSpec(n, *(ctypes.cast(a, ctypes.c_void_p) for a in arrays))
+    return spec, keep + list(arrays)
+
+
+def row_attention(q: torch.Tensor, segments, scale: float) -> torch.Tensor:
+    """One query row per head, ``q`` [heads, 1, head_dim], over ``segments``' keys in order: [heads, 1, head_dim].
+
+    Every lone row of the gguf mode attends here (a decode step, a verify round's rows, a prompt's last
+    partial block), in a fixed order of its own: the same bits in any of them and at any thread count.
+    A forked sequence's segments are read in place, never joined."""
+    _f32(q, "row_attention")
+    heads, _, hd = q.shape
+    kv_heads = segments[0][0].shape[0]
+    if hd % 8 or heads % kv_heads:
+        raise ValueError(f"row_attention needs head_dim a multiple of 8 and whole groups, got {hd}, {heads}/{kv_heads}")
+    q = q.reshape(heads, hd).contiguous()
+    out = torch.empty(heads, 1, hd)
+    spec, keep = segments_spec(segments)
+    _kernels().meshd_row_attention(q.data_ptr(), heads, kv_heads, hd, scale, ctypes.byref(spec), out.data_ptr(),
+                                   torch.get_num_threads())
+    del keep
+    return out

@@ -31,6 +31,7 @@ from decoding.exits.owed import ExitedRows, OwedRow, rejoin
 from decoding.kv_cache import KVCache
 from decoding.linear import linear, nbytes
 from decoding.masks import chunk_mask
+from decoding.models.llama.decode_step import DecodeSteps
 from decoding.models.llama.layers import LayerWeights, rms_norm, rotate
 from decoding.quant import row_ops
 
@@ -57,6 +58,7 @@ class StageModel:
         # Rows x layers computed so far: it grows layer by layer, so another thread can see a long
         # pass advance (a stage tells the coordinators waiting on it; see meshd.pipeline.stage.progress).
         self.work_done = 0
+        self._decode_steps: DecodeSteps | None | bool = None  # built on the first decode step
 
     @classmethod
     def from_source(cls, source, first: int, end: int, dtype: torch.dtype = torch.float32,
@@ -70,6 +72,13 @@ class StageModel:
     def packed(self) -> bool:
         """Whether this stage's matrices are packed (a packed numeric mode; :attr:`packing` says which)."""
         return bool(self.packing)
+
+    @property
+    def decode_steps(self) -> DecodeSteps | None:
+        """The gguf mode's two-call decode step for these layers (None: the per-operation path serves)."""
+        if self._decode_steps is None:
+            self._decode_steps = DecodeSteps(self) if DecodeSteps.serves(self) else False
+        return self._decode_steps or None
 
     @property
     def is_first(self) -> bool:
@@ -168,7 +177,10 @@ class StageModel:
             dense = torch.cat([p.whole for p in plans]) if len(plans) > 1 else plans[0].whole
         exits = self.exits if self.exits is not None and any(it.may_exit for it in items) else None
         everyone, exited = (items, plans), {}
-        for li, lw in enumerate(self.layers):
+        steps = self.decode_steps if exits is None and DecodeSteps.applies(items, plans, probes) else None
+        if steps is not None:  # a lone decode row of the gguf mode: two kernel calls a layer
+            h = steps.run(kv, items[0].seq_id, plans[0], h, cos, sin)
+        for li, lw in enumerate(self.layers if steps is None else ()):
             h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes, dense)
             self.work_done += h.shape[0]
             if exits is not None and li in exits.at:
@@ -253,14 +265,15 @@ class StageModel:
         kv.write(seq_id, li, p.offset, k, v)
         segments = kv.segments(seq_id, li, p.offset + p.n)
         probing = p.probe_tail and probes is not None
-        if len(segments) > 1 and not probing and (p.exact or p.n >= JOIN_SEGMENTS_FROM_ROWS):
-            # A forked sequence (a cached prefix, an outline's prompt) read as one run of keys: an exact
-            # stage's rows then get the very bits an unforked sequence gets (a prefix cache must not
-            # change an answer), and a prefill chunk gets the fused kernel. The copy is one layer's
-            # keys and values, dwarfed by a chunk's attention over them.
+        if p.exact and not probing:
+            # (a forked sequence's rows get the very bits an unforked one gets: a prefix cache must not
+            # change an answer)
+            return exact_attention(p, q, segments, self.scale, nkv != nh)
+        if len(segments) > 1 and not probing and p.n >= JOIN_SEGMENTS_FROM_ROWS:
+            # A forked sequence (a cached prefix, an outline's prompt) read as one run of keys: a prefill
+            # chunk gets the fused kernel. The copy is one layer's keys and values, dwarfed by a chunk's
+            # attention over them.
             segments = [(torch.cat([k for k, _ in segments], dim=1), torch.cat([v for _, v in segments], dim=1))]
-        if p.exact and len(segments) == 1 and not probing:
-            return exact_attention(p, q, *segments[0], self.scale, nkv != nh)
         if p.exact and p.mask is None:  # a forked sequence (shared prefix): one chunk mask for its rows
             p = dataclasses.replace(p, mask=chunk_mask(p.past, p.n, q.device))
         if p.probe_tail and probes is not None and li == len(self.layers) - 1:

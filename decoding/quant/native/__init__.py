@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-SOURCES = (Path(__file__).with_name("gguf_dot.cpp"), Path(__file__).with_name("row_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_dot.cpp", "row_ops.cpp", "decode_step.cpp"))
 PACKAGE_BUILD = Path(__file__).with_name("build")
 _COMMON = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
 
@@ -138,7 +138,13 @@ def library() -> ctypes.CDLL:
                 lib.meshd_linear.restype = ctypes.c_int
                 lib.meshd_rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float]
                 lib.meshd_rope.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr]
-                for f in ("meshd_rms_norm", "meshd_rope"):
+                lib.meshd_row_attention.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr, ctypes.c_int]
+                lib.meshd_decode_attention.argtypes = [
+                    _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+                    ctypes.c_float, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_int]
+                lib.meshd_decode_down.argtypes = [_ptr, _ptr, _ptr, _ptr, ctypes.c_int]
+                for f in ("meshd_rms_norm", "meshd_rope", "meshd_row_attention", "meshd_decode_attention",
+                          "meshd_decode_down"):
                     getattr(lib, f).restype = None
                 for f in ("meshd_block_bytes", "meshd_block_elems", "meshd_act_block"):
                     getattr(lib, f).argtypes = [ctypes.c_int]
@@ -217,6 +223,19 @@ def matmul_into(out: np.ndarray, x: QuantizedRows, type_name: str, blocks: np.nd
         raise ValueError(f"the kernels do not multiply {type_name} blocks")
 
 
+class MatrixSpec(ctypes.Structure):
+    """decode_step.cpp's ``Matrix``: a :class:`FusedMatrices`' parts as pointers."""
+
+    _fields_ = [("nparts", ctypes.c_int), ("types", _ptr), ("w", _ptr), ("row_bytes", _ptr), ("rows", _ptr),
+                ("colmaps", _ptr), ("n_out", _i64), ("k", _i64)]
+
+
+class SegmentSpec(ctypes.Structure):
+    """decode_step.cpp's ``Segments``: where one layer's keys and values of a sequence lie."""
+
+    _fields_ = [("n", ctypes.c_int), ("keys", _ptr), ("values", _ptr), ("lengths", _ptr), ("head_strides", _ptr)]
+
+
 class FusedMatrices:
     """Several GGUF matrices side by side (their rows concatenated), prepared for one kernel call per
     product: the pointers and shapes are fixed once, so a decode step pays one short foreign call per
@@ -242,6 +261,10 @@ class FusedMatrices:
         self._rows = (ctypes.c_int64 * n)(*(b.shape[0] for _, b, _ in parts))
         self._maps = (ctypes.c_void_p * n)(*(None if m is None else m.ctypes.data for _, _, m in parts))
         self._call = lib.meshd_linear
+        #: the same matrices as one C struct, for the kernels that run a whole step (decode_step.cpp)
+        self.spec = MatrixSpec(n, ctypes.cast(self._types, _ptr), ctypes.cast(self._ptrs, _ptr),
+                               ctypes.cast(self._row_bytes, _ptr), ctypes.cast(self._rows, _ptr),
+                               ctypes.cast(self._maps, _ptr), self.rows, cols)
 
     def run(self, x_ptr: int, m: int, ldx: int, out_ptr: int, ldo: int, n0: int = 0, n1: int | None = None) -> None:
         """out[:, :] (float32 [m, ldo]) = x (float32 [m, cols], row stride ``ldx``) @ rows [n0, n1).T."""

@@ -1,0 +1,248 @@
+// A gguf-mode decode step's layer in two foreign calls, and the one-row attention every lone row uses.
+//
+// Why: a decode step multiplies one row, so at one core the ~25 small torch operations between a
+// layer's matrix products (each a dispatch of several microseconds) cost ~0.6 ms a layer: a sixth of
+// the 1.5B's step and a third of the embedded model's, the gap to llama.cpp. Here the attention half
+// of a layer (RMSNorm, q/k/v, RoPE, the cache write, attention, the output product and residual, the
+// second RMSNorm and gate/up) is one call; SwiGLU stays torch's, whose vectorised exp these calls do not
+// try to equal; then the down product and residual are a second call.
+//
+// Exactness: every step is the same function, in the same order, as the per-operation path a verify
+// round or a prompt's lone rows take (row_ops.cpp, gguf_dot.cpp, meshd_row_attention below), so a decode
+// step and the same row in any other pass give the same bits (the gguf mode's rule).
+//
+// Threads: a product's output rows and attention's heads are split over a small pool of this library's
+// own threads; each output element is computed the same way whichever thread computes it.
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+extern "C" {
+int meshd_linear(int nparts, const int* types, const uint8_t* const* w, const int64_t* row_bytes,
+                 const int64_t* rows, const int64_t* const* colmaps, int64_t n0, int64_t n1, const float* x,
+                 int64_t M, int64_t K, int64_t ldx, float* out, int64_t ldo);
+void meshd_rms_norm(const float* x, int64_t ldx, const float* w, float* out, int64_t ldo, int64_t m, int64_t n,
+                    float eps);
+void meshd_rope(float* x, int64_t n, int64_t heads, int64_t hd, int64_t row_stride, int64_t head_stride,
+                const float* cos, const float* sin);
+}
+
+namespace {
+
+// A fused matrix as FusedMatrices (native/__init__.py) lays it out.
+struct Matrix {
+    int nparts;
+    const int* types;
+    const uint8_t* const* w;
+    const int64_t* row_bytes;
+    const int64_t* rows;
+    const int64_t* const* colmaps;
+    int64_t n_out;
+    int64_t k;
+};
+
+// Keys and values of one sequence at one layer, in segments (a forked sequence reads its ancestors'
+// prefixes in place): segment s holds lengths[s] positions, head h's keys at keys[s] + h * head_strides[s],
+// one position every hd floats.
+struct Segments {
+    int n;
+    const float* const* keys;
+    const float* const* values;
+    const int64_t* lengths;
+    const int64_t* head_strides;
+};
+
+// Workers that wait for a job, run their share, and go back to waiting. They spin briefly before
+// sleeping: a decode step's products follow one another within microseconds.
+class Pool {
+public:
+    void run(int threads, const std::function<void(int, int)>& job) {
+        if (threads <= 1) {
+            job(0, 1);
+            return;
+        }
+        std::lock_guard<std::mutex> one_job(run_lock_);
+        grow(threads - 1);
+        job_ = &job;
+        nthreads_ = threads;
+        pending_.store(threads - 1, std::memory_order_relaxed);
+        {
+            std::lock_guard<std::mutex> g(m_);
+            generation_.fetch_add(1, std::memory_order_release);
+        }
+        cv_.notify_all();
+        job(0, threads);
+        while (pending_.load(std::memory_order_acquire) != 0) {
+        }
+    }
+
+private:
+    void grow(int n) {
+        while ((int)workers_.size() < n) {
+            const int id = (int)workers_.size() + 1;
+            // the generation before this job's: a worker that starts late still sees the job
+            const uint64_t seen = generation_.load(std::memory_order_acquire);
+            workers_.emplace_back([this, id, seen] { loop(id, seen); });
+            workers_.back().detach();
+        }
+    }
+
+    void loop(int id, uint64_t seen) {
+        for (;;) {
+            uint64_t g = seen;
+            for (int spin = 0; spin < 200000 && (g = generation_.load(std::memory_order_acquire)) == seen; spin++) {
+            }
+            if (g == seen) {
+                std::unique_lock<std::mutex> lk(m_);
+                cv_.wait(lk, [&] { return (g = generation_.load(std::memory_order_acquire)) != seen; });
+            }
+            seen = g;
+            if (id < nthreads_) {
+                (*job_)(id, nthreads_);
+                pending_.fetch_sub(1, std::memory_order_acq_rel);
+            }
+        }
+    }
+
+    std::mutex run_lock_, m_;
+    std::condition_variable cv_;
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<int> pending_{0};
+    const std::function<void(int, int)>* job_ = nullptr;
+    int nthreads_ = 1;
+    std::vector<std::thread> workers_;
+};
+
+Pool& pool() {
+    static Pool* p = new Pool();  // never destroyed: detached workers may outlive static destruction
+    return *p;
+}
+
+// Rows [n0, n1) of the share `t` of `T` threads (the same split a caller of meshd_linear makes).
+inline void share(int64_t n, int t, int T, int64_t* a, int64_t* b) {
+    const int64_t step = (n + T - 1) / T;
+    *a = step * t < n ? step * t : n;
+    *b = step * (t + 1) < n ? step * (t + 1) : n;
+}
+
+void linear(const Matrix& m, const float* x, float* out, int threads) {
+    pool().run(threads, [&](int t, int T) {
+        int64_t a, b;
+        share(m.n_out, t, T, &a, &b);
+        if (a < b) meshd_linear(m.nparts, m.types, m.w, m.row_bytes, m.rows, m.colmaps, a, b, x, 1, m.k, m.k, out, m.n_out);
+    });
+}
+
+// Dot product of two rows of hd floats (hd a multiple of 8) in eight lanes, summed in a fixed tree.
+inline float dot8(const float* a, const float* b, int64_t hd) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < hd; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// Head h's attention of one query row over every segment's positions, in position order.
+void attend_head(const float* q, const Segments& s, int64_t kv_head, int64_t hd, float scale, float* out,
+                 std::vector<float>& scores) {
+    int64_t total = 0;
+    for (int i = 0; i < s.n; i++) total += s.lengths[i];
+    scores.resize(total);
+    int64_t j = 0;
+    float mx = -INFINITY;
+    for (int i = 0; i < s.n; i++) {
+        const float* k = s.keys[i] + kv_head * s.head_strides[i];
+        for (int64_t p = 0; p < s.lengths[i]; p++, j++) {
+            const float v = dot8(q, k + p * hd, hd) * scale;
+            scores[j] = v;
+            mx = v > mx ? v : mx;
+        }
+    }
+    float sum = 0.0f;
+    for (int64_t p = 0; p < total; p++) {
+        const float e = std::exp(scores[p] - mx);
+        scores[p] = e;
+        sum = sum + e;
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
+    j = 0;
+    for (int i = 0; i < s.n; i++) {
+        const float* v = s.values[i] + kv_head * s.head_strides[i];
+        for (int64_t p = 0; p < s.lengths[i]; p++, j++) {
+            const float w = scores[j] * inv;
+            const float* vr = v + p * hd;
+            for (int64_t d = 0; d < hd; d++) out[d] = out[d] + w * vr[d];
+        }
+    }
+}
+
+void attention(const float* q, int64_t nh, int64_t nkv, int64_t hd, float scale, const Segments& s, float* out,
+               int threads) {
+    const int64_t group = nh / nkv;
+    pool().run(threads, [&](int t, int T) {
+        int64_t a, b;
+        share(nh, t, T, &a, &b);
+        thread_local std::vector<float> scores;
+        for (int64_t h = a; h < b; h++) attend_head(q + h * hd, s, h / group, hd, scale, out + h * hd, scores);
+    });
+}
+
+}  // namespace
+
+extern "C" {
+
+// One query row per head, q [nh, hd] contiguous, attending over `s`'s positions; out [nh, hd].
+// hd must be a multiple of 8. Every lone row of the gguf mode (a decode step, a verify round's rows, a
+// prompt's last partial block) attends through this, so each gets the same bits in any of them.
+void meshd_row_attention(const float* q, int64_t nh, int64_t nkv, int64_t hd, float scale, const Segments* s,
+                         float* out, int threads) {
+    attention(q, nh, nkv, hd, scale, *s, out, threads);
+}
+
+// The attention half of a decoder layer for one row h [hidden] (updated in place: h += attention's
+// output), its new key and value written at k_dst/v_dst (head stride dst_head_stride) and already
+// counted in `s`'s last segment; gate_up [2 * intermediate] receives the MLP's first product.
+// scratch: at least hidden + q/k/v width + nh * hd floats.
+void meshd_decode_attention(const Matrix* qkv, const float* qkv_bias, const Matrix* o, const Matrix* gate_up,
+                            const float* attn_norm, const float* mlp_norm, float eps, float* h, const float* cos,
+                            const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, const Segments* s,
+                            float* k_dst, float* v_dst, int64_t dst_head_stride, float* out_gate_up, float* scratch,
+                            int threads) {
+    const int64_t hidden = o->n_out;
+    float* x = scratch;
+    float* qkv_out = x + hidden;
+    float* attn = qkv_out + qkv->n_out;
+    meshd_rms_norm(h, hidden, attn_norm, x, hidden, 1, hidden, eps);
+    linear(*qkv, x, qkv_out, threads);
+    if (qkv_bias)
+        for (int64_t i = 0; i < qkv->n_out; i++) qkv_out[i] = qkv_out[i] + qkv_bias[i];
+    float* q = qkv_out;
+    float* k = q + nh * hd;
+    float* v = k + nkv * hd;
+    meshd_rope(q, 1, nh, hd, nh * hd, hd, cos, sin);
+    meshd_rope(k, 1, nkv, hd, nkv * hd, hd, cos, sin);
+    for (int64_t g = 0; g < nkv; g++) {
+        std::memcpy(k_dst + g * dst_head_stride, k + g * hd, hd * sizeof(float));
+        std::memcpy(v_dst + g * dst_head_stride, v + g * hd, hd * sizeof(float));
+    }
+    attention(q, nh, nkv, hd, scale, *s, attn, threads);
+    linear(*o, attn, x, threads);
+    for (int64_t i = 0; i < hidden; i++) h[i] = h[i] + x[i];
+    meshd_rms_norm(h, hidden, mlp_norm, x, hidden, 1, hidden, eps);
+    linear(*gate_up, x, out_gate_up, threads);
+}
+
+// The MLP's last product and the residual for one row: h += act @ down.T. scratch: hidden floats.
+void meshd_decode_down(const Matrix* down, const float* act, float* h, float* scratch, int threads) {
+    linear(*down, act, scratch, threads);
+    for (int64_t i = 0; i < down->n_out; i++) h[i] = h[i] + scratch[i];
+}
+
+}  // extern "C"

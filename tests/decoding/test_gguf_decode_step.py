@@ -1,0 +1,81 @@
+"""The gguf mode's decode step in two kernel calls a layer gives the per-operation path's bits."""
+
+import pytest
+import torch
+
+from decoding.quant import native
+
+OK, WHY = native.available()
+pytestmark = pytest.mark.skipif(not OK, reason=f"integer kernels unavailable: {WHY}")
+
+
+def gguf_stage(source, fast: bool):
+    stage = source.load_stage(0, source.config.num_layers, torch.float32, packed="gguf")
+    if not fast:
+        stage._decode_steps = False  # the per-operation path for every row (the reference here)
+    return stage
+
+
+def decode(stage, prompt: torch.Tensor, steps: int, threads: int = 1, fork_at: int = 0) -> torch.Tensor:
+    """Logits of the prompt's last row and of ``steps`` greedy decode steps. ``fork_at`` > 0: the
+    sequence reads its first ``fork_at`` positions from a parent in place, as a cached prefix is read."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kv = stage.new_cache(1024)
+        if fork_at:
+            kv.create("parent", 128)
+            stage.forward(kv, "parent", prompt[:fork_at], all_logits=False)
+            kv.fork("parent", "s", fork_at)
+            out = [stage.forward(kv, "s", prompt[fork_at:], all_logits=False)[-1]]
+        else:
+            kv.create("s", 64)
+            out = [stage.forward(kv, "s", prompt, all_logits=False)[-1]]
+        for _ in range(steps):
+            out.append(stage.forward(kv, "s", out[-1].argmax().view(1), all_logits=False)[-1])
+        return torch.stack(out)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def smol(real_source):
+    return real_source, gguf_stage(real_source, True), gguf_stage(real_source, False)
+
+
+def test_the_two_call_step_serves_the_embedded_model(smol):
+    _, fast, _ = smol
+    assert fast.decode_steps is not None
+
+
+def test_decode_steps_in_two_calls_a_layer_equal_the_per_operation_path(smol):
+    source, fast, slow = smol
+    prompt = torch.tensor(source.tokenizer.encode("The lighthouse keeper climbed the stairs at dusk, and"))
+    want = decode(slow, prompt, 24)
+    assert torch.equal(decode(fast, prompt, 24), want)
+    assert torch.equal(decode(fast, prompt, 24, threads=2), want)  # heads and rows split over two threads
+
+
+def test_a_forked_sequence_reads_its_prefix_in_place_with_the_same_bits(smol):
+    """A request reusing a cached prompt decodes over two segments; the step reads both where they lie
+    and gives the bits of the same positions held in one buffer."""
+    source, fast, slow = smol
+    prompt = torch.tensor(source.tokenizer.encode("A home is a collection of small systems. " * 12))
+    assert len(prompt) > 80
+    want = decode(slow, prompt, 8)
+    assert torch.equal(decode(fast, prompt, 8, fork_at=64), want)
+    assert torch.equal(decode(slow, prompt, 8, fork_at=64), want)
+
+
+def test_q_k_v_biases_go_through_the_step_too(tmp_path):
+    """Qwen2's q/k/v biases (a tiny Qwen2 stored as Q8_0)."""
+    from decoding.loader import open_model
+    from tests.support.gguf_convert import write_gguf
+    from tests.support.models import build_tiny_checkpoint
+
+    model = build_tiny_checkpoint(tmp_path / "hf", "qwen2", seed=1, tie_word_embeddings=True, intermediate_size=128)
+    source = open_model(write_gguf(model, tmp_path / "qwen2.gguf", "Q8_0"))
+    fast = gguf_stage(source, True)
+    assert fast.decode_steps is not None and fast.layers[0].qkv_bias is not None
+    prompt = torch.randint(3, 200, (20,), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(decode(fast, prompt, 12), decode(gguf_stage(source, False), prompt, 12))
