@@ -354,7 +354,8 @@ def test_a_home_assistant_turn_reuses_its_system_prompt_and_answers_as_one_devic
     assert second.choices[0].message.content == reference(turn)
     system_tokens = len(tok.apply_chat(turn[:1], add_generation_prompt=False))
     # a packed (exact) stage shares whole 64-position blocks only: at most 63 of them are computed again
-    assert second.usage.prompt_tokens_details.cached_tokens >= system_tokens - 63
+    assert second.usage.prompt_tokens_details.cached_tokens >= system_tokens - 63, (
+        summary(a, b), {d.name: (d.status().get("stage") or {}).get("prefix_cache") for d in (a, b)})
 
     turn += [{"role": "assistant", "content": second.choices[0].message.content},
              {"role": "user", "content": "Thanks."}]

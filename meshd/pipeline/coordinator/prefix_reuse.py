@@ -37,7 +37,6 @@ __all__ = ["MIN_REUSE", "MIN_SHARED", "PrefixReuse", "ReuseTotals", "common_pref
 
 MIN_REUSE = 16  # shorter shared prefixes are recomputed (a fork costs a segment in every attention)
 MIN_SHARED = 64  # a prefilling request this close to ours is worth waiting for
-PROBE_TIMEOUT_S = 2.0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -70,9 +69,14 @@ class ReuseTotals:
 
 
 class PrefixReuse:
-    def __init__(self, links: Links, enabled: bool = True):
+    def __init__(self, links: Links, enabled: bool = True, silent_s: float = 30.0):
+        """``silent_s``: how long a stage may leave a probe unanswered before it counts as holding nothing
+        (the coordinator's wait on a silent stage). A probe is answered between a stage's operations,
+        not after its pass, so a short wait would only be a guess at the machine's load: a busy machine
+        (or a slow CPU) would lose the reuse of a cached prompt, and the caching of the request."""
         self.links = links
         self.enabled = enabled
+        self.silent_s = silent_s
         self.totals = ReuseTotals()
         self._prefilling: dict[RequestId, tuple[list[int], asyncio.Event]] = {}
 
@@ -108,8 +112,11 @@ class PrefixReuse:
         async def ask(node_id) -> int | None:
             try:
                 peer = await self.links.to(node_id)
-                reply = await peer.request(probe, timeout=PROBE_TIMEOUT_S)
-            except (TransportError, KeyError, TimeoutError) as exc:  # a 0.2 member: "unknown_type"
+                reply = await peer.request(probe, timeout=self.silent_s)
+            except TimeoutError:  # a stage that knows probes but said nothing: it keeps prefixes, holds none now
+                log.info("prefix_probe_unanswered", node=node_id, waited_s=self.silent_s)
+                return 0
+            except (TransportError, KeyError) as exc:  # a 0.2 member: "unknown_type"
                 log.debug("prefix_probe_failed", node=node_id, error=str(exc))
                 return None
             return reply.length if isinstance(reply, PrefixMatch) and reply.plan_version == route.plan_version \

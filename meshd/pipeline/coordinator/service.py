@@ -87,7 +87,7 @@ class PipelineCoordinator:
         self.keys = SeqKeys(node_id)
         self.links = Links(node, directory)
         self.flights = FlightTable(self.keys, self.links, send_timeout_s)
-        self.prefixes = PrefixReuse(self.links, prefix_cache)
+        self.prefixes = PrefixReuse(self.links, prefix_cache, silent_s=token_timeout_s)
         self.table = RouteTable(node_id, self.links, self.prefixes)  # the plan's routes, which serve, which to take
         self.resumes = 0
         # What a verify round of m tokens costs on this mesh, learnt from every round any request runs.
