@@ -86,8 +86,8 @@ def row_attention(q: torch.Tensor, segments, scale: float) -> torch.Tensor:
     _f32(q, "row_attention")
     heads, _, hd = q.shape
     kv_heads = segments[0][0].shape[0]
-    if hd % 8 or heads % kv_heads:
-        raise ValueError(f"row_attention needs head_dim a multiple of 8 and whole groups, got {hd}, {heads}/{kv_heads}")
+    if heads % kv_heads:
+        raise ValueError(f"row_attention needs whole groups of query heads, got {heads} over {kv_heads}")
     q = q.reshape(heads, hd).contiguous()
     out = torch.empty(heads, 1, hd)
     spec, keep = segments_spec(segments)

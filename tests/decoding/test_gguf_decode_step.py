@@ -79,3 +79,29 @@ def test_q_k_v_biases_go_through_the_step_too(tmp_path):
     assert fast.decode_steps is not None and fast.layers[0].qkv_bias is not None
     prompt = torch.randint(3, 200, (20,), generator=torch.Generator().manual_seed(2))
     assert torch.equal(decode(fast, prompt, 12), decode(gguf_stage(source, False), prompt, 12))
+
+
+def test_thread_counts_that_change_within_a_process_keep_the_bits(smol):
+    """The mode chooser and the profiler set other thread counts between a daemon's steps: the kernels'
+    own pool follows each count up and down, and every step keeps the one-thread bits."""
+    source, fast, _ = smol
+    prompt = torch.tensor(source.tokenizer.encode("Rain fell on the harbour all night"))
+    want = decode(fast, prompt, 6)
+    for threads in (3, 2, 4, 1, 3, 2):
+        assert torch.equal(decode(fast, prompt, 6, threads=threads), want), threads
+
+
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_one_row_attention_is_softmax_attention_and_reads_segments_as_one_run(head_dim):
+    from decoding.quant.row_ops import row_attention
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(6, 1, head_dim, generator=g)
+    keys, values = torch.randn(2, 50, head_dim, generator=g), torch.randn(2, 50, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    got = row_attention(q, [(keys, values)], scale)
+    qg = q.view(2, 3, head_dim).double()
+    want = (torch.softmax(qg @ keys.double().transpose(1, 2) * scale, -1) @ values.double()).view(6, 1, head_dim)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    split = [(keys[:, :17], values[:, :17]), (keys[:, 17:], values[:, 17:])]
+    assert torch.equal(row_attention(q, split, scale), got)

@@ -52,8 +52,7 @@ class DecodeSteps:
     def serves(stage) -> bool:
         """Whether ``stage``'s layers are all block matrices of a Llama block this kernel computes."""
         cfg = stage.config
-        return (stage.packing == "gguf" and stage.device.type == "cpu" and cfg.head_dim % 8 == 0
-                and cfg.num_heads % cfg.num_kv_heads == 0 and bool(stage.layers)
+        return (stage.packing == "gguf" and stage.device.type == "cpu" and cfg.num_heads % cfg.num_kv_heads == 0 and bool(stage.layers)
                 and all(type(lw).norm_heads is LayerWeights.norm_heads
                         and all(isinstance(w, BlockLinear) for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
                         for lw in stage.layers)

@@ -60,7 +60,8 @@ struct Segments {
 };
 
 // Workers that wait for a job, run their share, and go back to waiting. They spin briefly before
-// sleeping: a decode step's products follow one another within microseconds.
+// sleeping: a decode step's products follow one another within microseconds. Every worker acknowledges
+// every job, its share or not, so none can still be reading one job's fields when the next is posted.
 class Pool {
 public:
     void run(int threads, const std::function<void(int, int)>& job) {
@@ -70,20 +71,27 @@ public:
         }
         std::lock_guard<std::mutex> one_job(run_lock_);
         grow(threads - 1);
-        job_ = &job;
-        nthreads_ = threads;
-        pending_.store(threads - 1, std::memory_order_relaxed);
         {
             std::lock_guard<std::mutex> g(m_);
+            job_ = &job;
+            nthreads_ = threads;
+            pending_.store((int)workers_.size(), std::memory_order_relaxed);
             generation_.fetch_add(1, std::memory_order_release);
         }
         cv_.notify_all();
         job(0, threads);
-        while (pending_.load(std::memory_order_acquire) != 0) {
-        }
+        while (pending_.load(std::memory_order_acquire) != 0) relax();
     }
 
 private:
+    static inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#else
+        std::this_thread::yield();
+#endif
+    }
+
     void grow(int n) {
         while ((int)workers_.size() < n) {
             const int id = (int)workers_.size() + 1;
@@ -97,17 +105,15 @@ private:
     void loop(int id, uint64_t seen) {
         for (;;) {
             uint64_t g = seen;
-            for (int spin = 0; spin < 200000 && (g = generation_.load(std::memory_order_acquire)) == seen; spin++) {
-            }
+            for (int spin = 0; spin < 20000 && (g = generation_.load(std::memory_order_acquire)) == seen; spin++)
+                relax();
             if (g == seen) {
                 std::unique_lock<std::mutex> lk(m_);
                 cv_.wait(lk, [&] { return (g = generation_.load(std::memory_order_acquire)) != seen; });
             }
-            seen = g;
-            if (id < nthreads_) {
-                (*job_)(id, nthreads_);
-                pending_.fetch_sub(1, std::memory_order_acq_rel);
-            }
+            seen = g;  // one job at a time: run() waits for every worker's acknowledgement before the next
+            if (id < nthreads_) (*job_)(id, nthreads_);
+            pending_.fetch_sub(1, std::memory_order_acq_rel);
         }
     }
 
@@ -140,11 +146,13 @@ void linear(const Matrix& m, const float* x, float* out, int threads) {
     });
 }
 
-// Dot product of two rows of hd floats (hd a multiple of 8) in eight lanes, summed in a fixed tree.
+// Dot product of two rows of hd floats in eight lanes (element i in lane i % 8), summed in a fixed tree.
 inline float dot8(const float* a, const float* b, int64_t hd) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = 0; i < hd; i += 8)
+    const int64_t whole = hd - hd % 8;
+    for (int64_t i = 0; i < whole; i += 8)
         for (int l = 0; l < 8; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
+    for (int64_t i = whole; i < hd; i++) acc[i - whole] = acc[i - whole] + a[i] * b[i];
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
@@ -199,7 +207,7 @@ void attention(const float* q, int64_t nh, int64_t nkv, int64_t hd, float scale,
 extern "C" {
 
 // One query row per head, q [nh, hd] contiguous, attending over `s`'s positions; out [nh, hd].
-// hd must be a multiple of 8. Every lone row of the gguf mode (a decode step, a verify round's rows, a
+// Every lone row of the gguf mode (a decode step, a verify round's rows, a
 // prompt's last partial block) attends through this, so each gets the same bits in any of them.
 void meshd_row_attention(const float* q, int64_t nh, int64_t nkv, int64_t hd, float scale, const Segments* s,
                          float* out, int threads) {

@@ -33,10 +33,11 @@ from transport.stage_messages import PrefixMatch, PrefixProbe, ReusePrefix
 
 log = get_logger("meshd.coordinator")
 
-__all__ = ["MIN_REUSE", "MIN_SHARED", "PrefixReuse", "ReuseTotals", "common_prefix"]
+__all__ = ["MIN_REUSE", "MIN_SHARED", "RANKING_WAIT_S", "PrefixReuse", "ReuseTotals", "common_prefix"]
 
 MIN_REUSE = 16  # shorter shared prefixes are recomputed (a fork costs a segment in every attention)
 MIN_SHARED = 64  # a prefilling request this close to ours is worth waiting for
+RANKING_WAIT_S = 2.0  # how long choosing among routes waits for a stage's probe answer (a guess at most)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -100,10 +101,14 @@ class PrefixReuse:
         self.reused(reuse)
         return reuse, speaks
 
-    async def reusable(self, route: Route, ids: Sequence[int], count: bool = True) -> tuple[int, bool]:
+    async def reusable(self, route: Route, ids: Sequence[int], count: bool = True,
+                       wait_s: float | None = None) -> tuple[int, bool]:
         """(positions of ``ids`` every stage of ``route`` holds — 0 below MIN_REUSE —, whether every stage
         keeps prefixes at all). A stage that does not answer counts as holding nothing. ``count``: a
-        request's first question (the second, after waiting for a sibling, is not another request)."""
+        request's first question (the second, after waiting for a sibling, is not another request).
+        ``wait_s``: a shorter wait for an answer than a silent stage gets (ranking routes is a guess;
+        a route through a device that just left must not hold the request that avoids it)."""
+        wait_s = self.silent_s if wait_s is None else wait_s
         if not self.enabled or len(ids) <= MIN_REUSE:
             return 0, self.enabled
         # the last token is computed whatever is held (its logits are the answer's first)
@@ -112,9 +117,9 @@ class PrefixReuse:
         async def ask(node_id) -> int | None:
             try:
                 peer = await self.links.to(node_id)
-                reply = await peer.request(probe, timeout=self.silent_s)
+                reply = await peer.request(probe, timeout=wait_s)
             except TimeoutError:  # a stage that knows probes but said nothing: it keeps prefixes, holds none now
-                log.info("prefix_probe_unanswered", node=node_id, waited_s=self.silent_s)
+                log.info("prefix_probe_unanswered", node=node_id, waited_s=wait_s)
                 return 0
             except (TransportError, KeyError) as exc:  # a 0.2 member: "unknown_type"
                 log.debug("prefix_probe_failed", node=node_id, error=str(exc))

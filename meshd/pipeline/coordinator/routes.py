@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from meshd.log import get_logger
 from meshd.pipeline.coordinator.failures import Interrupted, ModelMismatch, NoRoute
-from meshd.pipeline.coordinator.prefix_reuse import PrefixReuse
+from meshd.pipeline.coordinator.prefix_reuse import RANKING_WAIT_S, PrefixReuse
 from meshd.pipeline.coordinator.slot import RequestSlot
 from meshd.pipeline.links import Links
 from meshd.pipeline.route import Route, model_mismatch
@@ -213,8 +213,9 @@ class RouteTable:
         fork = slot.request.fork
         if fork is not None and fork.route in routes:
             return fork.route  # a child reads its parent's positions in place
-        ids = slot.context
-        held = await asyncio.gather(*(self.prefixes.reusable(r, ids, count=False) for r in routes)) \
+        ids = slot.request.prompt_ids  # what an attempt reuses (a replay's answer tokens are prefilled again)
+        held = await asyncio.gather(*(self.prefixes.reusable(r, ids, count=False, wait_s=RANKING_WAIT_S)
+                                      for r in routes)) \
             if self.prefixes.enabled and slot.reuse else [(0, False)] * len(routes)
         loads = [RouteLoad(r, self.counts.running(r), h) for r, (h, _) in zip(routes, held) if r in self.routes]
         if not loads:  # re-planned during the probes
@@ -224,7 +225,7 @@ class RouteTable:
         for keep in (lambda load: load.route.key in self._ready,
                      lambda load: slot.avoid is None or load.route.index_of(slot.avoid) is None):
             loads = [load for load in loads if keep(load)] or loads
-        route = pick_route(loads, len(ids))
+        route = pick_route(loads, len(slot.context))
         log.debug("route_picked", request_id=slot.request_id, route=route.index,
                   loads=[(load.route.index, load.running, load.held) for load in loads])
         return route
