@@ -111,8 +111,6 @@ def profile_device(
     """Measure ``source`` (a ``decoding.loader.ModelSource``) on this device."""
     import torch
 
-    from decoding.models import StageModel
-
     s = settings.resolved()
     torch.set_num_threads(s.threads)
     dtype, packed = _numerics(s.dtype)
@@ -135,8 +133,8 @@ def profile_device(
     bar.step("load")
 
     def view(layers, first, end, embed=None, norm=None, head=None):
-        # Same tensors as ``full``; [first, end) only decides which ends run.
-        return StageModel(cfg, first, end, layers, embed, norm, head, full.inv_freq, dtype)
+        # Same tensors as ``full``, in its numeric mode; [first, end) only decides which ends run.
+        return full.view(layers, first, end, embed, norm, head)
 
     rep = view([full.layers[L // 2]], 1, 2)
     embed_stage = view([], 0, 0, embed=full.embed)

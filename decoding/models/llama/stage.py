@@ -68,6 +68,14 @@ class StageModel:
 
         return load_stage(cls, source, first, end, dtype, device, packed)
 
+    def view(self, layers: list[LayerWeights], first: int, end: int, embed=None, final_norm=None,
+             lm_head=None) -> "StageModel":
+        """A stage over some of these tensors ([first, end) decides which ends run) computed as this stage
+        computes them: the same numeric mode, so the profiler times the path serving takes."""
+        v = StageModel(self.config, first, end, layers, embed, final_norm, lm_head, self.inv_freq, self.dtype)
+        v.formats, v.scratch, v.packing = self.formats, self.scratch, self.packing
+        return v
+
     @property
     def packed(self) -> bool:
         """Whether this stage's matrices are packed (a packed numeric mode; :attr:`packing` says which)."""
