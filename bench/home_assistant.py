@@ -11,7 +11,7 @@ invite token) pinned to its own core with one torch thread (``sched_setaffinity`
 ``OMP_NUM_THREADS=1``), a memory budget that makes the plan split the model between them
 (checked: the plan must have 2 stages, loaded and unchanged for a few seconds, before anything
 is measured); the embedded SmolLM2-135M unless ``--model``, in the daemons' numeric mode
-(``--weights``: theirs, packed on a CPU; float32 with ``--quick``). Requests go over loopback TCP
+(``--weights``: theirs, ``auto``: packed on a CPU with a bfloat16 unit, else gguf; float32 with ``--quick``). Requests go over loopback TCP
 (``--api-listen``) to the first daemon, which coordinates.
 
 Conversations (bench/ha_home.py: 71 entities in 13 areas, the 16 Assist tools, its commands
@@ -783,6 +783,7 @@ def summarize(on: list[dict], probes: list[dict], off: list[dict] | None) -> dic
 
 
 def run(args, root: Path, spawned: list[Daemon], t_begin: float) -> dict:
+    from decoding.device import default_cpu_mode
     from meshd.model.store import open_model
 
     model = resolve(args.model)
@@ -792,7 +793,9 @@ def run(args, root: Path, spawned: list[Daemon], t_begin: float) -> dict:
     prompting = Prompting("tools" if tok.supports_tools else "inline")
     sys_tokens = len(tok.apply_chat(prompting.template_messages(), add_generation_prompt=False,
                                     tools=prompting.tools()))
-    mode = args.weights if args.weights not in (None, "auto") else "packed"  # auto is packed on a CPU
+    # the daemons' own choice before they measure (self-profiling is off for them): packed with a bfloat16
+    # unit, else gguf
+    mode = args.weights if args.weights not in (None, "auto") else default_cpu_mode()
     budget = args.memory_budget_mb or default_budget_mb(model, num_layers, mode)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     convs = conversations(args.conversations)

@@ -77,9 +77,9 @@ def check_weights_spec(spec: str | None) -> str:
 def resolve_weights(spec: str | None, device: torch.device) -> tuple[torch.dtype, str]:
     """``--weights``: (the dtype of activations and the KV cache, the packing of matrices or "").
 
-    ``auto`` is ``packed`` on a CPU whose torch has the int4 kernel (decode reads a
-    quarter of bfloat16's bytes; fidelity in bench/RESULTS.md), else the device's
-    default dtype. The packed mode is CPU-only for now.
+    ``auto`` on a CPU is :func:`default_cpu_mode` (``packed`` with a bfloat16 unit, else
+    ``gguf``; a daemon replaces it with the mode it measured fastest), elsewhere the
+    device's default dtype. The packed modes are CPU-only.
     """
     text = check_weights_spec(spec)
     if text in DTYPES:
