@@ -57,28 +57,21 @@ def exact_attention(p: RowPlan, q: torch.Tensor, segments: list[tuple[torch.Tens
         if p.mask is not None:  # a tree node: its ancestors and itself
             sel = p.mask[i].nonzero().squeeze(1)
             keys, values = whole()
-            k_i, v_i, rows = keys[:, sel], values[:, sel], 1
-            mask = None
-            if lone_rows:
-                outs.append(row_ops.row_attention(q[:, i:i + 1], [(k_i, v_i)], scale))
-                i += 1
-                continue
+            kv_i, rows, mask = [(keys[:, sel], values[:, sel])], 1, None
         elif whole_rows[i]:
             rows, end = EXACT_BLOCK, p.past + i + EXACT_BLOCK
-            keys, values = whole()
-            k_i, v_i = keys[:, :end], values[:, :end]
+            kv_i = [tuple(t[:, :end] for t in whole())]
             mask = torch.arange(end, device=q.device).unsqueeze(0) <= p.positions[i:i + rows].unsqueeze(1)
         else:
-            rows, end = 1, p.past + i + 1
-            if lone_rows:
-                outs.append(row_ops.row_attention(q[:, i:i + 1], upto(segments, end), scale))
-                i += 1
-                continue
-            keys, values = whole()
-            k_i, v_i, mask = keys[:, :end], values[:, :end], None
-        outs.append(F.scaled_dot_product_attention(
-            q[:, i:i + rows].contiguous().unsqueeze(0), k_i.unsqueeze(0), v_i.unsqueeze(0), attn_mask=mask,
-            scale=scale, enable_gqa=gqa)[0])
+            rows, end, mask = 1, p.past + i + 1, None
+            kv_i = upto(segments, end) if lone_rows else [tuple(t[:, :end] for t in whole())]
+        if rows == 1 and lone_rows:
+            outs.append(row_ops.row_attention(q[:, i:i + 1], kv_i, scale))
+        else:
+            (k_i, v_i), = kv_i
+            outs.append(F.scaled_dot_product_attention(
+                q[:, i:i + rows].contiguous().unsqueeze(0), k_i.unsqueeze(0), v_i.unsqueeze(0), attn_mask=mask,
+                scale=scale, enable_gqa=gqa)[0])
         i += rows
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 

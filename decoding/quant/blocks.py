@@ -12,8 +12,6 @@ are still computed together: one pass over the weights for all of them.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,23 +51,6 @@ class BlockPart:
 
 def supported(type_name: str) -> bool:
     return type_name in native.TYPE_IDS
-
-
-class _Pool:
-    """The threads a product is split over: torch's intra-op thread count, so ``--threads`` (and the
-    one-thread-per-pinned-stage setting) governs these kernels as it does torch's. One pool per count,
-    never shut down: a caller with another count (the profiler, the mode chooser) cannot close the
-    pool another product is using."""
-
-    _lock = threading.Lock()
-    _pools: dict[int, ThreadPoolExecutor] = {}
-
-    @classmethod
-    def get(cls, n: int) -> ThreadPoolExecutor:
-        with cls._lock:
-            if n not in cls._pools:
-                cls._pools[n] = ThreadPoolExecutor(n, thread_name_prefix=f"meshd-kernel{n}")
-            return cls._pools[n]
 
 
 class BlockLinear:
@@ -128,18 +109,8 @@ class BlockLinear:
         x = x.detach().contiguous()
         m = x.shape[0]
         out = torch.empty(m, self.out_features)
-        threads = torch.get_num_threads()
-        if threads <= 1 or m * self.out_features < _SPLIT_FROM:
-            self._fused.run(x.data_ptr(), m, self.in_features, out.data_ptr(), self.out_features)
-        else:  # ctypes lets go of the GIL: the threads' ranges run at once
-            step = -(-self.out_features // threads)
-            pool = _Pool.get(threads)
-            futures = [pool.submit(self._fused.run, x.data_ptr(), m, self.in_features, out.data_ptr(),
-                                   self.out_features, n0, min(n0 + step, self.out_features))
-                       for n0 in range(0, self.out_features, step)]
-            wait(futures)  # every range done with x and out before anything is raised or returned
-            for f in futures:
-                f.result()
+        threads = torch.get_num_threads() if m * self.out_features >= _SPLIT_FROM else 1
+        self._fused.run(x.data_ptr(), m, self.in_features, out.data_ptr(), self.out_features, threads)
         return out if bias is None else out.add_(bias)
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows ``ids`` of the matrix (a token embedding): only those rows are widened."""

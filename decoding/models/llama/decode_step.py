@@ -21,12 +21,8 @@ import torch.nn.functional as F
 from decoding.batch import BatchItem, RowPlan
 from decoding.kv_cache import KVCache
 from decoding.models.llama.layers import LayerWeights
-from decoding.quant import native
+from decoding.quant import native, row_ops
 from decoding.quant.blocks import BlockLinear
-
-
-def _c_array(ctype, values):
-    return (ctype * len(values))(*values)
 
 
 class DecodeSteps:
@@ -43,7 +39,7 @@ class DecodeSteps:
         self.inter = layers[0].gate_up.out_features // 2
         self.qkv_width = layers[0].qkv.out_features
         # per layer: the C structs and the tensors they point into (kept alive with them)
-        self.layers = [(lw, ctypes.byref(lw.qkv.spec), ctypes.byref(lw.o.spec), ctypes.byref(lw.gate_up.spec),
+        self.layers = [(ctypes.byref(lw.qkv.spec), ctypes.byref(lw.o.spec), ctypes.byref(lw.gate_up.spec),
                         ctypes.byref(lw.down.spec),
                         None if lw.qkv_bias is None else lw.qkv_bias.contiguous(),
                         lw.attn_norm.contiguous(), lw.mlp_norm.contiguous()) for lw in layers]
@@ -75,12 +71,9 @@ class DecodeSteps:
         key_base = [k.data_ptr() for k, _, _ in spans]
         value_base = [v.data_ptr() for _, v, _ in spans]
         layer_step = [k.stride(0) * elem for k, _, _ in spans]
-        keys, values = _c_array(ctypes.c_void_p, key_base), _c_array(ctypes.c_void_p, value_base)
-        lengths = _c_array(ctypes.c_int64, [length for _, _, length in spans])
-        head_strides = _c_array(ctypes.c_int64, [k.stride(1) for k, _, _ in spans])
-        segs = native.SegmentSpec(n, ctypes.cast(keys, ctypes.c_void_p), ctypes.cast(values, ctypes.c_void_p),
-                                  ctypes.cast(lengths, ctypes.c_void_p), ctypes.cast(head_strides, ctypes.c_void_p))
-        own_k, own_v, _ = spans[-1]
+        segs, (keys, values, _, _) = row_ops.segment_pointers(key_base, value_base, [length for _, _, length in spans],
+                                                              [k.stride(1) for k, _, _ in spans])
+        own_k = spans[-1][0]
         at = p.offset * own_k.stride(2) * elem  # the new position in the sequence's own buffer
         dst_stride = own_k.stride(1)
         gate_up = torch.empty(1, 2 * self.inter)
@@ -89,7 +82,7 @@ class DecodeSteps:
         threads = torch.get_num_threads()
         lib, hp, sp, gp = self.lib, h.data_ptr(), scratch.data_ptr(), gate_up.data_ptr()
         cp, snp, segp = cos.data_ptr(), sin.data_ptr(), ctypes.byref(segs)
-        for li, (lw, qkv, o, gu, down, bias, attn_norm, mlp_norm) in enumerate(self.layers):
+        for li, (qkv, o, gu, down, bias, attn_norm, mlp_norm) in enumerate(self.layers):
             for j in range(n):
                 keys[j] = key_base[j] + li * layer_step[j]
                 values[j] = value_base[j] + li * layer_step[j]

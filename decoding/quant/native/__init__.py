@@ -8,7 +8,7 @@ package directory; a process that finds no build there (another checkout, a chan
 flags and the compiler, so a stale build is never loaded.
 
 ctypes releases the GIL for the length of a call, so a stage's progress reporter keeps running during
-a long product and several threads can split one product's rows (:func:`matmul`).
+a long product, and a product's rows are split over the library's own threads (``decode_step.cpp``).
 """
 
 from __future__ import annotations
@@ -143,8 +143,9 @@ def library() -> ctypes.CDLL:
                     _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                     ctypes.c_float, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_int]
                 lib.meshd_decode_down.argtypes = [_ptr, _ptr, _ptr, _ptr, ctypes.c_int]
+                lib.meshd_linear_threads.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int]
                 for f in ("meshd_rms_norm", "meshd_rope", "meshd_row_attention", "meshd_decode_attention",
-                          "meshd_decode_down"):
+                          "meshd_decode_down", "meshd_linear_threads"):
                     getattr(lib, f).restype = None
                 for f in ("meshd_block_bytes", "meshd_block_elems", "meshd_act_block"):
                     getattr(lib, f).argtypes = [ctypes.c_int]
@@ -254,22 +255,20 @@ class FusedMatrices:
         n = len(parts)
         self.cols = cols
         self.rows = sum(int(b.shape[0]) for _, b, _ in parts)
-        self._n = n
         self._types = (ctypes.c_int * n)(*(TYPE_IDS[t] for t, _, _ in parts))
         self._ptrs = (ctypes.c_void_p * n)(*(b.ctypes.data for _, b, _ in parts))
         self._row_bytes = (ctypes.c_int64 * n)(*(b.strides[0] for _, b, _ in parts))
         self._rows = (ctypes.c_int64 * n)(*(b.shape[0] for _, b, _ in parts))
         self._maps = (ctypes.c_void_p * n)(*(None if m is None else m.ctypes.data for _, _, m in parts))
-        self._call = lib.meshd_linear
-        #: the same matrices as one C struct, for the kernels that run a whole step (decode_step.cpp)
+        #: the matrices as one C struct, as every product and the decode step's kernels take them
         self.spec = MatrixSpec(n, ctypes.cast(self._types, _ptr), ctypes.cast(self._ptrs, _ptr),
                                ctypes.cast(self._row_bytes, _ptr), ctypes.cast(self._rows, _ptr),
                                ctypes.cast(self._maps, _ptr), self.rows, cols)
+        self._spec_ref = ctypes.byref(self.spec)
+        self._call = lib.meshd_linear_threads
 
-    def run(self, x_ptr: int, m: int, ldx: int, out_ptr: int, ldo: int, n0: int = 0, n1: int | None = None) -> None:
-        """out[:, :] (float32 [m, ldo]) = x (float32 [m, cols], row stride ``ldx``) @ rows [n0, n1).T."""
-        rc = self._call(self._n, self._types, self._ptrs, self._row_bytes, self._rows, self._maps, n0,
-                        self.rows if n1 is None else n1, x_ptr, m, self.cols, ldx, out_ptr, ldo)
-        if rc:
-            raise ValueError("the kernels refused a block type")
+    def run(self, x_ptr: int, m: int, ldx: int, out_ptr: int, ldo: int, threads: int = 1) -> None:
+        """out (float32 [m, ldo]) = x (float32 [m, cols], row stride ``ldx``) @ every row.T, the output rows
+        split over ``threads`` of the kernels' own pool (the GIL let go for the call)."""
+        self._call(self._spec_ref, x_ptr, m, ldx, out_ptr, ldo, threads)
 

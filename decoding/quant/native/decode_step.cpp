@@ -138,12 +138,17 @@ inline void share(int64_t n, int t, int T, int64_t* a, int64_t* b) {
     *b = step * (t + 1) < n ? step * (t + 1) : n;
 }
 
-void linear(const Matrix& m, const float* x, float* out, int threads) {
+// out (float32 [M, ldo]) = x (float32 [M, k], row stride ldx) @ m.T, the output rows split over the pool.
+void linear_rows(const Matrix& m, const float* x, int64_t M, int64_t ldx, float* out, int64_t ldo, int threads) {
     pool().run(threads, [&](int t, int T) {
         int64_t a, b;
         share(m.n_out, t, T, &a, &b);
-        if (a < b) meshd_linear(m.nparts, m.types, m.w, m.row_bytes, m.rows, m.colmaps, a, b, x, 1, m.k, m.k, out, m.n_out);
+        if (a < b) meshd_linear(m.nparts, m.types, m.w, m.row_bytes, m.rows, m.colmaps, a, b, x, M, m.k, ldx, out, ldo);
     });
+}
+
+inline void linear(const Matrix& m, const float* x, float* out, int threads) {
+    linear_rows(m, x, 1, m.k, out, m.n_out, threads);
 }
 
 // Dot product of two rows of hd floats in eight lanes (element i in lane i % 8), summed in a fixed tree.
@@ -205,6 +210,13 @@ void attention(const float* q, int64_t nh, int64_t nkv, int64_t hd, float scale,
 }  // namespace
 
 extern "C" {
+
+// A product of any row count on `threads` of the pool (BlockLinear's one call): each output element is
+// computed the same way whichever thread's share it falls in.
+void meshd_linear_threads(const Matrix* m, const float* x, int64_t M, int64_t ldx, float* out, int64_t ldo,
+                          int threads) {
+    linear_rows(*m, x, M, ldx, out, ldo, threads);
+}
 
 // One query row per head, q [nh, hd] contiguous, attending over `s`'s positions; out [nh, hd].
 // Every lone row of the gguf mode (a decode step, a verify round's rows, a
