@@ -19,6 +19,7 @@ from decoding import models
 from decoding.config import ModelConfig
 from decoding.errors import ModelLoadError, UnsupportedArchitecture
 from decoding.loader.files import sha256_of_files
+from decoding.loader.gguf_file import GGUFFile
 from decoding.loader.gguf_split import check_parts, part_paths
 from decoding.loader.source import ModelSource
 from decoding.log import get_logger
@@ -45,21 +46,13 @@ def end_of_generation(eos_ids: tuple[int, ...], field, vocab: dict[str, int]) ->
 
 class GGUFSource(ModelSource):
     def __init__(self, path: Path, cache_root: Path | None = None):
-        import gguf
-
         # A split set (NAME-0000i-of-0000N.gguf) is one model: metadata from its first part,
         # tensors from all of them (decoding.loader.gguf_split).
         self.parts = part_paths(Path(path))
         self.path = self.parts[0]
-        self._readers = []
-        for part in self.parts:
-            try:
-                self._readers.append(gguf.GGUFReader(str(part), "r"))
-            except Exception as exc:
-                raise ModelLoadError(f"{part}: not a readable GGUF file ({exc})") from exc
-        check_parts(self.parts, self._readers)
-        self._reader = self._readers[0]
-        self._fields = self._compact_fields()
+        #: Each part's parsed header and mapped tensors, in order (the share modules read their layout).
+        self.gguf_files: tuple[GGUFFile, ...] = tuple(GGUFFile(p) for p in self.parts)
+        check_parts(self.parts, self.gguf_files)
         self._cache_root = cache_root
         # No family for the architecture: no tensors are indexed, and .config says why.
         self._family = models.family(self.arch)
@@ -68,7 +61,7 @@ class GGUFSource(ModelSource):
             self._index_tensors()
 
     def _index_tensors(self) -> None:
-        for t in (t for r in self._readers for t in r.tensors):
+        for t in (t for f in self.gguf_files for t in f.tensors):
             canon = self._family.gguf_canonical(t.name)
             if canon:
                 self._tensors[canon] = t
@@ -77,31 +70,10 @@ class GGUFSource(ModelSource):
             raise ModelLoadError(f"{self.path}: GGUF lacks tensors {missing}")
 
     # -- metadata -----------------------------------------------------------
-    _LARGE_FIELD = 4096  # array fields longer than this (the vocabulary, its merges) are not kept
-
-    def _compact_fields(self) -> dict:
-        """The metadata as plain values, and the readers' parsed fields let go.
-
-        gguf-py parses every metadata entry into numpy views, one per vocabulary token: ~490 MB
-        resident for a 152k-token vocabulary, four times what a stage of the 0.5B holds in weights.
-        Only the scalars and short arrays are read afterwards (the tokenizer is built from the file
-        by transformers, once, and cached), so the rest is dropped and the heap returned.
-        """
-        import gc
-
-        from decoding.memory import release_free_memory
-
-        kept = {k: f.contents() for k, f in self._reader.fields.items() if len(f.data) <= self._LARGE_FIELD}
-        for reader in self._readers:
-            reader.fields = {}
-        gc.collect()
-        release_free_memory()
-        return kept
-
     def field(self, key: str, default=None):
         """One metadata value of the file (``default`` when the file does not carry it, or carries it as
         an array too long to keep: the vocabulary's tokens, types and merges)."""
-        return self._fields.get(key, default)
+        return self.gguf_files[0].field(key, default)
 
     @property
     def file_type(self) -> int | None:

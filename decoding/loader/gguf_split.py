@@ -65,12 +65,12 @@ def part_paths(path: Path) -> tuple[Path, ...]:
 def check_parts(parts: tuple[Path, ...], readers) -> None:
     """The parts' own ``split.*`` metadata agree with their names and hold every tensor once.
 
-    ``readers``: an open ``gguf.GGUFReader`` per part, in order. A plain GGUF (one part,
-    no ``split.count`` or a count of 1) passes.
+    ``readers``: each part's parsed header (``decoding.loader.gguf_file.GGUFFile``), in order.
+    A plain GGUF (one part, no ``split.count`` or a count of 1) passes.
     """
     def value(reader, key):
-        f = reader.fields.get(key)
-        return None if f is None else int(f.contents())
+        v = reader.field(key)
+        return None if v is None else int(v)
 
     count = len(parts)
     if count == 1:

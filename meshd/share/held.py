@@ -77,16 +77,17 @@ class HeldModel:
 
     # -- a local file -----------------------------------------------------------
     def adopt_local(self, source: Any) -> Any | None:
-        """Serve from ``source``; returns its GGUF reader when its file can be lent (None: only GGUF is)."""
+        """Serve from ``source``; returns its first file's parsed GGUF header when its file can be lent
+        (None: only GGUF is)."""
         self.source = source
         path = Path(getattr(source, "path", ""))
-        reader = getattr(source, "_reader", None)
+        readers = list(getattr(source, "gguf_files", ()) or ())  # decoding.loader.gguf_file.GGUFFile
+        reader = readers[0] if readers else None
         if reader is None or not path.is_file():
             log.info("share_not_shareable", model=str(path), reason="only GGUF files are shared")
             return None
         self.local_path = path
         parts = tuple(getattr(source, "parts", ()) or ())
-        readers = list(getattr(source, "_readers", []) or [])
         if len(parts) > 1 and len(readers) == len(parts):  # a split set: lent as one model
             self.local_parts, self._local_readers = parts, readers
         self.tensor_names = tuple(t.name for r in (self._local_readers or [reader]) for t in r.tensors)

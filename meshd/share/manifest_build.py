@@ -43,14 +43,15 @@ def layout(size: int, data_offset: int, tensors: Iterable[tuple[str, int, int]])
 def gguf_layout(path: Path, reader=None) -> tuple[int, list[tuple[str, int, int]]]:
     """(data offset, [(tensor name, absolute offset, bytes)]) as the GGUF header states them.
 
-    ``reader``: an open ``gguf.GGUFReader`` of ``path`` (parsing a header takes seconds).
+    ``reader``: ``path``'s parsed header (``decoding.loader.gguf_file.GGUFFile``), when the caller has it.
     """
-    import gguf
+    from decoding.errors import ModelLoadError
+    from decoding.loader.gguf_file import GGUFFile
 
     try:
-        reader = reader or gguf.GGUFReader(str(path), "r")
-    except Exception as exc:
-        raise ManifestError(f"{path}: not a readable GGUF file ({exc})") from exc
+        reader = reader or GGUFFile(path)
+    except ModelLoadError as exc:
+        raise ManifestError(str(exc)) from exc
     tensors = [(t.name, int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
     if not tensors:
         raise ManifestError(f"{path}: GGUF has no tensors")

@@ -40,7 +40,7 @@ class PartialGGUFSource(GGUFSource):
             raise ModelLoadError(f"{entry.path}: the header has not been fetched yet")
         super().__init__(entry.path, cache_root=cache_root)
         try:
-            check_against_header(entry.manifest, entry.path, self._reader, self.parts, self._readers)
+            check_against_header(entry.manifest, entry.path, self.gguf_files[0], self.parts, self.gguf_files)
         except ManifestError as exc:
             raise ModelLoadError(str(exc)) from None
         self.entry = entry

@@ -49,7 +49,7 @@ def warm_plan_over(procs, n) -> bool:
 
 @pytest.fixture(scope="module")
 def manifest(real_source):
-    return mb.build(real_source.path, reader=real_source._reader)
+    return mb.build(real_source.path, reader=real_source.gguf_files[0])
 
 
 @pytest.fixture(scope="module")

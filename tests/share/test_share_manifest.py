@@ -169,7 +169,7 @@ def test_needed_tensors_are_exactly_what_the_stage_loader_reads(tmp_path, tied, 
 
     source = GGUFSource(write_tiny_gguf(tmp_path / "m.gguf", layers=4, tied=tied, rope_freqs=rope))
     gguf_name = {canon: t.name for canon, t in source._tensors.items()}
-    names = [t.name for t in source._reader.tensors]
+    names = [t.name for t in source.gguf_files[0].tensors]
     for first in range(4):
         for end in range(first + 1, 5):
             rec = Recording(source)
@@ -179,7 +179,7 @@ def test_needed_tensors_are_exactly_what_the_stage_loader_reads(tmp_path, tied, 
 
 def test_the_embedded_models_layer_ranges_need_their_share_of_the_file(real_source):
     """SmolLM2 ties its head to the embedding: the last stage needs the embedding too."""
-    names = [t.name for t in real_source._reader.tensors]
+    names = [t.name for t in real_source.gguf_files[0].tensors]
     mid = mf.needed_tensors(names, 30, 10, 20)
     assert "token_embd.weight" not in mid and all(mf.block_of(n) in range(10, 20) for n in mid)
     last = mf.needed_tensors(names, 30, 20, 30)

@@ -50,7 +50,7 @@ def test_the_manifest_of_a_split_set_is_the_loaders_model(model):
     assert [(p.name, p.size) for p in m.parts] == [(p.name, p.stat().st_size) for p in parts]
     assert [r.name for r in m.header_regions] == ["@header", "@header:2", "@header:3"]
     assert m.size == sum(p.stat().st_size for p in parts)
-    assert set(m.tensor_names) == {t.name for t in GGUFSource(single)._reader.tensors}
+    assert set(m.tensor_names) == {t.name for t in GGUFSource(single).gguf_files[0].tensors}
     assert mf.Manifest.from_data(m.data) == m
     assert "parts" not in json.loads(mb.build(single, piece_size=1000).data), "a single file's manifest is unchanged"
 
