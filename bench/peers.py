@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import finish, machine_banner  # noqa: E402
 from bench._fidelity import FIDELITY_TEXT, fidelity  # noqa: E402
-from decoding.memory import release_free_memory  # noqa: E402
+from decoding.memory import freeze_long_lived, release_free_memory  # noqa: E402
 
 LLAMA_PREFIX = Path.home() / ".cache" / "meshd-anchors" / "llama.cpp"
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
@@ -122,6 +122,7 @@ def child_measure(args) -> None:
     stage = src.load_stage(0, cfg.num_layers, dtype, packed=packing)
     load_s = time.perf_counter() - t
     release_free_memory()
+    freeze_long_lived()  # as a daemon's stage worker does after a load
     resident = (rss_kb() - anon_open) * 1024  # the stage's weights, as loaded (mapped pages: as touched)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, min(cfg.vocab_size, 30000), (args.prefill,), generator=gen)

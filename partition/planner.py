@@ -122,6 +122,8 @@ def make_layout_plan(
         used = [by_id[n] for n in chosen.groups[0].members]
         plan = make_plan(used, link, max_seq, plan_seq_len=plan_seq_len, with_cut_table=with_cut_table,
                          version=version)
+        if prefer is not None and chosen.routes == tuple(tuple(r) for r in prefer):
+            plan = kept_stages(plan, chosen.routes[0], by_id, link, max_seq, with_cut_table)
         return replace(plan, layout="pipeline", reason=f"{chosen.reason}; {plan.reason}",
                        unused_devices=tuple(NodeId(p.device_id) for p in profiles
                                             if p.device_id not in plan.devices),
@@ -147,6 +149,24 @@ def make_layout_plan(
         bottleneck_reason="layout", explanation=chosen.reason,
         unused_devices=chosen.unused, planning_seconds=time.perf_counter() - t0,
         extras={"layout": layout_account(chosen)}, layout=chosen.kind)
+
+
+def kept_stages(plan: Plan, served: tuple, profiles: dict[str, DeviceProfile], link: LinkModel, max_seq: int,
+                with_cut_table: bool) -> Plan:
+    """``plan`` (the layer DP's over the served pipeline's members) with the served stages ``served``
+    (``(node, first, end)`` each) kept as they are. The DP may give the same members their layers in
+    another order — two equal devices swap halves just as well — and a plan that only swaps them
+    would drop every stage's prefix cache and replay what is in flight for nothing. The DP's
+    predictions stay with a stage it assigned alike; another stage's are unknown (0)."""
+    if tuple((s.node_id, s.first, s.end) for s in plan.stages) == tuple(served):
+        return plan
+    by_range = {(s.node_id, s.first, s.end): s for s in plan.stages}
+    stages = tuple(by_range.get((n, f, e)) or StageAssignment(NodeId(n), f, e,
+                                                                memory_budget_bytes=profiles[n].memory_budget_bytes)
+                   for n, f, e in served)
+    table = plan_cut_table(stages, profiles, link, max_seq) if with_cut_table else None
+    bottleneck = max(range(len(stages)), key=lambda k: stages[k].time_s)
+    return replace(plan, stages=stages, cut_table=table, bottleneck_stage=bottleneck)
 
 
 def layout_account(chosen: Layout) -> dict:

@@ -33,6 +33,7 @@ class Run:
         self.started = metrics.started()
         self.first_token_at: float | None = None
         self.tokens = 0
+        self.cached_tokens: int | None = None  # of the prompt, taken from the stages' prefix caches
         self.finish: str | None = None
         self.ok = True
         self._ended = None
@@ -47,6 +48,7 @@ class Run:
             self.finish = ev.finish_reason
             if ev.usage is not None:
                 self.tokens = ev.usage.completion_tokens
+                self.cached_tokens = ev.usage.stats.cached_tokens
 
     def end(self, ok: bool, outcome: str | None = None):
         if self._ended is None:
@@ -83,7 +85,7 @@ async def tracked(request: web.Request, engine: Engine, gen: GenerationRequest, 
         rec = run.end(ok=run.ok)
         log.info("request_done", api=api, endpoint=endpoint, stream=gen.options.stream, ok=run.ok,
                  finish_reason=run.finish, prompt_tokens=len(gen.prompt_ids),
-                 completion_tokens=run.tokens,
+                 completion_tokens=run.tokens, cached_tokens=run.cached_tokens,
                  ttft_s=None if rec.ttft_s is None else round(rec.ttft_s, 4),
                  decode_s=round(rec.decode_s, 4))
 

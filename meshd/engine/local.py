@@ -92,6 +92,7 @@ class LocalEngine(Engine):
         """``device``: where the model runs (default the CPU); ``dtype`` None: that device's default."""
         import concurrent.futures
 
+        from decoding.memory import freeze_long_lived
         from decoding.pipeline_local import LocalPipeline
 
         self.source = source
@@ -101,6 +102,7 @@ class LocalEngine(Engine):
         ctx = source.config.max_position
         self.context_length = min(ctx, max_context) if max_context else ctx
         self._pipeline = LocalPipeline.from_source(source, stages, dtype, device)
+        freeze_long_lived()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshd-generate")
         self._lock = asyncio.Lock()
 

@@ -31,15 +31,29 @@ class Maintenance:
         self.clock = clock
         self.on_heartbeat = on_heartbeat
         self._next_beat = 0.0
+        self._last_tick: float | None = None
+
+    def stalled(self, now: float) -> float:
+        """How long this loop could not run since the last tick, beyond its step (0: on time). Lateness
+        under a step is the scheduler's ordinary jitter; a missed step is a stall (a busy machine,
+        a blocked loop), logged when it lasts a second."""
+        last, self._last_tick = self._last_tick, now
+        late = 0.0 if last is None else now - last - self.step_s
+        if late <= self.step_s:
+            return 0.0
+        if late >= 1.0:
+            log.info("loop_stalled", seconds=round(late, 2))
+        return late
 
     def tick(self) -> None:
         now = self.clock()
+        stalled = self.stalled(now)
         if now >= self._next_beat:
             self.gossip.send_heartbeat()
             self.on_heartbeat()
             self._next_beat = now + self.heartbeat_interval_s
         self.link.probe_due()  # round trips, in background tasks: never waits here
-        self.gossip.apply(self.view.membership.tick(now))
+        self.gossip.apply(self.view.membership.tick(now, stalled))
         if self.debounce.due(now):
             self.planner.maybe_replan()
         self.planner.check_workload()

@@ -45,6 +45,7 @@ class MemberRecord:
     since: float  # when it entered this state
     last_seen: float  # last heartbeat (or first observation while joining)
     info: dict[str, Any] = field(default_factory=dict)  # latest heartbeat payload
+    excused_s: float = 0.0  # of the silence since last_seen: time this device itself could not listen
 
 
 class Membership:
@@ -85,6 +86,7 @@ class Membership:
             peer = self.peers[node_id] = MemberRecord(node_id, PeerState.READY, now, now)
             changes.append(Change(node_id, None, PeerState.READY))
         peer.last_seen = max(peer.last_seen, now)
+        peer.excused_s = 0.0
         if info is not None:
             peer.info = dict(info)
         return changes + self._set(peer, PeerState.READY, now)
@@ -94,13 +96,19 @@ class Membership:
         peer = self.peers.get(node_id)
         return self._set(peer, PeerState.GONE, now) if peer else []
 
-    def tick(self, now: float) -> list[Change]:
-        """Apply timeouts. Call this periodically (every heartbeat interval is plenty)."""
+    def tick(self, now: float, stalled_s: float = 0.0) -> list[Change]:
+        """Apply timeouts. Call this periodically (every heartbeat interval is plenty).
+
+        ``stalled_s``: how long this device itself could not listen since the last tick (its own loop
+        ran late: a busy machine). Heartbeats sent meanwhile wait unread in its sockets, so that time is
+        not a peer's silence; counting it would mark every peer gone after one long stall, then ready
+        again a moment later when the queued heartbeats are read — two re-plans for nothing."""
         changes: list[Change] = []
         for peer in self.peers.values():
-            silent = now - peer.last_seen
             if peer.state is PeerState.GONE:
                 continue
+            peer.excused_s += max(0.0, stalled_s)
+            silent = now - peer.last_seen - peer.excused_s
             if silent > self.gone_after_s:
                 changes += self._set(peer, PeerState.GONE, now)
             elif silent > self.suspect_after_s and peer.state is PeerState.READY:

@@ -120,6 +120,11 @@ def test_the_avx2_and_portable_builds_give_the_same_bits():
         # 1 and 3 rows take the decode path (blocks decoded as read), 6 the pre-decoded one
         "[parts.append((native.matmul_into(o := np.zeros((m, 24), np.float32), native.quantize_rows(x[:m], native.ACT_BLOCK[t]),"
         " t, random_blocks(t, 24, 512, seed=8), 512), o.tobytes().hex())[1]) for t in native.TYPE_IDS for m in (1, 3, 6)];"
+        # quantising: NaN, infinities, subnormals, ties and blocks too small to scale
+        "xe = x.copy(); xe[0, :8] = [np.nan, np.inf, -np.inf, 1e-40, 0.5, -0.5, 2.5, 0.0]; xe[1, :256] = 1e-42;"
+        "xe[2] = np.round(xe[2] * 4) / 4; xe[3, 32:64] = np.linspace(-127, 127, 32);"
+        "[parts.append(''.join(a.tobytes().hex() for a in (r.q, r.d, r.s))) for r in"
+        " (native.quantize_rows(xe, 32), native.quantize_rows(xe, 256))];"
         "xt = torch.from_numpy(x); q = xt.view(6, 8, 64).clone();"
         "parts.append(rms_norm(xt, torch.ones(512), 1e-6).numpy().tobytes().hex());"
         "parts.append(rope_(q, xt[:, :64], xt[:, 64:128]).numpy().tobytes().hex());"

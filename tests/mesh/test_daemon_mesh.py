@@ -9,7 +9,7 @@ from meshd.state import StateDir
 from tests.support.daemons import kill_hard, meshd_status_json, states, summary
 
 from tests.support.waiting import wait_until
-from tests.support.daemons import READY_WITHIN_S, all_ready
+from tests.support.daemons import GONE_AFTER_S, READY_WITHIN_S, all_ready
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +55,8 @@ def test_three_paired_daemons_become_ready_and_a_killed_one_is_gone_and_replanne
                 return False
         return a.status()["plan"] == b.status()["plan"]  # one plan, from one coordinator
 
-    # gone_after (2 s) + debounce (0.5 s) + heartbeat periods of slack (both cores may be busy)
-    wait_until(c_gone_and_replanned, 2.0 + 0.5 + 6.0, what="c gone and re-planned without it",
+    # gone_after + debounce (0.5 s) + heartbeat periods of slack (both cores may be busy)
+    wait_until(c_gone_and_replanned, GONE_AFTER_S + 0.5 + 6.0, what="c gone and re-planned without it",
                explain=lambda: summary(a, b))
     events = [e["event"] for e in a.events()]
     assert "replan" in events or "replan" in [e["event"] for e in b.events()]

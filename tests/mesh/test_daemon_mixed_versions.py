@@ -17,7 +17,7 @@ import pytest
 from tests.support.daemons import summary
 
 from tests.support.waiting import wait_until
-from tests.support.daemons import READY_WITHIN_S, all_ready
+from tests.support.daemons import GONE_AFTER_S, READY_WITHIN_S, all_ready
 from tests.support.repo import ROOT
 
 LAST_STRICT = "bd9841b"  # meshd 0.1.0: heartbeats refuse fields they lack
@@ -45,8 +45,8 @@ def test_a_member_upgraded_first_and_one_not_yet_upgraded_see_each_other_and_sha
     versions = {m["name"]: m["version"] for m in new.status()["members"]}
     assert versions["old"] == "0.1.0" and versions["new"] != "0.1.0"
 
-    # Still so a few heartbeat periods later (the old one would call the new one gone after 2 s).
-    settle = time.monotonic() + 3.0
+    # Still so a few heartbeat periods later (the old one would call the new one gone after GONE_AFTER_S).
+    settle = time.monotonic() + GONE_AFTER_S + 1.0
     while time.monotonic() < settle:
         assert all_ready([old, new], ["old", "new"])(), summary(old, new)
         time.sleep(0.25)  # sleep-ok: the claim is about a span of time (longer than gone-after); sampled

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from tests.support.daemons import kill_hard, states, summary
+from tests.support.daemons import GONE_AFTER_S, kill_hard, states, summary
 
 from tests.support.waiting import wait_until
 
@@ -86,5 +86,5 @@ def test_daemons_in_three_namespaces_discover_each_other_over_a_bridge(mesh):
             assert all(v and v.startswith(f"10.") for v in addrs.values()), addrs
 
         kill_hard(c)
-        wait_until(lambda: all(states(p.status())["c"] == "gone" for p in (a, b)), 2.0 + 3.0,
+        wait_until(lambda: all(states(p.status())["c"] == "gone" for p in (a, b)), GONE_AFTER_S + 3.0,
                    what="c gone on a and b", explain=lambda: summary(a, b))

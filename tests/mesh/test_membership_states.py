@@ -23,6 +23,16 @@ def test_silence_makes_a_ready_peer_suspect_then_gone():
     assert m.tick(100.0) == []
 
 
+def test_time_this_device_itself_was_stalled_is_not_a_peers_silence():
+    m = make()
+    m.heartbeat("a", now=0.0)
+    # our own loop ran 10 s late: the peer's heartbeats wait unread, so it is neither suspect nor gone
+    assert m.tick(10.5, stalled_s=10.0) == []
+    assert m.tick(13.6) == [Change("a", PeerState.READY, PeerState.SUSPECT)]  # 3.1 s of silence we heard
+    assert m.heartbeat("a", now=13.7) == [Change("a", PeerState.SUSPECT, PeerState.READY)]
+    assert m.tick(19.0, stalled_s=0.0) == [Change("a", PeerState.READY, PeerState.SUSPECT)]  # excuse is spent
+
+
 def test_a_heartbeat_brings_a_suspect_peer_back_to_ready():
     m = make()
     m.heartbeat("a", now=0.0)

@@ -91,6 +91,22 @@ def test_the_routes_served_now_win_a_tie():
     assert choose_layout(home, LINK, work, MAX_SEQ, prefer=one).routes == now.routes
 
 
+def test_a_pipeline_of_two_equal_devices_served_in_either_order_is_kept_in_that_order():
+    """The layer DP may hand two equal devices their halves the other way round; a re-plan that only
+    swaps them would reload both stages, drop their prefix caches and replay what is in flight."""
+    home = [device("a", holds=0.85), device("b", holds=0.85)]  # neither holds the whole model
+    work = Workload(38, 11, 0.0, 2.2)
+    fresh = make_layout_plan(home, LINK, MAX_SEQ, workload=work, with_cut_table=True)
+    assert fresh.layout == "pipeline" and len(fresh.stages) == 2
+    for served in (fresh, replace(fresh, stages=tuple(replace(s, node_id=t.node_id)
+                                                      for s, t in zip(fresh.stages, fresh.stages[::-1])))):
+        routes = tuple(tuple((s.node_id, s.first, s.end) for s in served.stages) for _ in (0,))
+        again = make_layout_plan(home, LINK, MAX_SEQ, workload=Workload(900, 40, 0.5, 1), with_cut_table=True,
+                                 prefer=routes)
+        assert tuple((s.node_id, s.first, s.end) for s in again.stages) == routes[0]
+        assert again.cut_table is not None
+
+
 def test_a_replicas_plan_numbers_its_routes_and_travels_on_the_wire():
     home = [device("a"), device("b"), device("c", holds=0.85), device("d", holds=0.85)]
     plan = make_layout_plan(home, LINK, MAX_SEQ, workload=Workload(512, 64, 0.5, 6), with_cut_table=True)

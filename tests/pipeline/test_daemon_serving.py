@@ -330,6 +330,22 @@ def test_metrics_show_the_round_trip_and_the_activation_bytes_to_the_other_daemo
     assert by_id[first].status()["links"][second]["bytes_sent"] > 0
 
 
+REUSE_EVENTS = ("plan_adopted", "member_state", "prefix_cache_dropped", "prefix_missed", "prefix_probe_unanswered",
+                "request_replaying", "request_done", "stage_loading")
+
+
+def reuse_story(*procs) -> str:
+    """Why a prompt was computed again: the plan, each stage's prefix-cache counters and the events that
+    change what a stage holds (a new plan, a member suspected, a probe unanswered), for failure messages."""
+    lines = [summary(*procs)]
+    for p in procs:
+        lines.append(f"{p.name} prefix_cache: {(p.status().get('stage') or {}).get('prefix_cache')}")
+        lines += [f"  {p.name} {e.get('timestamp', '')[11:23]} {e['event']} "
+                  + " ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "timestamp", "level", "node"))
+                  for e in p.events() if e.get("event") in REUSE_EVENTS]
+    return "\n".join(lines)
+
+
 def test_a_home_assistant_turn_reuses_its_system_prompt_and_answers_as_one_device(home, real_source, served_stage):
     """Home Assistant resends one long system prompt with every request: the second request of a
     conversation (over the openai SDK) and the third (over the ollama client) compute only what is
@@ -354,8 +370,7 @@ def test_a_home_assistant_turn_reuses_its_system_prompt_and_answers_as_one_devic
     assert second.choices[0].message.content == reference(turn)
     system_tokens = len(tok.apply_chat(turn[:1], add_generation_prompt=False))
     # a packed (exact) stage shares whole 64-position blocks only: at most 63 of them are computed again
-    assert second.usage.prompt_tokens_details.cached_tokens >= system_tokens - 63, (
-        summary(a, b), {d.name: (d.status().get("stage") or {}).get("prefix_cache") for d in (a, b)})
+    assert second.usage.prompt_tokens_details.cached_tokens >= system_tokens - 63, reuse_story(a, b)
 
     turn += [{"role": "assistant", "content": second.choices[0].message.content},
              {"role": "user", "content": "Thanks."}]
@@ -363,7 +378,8 @@ def test_a_home_assistant_turn_reuses_its_system_prompt_and_answers_as_one_devic
                                              options={"temperature": 0, "num_predict": 12}))
     assert "".join(p.message.content or "" for p in parts) == reference(turn)
     prompt_tokens = len(tok.apply_chat(turn))
-    assert 0 < parts[-1].prompt_eval_count < prompt_tokens - system_tokens + 64  # only the new tokens evaluated
+    # only the new tokens evaluated
+    assert 0 < parts[-1].prompt_eval_count < prompt_tokens - system_tokens + 64, reuse_story(a, b)
 
     status = a.status()["stage"]["prefix_cache"]
     assert status["requests"]["hits"] >= 2 and status["entries"] >= 1

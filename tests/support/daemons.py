@@ -25,8 +25,11 @@ from tests.support.repo import ROOT
 from decoding.device import default_cpu_mode
 from tests.support.waiting import wait_until
 
-# Fast timings so membership changes show within a few seconds.
-FAST = ["--heartbeat-interval", "0.3", "--suspect-after", "1.0", "--gone-after", "2.0"]
+# Fast timings so membership changes show within a few seconds. Not faster: on a test machine running four
+# workers' daemons on two cores a daemon's loop is seen to stall 2-4 s (a busy machine), and a member it
+# cannot hear from for that long would flap suspect/gone/ready and re-plan under the test.
+SUSPECT_AFTER_S, GONE_AFTER_S = 2.0, 4.0
+FAST = ["--heartbeat-interval", "0.3", "--suspect-after", str(SUSPECT_AFTER_S), "--gone-after", str(GONE_AFTER_S)]
 # The embedded model is fastest on one device of this machine, so a home of two splits it only when neither
 # can hold it all: ~190 MiB with a 2048-token cache packed, ~290 MiB in the gguf mode (float32 activations
 # and KV cache), which either CPU default mode may be (decoding.device.default_cpu_mode).

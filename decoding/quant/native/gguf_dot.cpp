@@ -231,6 +231,7 @@ struct Act {
     const int8_t* q;
     const float* d;
     const int16_t* s;
+    const float* sf;  // the codes' sums per 32 as floats (the offset types' additive term), or null
 };
 
 #if defined(MESHD_AVX2)
@@ -259,12 +260,6 @@ inline float acc_total(const Acc& a) {
 }
 #endif
 
-// The additive term of a block: (wm * dx) * float(imin), into its own scalar.
-inline void add_min(Acc& a, float wm, float dx, int imin) {
-    const float t = wm * dx;
-    a.mn = a.mn + t * (float)imin;
-}
-
 // A 32-element weight block against one activation row's block j.
 inline void accumulate(const Block& w, const Act& x, int64_t j, Acc& a) {
     const float dx = x.d[j];
@@ -283,7 +278,8 @@ inline void accumulate(const Block& w, const Act& x, int64_t j, Acc& a) {
         a.v[k] = std::fma((float)sum, s, a.v[k]);
     }
 #endif
-    if (w.offset) add_min(a, w.wm, dx, x.s[2 * j] + x.s[2 * j + 1]);
+    // the additive term, into its own scalar: (wm * dx) * float(the activation codes' sum)
+    if (w.offset) a.mn = a.mn + (w.wm * dx) * x.sf[j];
 }
 
 // Weight row `row` of a 32-element type against R activation rows: each block decoded once.
@@ -469,7 +465,7 @@ inline void rows_dot_k_fly(const uint8_t* row, int64_t K, const Act* x, float* o
             __m256i u;
             if (T == Q6_K) {
                 const int n = j >> 2, t = j & 3;
-                if ((t & 1) == 0 || true) q = _mm256_loadu_si256((const __m256i*)(b + 64 * n + (t & 1) * 32));
+                q = _mm256_loadu_si256((const __m256i*)(b + 64 * n + (t & 1) * 32));
                 const __m256i lo = t < 2 ? _mm256_and_si256(q, m4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
                 if (t == 0) h = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * n));
                 u = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * t), _mm256_set1_epi8(3)), 4));
@@ -496,18 +492,19 @@ constexpr int64_t M_TILE = 64;  // activation rows kept hot (in L2) while every 
 // Rows [m0, m1) of the activations against one weight row, four at a time where there are four.
 template <class Dot>
 inline void tile_rows(int64_t m0, int64_t m1, int64_t K, int64_t nd, const int8_t* xq, const float* xd,
-                      const int16_t* xs, float* out, int64_t ldo, int64_t col, Dot&& dot) {
+                      const int16_t* xs, const float* xsf, float* out, int64_t ldo, int64_t col, Dot&& dot) {
     const int64_t ns = K / 16;
     float r[4];
     int64_t m = m0;
+    const auto sf = [&](int64_t i) { return xsf ? xsf + i * (K / 32) : nullptr; };
     for (; m + 4 <= m1; m += 4) {
         Act x[4];
-        for (int i = 0; i < 4; i++) x[i] = {xq + (m + i) * K, xd + (m + i) * nd, xs + (m + i) * ns};
+        for (int i = 0; i < 4; i++) x[i] = {xq + (m + i) * K, xd + (m + i) * nd, xs + (m + i) * ns, sf(m + i)};
         dot(x, r, std::integral_constant<int, 4>());
         for (int i = 0; i < 4; i++) out[(m + i) * ldo + col] = r[i];
     }
     for (; m < m1; m++) {
-        Act x[1] = {{xq + m * K, xd + m * nd, xs + m * ns}};
+        Act x[1] = {{xq + m * K, xd + m * nd, xs + m * ns, sf(m)}};
         dot(x, r, std::integral_constant<int, 1>());
         out[m * ldo + col] = r[0];
     }
@@ -530,6 +527,15 @@ void matmul_t(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64
         wm.resize(K / 256);
         k = {codes.data(), sc.data(), mins.data(), wd.data(), wm.data(), 0};
     }
+    std::vector<float> xsf;  // the offset types' activation sums per 32, converted once for every weight row
+    if (T == Q4_1 || T == Q5_1) {
+        xsf.resize(M * (K / 32));
+        for (int64_t i = 0; i < M * (K / 32); i++) {
+            const int16_t* s = xs + (i / (K / 32)) * (K / 16) + 2 * (i % (K / 32));
+            xsf[i] = (float)(s[0] + s[1]);
+        }
+    }
+    const float* sf = xsf.empty() ? nullptr : xsf.data();
     for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
         const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
         for (int64_t n = n0; n < n1; n++) {
@@ -541,14 +547,14 @@ void matmul_t(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64
                     decode_row_k<T>(row, K, k);
                     pre = &k;
                 }
-                tile_rows(m0, m1, K, nd, xq, xd, xs, out, ldo, col, [&](const Act* x, float* r, auto R) {
+                tile_rows(m0, m1, K, nd, xq, xd, xs, sf, out, ldo, col, [&](const Act* x, float* r, auto R) {
 #if defined(MESHD_AVX2)
                     if (!pre) return rows_dot_k_fly<T, decltype(R)::value>(row, K, x, r);
 #endif
                     rows_dot_k<T, decltype(R)::value>(row, pre, K, x, r);
                 });
             } else {
-                tile_rows(m0, m1, K, nd, xq, xd, xs, out, ldo, col,
+                tile_rows(m0, m1, K, nd, xq, xd, xs, sf, out, ldo, col,
                           [&](const Act* x, float* r, auto R) { rows_dot<T, decltype(R)::value>(row, K, x, r); });
             }
         }
@@ -584,19 +590,47 @@ int meshd_quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int q
         const float* xr = x + m * ldx;
         for (int64_t j = 0; j < K / qk; j++) {
             const float* v = xr + qk * j;
+            int8_t* qj = q + m * K + qk * j;
+#if defined(MESHD_AVX2)
+            // the same steps eight lanes at a time: max ignores NaN as fmax does, the conversion rounds to
+            // nearest even as nearbyint does, and non-finite products become 0
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 vmax = _mm256_setzero_ps();
+            for (int i = 0; i < qk; i += 8) vmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)), vmax);
+            float lanes[8];
+            _mm256_storeu_ps(lanes, vmax);
+            float amax = 0.0f;
+            for (float l : lanes) amax = std::fmax(amax, l);
+#else
             float amax = 0.0f;
             for (int i = 0; i < qk; i++) amax = std::fmax(amax, std::fabs(v[i]));
+#endif
             float dj = amax / 127.0f;
             float id = dj != 0.0f ? 1.0f / dj : 0.0f;
             if (!std::isfinite(id) || !std::isfinite(dj)) {  // a tiny (subnormal) or non-finite block: zeros
                 id = 0.0f;                                   // times NaN, the same in every build
                 if (!std::isfinite(dj)) dj = NAN;
             }
-            int8_t* qj = q + m * K + qk * j;
+#if defined(MESHD_AVX2)
+            const __m256 vid = _mm256_set1_ps(id), inf = _mm256_set1_ps(INFINITY);
+            for (int i = 0; i < qk; i += 32) {
+                __m256i w[4];
+                for (int g = 0; g < 4; g++) {
+                    const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * g), vid);
+                    const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(sign, t), inf, _CMP_LT_OQ);
+                    w[g] = _mm256_cvtps_epi32(_mm256_and_ps(t, finite));
+                }
+                // i32 -> i8 (values within +-127: no saturation); packs interleave 128-bit lanes, undone after
+                const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+                _mm256_storeu_si256((__m256i*)(qj + i),
+                                    _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+            }
+#else
             for (int i = 0; i < qk; i++) {
                 const float t = v[i] * id;
                 qj[i] = std::isfinite(t) ? (int8_t)(int)std::nearbyint(t) : (int8_t)0;
             }
+#endif
             d[m * (K / qk) + j] = dj;
             for (int h = 0; h < qk / 16; h++) {
                 int sum = 0;

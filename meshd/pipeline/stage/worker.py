@@ -27,7 +27,7 @@ import torch
 from decoding.device import CPU, DeviceError, default_dtype, dtype_name, resolve_weights, to_host
 from decoding.errors import DecodingError
 from decoding.exits.bound import BoundExits
-from decoding.memory import release_free_memory
+from decoding.memory import freeze_long_lived, release_free_memory
 from decoding.speculative.params import MAX_CANDIDATES
 from decoding.speculative.tree import DraftTree
 from decoding.batch import BatchItem
@@ -139,11 +139,18 @@ class StageWorker:
         t = time.perf_counter()
         dtype, packed, device = self.dtype, self.packed, self.device
         stage = await asyncio.get_running_loop().run_in_executor(
-            self._compute, lambda: self._bind_exits(self.source.load_stage(first, end, dtype, device, packed)))
+            self._compute, lambda: self._loaded(self.source.load_stage(first, end, dtype, device, packed)))
         release_free_memory()  # what reading and repacking the tensors left behind
         log.info("stage_loaded", first=first, end=end, seconds=round(time.perf_counter() - t, 2),
                  weight_mb=round(stage.weight_bytes() / 1e6, 1), weights=self.mode)
         self.stage = stage
+        return stage
+
+    def _loaded(self, stage: StageModel) -> StageModel:
+        """A stage just loaded (compute thread): its exits bound, and the heap it lives in left out of
+        later garbage collections (decoding.memory.freeze_long_lived)."""
+        stage = self._bind_exits(stage)
+        freeze_long_lived()
         return stage
 
     def _bind_exits(self, stage: StageModel) -> StageModel:
