@@ -91,6 +91,16 @@ def llama_bench(bin_dir: Path, gguf: Path, core: int, prefill: int, decode: int,
     return {"prefill": by.get("prefill"), "decode": by.get("decode"), "recorded": False}
 
 
+def median_rates(runs: list[dict], keys: tuple[str, ...]) -> dict:
+    """The last run's figures with each of ``keys`` replaced by its median over ``runs``."""
+    out = dict(runs[-1])
+    for k in keys:
+        vals = [r[k] for r in runs if r.get(k)]
+        out[k] = statistics.median(vals) if vals else None
+        out[f"{k}_rounds"] = [round(v, 2) for v in vals]
+    return out
+
+
 # -- meshd, one device (a child process: its own RSS, pinned) -------------------------------------
 
 def _status_kb(field: str) -> int:
@@ -303,15 +313,22 @@ def models_pass(args, names, modes, reps, bin_dir, prompts, env: dict, with_fide
             print(f"{name}: not pulled here (meshd model pull {name}); skipped", flush=True)
             continue
         gguf_bytes = path.stat().st_size
-        if bin_dir is not None:
-            ref = llama_bench(bin_dir, path, 0, args.prefill, args.decode, reps)
-        else:
-            ref = {**RECORDED_LLAMA_CPP.get(name, {}), "recorded": True}
+        # llama.cpp and meshd take turns, round after round, and each rate is the median of its rounds:
+        # a VM's speed drifts by tens of percent over minutes, which measuring one after the other
+        # would put into the ratio
+        refs, runs = [], {mode: [] for mode in modes}
+        for _ in range(args.rounds):
+            if bin_dir is not None:
+                refs.append(llama_bench(bin_dir, path, 0, args.prefill, args.decode, reps))
+            for mode in modes:
+                runs[mode].append(measure_meshd(path, mode, 0, args.prefill, args.decode, reps, env))
+        ref = median_rates(refs, ("prefill", "decode")) if refs else \
+            {**RECORDED_LLAMA_CPP.get(name, {}), "recorded": True}
         print(f"{name}: llama.cpp prefill {ref['prefill']} decode {ref['decode']} tok/s"
-              f"{' (recorded)' if ref['recorded'] else ''}", flush=True)
+              f"{' (recorded)' if ref['recorded'] else f' (median of {args.rounds} rounds)'}", flush=True)
         for mode in modes:
-            m = measure_meshd(path, mode, 0, args.prefill, args.decode, reps, env)
-            mesh = None if args.no_mesh or not with_mesh else asyncio.run(mesh_two(path, mode, args.decode, reps, prompts))
+            m = median_rates(runs[mode], ("prefill_tok_s", "decode_tok_s"))
+            mesh = None if args.no_mesh or not with_mesh else asyncio.run(mesh_two(path, mode, args.decode, reps * args.rounds, prompts))
             if mesh is not None:
                 parity_all &= mesh["parity"]
             row = {"model": name, "mode": mode, "meshd_prefill_tok_s": round(m["prefill_tok_s"], 2),
@@ -320,6 +337,9 @@ def models_pass(args, names, modes, reps, bin_dir, prompts, env: dict, with_fide
                    else round(mesh["decode_tok_s"], 2),
                    "llamacpp_prefill_tok_s": ref["prefill"], "llamacpp_decode_tok_s": ref["decode"],
                    "llamacpp_recorded": ref["recorded"],
+                   "rounds": {"meshd_decode": m.get("decode_tok_s_rounds"), "llamacpp_decode": ref.get("decode_rounds"),
+                              "meshd_prefill": m.get("prefill_tok_s_rounds"),
+                              "llamacpp_prefill": ref.get("prefill_rounds")},
                    # what the stage holds once it has served (mapped weights count once touched), KV excluded
                    "rss_over_gguf": round(max(m["resident_bytes"], m["serving_bytes"] - m["kv_bytes"]) / gguf_bytes, 3),
                    "load_rss_over_gguf": round(m["resident_bytes"] / gguf_bytes, 3), "load_s": round(m["load_s"], 2),
@@ -357,7 +377,9 @@ def main() -> int:
     ap.add_argument("--no-avx2", action="store_true", help="skip the second pass under AVX2 emulation")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per round (default 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds in which llama.cpp and meshd take turns "
+                    "(default 3; quick: 1)")
     ap.add_argument("--llama-cpp", default=None, help="directory holding llama-bench (default: the build cache)")
     ap.add_argument("--build-llama-cpp", action="store_true", help="build llama.cpp first if absent (~10 min)")
     ap.add_argument("--no-mesh", action="store_true", help="skip the 2-device mesh")
@@ -371,7 +393,8 @@ def main() -> int:
         args.reps = args.reps or 1
         child_measure(args)
         return 0
-    reps = args.reps or (1 if args.quick else 3)
+    reps = args.reps or 1
+    args.rounds = args.rounds or (1 if args.quick else 3)
     names = args.models.split(",") if args.models else (list(MODELS[:2]) if args.quick else list(MODELS))
     from decoding.device import default_cpu_mode
 
@@ -380,7 +403,7 @@ def main() -> int:
     bin_dir = llama_cpp_dir(args.llama_cpp, args.build_llama_cpp)
     setup = {**machine_banner(), "threads_per_device": 1, "cores": "meshd and llama.cpp on core 0 in turn; "
              "the 2-device mesh on cores 0 and 1", "prefill_tokens": args.prefill, "decode_tokens": args.decode,
-             "reps": reps, "default_mode": default, "llama_cpp": str(bin_dir) if bin_dir else "absent: recorded figures"}
+             "reps": reps, "rounds": args.rounds, "default_mode": default, "llama_cpp": str(bin_dir) if bin_dir else "absent: recorded figures"}
     print("setup:", json.dumps(setup), flush=True)
     if bin_dir is None:
         print("llama.cpp is not built here (bench/build_llama_cpp.sh, or --build-llama-cpp): comparing with the "

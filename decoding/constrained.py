@@ -176,17 +176,19 @@ class TokenConstraint:
 
     def allowed_mask(self, vocab_size: int | None = None) -> torch.Tensor:
         """Bool tensor ``[vocab_size]``: True where the token may come next."""
-        import llguidance.torch as lt
+        # llguidance's numpy helpers, not its torch ones: importing those compiles a kernel with
+        # torch.compile, which imports torch's dynamo (~2 s of a device's start, holding the GIL)
+        import llguidance.numpy as ln
 
         n = int(vocab_size or self.vocab_size)
         if n != self.vocab_size:
             raise ValueError(f"mask asked for {n} tokens; the constraint was built for {self.vocab_size}")
         if self._bits is None:
-            self._bits = lt.allocate_token_bitmask(1, n)
-        lt.fill_next_token_bitmask(self._matcher, self._bits, 0)
+            self._bits = ln.allocate_token_bitmask(1, n)
+        ln.fill_next_token_bitmask(self._matcher, self._bits, 0)
         if self._matcher.is_error():
             raise ConstraintViolated(self._matcher.get_error())
-        return unpack_bitmask(self._bits[0], n)
+        return unpack_bitmask(torch.from_numpy(self._bits[0]), n)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with every disallowed token at ``-inf`` (a new tensor)."""

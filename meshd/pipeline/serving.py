@@ -217,6 +217,8 @@ class ServingRole:
         except Exception as exc:  # a newer plan, a device leaving: the next plan warms up again
             log.info("warm_up_skipped", plan_version=route.plan_version, error=str(exc))
             return
+        finally:
+            self.stage.warm_grammar()  # after the warm-up: see StageService.warm_grammar
         if route.plan_version >= self.warm_version:
             self.warm_version = route.plan_version
             self.warm.set()

@@ -161,49 +161,67 @@ inline float dot8(const float* a, const float* b, int64_t hd) {
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-// Head h's attention of one query row over every segment's positions, in position order.
-void attend_head(const float* q, const Segments& s, int64_t kv_head, int64_t hd, float scale, float* out,
-                 std::vector<float>& scores) {
+// The attention of n query heads that share one key/value head (grouped-query attention), one query
+// row each, over every segment's positions in position order. The heads go through the keys and the
+// values together, so a long context is read once per group rather than once per head (Qwen2.5 has
+// six query heads a key/value head); each head's own steps are those of a head alone, in its order.
+void attend_heads(const float* q, int64_t n, const Segments& s, int64_t kv_head, int64_t hd, float scale,
+                  float* out, std::vector<float>& scores, std::vector<float>& mx) {
     int64_t total = 0;
     for (int i = 0; i < s.n; i++) total += s.lengths[i];
-    scores.resize(total);
+    scores.resize(n * total);
+    mx.assign(n, -INFINITY);
     int64_t j = 0;
-    float mx = -INFINITY;
     for (int i = 0; i < s.n; i++) {
         const float* k = s.keys[i] + kv_head * s.head_strides[i];
         for (int64_t p = 0; p < s.lengths[i]; p++, j++) {
-            const float v = dot8(q, k + p * hd, hd) * scale;
-            scores[j] = v;
-            mx = v > mx ? v : mx;
+            const float* kr = k + p * hd;
+            for (int64_t h = 0; h < n; h++) {
+                const float v = dot8(q + h * hd, kr, hd) * scale;
+                scores[h * total + j] = v;
+                mx[h] = v > mx[h] ? v : mx[h];
+            }
         }
     }
-    float sum = 0.0f;
-    for (int64_t p = 0; p < total; p++) {
-        const float e = std::exp(scores[p] - mx);
-        scores[p] = e;
-        sum = sum + e;
+    for (int64_t h = 0; h < n; h++) {
+        float* sc = scores.data() + h * total;
+        float sum = 0.0f;
+        for (int64_t p = 0; p < total; p++) {
+            const float e = std::exp(sc[p] - mx[h]);
+            sc[p] = e;
+            sum = sum + e;
+        }
+        mx[h] = 1.0f / sum;  // from here on: the head's 1 / sum
     }
-    const float inv = 1.0f / sum;
-    for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
+    for (int64_t d = 0; d < n * hd; d++) out[d] = 0.0f;
     j = 0;
     for (int i = 0; i < s.n; i++) {
         const float* v = s.values[i] + kv_head * s.head_strides[i];
         for (int64_t p = 0; p < s.lengths[i]; p++, j++) {
-            const float w = scores[j] * inv;
             const float* vr = v + p * hd;
-            for (int64_t d = 0; d < hd; d++) out[d] = out[d] + w * vr[d];
+            for (int64_t h = 0; h < n; h++) {
+                const float w = scores[h * total + j] * mx[h];
+                float* o = out + h * hd;
+                for (int64_t d = 0; d < hd; d++) o[d] = o[d] + w * vr[d];
+            }
         }
     }
 }
 
+// Heads are split over the pool as before; a thread takes the heads of its share that share a
+// key/value head together.
 void attention(const float* q, int64_t nh, int64_t nkv, int64_t hd, float scale, const Segments& s, float* out,
                int threads) {
     const int64_t group = nh / nkv;
     pool().run(threads, [&](int t, int T) {
         int64_t a, b;
         share(nh, t, T, &a, &b);
-        thread_local std::vector<float> scores;
-        for (int64_t h = a; h < b; h++) attend_head(q + h * hd, s, h / group, hd, scale, out + h * hd, scores);
+        thread_local std::vector<float> scores, mx;
+        for (int64_t h = a; h < b;) {
+            const int64_t g = h / group, end = (g + 1) * group < b ? (g + 1) * group : b;
+            attend_heads(q + h * hd, end - h, s, g, hd, scale, out + h * hd, scores, mx);
+            h = end;
+        }
     });
 }
 

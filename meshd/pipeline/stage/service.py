@@ -1,30 +1,27 @@
 """Serve this device's pipeline stage over the transport.
 
-One service per daemon, and a thin one: it checks messages against the plan it
-deployed and hands them to the stage's parts — the
-:class:`~meshd.pipeline.stage.scheduler.StageScheduler` (slots, the KV cache,
-batching), the :class:`~meshd.pipeline.stage.worker.StageWorker` (the forward in
-the compute thread), the :class:`~meshd.pipeline.stage.sampler.StageSampler`
-(the last stage's tokens) and the :class:`~meshd.pipeline.stage.outbox.StageOutbox`
-(the result on to the next stage or back to the coordinator).
+One service per daemon, and a thin one: it checks messages against the plan it deployed and hands
+them to the stage's parts — the :class:`~meshd.pipeline.stage.scheduler.StageScheduler` (slots, the
+KV cache, batching), the :class:`~meshd.pipeline.stage.worker.StageWorker` (the forward in the
+compute thread), the :class:`~meshd.pipeline.stage.sampler.StageSampler` (the last stage's tokens)
+and the :class:`~meshd.pipeline.stage.outbox.StageOutbox` (the result on to the next stage or back
+to the coordinator).
 
-**The stage owns its step**, in the shape of vLLM's engine core: the transport
-only receives messages and queues them (``transport.link.StageServer.inbox``);
-the stage's loop takes what queued and runs :meth:`StageService.step` over it —
-*schedule* (which messages share a pass, each admitted to its slot), *execute*
-(one forward in the compute thread) and *update* (slots released, results sent
-on, failures reported). Frees and probes skip the queue (:meth:`StageService.handle`).
+**The stage owns its step**, in the shape of vLLM's engine core: the transport only receives
+messages and queues them (``transport.link.StageServer.inbox``); the stage's loop takes what queued
+and runs :meth:`StageService.step` over it — *schedule* (which messages share a pass, each admitted
+to its slot), *execute* (one forward in the compute thread) and *update* (slots released, results
+sent on, failures reported). Frees and probes skip the queue (:meth:`StageService.handle`).
 
-Messages are handled strictly in arrival order: chunk j+1 of a prompt needs
-chunk j's keys/values in the cache, and a rollback must land before the next
-forward. While the compute thread works on one pass, the next messages queue,
-and the previous result is already travelling to the next stage — that
-overlap is the intra-sequence pipeline.
+Messages are handled strictly in arrival order: chunk j+1 of a prompt needs chunk j's keys/values in
+the cache, and a rollback must land before the next forward. While the compute thread works on one
+pass, the next messages queue, and the previous result is already travelling to the next stage —
+that overlap is the intra-sequence pipeline.
 
-**One error path.** Whatever a message raises — a stale plan, a full cache, a
-malformed tensor, an unreachable next stage, a bug — the coordinator named in it
-gets an ``ErrorReply`` at once, naming the node that failed, and the sequence is
-freed (and tombstoned) here: a request that failed on one stage is dead everywhere.
+**One error path.** Whatever a message raises — a stale plan, a full cache, a malformed tensor, an
+unreachable next stage, a bug — the coordinator named in it gets an ``ErrorReply`` at once, naming
+the node that failed, and the sequence is freed (and tombstoned) here: a request that failed on one
+stage is dead everywhere.
 """
 
 from __future__ import annotations
@@ -159,9 +156,7 @@ class StageService:
             if rng is None:
                 self.worker.unload()
             elif not self.worker.holds(rng, route):
-                stage = await self.worker.load(rng, route)
-                if stage.lm_head is not None:
-                    self.sampler.warm_grammar(stage)
+                await self.worker.load(rng, route)
             key = CacheKey.of(str(getattr(self.source, "identity", "") or ""), self.worker.stage, self.mode, route, idx,
                               self.activation_dtype)
             self.scheduler.reset(self.worker.stage, len(route.stages), key)
@@ -192,6 +187,12 @@ class StageService:
     def foreign_sequences(self) -> int:
         """Sequences other daemons coordinate through this stage (SIGTERM drains them)."""
         return sum(1 for s in self.sequences() if coordinator_of(s) != self.node_id)
+
+    def warm_grammar(self) -> None:
+        """The grammar engine set up in the background, after the warm-up request (whose GIL it would take)."""
+        stage = self.worker.stage
+        if stage is not None and stage.lm_head is not None:
+            self.sampler.warm_grammar(stage)
 
     def status(self) -> dict[str, Any]:
         stage = self.stage
