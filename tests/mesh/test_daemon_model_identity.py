@@ -70,11 +70,11 @@ def test_a_member_holding_another_model_is_left_out_with_its_reason_and_refuses_
     assert q.node_id() not in {s["node_id"] for s in a.status()["plan"]["stages"]}
     rc, out = run_cli("status", "--socket", str(q.socket))
     assert rc == 0 and f"not planned: qwen: {reason}" in out, out
-    # The Qwen member's own log (what `meshd join` prints) said so once, as soon as the home's plan
-    # arrived: before its own model had finished loading.
+    # The Qwen member's own log (what `meshd join` prints) said so once. (It says so as soon as the
+    # home's plan arrives, from its file name if its model still loads; whether the plan or the load
+    # comes first is a race since a GGUF opens in a second, so the order is not asserted.)
     events = [e["event"] for e in q.events()]
     assert events.count("model_differs_from_home") == 1, q.log_tail()
-    assert events.index("model_differs_from_home") < events.index("model_ready"), q.log_tail()
     warned = next(e for e in q.events() if e["event"] == "model_differs_from_home")
     assert warned["holds"].startswith(other_model) and warned["home_serves"] == real_source.identity
     assert "restart this device without --model (the embedded default)" in warned["hint"]

@@ -114,11 +114,23 @@ inline __m256i bits32(const uint8_t* p) {  // 32 bits -> 32 bytes of 0x10 where 
 // The 32-blocks of one 32-element GGUF block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 template <int T>
 inline void decode_small(const uint8_t* b, Block& o) {
-    o.wd = f16(b);
-    o.wm = 0.0f;
     o.offset = (T == Q4_1 || T == Q5_1);
     o.sgn = (T == Q4_0 || T == Q5_0 || T == Q8_0);
-    if (T == Q4_1 || T == Q5_1) o.wm = f16(b + 2);
+#if defined(MESHD_AVX2)
+    if (T == Q4_1 || T == Q5_1) {  // the scale and the offset side by side: both widened in one instruction
+        int32_t pair;
+        std::memcpy(&pair, b, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
+        o.wd = _mm_cvtss_f32(dm);
+        o.wm = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    } else {
+        o.wd = f16(b);
+        o.wm = 0.0f;
+    }
+#else
+    o.wd = f16(b);
+    o.wm = (T == Q4_1 || T == Q5_1) ? f16(b + 2) : 0.0f;
+#endif
 #if defined(MESHD_AVX2)
     if (T == Q8_0) {
         o.w = _mm256_loadu_si256((const __m256i*)(b + 2));
