@@ -395,6 +395,8 @@ def main() -> int:
         return 0
     reps = args.reps or 1
     args.rounds = args.rounds or (1 if args.quick else 3)
+    if args.rounds < 1 or reps < 1:
+        ap.error("--rounds and --reps must be at least 1")
     names = args.models.split(",") if args.models else (list(MODELS[:2]) if args.quick else list(MODELS))
     from decoding.device import default_cpu_mode
 

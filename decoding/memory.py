@@ -37,10 +37,13 @@ def freeze_long_lived() -> None:
     A decode step allocates a few hundred short-lived Python objects, so the cyclic collector runs
     every few steps — and each of its older-generation passes walks the whole heap of torch,
     transformers and the model: ~7 % of the embedded model's decode step at one core. Frozen
-    objects are still freed by reference counting; call this again after the next load (it first
-    thaws what the previous call froze, so a replaced stage's cycles can still be collected).
+    objects are still freed by reference counting; call this again after the next load: it thaws
+    what the previous call froze and collects once first, so a replaced stage's cycles (and the
+    load's own cyclic garbage) are not kept for good. That collection holds the GIL for a few
+    hundred milliseconds, once a load.
     """
     import gc
 
     gc.unfreeze()
+    gc.collect()
     gc.freeze()

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from partition.layers import check_same_model
+from partition.layers import check_same_model, stage_memory_bytes
 from partition.link import LinkModel
 from partition.ids import NodeId, PlanVersion
 from partition.cuttable import CutTable
@@ -156,17 +156,24 @@ def kept_stages(plan: Plan, served: tuple, profiles: dict[str, DeviceProfile], l
     """``plan`` (the layer DP's over the served pipeline's members) with the served stages ``served``
     (``(node, first, end)`` each) kept as they are. The DP may give the same members their layers in
     another order — two equal devices swap halves just as well — and a plan that only swaps them
-    would drop every stage's prefix cache and replay what is in flight for nothing. The DP's
-    predictions stay with a stage it assigned alike; another stage's are unknown (0)."""
+    would drop every stage's prefix cache and replay what is in flight for nothing. The kept
+    stages' times and memory are priced again with the same timing model, for the plan's prompt."""
     if tuple((s.node_id, s.first, s.end) for s in plan.stages) == tuple(served):
         return plan
-    by_range = {(s.node_id, s.first, s.end): s for s in plan.stages}
-    stages = tuple(by_range.get((n, f, e)) or StageAssignment(NodeId(n), f, e,
-                                                                memory_budget_bytes=profiles[n].memory_budget_bytes)
-                   for n, f, e in served)
-    table = plan_cut_table(stages, profiles, link, max_seq) if with_cut_table else None
-    bottleneck = max(range(len(stages)), key=lambda k: stages[k].time_s)
-    return replace(plan, stages=stages, cut_table=table, bottleneck_stage=bottleneck)
+    bare = tuple(StageAssignment(NodeId(n), f, e, memory_budget_bytes=profiles[n].memory_budget_bytes)
+                 for n, f, e in served)
+    seq = plan.plan_seq_len
+    stages = []
+    for s, t in zip(bare, stage_timings(bare, profiles, link)):
+        p = profiles[s.node_id]
+        transfer = float(t.link.activation_transfer_s(seq, p.model.hidden_size, p.dtype_bytes)) if t.link else 0.0
+        stages.append(replace(s, compute_s=float(t.chunk_time(seq, 0)) - transfer, transfer_s=transfer,
+                              memory_bytes=stage_memory_bytes(p, s.first, s.end, max_seq)))
+    stages_t = tuple(stages)
+    table = plan_cut_table(stages_t, profiles, link, max_seq) if with_cut_table else None
+    bottleneck = max(range(len(stages_t)), key=lambda k: stages_t[k].time_s)
+    return replace(plan, stages=stages_t, cut_table=table, bottleneck_stage=bottleneck,
+                   predicted_bottleneck_s=stages_t[bottleneck].time_s)
 
 
 def layout_account(chosen: Layout) -> dict:

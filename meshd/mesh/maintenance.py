@@ -47,13 +47,13 @@ class Maintenance:
 
     def tick(self) -> None:
         now = self.clock()
-        stalled = self.stalled(now)
+        # the stall goes to membership first: a failing step after it cannot lose it
+        self.gossip.apply(self.view.membership.tick(now, self.stalled(now)))
         if now >= self._next_beat:
             self.gossip.send_heartbeat()
             self.on_heartbeat()
             self._next_beat = now + self.heartbeat_interval_s
         self.link.probe_due()  # round trips, in background tasks: never waits here
-        self.gossip.apply(self.view.membership.tick(now, stalled))
         if self.debounce.due(now):
             self.planner.maybe_replan()
         self.planner.check_workload()

@@ -72,7 +72,7 @@ class Membership:
             self.peers[node_id] = MemberRecord(node_id, PeerState.JOINING, now, now)
             return [Change(node_id, None, PeerState.JOINING)]
         if peer.state is PeerState.GONE:
-            peer.last_seen = now
+            peer.last_seen, peer.excused_s = now, 0.0
             return self._set(peer, PeerState.JOINING, now)
         return []
 
@@ -107,7 +107,8 @@ class Membership:
         for peer in self.peers.values():
             if peer.state is PeerState.GONE:
                 continue
-            peer.excused_s += max(0.0, stalled_s)
+            # never more than the silence itself: a heartbeat read before this tick already ended it
+            peer.excused_s = min(peer.excused_s + max(0.0, stalled_s), max(0.0, now - peer.last_seen))
             silent = now - peer.last_seen - peer.excused_s
             if silent > self.gone_after_s:
                 changes += self._set(peer, PeerState.GONE, now)

@@ -216,9 +216,9 @@ class ServingRole:
             await asyncio.gather(*(one(k) for k in range(len(routes))))
         except Exception as exc:  # a newer plan, a device leaving: the next plan warms up again
             log.info("warm_up_skipped", plan_version=route.plan_version, error=str(exc))
+            self.stage.warm_grammar()
             return
-        finally:
-            self.stage.warm_grammar()  # after the warm-up: see StageService.warm_grammar
+        self.stage.warm_grammar()  # after the warm-up (not when cancelled: stopping), see StageService.warm_grammar
         if route.plan_version >= self.warm_version:
             self.warm_version = route.plan_version
             self.warm.set()

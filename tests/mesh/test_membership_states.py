@@ -33,6 +33,14 @@ def test_time_this_device_itself_was_stalled_is_not_a_peers_silence():
     assert m.tick(19.0, stalled_s=0.0) == [Change("a", PeerState.READY, PeerState.SUSPECT)]  # excuse is spent
 
 
+def test_a_stall_excuses_no_more_than_the_silence_a_heartbeat_read_before_the_tick_left():
+    m = make()
+    m.heartbeat("a", now=0.0)
+    m.heartbeat("a", now=10.0)  # queued during our 10 s stall, read just before the late tick
+    assert m.tick(10.1, stalled_s=10.0) == []
+    assert m.tick(13.2) == [Change("a", PeerState.READY, PeerState.SUSPECT)]  # 3.1 s silent since
+
+
 def test_a_heartbeat_brings_a_suspect_peer_back_to_ready():
     m = make()
     m.heartbeat("a", now=0.0)

@@ -105,6 +105,11 @@ def test_a_pipeline_of_two_equal_devices_served_in_either_order_is_kept_in_that_
                                  prefer=routes)
         assert tuple((s.node_id, s.first, s.end) for s in again.stages) == routes[0]
         assert again.cut_table is not None
+        # priced by the timing model the DP uses (which leaves out a chunk's fixed overhead, 5 ms here)
+        assert sorted(s.time_s for s in again.stages) == pytest.approx(sorted(s.time_s for s in fresh.stages),
+                                                                      abs=0.01)
+        assert all(s.memory_bytes > 0 for s in again.stages)
+        assert again.predicted_bottleneck_s == max(s.time_s for s in again.stages)
 
 
 def test_a_replicas_plan_numbers_its_routes_and_travels_on_the_wire():
