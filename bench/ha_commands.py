@@ -77,7 +77,8 @@ class Daemon:
         return sum(f'"event": "{event}"' in line or f"'event': '{event}'" in line or f" {event} " in line
                    for line in self.log_path.read_text(errors="replace").splitlines())
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, every_s: float = 0.5) -> None:
+        """Until ``/health`` answers 200, asked every ``every_s`` (a timing wants it short)."""
         import httpx
 
         end = time.monotonic() + timeout_s
@@ -89,7 +90,7 @@ class Daemon:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(every_s)
         raise RuntimeError(f"daemon not ready in {timeout_s:.0f} s: {self.tail()}")
 
     def tail(self, n: int = 8) -> str:
