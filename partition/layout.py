@@ -202,6 +202,11 @@ def _pipeline_groups(profiles: list[DeviceProfile], link: LinkModel, work: Workl
     prefill fastest (it may leave members out: a short prompt runs on one device) and the
     bottleneck DP over every member ([] if they cannot hold the model; one if both agree)."""
     key = frozenset(p.device_id for p in profiles)
+    if key not in cache and len(profiles) == 1:
+        # one member: the DPs can only give it every layer (when it holds them), and running them
+        # costs a one-device home ~0.5 s of its start (tests/partition check the two agree)
+        cache[key] = [price_group([(profiles[0], 0, profiles[0].num_layers)], link, work)] \
+            if replica_fits(profiles[0], max_seq) else []
     if key not in cache:
         options: list[Group] = []
         for plan in (plan_layers, partition_layers):
@@ -331,6 +336,8 @@ def crossover_prompt(profiles: list[DeviceProfile], link: LinkModel, work: Workl
                      chosen: Layout) -> int | None:
     """The fewest new prompt tokens (doubling, up to ``max_seq``) at which one pipeline would beat
     ``chosen`` at the same load (None: never within ``max_seq``)."""
+    if len(profiles) < 2:
+        return None  # no pipeline of one device
     n = 128
     while n <= max_seq:
         w = Workload(n, work.answer_tokens, 0.0, work.in_flight)

@@ -27,6 +27,11 @@ fi
 # not wait for them; a machine without a compiler serves in another mode and says why.
 .venv/bin/python -m decoding.quant.native || echo "[setup] warning: the integer kernels did not build" \
     "(install g++); meshd will serve in the packed or float32 mode"
+# meshd's own modules as bytecode now (an editable install leaves them as source): a daemon that
+# cannot write bytecode (PYTHONDONTWRITEBYTECODE, a read-only checkout) compiles them on every
+# start, ~1 s of a one-core device's restart.
+.venv/bin/python -m compileall -q -j 0 meshd transport partition decoding profiles >/dev/null \
+    || echo "[setup] warning: could not precompile meshd's modules; starts will compile them"
 .venv/bin/meshd model pull --quiet
 # The tool-calling model for the Home Assistant tests (~490 MB, fetched once, sha256-checked): only
 # for the test command (`setup.sh --with-tool-model`), never for the demo. Those tests skip with the

@@ -8,7 +8,9 @@ restart, and every CLI call, then load with the `tokenizers` library directly.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -29,8 +31,29 @@ class TokenizerMeta:
     eos_token: str | None = None
 
 
+def vocabulary_fingerprint(tokenizer) -> str:
+    """A digest of the vocabulary (id -> piece) and the special ids: equal iff the token ids mean the
+    same (a draft model and its target, a device and its cloud verifier)."""
+    h = hashlib.sha256()
+    n = tokenizer.vocab_size
+    h.update(str(n).encode())
+    pieces = tokenizer.pieces() if hasattr(tokenizer, "pieces") else None
+    if pieces is not None:
+        for piece, idx in sorted(pieces.items(), key=lambda kv: kv[1]):
+            h.update(f"{idx}\x00{piece}\x01".encode())
+    else:  # a tokenizer without a piece table: decode every id
+        for i in range(n):
+            h.update(tokenizer.decode([i], skip_special=False).encode("utf-8", "surrogatepass"))
+    h.update(repr(tuple(tokenizer.eos_ids)).encode())
+    return h.hexdigest()
+
+
+FINGERPRINT_FILE = "fingerprint.json"
+
+
 class Tokenizer:
-    def __init__(self, tokenizer_json: Path, meta: TokenizerMeta):
+    def __init__(self, tokenizer_json: Path, meta: TokenizerMeta, cache_dir: Path | None = None):
+        self._cache_dir = cache_dir  # ours to write in (a model's own folder is not)
         try:
             self._tok = _HFTokenizer.from_file(str(tokenizer_json))
         except Exception as exc:  # tokenizers raises plain Exception subclasses
@@ -46,6 +69,30 @@ class Tokenizer:
     def backend(self):
         """The ``tokenizers`` object itself, for libraries that take one (transformers, llguidance)."""
         return self._tok
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """:func:`vocabulary_fingerprint`, kept in the tokenizer's cache folder: computing it walks a
+        150k vocabulary in Python (~0.7 s holding the GIL), which a restarting device would otherwise
+        pay before it is ready. The kept one counts only for the same tokenizer.json bytes."""
+        of = hashlib.sha256(self.path.read_bytes() + repr(tuple(self.eos_ids)).encode()).hexdigest()
+        kept = self._cache_dir / FINGERPRINT_FILE if self._cache_dir is not None else None
+        if kept is not None:
+            try:
+                data = json.loads(kept.read_text())
+                if data["of"] == of and isinstance(data["fingerprint"], str):
+                    return data["fingerprint"]
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        fp = vocabulary_fingerprint(self)
+        if kept is not None:
+            try:
+                tmp = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+                tmp.write_text(json.dumps({"of": of, "fingerprint": fp}))
+                tmp.replace(kept)
+            except OSError:
+                pass  # a read-only cache: computed again next start
+        return fp
 
     def pieces(self) -> dict[str, int]:
         """Every piece of the vocabulary and its id (added tokens included)."""
@@ -132,4 +179,4 @@ def load_cache(cache_dir: Path) -> Tokenizer | None:
         return None
     raw = json.loads(mj.read_text())
     raw["eos_ids"] = tuple(raw["eos_ids"])
-    return Tokenizer(tj, TokenizerMeta(**raw))
+    return Tokenizer(tj, TokenizerMeta(**raw), cache_dir)

@@ -55,6 +55,20 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of rows ``gate_up`` [n, 2 * intermediate] (gate first): the gated MLP's
+    activation, [n, intermediate], the same function a decode step applies inside its one call."""
+    _f32(gate_up, "swiglu")
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        gate_up = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+    n, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"swiglu needs gate and up side by side, got a width of {width}")
+    out = torch.empty(n, width // 2)
+    _kernels().meshd_swiglu(gate_up.data_ptr(), gate_up.stride(0), n, width // 2, out.data_ptr(), width // 2)
+    return out
+
+
 def segments_spec(segments) -> tuple[native.SegmentSpec, list]:
     """``segments`` [(keys, values)], each [kv_heads, length, head_dim] with a position every head_dim floats
     (a cache buffer's view), as the C struct; also what must stay alive while it is used."""

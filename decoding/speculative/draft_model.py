@@ -18,23 +18,15 @@ from collections.abc import Sequence
 import torch
 
 from decoding.errors import DrafterError
+from decoding.loader.tokenizer import vocabulary_fingerprint
 from decoding.pipeline_local import LocalPipeline
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A digest of the vocabulary (id -> piece) and the special ids: equal iff the token ids mean the same."""
-    h = hashlib.sha256()
-    n = tokenizer.vocab_size
-    h.update(str(n).encode())
-    pieces = tokenizer.pieces() if hasattr(tokenizer, "pieces") else None
-    if pieces is not None:
-        for piece, idx in sorted(pieces.items(), key=lambda kv: kv[1]):
-            h.update(f"{idx}\x00{piece}\x01".encode())
-    else:  # a tokenizer without a piece table: decode every id
-        for i in range(n):
-            h.update(tokenizer.decode([i], skip_special=False).encode("utf-8", "surrogatepass"))
-    h.update(repr(tuple(tokenizer.eos_ids)).encode())
-    return h.hexdigest()
+    """Equal iff the token ids mean the same (``decoding.loader.tokenizer.vocabulary_fingerprint``);
+    a cached tokenizer keeps its own."""
+    fp = getattr(tokenizer, "fingerprint", None)
+    return fp if isinstance(fp, str) else vocabulary_fingerprint(tokenizer)
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, target_name: str = "target",

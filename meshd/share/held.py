@@ -17,6 +17,7 @@ from typing import Any
 
 from meshd.log import get_logger
 from meshd.share import manifest as mf
+from meshd.background import run_idle
 from meshd.share import manifest_build as mb
 from meshd.share.deps import ShareError
 from meshd.share.gate import NOTHING, Holdings
@@ -104,8 +105,8 @@ class HeldModel:
             try:
                 m = Manifest.from_data(cached.read_bytes())
             except (OSError, ManifestError):
-                m = await asyncio.to_thread(mb.build, path, mf.PIECE_SIZE, None, reader,
-                                            self.local_parts or None, self._local_readers or None)
+                m = await run_idle(mb.build, path, mf.PIECE_SIZE, None, reader,
+                                   self.local_parts or None, self._local_readers or None, name="meshd-manifest")
                 from meshd.state import atomic_write
 
                 atomic_write(cached, m.data, mode=0o644)

@@ -114,7 +114,7 @@ def test_the_avx2_and_portable_builds_give_the_same_bits():
         "import numpy as np, sys; sys.path.insert(0, '.');"
         "from tests.decoding.test_gguf_kernels import random_blocks;"
         "from decoding.quant import native;"
-        "from decoding.quant.row_ops import rms_norm, rope_; import torch;"
+        "from decoding.quant.row_ops import rms_norm, rope_, swiglu; import torch;"
         "x = np.random.default_rng(7).standard_normal((6, 512)).astype(np.float32);"
         "parts = [];"
         # 1 and 3 rows take the decode path (blocks decoded as read), 6 the pre-decoded one
@@ -128,6 +128,7 @@ def test_the_avx2_and_portable_builds_give_the_same_bits():
         "xt = torch.from_numpy(x); q = xt.view(6, 8, 64).clone();"
         "parts.append(rms_norm(xt, torch.ones(512), 1e-6).numpy().tobytes().hex());"
         "parts.append(rope_(q, xt[:, :64], xt[:, 64:128]).numpy().tobytes().hex());"
+        "g = torch.cat([xt * 30, xt[:, :20]], 1); parts.append(swiglu(g).numpy().tobytes().hex());"
         "print(native.isa(), '|'.join(parts))"
     )
     outs = {}

@@ -103,6 +103,21 @@ def test_the_row_steps_match_torchs_and_each_row_is_its_own(real_source):
     assert torch.equal(view.transpose(0, 1), expect) and torch.equal(wide[:, 9 * 64:], rest)
 
 
+def test_swiglu_is_within_a_few_ulp_of_exact_everywhere_and_each_row_is_its_own():
+    g = torch.cat([torch.randn(6, 1540) * 6, torch.linspace(-120, 120, 1540).view(1, -1)])
+    g[0, :6] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.5, -88.5])
+    gate_up = torch.cat([g, torch.randn(7, 1540)], 1)  # 1540: not a multiple of the kernel's eight lanes
+    got = row_ops.swiglu(gate_up).double()
+    gd, ud = gate_up.double().chunk(2, dim=-1)
+    exact = gd * torch.sigmoid(gd) * ud
+    assert ((got - exact).abs() <= 2e-6 * exact.abs() + 1e-36).all()  # float32's own: ~1.2e-7 an op
+    alone = torch.cat([row_ops.swiglu(gate_up[i:i + 1]) for i in range(7)])
+    assert torch.equal(alone, row_ops.swiglu(gate_up))
+    strided = torch.zeros(7, 4000)[:, :3080]
+    strided.copy_(gate_up)
+    assert torch.equal(row_ops.swiglu(strided), row_ops.swiglu(gate_up))
+
+
 @pytest.mark.parametrize("kind", ["llama3", "qwen3"])
 def test_a_quantised_file_computes_what_transformers_computes_on_its_stored_weights(tmp_path, kind):
     """Llama files store q/k rows permuted (put back through the output columns); Qwen3 normalises

@@ -166,3 +166,19 @@ def test_the_served_routes_stay_unless_another_layout_is_clearly_faster_and_keep
     p1 = make_layout_plan(home, LINK, MAX_SEQ, workload=busy, with_cut_table=False)
     p2 = make_layout_plan(home, LINK, MAX_SEQ, workload=Workload(128, 200, 0.0, 6), with_cut_table=False)
     assert p1.layout == p2.layout == "replicas" and p1.digest() == p2.digest()
+
+
+def test_a_one_device_home_gets_what_the_layer_dps_give_it_without_running_them():
+    from partition.layout import _pipeline_groups
+    from partition.stagecount import plan_layers
+
+    for speed, holds in [(1, 3), (0.5, 1.3), (2, 0.85), (1, 0.5)]:
+        p = device("solo", speed, holds)
+        work = Workload(512, 64, 0.5, 2)
+        groups = _pipeline_groups([p], LINK, work, MAX_SEQ, {})
+        try:
+            dp = plan_layers([p], LINK, work.prompt_tokens, MAX_SEQ)
+        except PlanError:
+            assert groups == [] and not replica_fits(p, MAX_SEQ)
+            continue
+        assert [g.stages for g in groups] == [tuple(("solo", i, j) for _, i, j in dp.split.stages)]

@@ -1,10 +1,10 @@
-"""A gguf-mode decode step: each layer in two kernel calls instead of ~25 torch operations.
+"""A gguf-mode decode step: every layer of the stage in one kernel call instead of ~25 torch operations a layer.
 
 Why: one row's small operations cost about as much per layer as its matrix products on a
 small model (~0.6 ms a layer at one core), which put the embedded model's decode at 0.74x
-llama.cpp's. ``native/decode_step.cpp`` runs a layer's attention half (norms, q/k/v, RoPE,
-the cache write, attention, the output product, gate/up) in one call, torch's SwiGLU
-follows, then the down product and residual in a second call.
+llama.cpp's; two calls a layer with torch's SwiGLU between them still left ~1 ms of Python a
+step. ``native/decode_step.cpp`` runs each layer (norms, q/k/v, RoPE, the cache write,
+attention, the output product, gate/up, SwiGLU, down) and the layers in turn in one call.
 
 Every step is the same function, in the same order, as the per-operation path
 (:meth:`StageModel._layer`) takes for the same row, so a decode step here and the row in a
@@ -16,12 +16,11 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from decoding.batch import BatchItem, RowPlan
 from decoding.kv_cache import KVCache
 from decoding.models.llama.layers import LayerWeights
-from decoding.quant import native, row_ops
+from decoding.quant import native
 from decoding.quant.blocks import BlockLinear
 
 
@@ -38,11 +37,15 @@ class DecodeSteps:
         layers = stage.layers
         self.inter = layers[0].gate_up.out_features // 2
         self.qkv_width = layers[0].qkv.out_features
-        # per layer: the C structs and the tensors they point into (kept alive with them)
-        self.layers = [(ctypes.byref(lw.qkv.spec), ctypes.byref(lw.o.spec), ctypes.byref(lw.gate_up.spec),
-                        ctypes.byref(lw.down.spec),
-                        None if lw.qkv_bias is None else lw.qkv_bias.contiguous(),
-                        lw.attn_norm.contiguous(), lw.mlp_norm.contiguous()) for lw in layers]
+        # the C structs of every layer and the tensors they point into (kept alive with them)
+        self._keep = [(lw.qkv.spec, lw.o.spec, lw.gate_up.spec, lw.down.spec,
+                       None if lw.qkv_bias is None else lw.qkv_bias.contiguous(),
+                       lw.attn_norm.contiguous(), lw.mlp_norm.contiguous()) for lw in layers]
+        addr = ctypes.addressof
+        self.specs = (native.DecodeLayerSpec * len(layers))(*(
+            native.DecodeLayerSpec(addr(qkv), None if bias is None else bias.data_ptr(), addr(o), addr(gu),
+                                   addr(down), attn_norm.data_ptr(), mlp_norm.data_ptr())
+            for qkv, o, gu, down, bias, attn_norm, mlp_norm in self._keep))
 
     @staticmethod
     def serves(stage) -> bool:
@@ -67,31 +70,17 @@ class DecodeSteps:
         cos, sin = cos.contiguous(), sin.contiguous()
         spans = kv.spans(seq_id, p.offset + 1)
         n = len(spans)
-        elem = 4
-        key_base = [k.data_ptr() for k, _, _ in spans]
-        value_base = [v.data_ptr() for _, v, _ in spans]
-        layer_step = [k.stride(0) * elem for k, _, _ in spans]
-        segs, (keys, values, _, _) = row_ops.segment_pointers(key_base, value_base, [length for _, _, length in spans],
-                                                              [k.stride(1) for k, _, _ in spans])
+        ptrs, i64 = ctypes.c_void_p * n, ctypes.c_int64 * n
         own_k = spans[-1][0]
-        at = p.offset * own_k.stride(2) * elem  # the new position in the sequence's own buffer
-        dst_stride = own_k.stride(1)
-        gate_up = torch.empty(1, 2 * self.inter)
-        gate, up = gate_up[:, :self.inter], gate_up[:, self.inter:]
+        gate_up = torch.empty(2 * self.inter)
+        act = torch.empty(self.inter)
         scratch = torch.empty(self.hidden + self.qkv_width + self.nh * self.hd)
-        threads = torch.get_num_threads()
-        lib, hp, sp, gp = self.lib, h.data_ptr(), scratch.data_ptr(), gate_up.data_ptr()
-        cp, snp, segp = cos.data_ptr(), sin.data_ptr(), ctypes.byref(segs)
-        for li, (qkv, o, gu, down, bias, attn_norm, mlp_norm) in enumerate(self.layers):
-            for j in range(n):
-                keys[j] = key_base[j] + li * layer_step[j]
-                values[j] = value_base[j] + li * layer_step[j]
-            own = li * layer_step[-1] + at
-            lib.meshd_decode_attention(qkv, None if bias is None else bias.data_ptr(), o, gu, attn_norm.data_ptr(),
-                                       mlp_norm.data_ptr(), self.eps, hp, cp, snp, self.nh, self.nkv, self.hd,
-                                       self.scale, segp, key_base[-1] + own, value_base[-1] + own, dst_stride, gp, sp,
-                                       threads)
-            act = F.silu(gate) * up
-            lib.meshd_decode_down(down, act.data_ptr(), hp, sp, threads)
-            self.stage.work_done += 1
+        self.lib.meshd_decode_layers(
+            len(self.specs), self.specs, self.eps, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            self.nh, self.nkv, self.hd, self.scale, n,
+            ptrs(*(k.data_ptr() for k, _, _ in spans)), ptrs(*(v.data_ptr() for _, v, _ in spans)),
+            i64(*(length for _, _, length in spans)), i64(*(k.stride(1) for k, _, _ in spans)),
+            i64(*(k.stride(0) for k, _, _ in spans)), p.offset * own_k.stride(2), own_k.stride(1),
+            gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+        self.stage.work_done += len(self.specs)
         return h

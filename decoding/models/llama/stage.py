@@ -264,7 +264,10 @@ class StageModel:
             attn = torch.cat(parts, dim=1)
         h = h + linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o, None, dense)
         x = (row_ops.rms_norm if fused else rms_norm)(h, lw.mlp_norm, cfg.rms_eps)
-        gate, up = linear(x, lw.gate_up, None, dense).chunk(2, dim=-1)
+        gate_up = linear(x, lw.gate_up, None, dense)
+        if fused:
+            return h + linear(row_ops.swiglu(gate_up), lw.down, None, dense)
+        gate, up = gate_up.chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, lw.down, None, dense)
 
     def _attend(self, kv: KVCache, li: int, seq_id, p: RowPlan, q, k, v, probes=None) -> torch.Tensor:

@@ -144,8 +144,12 @@ def library() -> ctypes.CDLL:
                     ctypes.c_float, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_int]
                 lib.meshd_decode_down.argtypes = [_ptr, _ptr, _ptr, _ptr, ctypes.c_int]
                 lib.meshd_linear_threads.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int]
+                lib.meshd_swiglu.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64]
+                lib.meshd_decode_layers.argtypes = [
+                    ctypes.c_int, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float,
+                    ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
                 for f in ("meshd_rms_norm", "meshd_rope", "meshd_row_attention", "meshd_decode_attention",
-                          "meshd_decode_down", "meshd_linear_threads"):
+                          "meshd_decode_down", "meshd_linear_threads", "meshd_swiglu", "meshd_decode_layers"):
                     getattr(lib, f).restype = None
                 for f in ("meshd_block_bytes", "meshd_block_elems", "meshd_act_block"):
                     getattr(lib, f).argtypes = [ctypes.c_int]
@@ -235,6 +239,13 @@ class SegmentSpec(ctypes.Structure):
     """decode_step.cpp's ``Segments``: where one layer's keys and values of a sequence lie."""
 
     _fields_ = [("n", ctypes.c_int), ("keys", _ptr), ("values", _ptr), ("lengths", _ptr), ("head_strides", _ptr)]
+
+
+class DecodeLayerSpec(ctypes.Structure):
+    """decode_step.cpp's ``DecodeLayer``: one layer's matrices (MatrixSpec addresses), biases and norms."""
+
+    _fields_ = [("qkv", _ptr), ("qkv_bias", _ptr), ("o", _ptr), ("gate_up", _ptr), ("down", _ptr),
+                ("attn_norm", _ptr), ("mlp_norm", _ptr)]
 
 
 class FusedMatrices:

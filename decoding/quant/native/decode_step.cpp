@@ -1,11 +1,13 @@
-// A gguf-mode decode step's layer in two foreign calls, and the one-row attention every lone row uses.
+// A gguf-mode decode step through all of a stage's layers in one foreign call, and the one-row attention
+// every lone row uses.
 //
 // Why: a decode step multiplies one row, so at one core the ~25 small torch operations between a
 // layer's matrix products (each a dispatch of several microseconds) cost ~0.6 ms a layer: a sixth of
-// the 1.5B's step and a third of the embedded model's, the gap to llama.cpp. Here the attention half
-// of a layer (RMSNorm, q/k/v, RoPE, the cache write, attention, the output product and residual, the
-// second RMSNorm and gate/up) is one call; SwiGLU stays torch's, whose vectorised exp these calls do not
-// try to equal; then the down product and residual are a second call.
+// the 1.5B's step and a third of the embedded model's, the gap to llama.cpp. Two foreign calls a layer
+// with torch's SwiGLU between them still left ~30 us a layer of Python (~1 ms of the embedded model's
+// 16 ms step). Here a layer is its attention half (RMSNorm, q/k/v, RoPE, the cache write, attention,
+// the output product and residual, the second RMSNorm and gate/up), SwiGLU (row_ops.cpp) and the down
+// product with its residual, and the stage's layers run in one call.
 //
 // Exactness: every step is the same function, in the same order, as the per-operation path a verify
 // round or a prompt's lone rows take (row_ops.cpp, gguf_dot.cpp, meshd_row_attention below), so a decode
@@ -32,6 +34,7 @@ void meshd_rms_norm(const float* x, int64_t ldx, const float* w, float* out, int
                     float eps);
 void meshd_rope(float* x, int64_t n, int64_t heads, int64_t hd, int64_t row_stride, int64_t head_stride,
                 const float* cos, const float* sin);
+void meshd_swiglu(const float* gu, int64_t ldg, int64_t m, int64_t inter, float* out, int64_t ldo);
 }
 
 namespace {
@@ -281,6 +284,45 @@ void meshd_decode_attention(const Matrix* qkv, const float* qkv_bias, const Matr
 void meshd_decode_down(const Matrix* down, const float* act, float* h, float* scratch, int threads) {
     linear(*down, act, scratch, threads);
     for (int64_t i = 0; i < down->n_out; i++) h[i] = h[i] + scratch[i];
+}
+
+// One layer's weights as meshd_decode_layers reads them (DecodeLayerSpec in native/__init__.py).
+struct DecodeLayer {
+    const Matrix* qkv;
+    const float* qkv_bias;  // null: none (Llama); Qwen2's q/k/v biases
+    const Matrix* o;
+    const Matrix* gate_up;
+    const Matrix* down;
+    const float* attn_norm;
+    const float* mlp_norm;
+};
+
+// One row h [hidden] (updated in place) through n_layers layers. The sequence's keys and values lie in
+// nseg segments; segment j's layer li starts at key_base[j] / value_base[j] + li * layer_step[j] floats,
+// holds lengths[j] positions (the last one's count includes the new row) with head stride
+// head_strides[j]; the new row's key and value go `own` floats into the last segment's layer.
+// gate_up: 2 * intermediate floats; act: intermediate floats; scratch as meshd_decode_attention's.
+void meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, float* h, const float* cos,
+                         const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, int nseg,
+                         float* const* key_base, float* const* value_base, const int64_t* lengths,
+                         const int64_t* head_strides, const int64_t* layer_step, int64_t own,
+                         int64_t dst_head_stride, float* gate_up, float* act, float* scratch, int threads) {
+    std::vector<const float*> keys(nseg), values(nseg);
+    const Segments s{nseg, keys.data(), values.data(), lengths, head_strides};
+    for (int li = 0; li < n_layers; li++) {
+        const DecodeLayer& L = layers[li];
+        for (int j = 0; j < nseg; j++) {
+            keys[j] = key_base[j] + li * layer_step[j];
+            values[j] = value_base[j] + li * layer_step[j];
+        }
+        const int64_t at = li * layer_step[nseg - 1] + own;
+        meshd_decode_attention(L.qkv, L.qkv_bias, L.o, L.gate_up, L.attn_norm, L.mlp_norm, eps, h, cos, sin, nh,
+                               nkv, hd, scale, &s, key_base[nseg - 1] + at, value_base[nseg - 1] + at,
+                               dst_head_stride, gate_up, scratch, threads);
+        const int64_t inter = L.down->k;
+        meshd_swiglu(gate_up, 2 * inter, 1, inter, act, inter);
+        meshd_decode_down(L.down, act, h, scratch, threads);
+    }
 }
 
 }  // extern "C"
