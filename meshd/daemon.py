@@ -171,7 +171,8 @@ class Daemon:
             address_of=lambda nid: share_address(view.membership.state_of(nid), view.addresses.get(nid),
                                                  view.members.get(nid)),
             model_fetching=lambda on: setattr(local, "load_state", "fetching" if on else "loading"),
-            holdings_changed=self.planner.poke, replan_now=self.planner.maybe_replan)
+            holdings_changed=self.planner.poke, replan_now=self.planner.maybe_replan,
+            device_ready=self.models.announced.wait)
 
     async def start(self) -> None:
         cfg = self.config

@@ -49,15 +49,22 @@ def vocabulary_fingerprint(tokenizer) -> str:
 
 
 FINGERPRINT_FILE = "fingerprint.json"
+FINGERPRINT_VERSION = 1  # raise with any change to vocabulary_fingerprint: kept ones are then computed again
 
 
 class Tokenizer:
     def __init__(self, tokenizer_json: Path, meta: TokenizerMeta, cache_dir: Path | None = None):
         self._cache_dir = cache_dir  # ours to write in (a model's own folder is not)
         try:
-            self._tok = _HFTokenizer.from_file(str(tokenizer_json))
-        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raw = Path(tokenizer_json).read_bytes()
+            self._tok = _HFTokenizer.from_str(raw.decode("utf-8"))
+        except OSError as exc:
+            raise ModelLoadError(f"{tokenizer_json}: cannot read it ({exc})") from exc
+        except Exception as exc:  # tokenizers raises plain Exception subclasses; a bad encoding too
             raise ModelLoadError(f"{tokenizer_json}: not a valid tokenizer.json ({exc})") from exc
+        # what a kept fingerprint must have been computed from: these bytes, these end ids, this digest's version
+        self._fingerprint_of = hashlib.sha256(
+            f"{FINGERPRINT_VERSION}:".encode() + raw + repr(tuple(meta.eos_ids)).encode()).hexdigest()
         self.path = Path(tokenizer_json)  # grammar libraries load the vocabulary from it
         self.meta = replace(meta, chat_template=repair_template(meta.chat_template))
 
@@ -75,7 +82,7 @@ class Tokenizer:
         """:func:`vocabulary_fingerprint`, kept in the tokenizer's cache folder: computing it walks a
         150k vocabulary in Python (~0.7 s holding the GIL), which a restarting device would otherwise
         pay before it is ready. The kept one counts only for the same tokenizer.json bytes."""
-        of = hashlib.sha256(self.path.read_bytes() + repr(tuple(self.eos_ids)).encode()).hexdigest()
+        of = self._fingerprint_of
         kept = self._cache_dir / FINGERPRINT_FILE if self._cache_dir is not None else None
         if kept is not None:
             try:

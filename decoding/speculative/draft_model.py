@@ -11,7 +11,6 @@ silently waste every round).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 from collections.abc import Sequence
 

@@ -44,6 +44,7 @@ class ModelHost:
         self.sharing = sharing
         self.engine: DrainingEngine | None = None
         self.serving = None  # meshd.pipeline.serving.ServingRole: this device's stage, coordinator, plans
+        self.announced = asyncio.Event()  # set with daemon_ready: work for later (lending's hashing) waits for it
 
     async def open_configured_engine(self) -> DrainingEngine | None:
         """The engine a ``--engine module:factory`` names (called with the config), else None."""
@@ -245,6 +246,7 @@ class ModelHost:
                 await asyncio.sleep(0.2)
         notifier.ready(f"serving home {home!r} as {self.view.node_id}")
         log.info("daemon_ready", home=home, load_state=self.local.load_state)
+        self.announced.set()
 
     async def drain_stage(self, clock: Callable[[], float]) -> None:
         """Finish stage work other daemons' requests are doing here (bounded by drain_timeout_s).

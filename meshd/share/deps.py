@@ -10,7 +10,7 @@ go ahead). A test builds one from plain functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -71,6 +71,10 @@ def _nothing() -> None:
     return None
 
 
+async def _at_once() -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class ShareDeps:
     node_id: NodeId
@@ -84,6 +88,9 @@ class ShareDeps:
     model_fetching: Callable[[bool], None] = lambda fetching: None  # True: the model is coming from the home
     holdings_changed: Callable[[], None] = _nothing  # who holds which layers changed: worth a re-plan
     replan_now: Callable[[], None] = _nothing  # the plan waiting for a fetch may go ahead now
+    # returns once the device serves (or gave up loading): hashing a local file for lending waits for it, as
+    # on a one-core device it would take the start's CPU (a 1.5B start was ~2 s later beside it)
+    device_ready: Callable[[], Awaitable[None]] = _at_once
 
 
 def share_address(state: Any, address: tuple[str, int] | None, member: Any) -> PeerAddress | None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from meshd.log import get_logger
 from meshd.share import manifest as mf
-from meshd.background import run_idle
 from meshd.share import manifest_build as mb
 from meshd.share.deps import ShareError
 from meshd.share.gate import NOTHING, Holdings
@@ -94,8 +94,10 @@ class HeldModel:
         self.tensor_names = tuple(t.name for r in (self._local_readers or [reader]) for t in r.tensors)
         return reader
 
-    async def build_local_manifest(self, identity: str, reader: Any = None) -> bool:
-        """Build (once; cached by path, size and mtime) the manifest this device lends from."""
+    async def build_local_manifest(self, identity: str, reader: Any = None,
+                                   before_building: Callable[[], Awaitable[None]] | None = None) -> bool:
+        """Build (once; cached by path, size and mtime) the manifest this device lends from;
+        ``before_building`` is awaited before a build (not before reading the kept one)."""
         path = self.local_path
         files = self.local_parts or (path,)
         stamp = ";".join(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}" for p in files for st in [p.stat()])
@@ -105,8 +107,10 @@ class HeldModel:
             try:
                 m = Manifest.from_data(cached.read_bytes())
             except (OSError, ManifestError):
-                m = await run_idle(mb.build, path, mf.PIECE_SIZE, None, reader,
-                                   self.local_parts or None, self._local_readers or None, name="meshd-manifest")
+                if before_building is not None:
+                    await before_building()
+                m = await asyncio.to_thread(mb.build, path, mf.PIECE_SIZE, None, reader,
+                                            self.local_parts or None, self._local_readers or None)
                 from meshd.state import atomic_write
 
                 atomic_write(cached, m.data, mode=0o644)

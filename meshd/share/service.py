@@ -163,7 +163,7 @@ class ShareService:
         return source
 
     async def _lend_local(self, identity: str, reader: Any) -> None:
-        if await self.held.build_local_manifest(identity, reader):
+        if await self.held.build_local_manifest(identity, reader, self.deps.device_ready):
             self.advertise_now()
 
     async def _source_from_mesh(self) -> Any:

@@ -100,3 +100,26 @@ async def test_bad_share_requests_get_clear_refusals(tmp_path, tiny):
         assert holder.endpoint.served["refused"] == 3
     finally:
         await close_all(bus)
+
+
+async def test_a_device_hashes_its_file_for_lending_only_once_it_serves_and_keeps_the_manifest(tmp_path, tiny):
+    """On a one-core device the hashing would take the start's CPU: it waits for the device to be ready."""
+    ready = asyncio.Event()
+    bus = Bus()
+    try:
+        holder = await shell(bus, tmp_path, "holder", model=str(tiny), device_ready=ready.wait)
+        await holder.obtain_source()
+        await asyncio.sleep(0.5)  # sleep-ok: nothing may happen in this time
+        assert holder.manifest is None
+        ready.set()
+        await eventually(lambda: holder.manifest is not None, timeout_s=30, what="the manifest, once ready")
+    finally:
+        await close_all(bus)
+    # a restart reads the kept manifest without waiting
+    bus = Bus()
+    try:
+        again = await shell(bus, tmp_path, "holder", model=str(tiny), device_ready=asyncio.Event().wait)
+        await again.obtain_source()
+        await eventually(lambda: again.manifest is not None, timeout_s=30, what="the kept manifest")
+    finally:
+        await close_all(bus)

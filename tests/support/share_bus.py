@@ -36,7 +36,8 @@ class Bus:
         return False
 
 
-async def shell(bus: Bus, tmp_path, name: str, model=None, cls=ShareService, replan_now=None) -> ShareService:
+async def shell(bus: Bus, tmp_path, name: str, model=None, cls=ShareService, replan_now=None,
+                device_ready=None) -> ShareService:
     node = TransportNode(name, state_dir=tmp_path / name)
     await node.start()
     deps = ShareDeps(
@@ -44,7 +45,8 @@ async def shell(bus: Bus, tmp_path, name: str, model=None, cls=ShareService, rep
         tmp_path / name / "models", node, lambda msg: bus.broadcast(name, msg),
         lambda nid, msg: bus.send(name, nid, msg), lambda: sorted(bus.services),
         address_of=lambda nid: share_address(PeerState.READY, bus.addresses.get(nid), bus.members.get(nid)),
-        **({"replan_now": replan_now} if replan_now is not None else {}))
+        **({"replan_now": replan_now} if replan_now is not None else {}),
+        **({"device_ready": device_ready} if device_ready is not None else {}))
     svc = cls(deps)
     await svc.start()
     bus.services[name] = svc

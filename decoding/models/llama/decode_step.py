@@ -55,6 +55,10 @@ class DecodeSteps:
                 and all(type(lw).norm_heads is LayerWeights.norm_heads
                         and all(isinstance(w, BlockLinear) for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
                         for lw in stage.layers)
+                # the step's buffers are sized once: every layer the same widths (the kernel reads them per layer)
+                and len({(lw.qkv.out_features, lw.gate_up.out_features, lw.down.in_features, lw.o.out_features)
+                         for lw in stage.layers}) == 1
+                and stage.layers[0].gate_up.out_features == 2 * stage.layers[0].down.in_features
                 and native.available()[0])
 
     @staticmethod
