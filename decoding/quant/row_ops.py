@@ -84,17 +84,11 @@ def segments_spec(segments) -> tuple[native.SegmentSpec, list]:
         vs.append(v.data_ptr())
         lengths.append(k.shape[1])
         strides.append(k.stride(0))
-    spec, arrays = segment_pointers(ks, vs, lengths, strides)
+    n = len(ks)
+    arrays = ((ctypes.c_void_p * n)(*ks), (ctypes.c_void_p * n)(*vs), (ctypes.c_int64 * n)(*lengths),
+              (ctypes.c_int64 * n)(*strides))
+    spec = native.SegmentSpec(n, *(ctypes.cast(a, ctypes.c_void_p) for a in arrays))
     return spec, keep + list(arrays)
-
-
-def segment_pointers(keys: list[int], values: list[int], lengths: list[int], head_strides: list[int]):
-    """(the C struct over these addresses, its four arrays): the arrays must outlive the struct's use; a
-    caller stepping through layers rewrites the key and value addresses in place (``arrays[0]``, ``[1]``)."""
-    n = len(keys)
-    arrays = ((ctypes.c_void_p * n)(*keys), (ctypes.c_void_p * n)(*values), (ctypes.c_int64 * n)(*lengths),
-              (ctypes.c_int64 * n)(*head_strides))
-    return native.SegmentSpec(n, *(ctypes.cast(a, ctypes.c_void_p) for a in arrays)), arrays
 
 
 def row_attention(q: torch.Tensor, segments, scale: float) -> torch.Tensor:

@@ -139,17 +139,13 @@ def library() -> ctypes.CDLL:
                 lib.meshd_rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float]
                 lib.meshd_rope.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr]
                 lib.meshd_row_attention.argtypes = [_ptr, _i64, _i64, _i64, ctypes.c_float, _ptr, _ptr, ctypes.c_int]
-                lib.meshd_decode_attention.argtypes = [
-                    _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _i64, _i64, _i64,
-                    ctypes.c_float, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, ctypes.c_int]
-                lib.meshd_decode_down.argtypes = [_ptr, _ptr, _ptr, _ptr, ctypes.c_int]
                 lib.meshd_linear_threads.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int]
                 lib.meshd_swiglu.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64]
                 lib.meshd_decode_layers.argtypes = [
                     ctypes.c_int, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float,
                     ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
-                for f in ("meshd_rms_norm", "meshd_rope", "meshd_row_attention", "meshd_decode_attention",
-                          "meshd_decode_down", "meshd_linear_threads", "meshd_swiglu", "meshd_decode_layers"):
+                for f in ("meshd_rms_norm", "meshd_rope", "meshd_row_attention", "meshd_linear_threads",
+                          "meshd_swiglu", "meshd_decode_layers"):
                     getattr(lib, f).restype = None
                 for f in ("meshd_block_bytes", "meshd_block_elems", "meshd_act_block"):
                     getattr(lib, f).argtypes = [ctypes.c_int]

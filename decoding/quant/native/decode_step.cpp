@@ -247,44 +247,9 @@ void meshd_row_attention(const float* q, int64_t nh, int64_t nkv, int64_t hd, fl
     attention(q, nh, nkv, hd, scale, *s, out, threads);
 }
 
-// The attention half of a decoder layer for one row h [hidden] (updated in place: h += attention's
-// output), its new key and value written at k_dst/v_dst (head stride dst_head_stride) and already
-// counted in `s`'s last segment; gate_up [2 * intermediate] receives the MLP's first product.
-// scratch: at least hidden + q/k/v width + nh * hd floats.
-void meshd_decode_attention(const Matrix* qkv, const float* qkv_bias, const Matrix* o, const Matrix* gate_up,
-                            const float* attn_norm, const float* mlp_norm, float eps, float* h, const float* cos,
-                            const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, const Segments* s,
-                            float* k_dst, float* v_dst, int64_t dst_head_stride, float* out_gate_up, float* scratch,
-                            int threads) {
-    const int64_t hidden = o->n_out;
-    float* x = scratch;
-    float* qkv_out = x + hidden;
-    float* attn = qkv_out + qkv->n_out;
-    meshd_rms_norm(h, hidden, attn_norm, x, hidden, 1, hidden, eps);
-    linear(*qkv, x, qkv_out, threads);
-    if (qkv_bias)
-        for (int64_t i = 0; i < qkv->n_out; i++) qkv_out[i] = qkv_out[i] + qkv_bias[i];
-    float* q = qkv_out;
-    float* k = q + nh * hd;
-    float* v = k + nkv * hd;
-    meshd_rope(q, 1, nh, hd, nh * hd, hd, cos, sin);
-    meshd_rope(k, 1, nkv, hd, nkv * hd, hd, cos, sin);
-    for (int64_t g = 0; g < nkv; g++) {
-        std::memcpy(k_dst + g * dst_head_stride, k + g * hd, hd * sizeof(float));
-        std::memcpy(v_dst + g * dst_head_stride, v + g * hd, hd * sizeof(float));
-    }
-    attention(q, nh, nkv, hd, scale, *s, attn, threads);
-    linear(*o, attn, x, threads);
-    for (int64_t i = 0; i < hidden; i++) h[i] = h[i] + x[i];
-    meshd_rms_norm(h, hidden, mlp_norm, x, hidden, 1, hidden, eps);
-    linear(*gate_up, x, out_gate_up, threads);
-}
+}  // extern "C"
 
-// The MLP's last product and the residual for one row: h += act @ down.T. scratch: hidden floats.
-void meshd_decode_down(const Matrix* down, const float* act, float* h, float* scratch, int threads) {
-    linear(*down, act, scratch, threads);
-    for (int64_t i = 0; i < down->n_out; i++) h[i] = h[i] + scratch[i];
-}
+namespace {
 
 // One layer's weights as meshd_decode_layers reads them (DecodeLayerSpec in native/__init__.py).
 struct DecodeLayer {
@@ -297,11 +262,52 @@ struct DecodeLayer {
     const float* mlp_norm;
 };
 
+// The attention half of a decoder layer for one row h [hidden] (updated in place: h += attention's
+// output), its new key and value written at k_dst/v_dst (head stride dst_head_stride) and already
+// counted in `s`'s last segment; gate_up [2 * intermediate] receives the MLP's first product.
+// scratch: at least hidden + q/k/v width + nh * hd floats.
+void decode_attention(const DecodeLayer& L, float eps, float* h, const float* cos, const float* sin, int64_t nh,
+                      int64_t nkv, int64_t hd, float scale, const Segments& s, float* k_dst, float* v_dst,
+                      int64_t dst_head_stride, float* out_gate_up, float* scratch, int threads) {
+    const int64_t hidden = L.o->n_out;
+    float* x = scratch;
+    float* qkv_out = x + hidden;
+    float* attn = qkv_out + L.qkv->n_out;
+    meshd_rms_norm(h, hidden, L.attn_norm, x, hidden, 1, hidden, eps);
+    linear(*L.qkv, x, qkv_out, threads);
+    if (L.qkv_bias)
+        for (int64_t i = 0; i < L.qkv->n_out; i++) qkv_out[i] = qkv_out[i] + L.qkv_bias[i];
+    float* q = qkv_out;
+    float* k = q + nh * hd;
+    float* v = k + nkv * hd;
+    meshd_rope(q, 1, nh, hd, nh * hd, hd, cos, sin);
+    meshd_rope(k, 1, nkv, hd, nkv * hd, hd, cos, sin);
+    for (int64_t g = 0; g < nkv; g++) {
+        std::memcpy(k_dst + g * dst_head_stride, k + g * hd, hd * sizeof(float));
+        std::memcpy(v_dst + g * dst_head_stride, v + g * hd, hd * sizeof(float));
+    }
+    attention(q, nh, nkv, hd, scale, s, attn, threads);
+    linear(*L.o, attn, x, threads);
+    for (int64_t i = 0; i < hidden; i++) h[i] = h[i] + x[i];
+    meshd_rms_norm(h, hidden, L.mlp_norm, x, hidden, 1, hidden, eps);
+    linear(*L.gate_up, x, out_gate_up, threads);
+}
+
+// The MLP's last product and the residual for one row: h += act @ down.T. scratch: hidden floats.
+void decode_down(const Matrix& down, const float* act, float* h, float* scratch, int threads) {
+    linear(down, act, scratch, threads);
+    for (int64_t i = 0; i < down.n_out; i++) h[i] = h[i] + scratch[i];
+}
+
+}  // namespace
+
+extern "C" {
+
 // One row h [hidden] (updated in place) through n_layers layers. The sequence's keys and values lie in
 // nseg segments; segment j's layer li starts at key_base[j] / value_base[j] + li * layer_step[j] floats,
 // holds lengths[j] positions (the last one's count includes the new row) with head stride
 // head_strides[j]; the new row's key and value go `own` floats into the last segment's layer.
-// gate_up: 2 * intermediate floats; act: intermediate floats; scratch as meshd_decode_attention's.
+// gate_up: 2 * intermediate floats; act: intermediate floats; scratch as decode_attention's.
 void meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, float* h, const float* cos,
                          const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, int nseg,
                          float* const* key_base, float* const* value_base, const int64_t* lengths,
@@ -316,12 +322,11 @@ void meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, flo
             values[j] = value_base[j] + li * layer_step[j];
         }
         const int64_t at = li * layer_step[nseg - 1] + own;
-        meshd_decode_attention(L.qkv, L.qkv_bias, L.o, L.gate_up, L.attn_norm, L.mlp_norm, eps, h, cos, sin, nh,
-                               nkv, hd, scale, &s, key_base[nseg - 1] + at, value_base[nseg - 1] + at,
-                               dst_head_stride, gate_up, scratch, threads);
+        decode_attention(L, eps, h, cos, sin, nh, nkv, hd, scale, s, key_base[nseg - 1] + at,
+                         value_base[nseg - 1] + at, dst_head_stride, gate_up, scratch, threads);
         const int64_t inter = L.down->k;
         meshd_swiglu(gate_up, 2 * inter, 1, inter, act, inter);
-        meshd_decode_down(L.down, act, h, scratch, threads);
+        decode_down(*L.down, act, h, scratch, threads);
     }
 }
 
