@@ -18,6 +18,14 @@ pytestmark = pytest.mark.skipif(not OK, reason=f"integer kernels unavailable: {W
 TYPES = tuple(native.TYPE_IDS)
 
 
+def cols_for(type_name: str, k_quant_cols: int, blocks_over: int) -> int:
+    """Columns for a test matrix: the 32-element types get ``blocks_over`` blocks past a multiple of four,
+    since their kernels take blocks four at a time and a row's last one to three blocks take their own path."""
+    if gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0] == 256:
+        return k_quant_cols
+    return k_quant_cols + 32 * blocks_over
+
+
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
     """Valid blocks of any type: random codes and scale bytes, finite float16 scales (and minimums)."""
     rng = np.random.default_rng(seed)
@@ -47,14 +55,14 @@ def quantized_activations(x: np.ndarray, block: int) -> tuple[native.QuantizedRo
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_each_block_type_computes_its_widened_weights_times_the_quantised_activations(type_name):
-    rows, cols = 48, 768
+    rows, cols = 48, cols_for(type_name, 768, 1)
     raw = random_blocks(type_name, rows, cols)
     x = np.random.default_rng(1).standard_normal((5, cols)).astype(np.float32)
     xq, x_used = quantized_activations(x, native.ACT_BLOCK[type_name])
     out = np.zeros((5, rows), np.float32)
     native.matmul_into(out, xq, type_name, raw, cols)
     want = x_used @ widened(type_name, raw, cols).T
-    # the integer part is exact; what is left is float32 accumulation over 768 products
+    # the integer part is exact; what is left is float32 accumulation over ~800 products
     assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
     # and the activations' int8 rounding keeps the product near the float one (llama.cpp's own error)
     full = x.astype(np.float64) @ widened(type_name, raw, cols).T
@@ -88,13 +96,14 @@ def test_edge_codes_and_extreme_activations_stay_exact(type_name):
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(type_name):
-    rows, cols = 40, 512
+    rows, cols = 40, cols_for(type_name, 512, 3)
     raw = random_blocks(type_name, rows, cols, seed=4)
     x = np.random.default_rng(5).standard_normal((70, cols)).astype(np.float32)
     block = native.ACT_BLOCK[type_name]
     together = np.zeros((70, rows), np.float32)
     native.matmul_into(together, native.quantize_rows(x, block), type_name, raw, cols)
-    for i in (0, 3, 4, 63, 64, 69):  # the 4-row groups, their tails and the 64-row tiles' edges
+    # groups of eight and of four rows, rows alone after them, and the 64-row tiles' edges
+    for i in (0, 3, 4, 7, 8, 55, 56, 59, 60, 63, 64, 69):
         alone = np.zeros((1, rows), np.float32)
         native.matmul_into(alone, native.quantize_rows(x[i:i + 1], block), type_name, raw, cols)
         assert np.array_equal(alone[0], together[i])
@@ -115,17 +124,19 @@ def test_the_avx2_and_portable_builds_give_the_same_bits():
         "from tests.decoding.test_gguf_kernels import random_blocks;"
         "from decoding.quant import native;"
         "from decoding.quant.row_ops import rms_norm, rope_, swiglu; import torch;"
-        "x = np.random.default_rng(7).standard_normal((6, 512)).astype(np.float32);"
+        "x = np.random.default_rng(7).standard_normal((13, 512)).astype(np.float32);"
         "parts = [];"
-        # 1 and 3 rows take the decode path (blocks decoded as read), 6 the pre-decoded one
-        "[parts.append((native.matmul_into(o := np.zeros((m, 24), np.float32), native.quantize_rows(x[:m], native.ACT_BLOCK[t]),"
-        " t, random_blocks(t, 24, 512, seed=8), 512), o.tobytes().hex())[1]) for t in native.TYPE_IDS for m in (1, 3, 6)];"
+        # 1 and 3 rows take the decode path (blocks decoded as read), 6 and 13 the pre-decoded one (groups of
+        # eight and four rows); 512 columns are whole groups of four blocks, 480 and 448 leave three and two
+        "[parts.append((native.matmul_into(o := np.zeros((m, 24), np.float32), native.quantize_rows(x[:m, :k], native.ACT_BLOCK[t]),"
+        " t, random_blocks(t, 24, k, seed=8), k), o.tobytes().hex())[1]) for t in native.TYPE_IDS for m in (1, 3, 6, 13)"
+        " for k in ((512,) if native.ACT_BLOCK[t] == 256 else (512, 480, 448))];"
         # quantising: NaN, infinities, subnormals, ties and blocks too small to scale
         "xe = x.copy(); xe[0, :8] = [np.nan, np.inf, -np.inf, 1e-40, 0.5, -0.5, 2.5, 0.0]; xe[1, :256] = 1e-42;"
         "xe[2] = np.round(xe[2] * 4) / 4; xe[3, 32:64] = np.linspace(-127, 127, 32);"
         "[parts.append(''.join(a.tobytes().hex() for a in (r.q, r.d, r.s))) for r in"
         " (native.quantize_rows(xe, 32), native.quantize_rows(xe, 256))];"
-        "xt = torch.from_numpy(x); q = xt.view(6, 8, 64).clone();"
+        "xt = torch.from_numpy(x[:6].copy()); q = xt.view(6, 8, 64).clone();"
         "parts.append(rms_norm(xt, torch.ones(512), 1e-6).numpy().tobytes().hex());"
         "parts.append(rope_(q, xt[:, :64], xt[:, 64:128]).numpy().tobytes().hex());"
         "g = torch.cat([xt * 30, xt[:, :20]], 1); parts.append(swiglu(g).numpy().tobytes().hex());"

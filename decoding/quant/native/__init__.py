@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_dot.cpp", "row_ops.cpp", "decode_step.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_dot.cpp", "small_dot.cpp", "row_ops.cpp", "decode_step.cpp"))
+HEADERS = (Path(__file__).with_name("gguf_blocks.h"),)  # part of the build's key, not compiled on their own
 PACKAGE_BUILD = Path(__file__).with_name("build")
 _COMMON = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
 
@@ -73,7 +74,7 @@ def _library_name(cxx: str, name: str, flags: list[str]) -> str:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{cxx} does not run ({exc})") from exc
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_COMMON + flags).encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(_COMMON + flags).encode()
                          + version.encode())
     return f"gguf_dot-{name}-{key.hexdigest()[:16]}.so"
 

@@ -8,17 +8,19 @@
 // than one row; torch's int4 kernels want bfloat16 activations).
 //
 // Two builds of this one source: MESHD_AVX2 (x86 with AVX2, FMA, F16C) and a portable one (ARM,
-// older x86). They give the same bits: every integer sum is exact, the eight float accumulators of a
-// row are updated lane by lane with a fused multiply-add in the same order in both, and they are
-// summed in one fixed tree. So a row's result depends only on its own activations and the weights —
-// never on how many rows came with it, which thread computed it, or which CPU a mesh member has.
+// older x86). They give the same bits: every integer sum is exact, every float accumulator is updated
+// with a fused multiply-add in the same order in both, and the accumulators are summed in one fixed
+// tree. So a row's result depends only on its own activations and the weights — never on how many rows
+// came with it, which thread computed it, or which CPU a mesh member has.
 //
 // Activations are quantised as llama.cpp's are: a scale per 32 for the 32-element weight types (Q8_0),
-// per 256 for the K-quants (Q8_K). Per activation block and row, lane k of eight gets an exact integer
-// sum (elements 4k..4k+3 of each 32, times their half's integer scale for the K-quants), then
-// acc_k = fma(float(isum_k), wd * dx, acc_k); formats with an additive term (a minimum, an offset, the
-// Q6_K centre) add (wm * dx) * float(integer) to a separate scalar. Compiled with -ffp-contract=off so
-// the compiler fuses nothing on its own.
+// per 256 for the K-quants (Q8_K). The float steps:
+// - K-quants, per superblock and row: lane k of eight gets an exact integer sum (elements 4k..4k+3 of
+//   each 32, times their half's integer scale), then acc_k = fma(float(isum_k), wd * dx, acc_k), and
+//   the additive term (a minimum, the Q6_K centre) the same way into the same lanes;
+// - 32-element types, per block j and row: one exact sum S_j, acc[j % 4] = fma(float(S_j), wd * dx,
+//   acc[j % 4]) (see small_bias below for why four accumulators).
+// Compiled with -ffp-contract=off so the compiler fuses nothing on its own.
 
 #include <cmath>
 #include <cstdint>
@@ -26,44 +28,10 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(MESHD_AVX2)
-#include <immintrin.h>
-#endif
+#include "gguf_blocks.h"
 
+namespace meshd {
 namespace {
-
-// A decode step streams each weight from memory once: the kernels ask for the bytes this far ahead of
-// the ones they read (measured on the 1.5B's matrices: 2 KB beat 1 and 4 KB, and no prefetch by 1.4x).
-constexpr int PREFETCH_AHEAD = 2048;
-
-enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-inline float f16(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-#if defined(MESHD_AVX2)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {  // subnormal: normalise
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 // Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes.
 inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
@@ -74,95 +42,6 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
         sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
         m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
-}
-
-// One block of a 32-element type, decoded: its codes (signed ones when `sgn`), its float scale and,
-// for the types with an offset (Q4_1, Q5_1), that offset (the additive term is wm * dx * sum(x codes)).
-struct Block {
-#if defined(MESHD_AVX2)
-    __m256i w;
-#else
-    int8_t w[32];  // unsigned codes (< 64) are stored as they are: they fit
-#endif
-    float wd, wm;
-    bool offset;
-    bool sgn;
-};
-
-constexpr int block_bytes(int t) {
-    return t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q5_0 ? 22 : t == Q5_1 ? 24 : t == Q8_0 ? 34
-         : t == Q4_K ? 144 : t == Q5_K ? 176 : t == Q6_K ? 210 : 0;
-}
-constexpr int block_elems(int t) { return (t == Q4_K || t == Q5_K || t == Q6_K) ? 256 : 32; }
-
-#if defined(MESHD_AVX2)
-inline __m256i nibbles16(const uint8_t* qs) {  // 16 bytes -> low nibbles (elements 0..15), high (16..31)
-    const __m128i q = _mm_loadu_si128((const __m128i*)qs);
-    const __m128i m = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
-}
-inline __m256i bits32(const uint8_t* p) {  // 32 bits -> 32 bytes of 0x10 where the bit is set
-    uint32_t x;
-    std::memcpy(&x, p, 4);
-    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
-    b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-    return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
-}
-#endif
-
-// The 32-blocks of one 32-element GGUF block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
-template <int T>
-inline void decode_small(const uint8_t* b, Block& o) {
-    o.offset = (T == Q4_1 || T == Q5_1);
-    o.sgn = (T == Q4_0 || T == Q5_0 || T == Q8_0);
-#if defined(MESHD_AVX2)
-    if (T == Q4_1 || T == Q5_1) {  // the scale and the offset side by side: both widened in one instruction
-        int32_t pair;
-        std::memcpy(&pair, b, 4);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
-        o.wd = _mm_cvtss_f32(dm);
-        o.wm = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-    } else {
-        o.wd = f16(b);
-        o.wm = 0.0f;
-    }
-#else
-    o.wd = f16(b);
-    o.wm = (T == Q4_1 || T == Q5_1) ? f16(b + 2) : 0.0f;
-#endif
-#if defined(MESHD_AVX2)
-    if (T == Q8_0) {
-        o.w = _mm256_loadu_si256((const __m256i*)(b + 2));
-    } else if (T == Q4_0) {
-        o.w = _mm256_sub_epi8(nibbles16(b + 2), _mm256_set1_epi8(8));
-    } else if (T == Q4_1) {
-        o.w = nibbles16(b + 4);
-    } else if (T == Q5_0) {
-        o.w = _mm256_sub_epi8(_mm256_or_si256(nibbles16(b + 6), bits32(b + 2)), _mm256_set1_epi8(16));
-    } else {  // Q5_1
-        o.w = _mm256_or_si256(nibbles16(b + 8), bits32(b + 4));
-    }
-#else
-    if (T == Q8_0) {
-        std::memcpy(o.w, b + 2, 32);
-        return;
-    }
-    const int off = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;
-    const uint8_t* qs = b + off;
-    uint32_t qh = 0;
-    if (T == Q5_0 || T == Q5_1) std::memcpy(&qh, b + off - 4, 4);
-    for (int i = 0; i < 16; i++) {
-        int lo = qs[i] & 0xF, hi = qs[i] >> 4;
-        if (T == Q5_0 || T == Q5_1) {
-            lo |= ((qh >> i) & 1) << 4;
-            hi |= ((qh >> (i + 16)) & 1) << 4;
-        }
-        const int bias = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;
-        o.w[i] = (int8_t)(lo - bias);
-        o.w[i + 16] = (int8_t)(hi - bias);
-    }
-#endif
 }
 
 // A 256-element K-quant superblock, decoded once per weight row and pass: its float scale and the
@@ -237,78 +116,29 @@ inline void decode_k(const uint8_t* b, int j, uint8_t* u) {
 }
 #endif
 
-// The activations of one row, quantised: codes, a scale per activation block (32 elements for the
-// 32-element weight types, 256 for the K-quants, as llama.cpp's Q8_0 and Q8_K) and the codes' sums per 16.
-struct Act {
-    const int8_t* q;
-    const float* d;
-    const int16_t* s;
-    const float* sf;  // the codes' sums per 32 as floats (the offset types' additive term), or null
-};
-
 #if defined(MESHD_AVX2)
 struct Acc {
     __m256 v;
-    float mn;
 };
-inline void acc_zero(Acc& a) { a.v = _mm256_setzero_ps(); a.mn = 0.0f; }
+inline void acc_zero(Acc& a) { a.v = _mm256_setzero_ps(); }
 inline float acc_total(const Acc& a) {
     const __m128 t = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
     const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1))) + a.mn;
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
 }
 #else
 struct Acc {
     float v[8];
-    float mn;
 };
-inline void acc_zero(Acc& a) { for (float& x : a.v) x = 0.0f; a.mn = 0.0f; }
+inline void acc_zero(Acc& a) { for (float& x : a.v) x = 0.0f; }
 inline float acc_total(const Acc& a) {
     float t[4], u[2];
     for (int k = 0; k < 4; k++) t[k] = a.v[k] + a.v[k + 4];
     u[0] = t[0] + t[2];
     u[1] = t[1] + t[3];
-    return (u[0] + u[1]) + a.mn;
+    return u[0] + u[1];
 }
 #endif
-
-// A 32-element weight block against one activation row's block j.
-inline void accumulate(const Block& w, const Act& x, int64_t j, Acc& a) {
-    const float dx = x.d[j];
-#if defined(MESHD_AVX2)
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x.q + 32 * j));
-    const __m256i p = w.sgn ? _mm256_maddubs_epi16(_mm256_abs_epi8(w.w), _mm256_sign_epi8(xv, w.w))
-                            : _mm256_maddubs_epi16(w.w, xv);
-    const __m256i i32 = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-    a.v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_set1_ps(w.wd * dx), a.v);
-#else
-    const int8_t* xq = x.q + 32 * j;
-    const float s = w.wd * dx;
-    for (int k = 0; k < 8; k++) {
-        int sum = 0;
-        for (int e = 4 * k; e < 4 * k + 4; e++) sum += (w.sgn ? (int)w.w[e] : (int)(uint8_t)w.w[e]) * (int)xq[e];
-        a.v[k] = std::fma((float)sum, s, a.v[k]);
-    }
-#endif
-    // the additive term, into its own scalar: (wm * dx) * float(the activation codes' sum)
-    if (w.offset) a.mn = a.mn + (w.wm * dx) * x.sf[j];
-}
-
-// Weight row `row` of a 32-element type against R activation rows: each block decoded once.
-template <int T, int R>
-inline void rows_dot(const uint8_t* row, int64_t K, const Act* x, float* out) {
-    Acc acc[R];
-    for (int r = 0; r < R; r++) acc_zero(acc[r]);
-    Block w;
-    for (int64_t j = 0; j < K / 32; j++) {
-#if defined(MESHD_AVX2)
-        if (R == 1 && (j & 1) == 0) _mm_prefetch((const char*)(row + j * block_bytes(T) + PREFETCH_AHEAD), _MM_HINT_T0);
-#endif
-        decode_small<T>(row + j * block_bytes(T), w);
-        for (int r = 0; r < R; r++) accumulate(w, x[r], j, acc[r]);
-    }
-    for (int r = 0; r < R; r++) out[r] = acc_total(acc[r]);
-}
 
 // The float step of a K-quant superblock for one activation row: lane k takes its integer sum times
 // wd * dx, then the additive term's integers of halves 2k and 2k+1 times wmf * dx (wmf: the minimum's
@@ -499,81 +329,58 @@ inline void rows_dot_k_fly(const uint8_t* row, int64_t K, const Act* x, float* o
 }
 #endif
 
-constexpr int64_t M_TILE = 64;  // activation rows kept hot (in L2) while every weight row passes them
-
-// Rows [m0, m1) of the activations against one weight row, four at a time where there are four.
+// Rows [m0, m1) of the activations against one K-quant weight row, four at a time where there are four.
 template <class Dot>
 inline void tile_rows(int64_t m0, int64_t m1, int64_t K, int64_t nd, const int8_t* xq, const float* xd,
-                      const int16_t* xs, const float* xsf, float* out, int64_t ldo, int64_t col, Dot&& dot) {
+                      const int16_t* xs, float* out, int64_t ldo, int64_t col, Dot&& dot) {
     const int64_t ns = K / 16;
     float r[4];
     int64_t m = m0;
-    const auto sf = [&](int64_t i) { return xsf ? xsf + i * (K / 32) : nullptr; };
     for (; m + 4 <= m1; m += 4) {
         Act x[4];
-        for (int i = 0; i < 4; i++) x[i] = {xq + (m + i) * K, xd + (m + i) * nd, xs + (m + i) * ns, sf(m + i)};
+        for (int i = 0; i < 4; i++) x[i] = {xq + (m + i) * K, xd + (m + i) * nd, xs + (m + i) * ns};
         dot(x, r, std::integral_constant<int, 4>());
         for (int i = 0; i < 4; i++) out[(m + i) * ldo + col] = r[i];
     }
     for (; m < m1; m++) {
-        Act x[1] = {{xq + m * K, xd + m * nd, xs + m * ns, sf(m)}};
+        Act x[1] = {{xq + m * K, xd + m * nd, xs + m * ns}};
         dot(x, r, std::integral_constant<int, 1>());
         out[m * ldo + col] = r[0];
     }
 }
 
 template <int T>
-void matmul_t(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, const int8_t* xq,
+void matmul_k(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, const int8_t* xq,
               const float* xd, const int16_t* xs, int64_t M, float* out, int64_t ldo, const int64_t* colmap,
               int64_t col0) {
-    const int64_t nd = K / block_elems(T);
-    std::vector<uint8_t> codes;
-    std::vector<int16_t> sc, mins;
-    std::vector<float> wd, wm;
-    KRow k{};
-    if (block_elems(T) == 256) {
-        codes.resize(K);
-        sc.resize(K / 2);
-        mins.resize(K / 16);
-        wd.resize(K / 256);
-        wm.resize(K / 256);
-        k = {codes.data(), sc.data(), mins.data(), wd.data(), wm.data(), 0};
-    }
-    std::vector<float> xsf;  // the offset types' activation sums per 32, converted once for every weight row
-    if (T == Q4_1 || T == Q5_1) {
-        xsf.resize(M * (K / 32));
-        for (int64_t i = 0; i < M * (K / 32); i++) {
-            const int16_t* s = xs + (i / (K / 32)) * (K / 16) + 2 * (i % (K / 32));
-            xsf[i] = (float)(s[0] + s[1]);
-        }
-    }
-    const float* sf = xsf.empty() ? nullptr : xsf.data();
+    std::vector<uint8_t> codes(K);
+    std::vector<int16_t> sc(K / 2), mins(K / 16);
+    std::vector<float> wd(K / 256), wm(K / 256);
+    KRow k{codes.data(), sc.data(), mins.data(), wd.data(), wm.data(), 0};
     for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
         const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t* row = w + n * row_bytes;
             const int64_t col = col0 + (colmap ? colmap[n] : n);
-            if (block_elems(T) == 256) {
-                const KRow* pre = nullptr;  // fewer rows than a group of four: decode as read
-                if (m1 - m0 >= 4) {
-                    decode_row_k<T>(row, K, k);
-                    pre = &k;
-                }
-                tile_rows(m0, m1, K, nd, xq, xd, xs, sf, out, ldo, col, [&](const Act* x, float* r, auto R) {
-#if defined(MESHD_AVX2)
-                    if (!pre) return rows_dot_k_fly<T, decltype(R)::value>(row, K, x, r);
-#endif
-                    rows_dot_k<T, decltype(R)::value>(row, pre, K, x, r);
-                });
-            } else {
-                tile_rows(m0, m1, K, nd, xq, xd, xs, sf, out, ldo, col,
-                          [&](const Act* x, float* r, auto R) { rows_dot<T, decltype(R)::value>(row, K, x, r); });
+            const KRow* pre = nullptr;  // fewer rows than a group of four: decode as read
+            if (m1 - m0 >= 4) {
+                decode_row_k<T>(row, K, k);
+                pre = &k;
             }
+            tile_rows(m0, m1, K, K / 256, xq, xd, xs, out, ldo, col, [&](const Act* x, float* r, auto R) {
+#if defined(MESHD_AVX2)
+                if (!pre) return rows_dot_k_fly<T, decltype(R)::value>(row, K, x, r);
+#endif
+                rows_dot_k<T, decltype(R)::value>(row, pre, K, x, r);
+            });
         }
     }
 }
 
 }  // namespace
+}  // namespace meshd
+
+using namespace meshd;
 
 extern "C" {
 
@@ -660,11 +467,10 @@ int meshd_gguf_matmul(int qtype, const uint8_t* w, int64_t row_bytes, int64_t n0
                       const int8_t* xq, const float* xd, const int16_t* xs, int64_t M, float* out, int64_t ldo,
                       const int64_t* colmap, int64_t col0) {
 #define MESHD_CASE(T) \
-    case T: matmul_t<T>(w, row_bytes, n0, n1, K, xq, xd, xs, M, out, ldo, colmap, col0); return 0;
+    case T: matmul_k<T>(w, row_bytes, n0, n1, K, xq, xd, xs, M, out, ldo, colmap, col0); return 0;
     switch (qtype) {
-        MESHD_CASE(Q4_0) MESHD_CASE(Q4_1) MESHD_CASE(Q5_0) MESHD_CASE(Q5_1) MESHD_CASE(Q8_0)
         MESHD_CASE(Q4_K) MESHD_CASE(Q5_K) MESHD_CASE(Q6_K)
-        default: return -1;
+        default: return small_matmul(qtype, w, row_bytes, n0, n1, K, xq, xd, xs, M, out, ldo, colmap, col0) ? 0 : -1;
     }
 #undef MESHD_CASE
 }
