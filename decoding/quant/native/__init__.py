@@ -29,7 +29,7 @@ import numpy as np
 SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_dot.cpp", "small_dot.cpp", "row_ops.cpp", "decode_step.cpp"))
 HEADERS = (Path(__file__).with_name("gguf_blocks.h"),)  # part of the build's key, not compiled on their own
 PACKAGE_BUILD = Path(__file__).with_name("build")
-_COMMON = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
+COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -74,7 +74,7 @@ def _library_name(cxx: str, name: str, flags: list[str]) -> str:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{cxx} does not run ({exc})") from exc
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(_COMMON + flags).encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + " ".join(COMMON_FLAGS + flags).encode()
                          + version.encode())
     return f"gguf_dot-{name}-{key.hexdigest()[:16]}.so"
 
@@ -95,7 +95,7 @@ def build(directory: Path | None = None) -> Path:
         except OSError:
             continue  # a read-only install: the next place
         os.close(fd)
-        cmd = [cxx, *_COMMON, *flags, *map(str, SOURCES), "-o", tmp]
+        cmd = [cxx, *COMMON_FLAGS, *flags, *map(str, SOURCES), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             os.unlink(tmp)

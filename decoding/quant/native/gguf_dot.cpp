@@ -30,6 +30,10 @@
 
 #include "gguf_blocks.h"
 
+#if defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
+#endif
+
 namespace meshd {
 namespace {
 
@@ -233,18 +237,27 @@ inline void rows_dot_k(const uint8_t* row, const KRow* k, int64_t K, const Act* 
         int isum[R][8] = {};
         uint8_t own[32];
         for (int j = 0; j < 8; j++) {
-            const uint8_t* u = own;
-            if (k) u = k->codes + 256 * sb + 32 * j;
+            const uint8_t* c = own;
+            if (k) c = k->codes + 256 * sb + 32 * j;
             else decode_k<T>(b, j, own);
+            const int8_t* u = (const int8_t*)c;  // codes < 64: as signed bytes, int8 dot products (ARM's sdot)
             const int sc0 = h.sc[2 * j], sc1 = h.sc[2 * j + 1];
             const int s0 = k ? k->sc[16 * (8 * sb + j)] : sc0, s1 = k ? k->sc[16 * (8 * sb + j) + 8] : sc1;
             for (int r = 0; r < R; r++) {
                 const int8_t* xq = x[r].q + 256 * sb + 32 * j;
+#if defined(__ARM_FEATURE_DOTPROD)
+                // sdot's four-element sums are the loop's below, lanes 0..3 and 4..7: the same integers
+                const int32x4_t lo = vdotq_s32(vdupq_n_s32(0), vld1q_s8(u), vld1q_s8(xq));
+                const int32x4_t hi = vdotq_s32(vdupq_n_s32(0), vld1q_s8(u + 16), vld1q_s8(xq + 16));
+                vst1q_s32(isum[r], vmlaq_n_s32(vld1q_s32(isum[r]), lo, s0));
+                vst1q_s32(isum[r] + 4, vmlaq_n_s32(vld1q_s32(isum[r] + 4), hi, s1));
+#else
                 for (int q = 0; q < 8; q++) {
                     int sum = 0;
                     for (int e = 4 * q; e < 4 * q + 4; e++) sum += (int)u[e] * (int)xq[e];
                     isum[r][q] += sum * (q < 4 ? s0 : s1);
                 }
+#endif
             }
         }
         for (int r = 0; r < R; r++) k_step(acc[r], isum[r], mins, x[r], sb, wd, wm * (float)factor);
