@@ -1,6 +1,8 @@
-"""The integer kernels on GGUF blocks (``gguf_dot.cpp``) and the layer's row steps (``row_ops.cpp``): built once with the system's C++ compiler, loaded with ctypes.
+"""The integer kernels on GGUF blocks (``gguf_dot.cpp``: the K-quants and the entry points; ``small_dot.cpp``:
+the 32-element types) and the layer's row steps (``row_ops.cpp``): built once with the system's C++ compiler,
+loaded with ctypes.
 
-Why compiled here rather than shipped: one small source, two builds (AVX2/FMA/F16C for x86 mini PCs and
+Why compiled here rather than shipped: a few small sources, two builds (AVX2/FMA/F16C for x86 mini PCs and
 laptops, a portable one that the compiler vectorises for ARM — with int8 dot products where the CPU has
 them — and for older x86), and no build tool beyond ``g++``. ``scripts/setup.sh`` builds it into the
 package directory; a process that finds no build there (another checkout, a changed source) builds into
