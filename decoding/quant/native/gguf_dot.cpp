@@ -241,8 +241,8 @@ inline void rows_dot_k(const uint8_t* row, const KRow* k, int64_t K, const Act* 
             if (k) c = k->codes + 256 * sb + 32 * j;
             else decode_k<T>(b, j, own);
             const int8_t* u = (const int8_t*)c;  // codes < 64: as signed bytes, int8 dot products (ARM's sdot)
-            const int sc0 = h.sc[2 * j], sc1 = h.sc[2 * j + 1];
-            const int s0 = k ? k->sc[16 * (8 * sb + j)] : sc0, s1 = k ? k->sc[16 * (8 * sb + j) + 8] : sc1;
+            const int s0 = k ? k->sc[16 * (8 * sb + j)] : h.sc[2 * j];
+            const int s1 = k ? k->sc[16 * (8 * sb + j) + 8] : h.sc[2 * j + 1];
             for (int r = 0; r < R; r++) {
                 const int8_t* xq = x[r].q + 256 * sb + 32 * j;
 #if defined(__ARM_FEATURE_DOTPROD)

@@ -127,19 +127,16 @@ inline __m128 small_blocks4(const uint8_t* b, const Act& x, int64_t j, int n, __
         small_scales4<T>(b, wd, wm);
         dx = _mm_loadu_ps(x.d + j);
     } else {
-        __m256i p[4];
-        int32_t sxs[4] = {0, 0, 0, 0};
-        float dxs[4] = {0, 0, 0, 0}, wds[4] = {0, 0, 0, 0}, wms[4] = {0, 0, 0, 0};  // missing blocks: scale 0
-        for (int k = 0; k < 4; k++) {
-            p[k] = _mm256_setzero_si256();
-            if (k >= n) continue;
-            p[k] = small_product<T>(small_codes<T>(b + k * BB), _mm256_loadu_si256(xv + k));
-            sxs[k] = act_sum32(x.s, j + k), dxs[k] = x.d[j + k], wds[k] = f16(b + k * BB);
-            if (small_offset(T)) wms[k] = f16(b + k * BB + 2);
-        }
-        s = small_sums4<T>(p[0], p[1], p[2], p[3]);
-        sx = _mm_loadu_si128((const __m128i*)sxs);
-        wd = _mm_loadu_ps(wds), wm = _mm_loadu_ps(wms), dx = _mm_loadu_ps(dxs);
+        // the missing blocks' lanes: products, sums, scales and offsets all zero (masked loads, no stores)
+        const __m128i live = _mm_cmpgt_epi32(_mm_set1_epi32(n), _mm_setr_epi32(0, 1, 2, 3));
+        const __m256i z = _mm256_setzero_si256();
+        const auto product = [&](int k) { return k < n ? small_product<T>(small_codes<T>(b + k * BB), _mm256_loadu_si256(xv + k)) : z; };
+        s = small_sums4<T>(product(0), product(1), product(2), z);
+        sx = _mm_madd_epi16(_mm_maskload_epi32((const int*)(x.s + 2 * j), live), _mm_set1_epi16(1));
+        dx = _mm_maskload_ps(x.d + j, live);
+        const auto half = [&](int k, int at) { return k < n ? f16(b + k * BB + at) : 0.0f; };
+        wd = _mm_setr_ps(half(0, 0), half(1, 0), half(2, 0), 0.0f);
+        wm = small_offset(T) ? _mm_setr_ps(half(0, 2), half(1, 2), half(2, 2), 0.0f) : _mm_setzero_ps();
     }
     if (small_bias(T)) s = _mm_sub_epi32(s, _mm_slli_epi32(sx, small_bias(T) == 8 ? 3 : 4));
     __m128 a = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(wd, dx), acc);
@@ -160,8 +157,9 @@ inline float small_row(const uint8_t* row, int64_t nb, const Act& x) {
         acc = small_blocks4<T>(row + j * BB, x, j, 4, acc);
     }
     if (j < nb) acc = small_blocks4<T>(row + j * BB, x, j, (int)(nb - j), acc);
-    const __m128 t = _mm_hadd_ps(acc, acc);  // (a0 + a1, a2 + a3, ...)
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+    // (a0 + a1) + (a2 + a3), each sum with its operands in that order (as the other paths add them)
+    const __m128 t = _mm_add_ps(acc, _mm_shuffle_ps(acc, acc, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehl_ps(t, t)));
 }
 
 // Activation rows in groups of R (4 or 8) as the many-row product reads them, interleaved per block j:
