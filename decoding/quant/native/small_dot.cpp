@@ -117,6 +117,8 @@ inline __m128 small_blocks4(const uint8_t* b, const Act& x, int64_t j, int n, __
     const __m256i* xv = (const __m256i*)(x.q + 32 * j);
     __m128i s, sx;
     __m128 wd, wm, dx;
+    // the lanes of blocks that exist (all four but at a row's end)
+    const __m128i live = _mm_cmpgt_epi32(_mm_set1_epi32(n), _mm_setr_epi32(0, 1, 2, 3));
     if (n == 4) {
         s = small_sums4<T>(small_product<T>(small_codes<T>(b), _mm256_loadu_si256(xv)),
                            small_product<T>(small_codes<T>(b + BB), _mm256_loadu_si256(xv + 1)),
@@ -128,7 +130,6 @@ inline __m128 small_blocks4(const uint8_t* b, const Act& x, int64_t j, int n, __
         dx = _mm_loadu_ps(x.d + j);
     } else {
         // the missing blocks' lanes: products, sums, scales and offsets all zero (masked loads, no stores)
-        const __m128i live = _mm_cmpgt_epi32(_mm_set1_epi32(n), _mm_setr_epi32(0, 1, 2, 3));
         const __m256i z = _mm256_setzero_si256();
         const auto product = [&](int k) { return k < n ? small_product<T>(small_codes<T>(b + k * BB), _mm256_loadu_si256(xv + k)) : z; };
         s = small_sums4<T>(product(0), product(1), product(2), z);
@@ -141,9 +142,7 @@ inline __m128 small_blocks4(const uint8_t* b, const Act& x, int64_t j, int n, __
     if (small_bias(T)) s = _mm_sub_epi32(s, _mm_slli_epi32(sx, small_bias(T) == 8 ? 3 : 4));
     __m128 a = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(wd, dx), acc);
     if (small_offset(T)) a = _mm_fmadd_ps(_mm_cvtepi32_ps(sx), _mm_mul_ps(wm, dx), a);
-    if (n == 4) return a;
-    const __m128i lane = _mm_setr_epi32(0, 1, 2, 3);
-    return _mm_blendv_ps(acc, a, _mm_castsi128_ps(_mm_cmpgt_epi32(_mm_set1_epi32(n), lane)));
+    return n == 4 ? a : _mm_blendv_ps(acc, a, _mm_castsi128_ps(live));
 }
 
 // One weight row of a 32-element type against one activation row (a decode step's product).
