@@ -25,7 +25,8 @@ Specs (plain JSON-able dicts, so they cross process and wire boundaries):
 
 :func:`make_constraint` builds the right object for a spec (a tool-call spec's is
 :class:`decoding.tool_constraint.ToolCallConstraint`); both kinds answer the same
-five questions (mask, advance, finished, accepting, rollback).
+five questions (mask, advance, finished, accepting, rollback), and the two a drafter
+asks under a grammar (:meth:`TokenConstraint.forced_draft`, :meth:`TokenConstraint.valid_prefix`).
 """
 
 from __future__ import annotations
@@ -216,6 +217,31 @@ class TokenConstraint:
         if num_tokens and not self._matcher.rollback(int(num_tokens)):
             raise ConstraintViolated(f"rollback failed: {self._matcher.get_error()}")
         self._consumed -= num_tokens
+
+    def restart(self) -> None:
+        """Back to the state before the first token (a replayed request feeds its tokens again)."""
+        self._matcher.reset()
+        self._consumed = 0
+
+    def forced_draft(self, limit: int = 16) -> list[int]:
+        """Tokens for the text the grammar forces next (up to ``limit``), as a *draft*.
+
+        llguidance's forced tokens stop wherever another tokenization of the forced
+        bytes would also be allowed (``"`` before ``name"`` could be ``"name``), which
+        under a JSON grammar is nearly everywhere; a model writes the forced bytes
+        its own way. So the bytes are tokenized as the vocabulary would, and the
+        tokens are drafts that a verify round checks against the masked model: taken
+        when it agrees, never merely because the grammar had one choice.
+        """
+        forced = self._matcher.compute_ff_bytes()
+        if not forced or limit <= 0:
+            return []
+        tokens = [int(t) for t in self._tok.tokenize_bytes(forced)[:limit]]
+        return tokens[:self.valid_prefix(tokens)]
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the grammar takes from here, in order (the state does not move)."""
+        return int(self._matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from decoding.detok import IncrementalDetokenizer
 from decoding.errors import ContextOverflow
 from decoding.pipeline_local import LocalPipeline
-from decoding.sampling import Sampler, SamplingParams
+from decoding.sampling import Sampler, SamplingParams, SamplingSpec
 
 
 @dataclass
@@ -42,12 +42,27 @@ def check_fits(prompt_len: int, max_new_tokens: int, context: int) -> None:
             f"prompt ({prompt_len}) + max_tokens ({max_new_tokens}) exceeds the context of {context} tokens")
 
 
+def selector_of(sampling: SamplingParams | SamplingSpec, pipeline: LocalPipeline, tokenizer=None):
+    """What turns a row of logits into the next token: a plain sampler, or (for a spec with a grammar
+    or penalties) a :class:`~decoding.selector.TokenSelector` that shapes the row and moves with
+    each token; its grammar reads ``tokenizer`` (``path``, ``eos_ids``)."""
+    if isinstance(sampling, SamplingParams):
+        return Sampler(sampling)
+    if not sampling.shaped:
+        return Sampler(sampling.params)
+    from decoding.selector import TokenSelector
+
+    return TokenSelector.for_spec(sampling, tokenizer=tokenizer, vocab_size=pipeline.config.vocab_size)
+
+
 def generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new_tokens: int = 64,
-             sampling: SamplingParams = SamplingParams(), eos_ids=(), chunks: int = 1,
+             sampling: SamplingParams | SamplingSpec = SamplingParams(), eos_ids=(), chunks: int = 1,
              cuts: list[int] | None = None, tokenizer=None,
              on_text: Callable[[str], None] | None = None, seq_id="gen") -> GenerationResult:
+    """``sampling``: plain parameters, or a spec whose grammar / penalties shape every token (a
+    grammar that is complete ends the answer, as an end-of-sequence token would)."""
     check_fits(len(prompt_ids), max_new_tokens, pipeline.config.max_position)
-    sampler = Sampler(sampling)
+    sampler = selector_of(sampling, pipeline, tokenizer)
     detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
     pipeline.create(seq_id, len(prompt_ids) + max_new_tokens)
     out: list[int] = []
@@ -68,6 +83,9 @@ def generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new_tokens: int
                 delta = detok.push(tok)
                 if delta:
                     on_text(delta)
+            if getattr(sampler, "finished", False):
+                finish = "stop"
+                break
             if i + 1 < max_new_tokens:
                 logits = pipeline.forward(seq_id, torch.tensor([tok], dtype=torch.long, device="cpu"))
         t_end = time.perf_counter()

@@ -2,9 +2,10 @@
 
 A ``{"type": "tool_calls", ...}`` spec (``decoding.tool_grammar`` builds its grammars)
 lets a model answer in words or call a tool, and only a call is held to the grammar.
-It answers the same five questions as :class:`~decoding.constrained.TokenConstraint`
-(mask, advance, finished, accepting, rollback), built from up to two of them, so the
-sampler cannot tell the two kinds apart. Apart from ``decoding.constrained`` because
+It answers the same questions as :class:`~decoding.constrained.TokenConstraint`
+(mask, advance, finished, accepting, rollback; a drafter's forced draft and valid
+prefix), built from up to two of them, so the sampler and the drafter cannot tell the
+two kinds apart. Apart from ``decoding.constrained`` because
 the phases (start, text, call, think) are a state machine of their own.
 """
 
@@ -170,6 +171,33 @@ class ToolCallConstraint:
     def is_accepting(self) -> bool:
         return self.phase in ("text", "think") or any(m is not None and m.is_accepting()
                                                       for m in (self._call, self._plain))
+
+    def restart(self) -> None:
+        """Back to the state before the answer's first token."""
+        self._consumed = []
+        self._reset()
+
+    def forced_draft(self, limit: int = 16) -> list[int]:
+        """The call grammar's forced text as draft tokens; none while the answer may still be words."""
+        return self._call.forced_draft(limit) if self.phase == "call" else []
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` may come next, in order, without moving the state.
+
+        Words and a think block take anything. At the start a token passes if the call or
+        the text grammar takes it; the text grammar refusing means a call (held to its
+        grammar from there), the call grammar refusing first means words (nothing masked
+        from there). Text that reaches a call tag mid-draft is taken whole: the verify
+        round's mask still holds the call to its grammar, the draft is only cut shorter
+        here to save its rows.
+        """
+        tokens = [int(t) for t in tokens]
+        if self.phase in ("text", "think") or (self._may_open and tokens and tokens[0] == self._think_open):
+            return len(tokens)
+        if self.phase == "call":
+            return self._call.valid_prefix(tokens)
+        as_call, as_text = self._call.valid_prefix(tokens), self._plain.valid_prefix(tokens)
+        return len(tokens) if as_text > as_call else as_call
 
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= len(self._consumed):

@@ -16,14 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from decoding.detok import IncrementalDetokenizer
-from decoding.generate import GenerationResult, check_fits
+from decoding.generate import GenerationResult, check_fits, selector_of
 from decoding.pipeline_local import LocalPipeline
-from decoding.sampling import Sampler, SamplingParams
+from decoding.sampling import Sampler, SamplingParams, SamplingSpec
+from decoding.selector import TokenSelector
 from decoding.speculative.medusa_propose import path_values, propose_sequences
 from decoding.speculative.params import SpeculativeStats
 from decoding.speculative.session import MedusaProposal, SpeculationSession
 from decoding.speculative.tree import DraftTree
-from decoding.speculative.verify import Verdict, verify_sampled, verify_typical
+from decoding.speculative.verify import Verdict, verify_sampled, verify_shaped, verify_typical
 
 
 @dataclass
@@ -65,18 +66,26 @@ def verify(tree: DraftTree, logits: torch.Tensor, sampler: Sampler, typical: boo
 
 
 def speculative_generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new_tokens: int = 64,
-                         sampling: SamplingParams = SamplingParams(), eos_ids=(), drafter: str = "lookup",
+                         sampling: SamplingParams | SamplingSpec = SamplingParams(), eos_ids=(),
+                         drafter: str = "lookup",
                          medusa: MedusaSource | None = None, model_drafter=None, typical: bool = False,
                          max_candidates: int = 64, fixed: int | None = None, tokenizer=None,
                          on_text: Callable[[str], None] | None = None, seq_id="spec",
                          cost=None) -> SpeculativeResult:
     check_fits(len(prompt_ids), max_new_tokens, pipeline.config.max_position)
     capacity = min(len(prompt_ids) + max_new_tokens + max_candidates + 1, pipeline.config.max_position)
-    sampler = Sampler(sampling)
+    sampler = selector_of(sampling, pipeline, tokenizer)
+    shaped = isinstance(sampler, TokenSelector)
     detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
     kw = {} if cost is None else {"cost": cost}
     session = SpeculationSession(drafter, list(prompt_ids), max_candidates=max_candidates, fixed=fixed,
                                  model_drafter=model_drafter, **kw)
+    if shaped and sampler.constraint is not None:  # the drafts' own copy of the grammar
+        from decoding.constrained import make_constraint
+
+        eos = tuple(tokenizer.eos_ids)
+        session.follow_grammar(make_constraint(sampling.constraint, tokenizer.path, pipeline.config.vocab_size,
+                                               eos), eos)
     pipeline.create(seq_id, capacity)
     out: list[int] = []
     finish = "length"
@@ -101,6 +110,8 @@ def speculative_generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new
                         on_text(delta)
                 if len(out) >= max_new_tokens:
                     break
+            if shaped and sampler.finished:
+                finish = "stop"
             if finish == "stop" or len(out) >= max_new_tokens:
                 break
             n = len(session.context) - 1  # positions in the cache; the root is not yet
@@ -109,7 +120,8 @@ def speculative_generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new
             tree = tree.truncated(max(0, room))
             logits, hidden = pipeline.forward(seq_id, torch.tensor(tree.tokens, dtype=torch.long, device="cpu"),
                                               tree_mask=tree.mask(), all_logits=True, return_normed=True)
-            verdict = verify(tree, logits, sampler, typical)
+            verdict = (verify_shaped(tree, logits, sampler, lambda t: t in eos_ids or sampler.finished) if shaped
+                       else verify(tree, logits, sampler, typical))
             pipeline.keep(seq_id, n, list(verdict.path))
             proposal = None
             if medusa is not None and session.wants_medusa:

@@ -36,16 +36,20 @@ class LookupDrafter:
                 if end >= n:
                     self._index.setdefault(tuple(self.tokens[end - n:end]), []).append(end)
 
-    def propose(self, length: int) -> list[list[int]]:
+    def propose(self, length: int, after: Sequence[int] = ()) -> list[list[int]]:
         """Up to ``max_branches`` distinct continuations (each ≤ ``length`` tokens) of the
-        tokens so far, best first: longer matching n-gram first, then the most recent."""
+        tokens so far, best first: longer matching n-gram first, then the most recent.
+
+        ``after``: tokens taken as already following (a grammar's forced text): the
+        continuations are of the tokens so far plus these, which are not indexed."""
         if length <= 0 or not self.tokens:
             return []
         out: list[list[int]] = []
         seen: set[int] = set()  # first tokens already proposed: branches must differ
-        total = len(self.tokens)
+        text = self.tokens + [int(t) for t in after] if after else self.tokens
+        total = len(text)
         for n in range(min(self.max_ngram, total), self.min_ngram - 1, -1):
-            ends = self._index.get(tuple(self.tokens[total - n:]), [])
+            ends = self._index.get(tuple(text[total - n:]), [])
             for end in reversed(ends):
                 if end >= total:  # the suffix itself
                     continue

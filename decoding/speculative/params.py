@@ -86,16 +86,30 @@ class SpeculativeStats:
     drafted: int = 0  # candidate tokens sent for verification
     accepted: int = 0  # candidates accepted (bonus tokens not counted)
     fallback_reason: str | None = None
+    constrained: bool = False  # drafted under a grammar (drafted / accepted are then under it)
+    forced_drafted: int = 0  # of the candidates: tokens of the grammar's forced text
+    forced_accepted: int = 0
+    steps: int = 0  # passes through the model that produced tokens (the first token's included)
+    tokens: int = 0  # tokens they produced
 
     @property
     def accepted_per_round(self) -> float:
         """Tokens committed per verify round (accepted candidates + the round's own token)."""
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
+    @property
+    def steps_per_token(self) -> float:
+        """Model steps per generated token: 1.0 for plain decoding, lower the more drafts were taken."""
+        return self.steps / self.tokens if self.tokens else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"drafter": self.drafter, "rounds": self.rounds, "drafted": self.drafted,
                              "accepted": self.accepted,
-                             "accepted_per_round": round(self.accepted_per_round, 3)}
+                             "accepted_per_round": round(self.accepted_per_round, 3),
+                             "steps": self.steps, "tokens": self.tokens,
+                             "steps_per_token": round(self.steps_per_token, 3)}
+        if self.constrained:
+            d.update(constrained=True, forced_drafted=self.forced_drafted, forced_accepted=self.forced_accepted)
         if self.fallback_reason:
             d["fallback_reason"] = self.fallback_reason
         return d

@@ -8,6 +8,14 @@ sorted best first — a prefix is never worth less than its extension, so the
 order keeps parents before children — and merged into one token tree. The
 adaptive controller then decides how many of them this round carries (maybe
 none: a plain decode step).
+
+Under a grammar (a tool call, structured output) the session holds a mirror of
+the last stage's grammar, fed the same committed tokens. Where the grammar forces
+text (``", "arguments": {"`` once a tool is chosen) that text, tokenized, leads
+every candidate; lookup continues after it (entity names are copied from the
+prompt), and every candidate is cut at the first token the grammar refuses, so a
+round carries no row that could not be taken. The last stage still masks every
+row it verifies: the mirror only drafts, it never decides.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from decoding.speculative.tree import DraftTree
 from decoding.speculative.verify import Verdict
 
 LOOKUP_ALPHA = 0.6  # prior chance that a lookup continuation's next token is right
+FORCED_VALUE = 0.9  # a grammar's forced text: taken unless the model writes it in other tokens
 LOOKUP_LENGTH = 8
 SECOND_BRANCH = 0.3  # weight of a lookup branch other than the most recent match
 
@@ -42,6 +51,8 @@ class SpeculationSession:
     max_candidates: int = 64
     fixed: int | None = None
     model_drafter: object | None = None  # a ModelDrafter for drafter "draft_model"
+    grammar: object | None = None  # a mirror of the last stage's constraint (decoding.constrained), fed here
+    eos_ids: tuple[int, ...] = ()  # the grammar is not fed these (nor anything after them)
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -53,6 +64,12 @@ class SpeculationSession:
         self._alpha_model = 0.8
         self._predicted = 0.0
         self._medusa_off = False
+        self._prompt_len = len(self.context)
+        self._fed_end = False  # the grammar saw the end of the answer: it takes nothing more
+        self._forced_nodes: frozenset[int] = frozenset()
+        self.steps = 0  # verify rounds and plain steps through the model after the first token
+        self.forced_drafted = 0
+        self.forced_accepted = 0
 
     @property
     def uses_medusa(self) -> bool:
@@ -77,26 +94,40 @@ class SpeculationSession:
         self._medusa_off = True
         self.fallback_reason = self.fallback_reason or reason
 
+    def follow_grammar(self, grammar, eos_ids: Sequence[int]) -> None:
+        """Draft under ``grammar``, a fresh constraint built from the same spec as the last stage's
+        (it is fed the tokens generated so far, then every committed one)."""
+        self.grammar, self.eos_ids, self._fed_end = grammar, tuple(int(t) for t in eos_ids), False
+        self._feed(self.context[self._prompt_len:])
+
     def resync(self, context: Sequence[int]) -> None:
         """Start again from exactly ``context`` (a replay re-prefilled prompt + generated)."""
         if list(context) != self.context:
             self.context = list(context)
             if self.lookup is not None:
                 self.lookup = LookupDrafter(self.context)
+            if self.grammar is not None:
+                self.grammar.restart()
+                self._fed_end = False
+                self._feed(self.context[self._prompt_len:])
 
     def next_tree(self, medusa: MedusaProposal | None = None) -> DraftTree:
         """The tree for the next verify round, rooted at the last committed token."""
         root = self.context[-1]
         pool: list[tuple[float, int, list[int]]] = []  # (value, -length, sequence)
         cap = self.max_candidates if self.fixed is None else min(self.fixed, self.max_candidates)
+        forced = self.grammar.forced_draft(cap) if self._drafts_under_grammar else []
+        pool += [(FORCED_VALUE ** d, -d, forced[:d]) for d in range(1, len(forced) + 1)]
         if self.lookup is not None:
-            for b, seq in enumerate(self.lookup.propose(min(LOOKUP_LENGTH, cap))):
-                w = 1.0 if b == 0 else SECOND_BRANCH
-                pool += [(w * LOOKUP_ALPHA ** d, -d, seq[:d]) for d in range(1, len(seq) + 1)]
+            for b, seq in enumerate(self.lookup.propose(min(LOOKUP_LENGTH, cap), after=forced)):
+                w = (1.0 if b == 0 else SECOND_BRANCH) * (FORCED_VALUE ** len(forced))
+                seq = (forced + seq)[:self._valid(forced + seq)][len(forced):]
+                pool += [(w * LOOKUP_ALPHA ** d, -len(forced) - d, forced + seq[:d]) for d in range(1, len(seq) + 1)]
         if medusa is not None and self.uses_medusa:
-            pool += [(v, -len(s), s) for s, v in zip(medusa.sequences, medusa.values)]
+            pool += [(v, -len(s), s[:self._valid(s)]) for s, v in zip(medusa.sequences, medusa.values)]
         if self.model_drafter is not None:
             chain = self.model_drafter.propose(self.context, min(cap, 6))
+            chain = chain[:self._valid(chain)]
             pool += [(self._alpha_model ** d, -d, chain[:d]) for d in range(1, len(chain) + 1)]
         pool.sort(key=lambda e: (-e[0], -e[1]))
         tree = DraftTree.root_only(root)
@@ -109,7 +140,17 @@ class SpeculationSession:
             values += [v] * (tree.size - before)
         n = self.controller.choose(values)
         self._predicted = sum(values[:n])
-        return tree.truncated(n)
+        tree = tree.truncated(n)
+        self._forced_nodes = frozenset(_chain_nodes(tree, forced))
+        return tree
+
+    @property
+    def _drafts_under_grammar(self) -> bool:
+        return self.grammar is not None and not self._fed_end
+
+    def _valid(self, seq: list[int]) -> int:
+        """How much of ``seq`` (after the root) the grammar takes: drafts are cut there."""
+        return self.grammar.valid_prefix(seq) if self._drafts_under_grammar and seq else len(seq)
 
     def draft_ahead(self, tree: DraftTree) -> None:
         """A draft model drafts the next round while ``tree`` is verified (idle time otherwise)."""
@@ -121,10 +162,13 @@ class SpeculationSession:
     def commit(self, tree: DraftTree, verdict: Verdict) -> list[int]:
         """Record a verified round; returns the tokens it committed."""
         toks = verdict.committed(tree)
+        self.steps += 1
         if tree.num_candidates:
             self.rounds += 1
             self.drafted += tree.num_candidates
             self.accepted += verdict.accepted
+            self.forced_drafted += sum(1 for k in self._forced_nodes if k < tree.size)
+            self.forced_accepted += len(self._forced_nodes.intersection(verdict.path))
             self.controller.observe(self._predicted, verdict.accepted)
         self.extend(toks)
         return toks
@@ -133,10 +177,45 @@ class SpeculationSession:
         self.context.extend(tokens)
         if self.lookup is not None:
             self.lookup.extend(tokens)
+        if self.grammar is not None:
+            self._feed(tokens)
+
+    def _feed(self, tokens: Sequence[int]) -> None:
+        """The mirror takes what the last stage's grammar took: every token up to the end of the answer."""
+        from decoding.constrained import ConstraintViolated
+
+        for t in tokens:
+            if self._fed_end or t in self.eos_ids:
+                self._fed_end = True
+                return
+            try:
+                self.grammar.advance(int(t))
+            except ConstraintViolated as exc:  # cannot happen while the two agree; drafting stops, not the answer
+                self._fed_end = True
+                self.fallback_reason = self.fallback_reason or f"grammar mirror refused a token: {exc}"
+                return
+            if self.grammar.is_finished():
+                self._fed_end = True
+                return
 
     def stats(self) -> SpeculativeStats:
+        generated = len(self.context) - self._prompt_len
         return SpeculativeStats(drafter=self.drafter, rounds=self.rounds, drafted=self.drafted,
-                                accepted=self.accepted, fallback_reason=self.fallback_reason)
+                                accepted=self.accepted, fallback_reason=self.fallback_reason,
+                                constrained=self.grammar is not None, forced_drafted=self.forced_drafted,
+                                forced_accepted=self.forced_accepted,
+                                steps=self.steps + (1 if generated else 0), tokens=generated)
+
+
+def _chain_nodes(tree: DraftTree, tokens: Sequence[int]) -> list[int]:
+    """The nodes along ``tokens`` from the root, as far as the tree holds them."""
+    node, out = 0, []
+    for t in tokens:
+        node = next((k for k in tree.children(node) if tree.tokens[k] == t), None)
+        if node is None:
+            break
+        out.append(node)
+    return out
 
 
 def _first_leaf(tree: DraftTree) -> int:

@@ -13,6 +13,12 @@ committed token, like plain decoding: seeded speculative output is then
 token-identical to seeded plain output, not merely equal in distribution, and
 a replay after a device left can skip draws by counting tokens.
 
+A grammar or repetition penalties shape the target: the distribution at a node
+depends on the tokens before it. :func:`verify_shaped` walks the same way with the
+sequence's own selector choosing each node's token from its row, so the grammar and
+the penalties see exactly the tokens plain decoding would have fed them, one draw
+per committed token: greedy or seeded, it commits plain shaped decoding's tokens.
+
 ``verify_chain_rejection`` is the general rule for a drafter that samples from
 its own distribution q (the edge–cloud verifier uses it). ``verify_typical``
 is Medusa's typical acceptance: faster, but lossy — only on explicit opt-in.
@@ -48,8 +54,9 @@ class Verdict:
         return [tree.tokens[i] for i in self.path[1:]] + [self.next_token]
 
 
-def _walk(tree: DraftTree, pick: Callable[[int], int]) -> Verdict:
-    """Follow the children whose token equals ``pick(node)``; stop where none does."""
+def _walk(tree: DraftTree, pick: Callable[[int], int], last: Callable[[int], bool] | None = None) -> Verdict:
+    """Follow the children whose token equals ``pick(node)``; stop where none does, or where
+    ``last(token)`` says nothing may follow that token."""
     kids: dict[int, dict[int, int]] = {}
     for i in range(1, tree.size):
         kids.setdefault(tree.parents[i], {})[tree.tokens[i]] = i
@@ -58,7 +65,7 @@ def _walk(tree: DraftTree, pick: Callable[[int], int]) -> Verdict:
         y = pick(node)
         draws += 1
         nxt = kids.get(node, {}).get(y)
-        if nxt is None:
+        if nxt is None or (last is not None and last(y)):
             return Verdict(tuple(path), y, draws)
         path.append(nxt)
         node = nxt
@@ -75,6 +82,16 @@ def verify_sampled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams
     if params.greedy:
         return verify_greedy(tree, logits)
     return _walk(tree, lambda node: inverse_cdf(filtered_probs(logits[node], params), uniform()))
+
+
+def verify_shaped(tree: DraftTree, logits: torch.Tensor, choose: Callable[[torch.Tensor], int],
+                  last: Callable[[int], bool]) -> Verdict:
+    """Verification of a grammar- or penalty-shaped sequence: ``choose(row)`` is its selector
+    (shape, draw, and move its state past the token), called only along the accepted path and
+    once for the token after it. ``last(token)``: the answer ends with that token (an end of
+    sequence, or a grammar now complete), so no candidate after it is taken and the selector
+    is never asked about a token past the end."""
+    return _walk(tree, lambda node: choose(logits[node]), last)
 
 
 def verify_typical(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, uniform: Uniform,

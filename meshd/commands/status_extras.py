@@ -17,9 +17,16 @@ def speculation_line(stage: Any) -> str:
     spec = stage.get("speculative") if isinstance(stage, dict) else None
     if not isinstance(spec, dict) or not spec.get("rounds"):
         return ""
-    return (f"speculative: {spec.get('accepted_per_round', 0):.2f} tokens/verify round over "
+    line = (f"speculative: {spec.get('accepted_per_round', 0):.2f} tokens/verify round over "
             f"{spec['rounds']} rounds ({spec.get('accepted', 0)} of {spec.get('drafted', 0)} drafted tokens "
-            f"accepted, {spec.get('requests', 0)} requests)")
+            f"accepted, {spec.get('requests', 0)} requests); {spec.get('steps_per_token', 0):.2f} model steps "
+            f"per token")
+    g = spec.get("under_grammar")
+    if isinstance(g, dict) and g.get("requests"):
+        line += (f"; under a grammar: {g.get('accepted', 0)} of {g.get('drafted', 0)} drafted accepted "
+                 f"({g.get('forced_accepted', 0)} of {g.get('forced_drafted', 0)} forced), "
+                 f"{g.get('steps_per_token', 0):.2f} steps per token over {g['requests']} requests")
+    return line
 
 
 def outline_line(stage: Any) -> str:

@@ -3,8 +3,8 @@
 A request can ask for several ways of decoding at once: a grammar or penalties shaping
 every token, offered tools, speculative decoding (Medusa heads, prompt lookup or a draft
 model draft; the engine verifies), an outline answered point by point, a paired cloud
-verifier, early exits. Some pairs cannot run together (a draft is not shaped; an early
-exit changes the distribution a verifier checks), and which one gives way used to be
+verifier, early exits. Some pairs cannot run together (an early exit changes the
+distribution a verifier checks; an outline's points are free text), and which one gives way used to be
 decided by ifs in three places. :data:`RULES` is now the only place: the engine builds
 each mode's :class:`Ask` from the request and its own state (is a verifier paired, does
 a serving route check exits) and :func:`resolve` says which modes run.
@@ -66,9 +66,9 @@ _BIG = "a paired verifier's answer is the big model's, drafted and checked its o
 
 #: Every pair of modes that cannot run together, and who gives way. A pair not listed combines
 #: (an outline's points speculate; tools answered in free text may speculate, exit early or be
-#: verified; a tool grammar is itself SHAPED).
+#: verified; a tool grammar is itself SHAPED; a grammar or penalties speculate: the last stage
+#: verifies each round with the sequence's own selector, ``decoding.speculative.verify_shaped``).
 RULES: dict[frozenset[Mode], Rule] = {
-    _pair(Mode.SHAPED, Mode.SPECULATIVE): Rule(Mode.SHAPED, f"{_SHAPES}; a draft cannot be verified against them"),
     _pair(Mode.SHAPED, Mode.EXITS): Rule(Mode.SHAPED, f"{_SHAPES}; {_LOSSY}"),
     _pair(Mode.SHAPED, Mode.CLOUD): Rule(Mode.SHAPED, f"{_SHAPES}; the verifier samples without them"),
     _pair(Mode.SHAPED, Mode.OUTLINE): Rule(Mode.SHAPED, f"{_SHAPES}; an outline's points are free text"),

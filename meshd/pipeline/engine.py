@@ -10,10 +10,11 @@ device left → a clear error naming the device.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from decoding.errors import DrafterError
+from decoding.errors import DecodingError, DrafterError
 from decoding.offload.policy import GAMMA
 from decoding.speculative.session import SpeculationSession
 from meshd.engine.base import Engine, GenerationRequest, Report, TokenStream, model_id_of
@@ -121,6 +122,9 @@ class PipelineEngine(Engine):
         """The drafting session of an answer that speculates (``auto``: Medusa heads + prompt lookup;
         the adaptive controller sends no candidates where they do not pay)."""
         spec = req.options.speculative
+        if spec.typical and req.options.sampling.shaped:
+            raise BadEngineRequest("speculative.typical cannot be combined with a grammar or penalties: typical "
+                                   "acceptance does not keep their distribution; leave typical out")
         drafter = spec.drafter or "auto"
         model_drafter = None
         if drafter == "draft_model":
@@ -134,6 +138,22 @@ class PipelineEngine(Engine):
         return SpeculationSession(drafter, list(req.prompt_ids if context is None else context),
                                   cost=self.coordinator.round_cost,
                                   fixed=spec.max_candidates, model_drafter=model_drafter)
+
+    async def _draft_under_grammar(self, session: SpeculationSession, req: GenerationRequest) -> None:
+        """Give ``session`` its own copy of the request's grammar, so it drafts what the grammar forces
+        and cuts drafts it refuses. Built off the event loop: the grammar engine's first look at a
+        vocabulary takes a second on a device that does not sample (later ones, milliseconds)."""
+        from decoding.constrained import make_constraint
+
+        tok, spec = self.tokenizer, req.options.sampling.constraint
+        eos = tuple(tok.eos_ids)
+        try:
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                None, make_constraint, spec, tok.path, self.vocab_size, eos)
+        except DecodingError as exc:  # the last stage still masks every row: drafts just go uncut
+            log.warning("grammar_drafting_unavailable", request_id=req.request_id, error=str(exc))
+            return
+        session.follow_grammar(grammar, eos)
 
     def outline_for(self, req: GenerationRequest, modes: Resolution) -> OutlineDecision:
         """Whether to answer in outline mode, decided before any token (``meshd.pipeline.outline.gate``);
@@ -234,6 +254,8 @@ class PipelineEngine(Engine):
     async def _plain_ids(self, req: GenerationRequest, report: Report, speculate: bool = False,
                          exit_threshold: float = 0.0) -> AsyncIterator[int]:
         session = self.speculation_for(req) if speculate else None
+        if session is not None and req.options.sampling.constraint is not None:
+            await self._draft_under_grammar(session, req)
         reported = False  # a replayed request reports what its first attempt reused
         exits = ExitCount(exit_threshold) if exit_threshold > 0 else None
         try:

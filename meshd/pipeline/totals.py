@@ -24,17 +24,31 @@ class SpeculationTotals:
     rounds: int = 0  # verify rounds that carried candidates
     drafted: int = 0
     accepted: int = 0
+    steps: int = 0  # passes through the model that produced tokens
+    tokens: int = 0
+    constrained: Counter = field(default_factory=Counter)  # under a grammar: requests, drafted, accepted, forced…
 
     def add(self, stats: SpeculativeStats) -> None:
         self.requests += 1
         self.rounds += stats.rounds
         self.drafted += stats.drafted
         self.accepted += stats.accepted
+        self.steps += stats.steps
+        self.tokens += stats.tokens
+        if stats.constrained:
+            self.constrained.update(requests=1, drafted=stats.drafted, accepted=stats.accepted,
+                                    forced_drafted=stats.forced_drafted, forced_accepted=stats.forced_accepted,
+                                    steps=stats.steps, tokens=stats.tokens)
 
     def to_dict(self) -> dict[str, Any]:
+        g = self.constrained
         return {"requests": self.requests, "rounds": self.rounds, "drafted": self.drafted,
                 "accepted": self.accepted,
-                "accepted_per_round": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else 0.0}
+                "accepted_per_round": round((self.accepted + self.rounds) / self.rounds, 3) if self.rounds else 0.0,
+                "steps_per_token": round(self.steps / self.tokens, 3) if self.tokens else 0.0,
+                "under_grammar": {**{k: g[k] for k in ("requests", "drafted", "accepted", "forced_drafted",
+                                                       "forced_accepted", "tokens")},
+                                  "steps_per_token": round(g["steps"] / g["tokens"], 3) if g["tokens"] else 0.0}}
 
 
 @dataclass

@@ -21,11 +21,13 @@ def test_modes_that_do_not_clash_all_run():
     assert runs(outline=ON, speculative=AUTO) == {O, SPEC}  # an outline's points speculate
     assert runs(tools=ON, speculative=ON, exits=OFF) == {T, SPEC}  # calls in free text may be drafted
     assert runs(shaped=ON, tools=ON) == {S, T}  # a tool grammar is itself a grammar
+    assert runs(shaped=ON, tools=ON, speculative=AUTO) == {S, T, SPEC}  # drafts are verified under the grammar
+    assert runs(shaped=ON, speculative=ON) == {S, SPEC}
     assert runs(tools=ON, exits=ON) == {T, E} and runs(tools=ON, cloud=AUTO) == {T, C}
     assert runs() == set() and runs(speculative=OFF, outline=OFF) == set()
 
 
-@pytest.mark.parametrize("loser", [SPEC, E, C, O])
+@pytest.mark.parametrize("loser", [E, C, O])
 def test_a_grammar_or_penalties_shape_every_token_so_what_cannot_follow_them_steps_aside(loser):
     assert set(resolve({S: ON, loser: AUTO}).runs) == {S}
     assert resolve({S: ON, loser: AUTO}).gave_way == {loser: S}
@@ -71,9 +73,9 @@ def test_a_mode_that_gave_way_makes_nothing_else_give_way():
 
 def test_every_explicit_clash_is_refused_whatever_else_runs_and_is_the_apis_400():
     with pytest.raises(ModesClash) as err:
-        resolve({S: ON, C: AUTO, E: AUTO, SPEC: ON})
+        resolve({S: ON, C: AUTO, E: AUTO, O: ON})
     assert isinstance(err.value, BadEngineRequest) and err.value.http_status == 400
-    assert set(err.value.modes) == {S, SPEC} and 'use speculative "auto" or "off"' in str(err.value)
+    assert set(err.value.modes) == {S, O} and 'send outline "auto" or "off"' in str(err.value)
 
 
 def test_the_table_names_only_pairs_and_never_lets_a_mode_give_way_to_itself():

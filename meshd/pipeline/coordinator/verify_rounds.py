@@ -47,6 +47,10 @@ async def verify_rounds(coord, slot: RequestSlot, session: SpeculationSession, f
             yield TokenStep(t)  # the coordinator appends it to ``slot.generated`` before resuming us
             if slot.ends_with(t):
                 return
+        if res.finished:  # the grammar is complete: nothing may follow but the end
+            if slot.request.eos_ids:
+                yield TokenStep(min(slot.request.eos_ids))
+            return
         n = base + len(session.context) - 1  # positions every stage holds (after the pending commit)
         if session.model_drafter is not None:  # a draft model computes: off the event loop
             tree = await loop.run_in_executor(None, session.next_tree, proposal)

@@ -21,9 +21,9 @@ from decoding.sampling import filtered_probs
 from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
 from decoding.speculative.params import MAX_CANDIDATES
+from decoding.speculative.verify import verify_shaped
 from decoding.models import StageModel
 from meshd.log import get_logger
-from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.worker import Work
 from transport.stage_messages import StageForward, TokenResult
 
@@ -84,12 +84,13 @@ class StageSampler:
         for the next round's header."""
         msg, tree = work.msg, work.tree
         sel = self._selector(stage, work)
-        if not sel.plain:
-            raise StageError("bad_input", "speculative rounds cannot verify a grammar- or penalty-shaped sequence")
-        verdict = verify(tree, logits, sel.sampler, msg.typical)
+        if sel.plain:
+            verdict = verify(tree, logits, sel.sampler, msg.typical)
+        else:  # the grammar / penalties move with every committed token: the selector walks the tree
+            verdict = verify_shaped(tree, logits, sel, lambda t: t in sel.eos_ids or sel.finished)
         result = TokenResult(request_id=msg.request_id, plan_version=msg.plan_version, seq_id=msg.seq_id,
                              token_ids=torch.tensor(verdict.committed(tree), dtype=torch.long),
-                             chunk_index=msg.chunk_index, path=list(verdict.path))
+                             chunk_index=msg.chunk_index, path=list(verdict.path), finished=sel.finished)
         if msg.medusa_paths > 0:
             result = self._with_proposals(stage, result, hidden[verdict.path[-1]], msg.medusa_paths)
         return result
