@@ -102,11 +102,15 @@ def test_a_row_gets_the_same_bits_whatever_rows_come_with_it(type_name):
     block = native.ACT_BLOCK[type_name]
     together = np.zeros((70, rows), np.float32)
     native.matmul_into(together, native.quantize_rows(x, block), type_name, raw, cols)
-    # the first tile's groups of eight (rows 0-63), the second's group of four (64-67), rows alone (68, 69)
-    for i in (0, 7, 8, 63, 64, 67, 68, 69):
-        alone = np.zeros((1, rows), np.float32)
-        native.matmul_into(alone, native.quantize_rows(x[i:i + 1], block), type_name, raw, cols)
-        assert np.array_equal(alone[0], together[i])
+    # the first tile's groups of eight (rows 0-63), the second's groups of four (64-67, then 68-69 and copies)
+    alone = np.zeros((70, rows), np.float32)
+    for i in range(70):
+        native.matmul_into(alone[i:i + 1], native.quantize_rows(x[i:i + 1], block), type_name, raw, cols)
+    assert np.array_equal(alone, together)
+    for m in (2, 3, 5, 6, 7, 9, 11):  # a verify round's few rows: a group of four filled up with copies
+        few = np.zeros((m, rows), np.float32)
+        native.matmul_into(few, native.quantize_rows(x[:m], block), type_name, raw, cols)
+        assert np.array_equal(few, alone[:m]), m
     # and split over weight rows (threads), each half computes the same bits
     halves = np.zeros_like(together)
     xq = native.quantize_rows(x, block)

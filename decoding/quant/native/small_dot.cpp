@@ -171,18 +171,22 @@ struct RowGroup {
     std::vector<int32_t> bsx;   // [nb][R]
 };
 
+// `live` < R: only the first `live` rows are real; the others repeat the last one (a verify round of two
+// or three rows takes a group's pass, whose results per row are those of the row alone, and drops the copies).
 template <int T, int R>
-inline void fill_group(RowGroup<R>& g, const int8_t* xq, const float* xd, const int16_t* xs, int64_t m, int64_t K) {
+inline void fill_group(RowGroup<R>& g, const int8_t* xq, const float* xd, const int16_t* xs, int64_t m, int64_t K,
+                       int live = R) {
     const int64_t nb = K / 32;
     g.q.resize(R * K);
     g.dx.resize(R * nb);
     g.sf.resize(R * nb);
     g.bsx.resize(R * nb);
     for (int r = 0; r < R; r++) {
+        const int64_t src = m + (r < live ? r : live - 1);
         for (int64_t j = 0; j < nb; j++) {
-            std::memcpy(g.q.data() + 32 * (R * j + r), xq + (m + r) * K + 32 * j, 32);
-            const int sx = act_sum32(xs + (m + r) * (K / 16), j);
-            g.dx[R * j + r] = xd[(m + r) * nb + j];
+            std::memcpy(g.q.data() + 32 * (R * j + r), xq + src * K + 32 * j, 32);
+            const int sx = act_sum32(xs + src * (K / 16), j);
+            g.dx[R * j + r] = xd[src * nb + j];
             g.sf[R * j + r] = (float)sx;
             g.bsx[R * j + r] = small_bias(T) * sx;
         }
@@ -274,14 +278,18 @@ void matmul_small(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, i
 #if defined(MESHD_AVX2)
     constexpr int R = 8;  // rows a weight row's blocks are decoded for at once (and 4 for the rest)
     std::vector<RowGroup<R>> groups(M_TILE / R);
-    RowGroup<4> four;
+    RowGroup<4> fours[2];
     for (int64_t m0 = 0; m0 < M; m0 += M_TILE) {
         const int64_t m1 = m0 + M_TILE < M ? m0 + M_TILE : M;
-        const int64_t ng = (m1 - m0) / R, m4 = m0 + R * ng;  // groups of eight, of four, then rows alone
-        const bool has4 = m1 - m4 >= 4;
+        // groups of eight; the rest (0-7 rows) in groups of four, the last one filled up with copies when it
+        // has two or three rows (a four-row pass costs less than three rows alone: the decoding is shared)
+        const int64_t ng = (m1 - m0) / R, m4 = m0 + R * ng, rest = m1 - m4;
+        const int n4 = rest >= 6 ? 2 : rest >= 2 ? 1 : 0;
+        int live[2] = {0, 0};
+        for (int i = 0; i < n4; i++) live[i] = (int)(rest - 4 * i < 4 ? rest - 4 * i : 4);
         for (int64_t i = 0; i < ng; i++) fill_group<T, R>(groups[i], xq, xd, xs, m0 + R * i, K);
-        if (has4) fill_group<T, 4>(four, xq, xd, xs, m4, K);
-        const int64_t m1s = has4 ? m4 + 4 : m4;
+        for (int i = 0; i < n4; i++) fill_group<T, 4>(fours[i], xq, xd, xs, m4 + 4 * i, K, live[i]);
+        const int64_t m1s = m4 + live[0] + live[1];
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t* row = w + n * row_bytes;
             const int64_t col = col0 + (colmap ? colmap[n] : n);
@@ -290,9 +298,9 @@ void matmul_small(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, i
                 small_rows<T, R>(row, nb, groups[i], r);
                 for (int e = 0; e < R; e++) out[(m0 + R * i + e) * ldo + col] = r[e];
             }
-            if (has4) {
-                small_rows<T, 4>(row, nb, four, r);
-                for (int e = 0; e < 4; e++) out[(m4 + e) * ldo + col] = r[e];
+            for (int i = 0; i < n4; i++) {
+                small_rows<T, 4>(row, nb, fours[i], r);
+                for (int e = 0; e < live[i]; e++) out[(m4 + 4 * i + e) * ldo + col] = r[e];
             }
             for (int64_t m = m1s; m < m1; m++) out[m * ldo + col] = small_row<T>(row, nb, act(m));
         }
