@@ -34,6 +34,7 @@ class BatchItem:
     logit_rows: int = 0  # with all_logits: only the last this many rows (0: all)
     attention_tail: int = 0  # see the stage's forward_batch ``probes``
     exit_threshold: float = 0.0  # a decode step may leave at an exit layer with this top-2 margin (0: never)
+    lazy_head: bool = False  # the head's rows are computed when read (decoding.head_rows), not in the pass
 
     @property
     def may_exit(self) -> bool:

@@ -29,6 +29,7 @@ class TokenSelector:
         self.prompt_tail = list(prompt_tail)
         self.eos_ids = frozenset(eos_ids)
         self.generated: list[int] = []
+        self._mask: torch.Tensor | None = None  # the grammar's mask at the current position, once computed
         for t in history:
             self._accept(int(t))
 
@@ -57,11 +58,20 @@ class TokenSelector:
         """The grammar is complete: nothing may follow but the end of the answer."""
         return self.constraint is not None and self.constraint.is_finished()
 
+    def allowed(self) -> torch.Tensor | None:
+        """The grammar's mask for the next token (None: no grammar), computed once per position: a lazy
+        LM head reads it to multiply only these tokens, and the draw reads it again."""
+        if self.constraint is None:
+            return None
+        if self._mask is None:
+            self._mask = self.constraint.allowed_mask()
+        return self._mask
+
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
         if self.penalties is not None:
             logits = self.penalties.apply(logits, self.prompt_tail, self.generated)
         if self.constraint is not None:
-            logits = self.constraint.apply(logits)
+            logits = logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
         return logits
 
     def __call__(self, logits: torch.Tensor) -> int:
@@ -71,5 +81,6 @@ class TokenSelector:
 
     def _accept(self, tok: int) -> None:
         self.generated.append(tok)
+        self._mask = None
         if self.constraint is not None and tok not in self.eos_ids:
             self.constraint.advance(tok)

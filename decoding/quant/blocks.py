@@ -112,6 +112,18 @@ class BlockLinear:
         threads = torch.get_num_threads() if m * self.out_features >= _SPLIT_FROM else 1
         self._fused.run(x.data_ptr(), m, self.in_features, out.data_ptr(), self.out_features, threads)
         return out if bias is None else out.add_(bias)
+    def only(self, ids: torch.Tensor) -> "BlockLinear":
+        """The matrix of output rows ``ids`` only (their blocks copied): ``only(ids)(x)`` is ``self(x)[:, ids]``,
+        bit for bit, since a row's result depends on its own blocks and the activations alone. An LM head
+        under a grammar multiplies just the tokens the grammar allows."""
+        if len(self.parts) != 1:
+            raise ValueError("rows are selected from a single matrix")
+        part = self.parts[0]
+        ids = ids.reshape(-1).cpu().numpy().astype(np.int64)
+        if part.colmap is not None:
+            ids = np.argsort(part.colmap)[ids]
+        return BlockLinear([BlockPart(part.type_name, np.ascontiguousarray(part.blocks[ids]), part.cols)])
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows ``ids`` of the matrix (a token embedding): only those rows are widened."""
         import gguf

@@ -72,7 +72,10 @@ def _walk(tree: DraftTree, pick: Callable[[int], int], last: Callable[[int], boo
 
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    """logits: [tree.size, vocab], row i = the target's next-token logits after node i."""
+    """logits: [tree.size, vocab], row i = the target's next-token logits after node i (a tensor, or rows
+    computed when read: then only the walked ones are)."""
+    if not isinstance(logits, torch.Tensor):
+        return _walk(tree, lambda node: int(torch.argmax(logits[node])))
     best = torch.argmax(logits, dim=-1).tolist()
     return _walk(tree, lambda node: best[node])
 

@@ -31,6 +31,7 @@ from decoding.exits.owed import ExitedRows, OwedRow, rejoin
 from decoding.kv_cache import KVCache
 from decoding.linear import linear, nbytes
 from decoding.masks import chunk_mask
+from decoding.head_rows import HeadRows
 from decoding.models.llama.decode_step import DecodeSteps
 from decoding.models.llama.layers import LayerWeights, rms_norm, rotate
 from decoding.quant import row_ops
@@ -204,20 +205,32 @@ class StageModel:
                 for part, it in zip(parts, items) if it.head and it.seq_id not in exited]
         if not self.is_last or not read:
             return list(parts)
-        # The LM head only over the rows someone reads: one product for the whole batch.
+        # The LM head only over the rows someone reads: one product for the whole batch, but for the
+        # items that read their rows later, and perhaps only a grammar's tokens of them (HeadRows).
         normed = rms_norm(torch.cat(read), self.final_norm, cfg.rms_eps)
+        readers = [it for it in items if it.head and it.seq_id not in exited]
+        normed_parts = normed.split([r.shape[0] for r in read])
+        lazy = [it.lazy_head and self.selectable_head for it in readers]
+        eager = [nm for nm, lz in zip(normed_parts, lazy) if not lz]
         # (a packed head multiplies every row alone: widening a 152k-row head would cost more than it saves)
-        logits = linear(normed, self.lm_head, dense=False).float()
-        sizes = [r.shape[0] for r in read]
-        heads = iter(zip(logits.split(sizes), normed.split(sizes)))
+        logits = iter(linear(torch.cat(eager), self.lm_head, dense=False).float().split([e.shape[0] for e in eager])
+                      if eager else ())
+        heads = iter(zip(normed_parts, lazy))
         outs: list = []
         for part, it in zip(parts, items):
             if not it.head or it.seq_id in exited:
                 outs.append(part)
                 continue
-            lg, nm = next(heads)
+            nm, lz = next(heads)
+            lg = HeadRows(nm, self.lm_head, cfg.vocab_size) if lz else next(logits)
             outs.append((lg, nm) if it.return_normed else lg)
         return outs
+
+    @property
+    def selectable_head(self) -> bool:
+        """Whether the head can multiply a row over chosen tokens only, with the full product's bits
+        (the ``gguf`` mode's block matrices: a row's result depends on its own blocks alone)."""
+        return self.lm_head is not None and hasattr(self.lm_head, "only")
 
     # -- early exits (decoding.exits.owed) ----------------------------------------------
     def has_pending(self) -> bool:

@@ -236,8 +236,8 @@ class PipelineCoordinator:
     def admit(self, request: StepsRequest) -> RequestSlot:
         """Check ``request`` and give it a slot (its id is taken until :meth:`discharge`)."""
         sampling = request.sampling
-        if request.speculation is not None and sampling.shaped:
-            raise PipelineError("speculation cannot be combined with structured output or penalties")
+        if request.speculation is not None and request.typical and sampling.shaped:
+            raise PipelineError("typical acceptance cannot be combined with structured output or penalties")
         self._take_id(request.request_id)
         bad = out_of_vocab(request.prompt_ids, self.vocab_size)
         if bad:

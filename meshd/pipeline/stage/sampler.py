@@ -17,6 +17,7 @@ import torch
 
 from decoding.errors import DecodingError
 from decoding.exits.bound import ExitCheck
+from decoding.head_rows import HeadRows
 from decoding.sampling import filtered_probs
 from decoding.selector import TokenSelector
 from decoding.speculative.generate import verify
@@ -44,6 +45,20 @@ def selector_for(msg: StageForward, source, vocab_size: int) -> TokenSelector:
                                   history=msg.history or (), skip=msg.sample_step)
 
 
+class _GrammarRows:
+    """A lazy head's rows as ``selector`` reads them: each multiplied over the tokens its grammar allows
+    at the moment it is read (the walk of a verify round reads a row after the tokens before it)."""
+
+    def __init__(self, rows: HeadRows, selector: TokenSelector):
+        self.rows, self.selector = rows, selector
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.rows.row(int(i), self.selector.allowed())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 class StageSampler:
     def __init__(self, source, medusa=None):
         """``medusa(stage)`` -> MedusaSource (or raises DrafterError): the heads, loaded on first use."""
@@ -63,6 +78,8 @@ class StageSampler:
             result = self._sample(stage, work, out.logits.to("cpu"))
             return dataclasses.replace(result, exit_layer=out.layer)
         logits, hidden = out if work.normed else (out, None)
+        if isinstance(logits, HeadRows):  # rows computed as the selector reads them, over its grammar's tokens
+            logits = _GrammarRows(logits, self._selector(stage, work))
         if work.tree is not None:
             result = self._verify(stage, work, logits, hidden)
         else:

@@ -215,9 +215,15 @@ class StageWorker:
         # shaping the last prompt chunk brought lives in the slot's selector).
         plain = not msg.sampling.shaped and (slot.selector is None or slot.selector.plain)
         exits = want_logits and plain and not msg.verify and msg.return_topk == 0 and msg.medusa_paths == 0
+        # The head's rows when read, over the grammar's tokens: a verify round reads only the rows it walks,
+        # a grammar often allows a few hundred of 150k tokens (the sampler asks; a verifier's top-k needs all).
+        grammar = msg.sampling.constraint is not None or (slot.selector is not None and
+                                                          slot.selector.constraint is not None)
+        lazy = want_logits and (msg.verify or grammar) and msg.return_topk == 0 and not exits
         item = BatchItem(slot.seq, x, mask, all_logits=msg.verify, head=want_logits, return_normed=normed,
                          attention_tail=max(0, min(int(msg.attention_tail), 64)) if want_logits else 0,
-                         exit_threshold=min(max(float(msg.exit_threshold), 0.0), 1.0) if exits else 0.0)
+                         exit_threshold=min(max(float(msg.exit_threshold), 0.0), 1.0) if exits else 0.0,
+                         lazy_head=lazy)
         return Work(msg, slot, item, tree, want_logits, normed)
 
     async def run(self, stage: StageModel, kv, works: list[Work],
