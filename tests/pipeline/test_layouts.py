@@ -164,3 +164,30 @@ async def test_requests_take_a_route_known_to_serve_over_one_that_never_answered
 
 async def _steps_within(mesh, prompt, rid):
     return [s.token async for s in mesh.coord.steps(StepsRequest(rid, prompt, 10, SamplingSpec(), wait_s=20))]
+
+
+async def test_a_tool_rounds_second_request_goes_where_the_first_left_its_prompt(tiny):
+    """Home Assistant sends the tool result the moment the call is parsed: the second request of the round
+    must start on the first's cached prompt + call, on whichever replica holds it, even while the first is
+    still winding down there and even when another request keeps that replica busier."""
+    system = list(SYSTEM[:120])
+    async with Mesh(tiny, 2, groups=[1, 1]) as mesh:
+        for r in mesh.routes:
+            await mesh.coord.table.wait_ready(r)
+        first = mesh.coord.steps(StepsRequest("call", system + [5, 6, 7], 8, SamplingSpec()))
+        call = [(await first.__anext__()).token for _ in range(8)]  # the last token is out; not yet wound down
+        holder = next(r for r in mesh.routes if mesh.coord.route_counts.running(r) == 1)
+        # someone else's long answer on the same system prompt keeps that replica busier meanwhile
+        busy = asyncio.create_task(_drain(mesh.coord.steps(StepsRequest("other", system + [77, 78], 60,
+                                                                        SamplingSpec()))))
+        await eventually(lambda: mesh.coord.route_counts.running(holder) == 2)
+        second = mesh.coord.steps(StepsRequest("result", system + [5, 6, 7] + call + [9, 10, 11], 4, SamplingSpec()))
+        step = await second.__anext__()
+        await first.aclose()
+        assert step.cached >= len(system), (holder.index, step.cached)
+        await second.aclose()
+        await busy
+
+
+async def _drain(gen) -> list[int]:
+    return [s.token async for s in gen]

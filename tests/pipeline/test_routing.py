@@ -19,9 +19,28 @@ def test_an_idle_home_sends_a_request_to_the_first_replica_and_a_busy_replica_is
     assert pick_route([RouteLoad(A, 1), RouteLoad(B, 0)], 100) is B
 
 
-def test_a_prompt_goes_where_its_prefix_is_cached_unless_that_route_is_busier_by_a_whole_request():
+def test_a_prompt_goes_where_its_longest_prefix_is_cached_and_load_decides_only_among_equals():
     assert pick_route([RouteLoad(A, 0, 0), RouteLoad(B, 0, 90)], 100) is B
-    assert pick_route([RouteLoad(A, 0, 0), RouteLoad(B, 1, 90)], 100) is A
+    assert pick_route([RouteLoad(A, 0, 0), RouteLoad(B, 1, 90)], 100) is B  # busy, but it holds the conversation
+    assert pick_route([RouteLoad(A, 0, 0), RouteLoad(B, 1, 10)], 100) is A  # too short to be worth it
+    # both hold the system prompt, one the turn too: within MIN_SHARED tokens the idle one is as good
+    assert pick_route([RouteLoad(A, 0, 2900), RouteLoad(B, 1, 2950)], 3000) is A
+    assert pick_route([RouteLoad(A, 0, 2800), RouteLoad(B, 1, 2950)], 3000) is B
+
+
+def test_recent_requests_say_where_a_conversation_left_its_prompt():
+    from meshd.pipeline.coordinator.routes import RecentRequests
+    from meshd.pipeline.coordinator.slot import RequestSlot, StepsRequest
+
+    recent = RecentRequests(capacity=2)
+    first = RequestSlot(StepsRequest("call", list(range(100)), 8), None)
+    first.generated += [500, 501, 502]
+    recent.note(B, first)
+    follow_up = list(range(100)) + [500, 501, 777, 5]
+    assert recent.held(B, follow_up) == 102 and recent.held(A, follow_up) == 0
+    recent.note(A, RequestSlot(StepsRequest("x", [1], 8), None))
+    recent.note(A, RequestSlot(StepsRequest("y", [2], 8), None))
+    assert recent.held(B, follow_up) == 0  # forgotten: only the last few are kept
 
 
 def test_a_cold_long_prompt_prefers_the_pipeline_group_when_the_replicas_are_as_busy():

@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshd.log import get_logger
 from meshd.pipeline.coordinator.failures import Interrupted, ModelMismatch, NoRoute
-from meshd.pipeline.coordinator.prefix_reuse import RANKING_WAIT_S, PrefixReuse
+from meshd.pipeline.coordinator.prefix_reuse import MIN_REUSE, MIN_SHARED, RANKING_WAIT_S, PrefixReuse, common_prefix
 from meshd.pipeline.coordinator.slot import RequestSlot
 from meshd.pipeline.links import Links
 from meshd.pipeline.route import Route, model_mismatch
@@ -52,7 +53,39 @@ def route_score(load: RouteLoad, prompt_len: int) -> tuple[float, int, int]:
 
 
 def pick_route(loads: list[RouteLoad], prompt_len: int) -> Route:
+    """The route a request takes: one whose stages hold (within ``MIN_SHARED`` tokens) the longest prefix of
+    its prompt, when any holds a useful one; load decides among those, and among all when none does.
+
+    A conversation's next request belongs where its prompt is: prefilling the difference elsewhere costs
+    seconds a token-per-token wait behind another request does not (a Home Assistant tool round sends its
+    second request while its first is still winding down on its route, whose count then says "busy")."""
+    best = max(load.held for load in loads)
+    if best >= MIN_REUSE:
+        loads = [load for load in loads if load.held >= best - MIN_SHARED]
     return min(loads, key=lambda load: route_score(load, prompt_len)).route
+
+
+class RecentRequests:
+    """The last requests this coordinator ran, by route: where a conversation's previous request left its
+    prompt and answer. A stage that cannot answer a ranking probe in time (a busy one-core device) would
+    otherwise look empty, and the next turn would go to a replica that holds none of it."""
+
+    def __init__(self, capacity: int = 16):
+        self.capacity = capacity
+        self._slots: dict[str, tuple[tuple[int, int], RequestSlot]] = {}
+
+    def note(self, route: Route, slot: RequestSlot) -> None:
+        self._slots.pop(str(slot.request_id), None)
+        self._slots[str(slot.request_id)] = (route.key, slot)
+        while len(self._slots) > self.capacity:
+            self._slots.pop(next(iter(self._slots)))
+
+    def held(self, route: Route, ids: Sequence[int]) -> int:
+        """The longest prefix of ``ids`` a recent request on ``route`` had (a hint: its stages may have
+        evicted it since; the request's own probe then says how much it really reuses)."""
+        n = max((common_prefix(slot.context, ids) for key, slot in self._slots.values() if key == route.key),
+                default=0)
+        return min(n, max(0, len(ids) - 1))
 
 
 class RouteCounts:
@@ -83,6 +116,7 @@ class RouteTable:
         self.prefixes = prefixes
         self.routes: tuple[Route, ...] = ()
         self.counts = RouteCounts()  # this coordinator's requests on each route
+        self.recent = RecentRequests()  # where the last requests left their prompts (a hint for the next turn)
         self.waiting_on: str | None = None  # the stage a readiness probe waits for (named in errors)
         self._ready: set[tuple[int, int]] = set()  # routes whose stages all serve their plan
         self._exits: dict[tuple[int, int], int] = {}  # route -> exit layers its last stage checks (when ready)
@@ -217,7 +251,8 @@ class RouteTable:
         held = await asyncio.gather(*(self.prefixes.reusable(r, ids, count=False, wait_s=RANKING_WAIT_S)
                                       for r in routes)) \
             if self.prefixes.enabled and slot.reuse else [(0, False)] * len(routes)
-        loads = [RouteLoad(r, self.counts.running(r), h) for r, (h, _) in zip(routes, held) if r in self.routes]
+        loads = [RouteLoad(r, self.counts.running(r), max(h, self.recent.held(r, ids) if slot.reuse else 0))
+                 for r, (h, _) in zip(routes, held) if r in self.routes]
         if not loads:  # re-planned during the probes
             return self.first
         # Routes known to serve first (one still loading, or whose stage failed to deploy, would hold

@@ -197,6 +197,7 @@ class PipelineCoordinator:
             route = await self.serving_route(self.resume_timeout_s if request.wait_s is None else request.wait_s,
                                              slot)
             running = route  # counted in route_counts until given back
+            self.table.recent.note(route, slot)
             while True:
                 try:
                     async for step in attempt(self, slot, route):
@@ -223,6 +224,7 @@ class PipelineCoordinator:
                     running = None
                     try:
                         route = running = await self.serving_route(self.resume_timeout_s, slot)
+                        self.table.recent.note(route, slot)
                     except NoRoute:
                         raise PipelineError(gone_message(route, self.route, exc, self.resume_timeout_s)) from None
         finally:
