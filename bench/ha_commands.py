@@ -13,6 +13,7 @@ grammar costs a request.
 
     .venv/bin/python bench/ha_commands.py [--quick] [--json] [--models a,b] [--weights MODE] [--core N]
         [--llama-cpp]
+    .venv/bin/python bench/ha_commands.py --turns [--quick] [--mesh] [--models NAME] [--llama-bin DIR] [--json]
 
 Commands alternate between the two APIs (``--both``: every command through both); ``--quick``:
 the first 20 commands, on the 0.5B and the embedded model unless ``--models`` says. Models not in the cache are skipped with the reason (``meshd model
@@ -296,6 +297,13 @@ def main() -> int:
     ap.add_argument("--llama-cpp", action="store_true", help="also time the same requests on llama-server")
     ap.add_argument("--overhead", type=int, default=0, help="also time N commands in-process with/without grammar")
     ap.add_argument("--overhead-only", action="store_true", help="only the in-process grammar timing (no daemons)")
+    ap.add_argument("--turns", action="store_true",
+                    help="whole turns (command, call, tool result, answer), speculation under the grammar on and "
+                         "off (bench/ha_turns.py); with --quick: the 0.5B, 6 commands")
+    ap.add_argument("--mesh", action="store_true", help="--turns on a 2-device home (a daemon per core)")
+    ap.add_argument("--llama-bin", default=None,
+                    help="llama.cpp's bin directory for --turns (default: bench/build_llama_cpp.sh's native "
+                         "build; its AVX2 build for a home CPU's figures)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--out", default=None, help="also write the result (indented) to this file")
     args = ap.parse_args()
@@ -303,6 +311,10 @@ def main() -> int:
     from decoding.errors import ModelLoadError
     from meshd.model.store import ModelNotAvailable, resolve_model
 
+    if args.turns:
+        from bench.ha_turns_run import main_turns
+
+        return main_turns(args)
     n = args.commands or (20 if args.quick else len(COMMANDS))
     commands = list(COMMANDS[:n])
     apis = [["openai", "ollama"]] * n if args.both else [[("openai", "ollama")[i % 2]] for i in range(n)]

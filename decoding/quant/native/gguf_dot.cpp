@@ -342,25 +342,39 @@ inline void rows_dot_k_fly(const uint8_t* row, int64_t K, const Act* x, float* o
 }
 #endif
 
-// Rows [m0, m1) of the activations against one K-quant weight row, four at a time where there are four.
+// Rows [m0, m1) of the activations against one K-quant weight row, four at a time where there are four,
+// the last one to three together (a verify round's few rows share the weight row's unpacking).
 template <class Dot>
 inline void tile_rows(int64_t m0, int64_t m1, int64_t K, int64_t nd, const int8_t* xq, const float* xd,
                       const int16_t* xs, float* out, int64_t ldo, int64_t col, Dot&& dot) {
     const int64_t ns = K / 16;
     float r[4];
+    Act x[4];
     int64_t m = m0;
+    const auto take = [&](int n) {
+        for (int i = 0; i < n; i++) x[i] = {xq + (m + i) * K, xd + (m + i) * nd, xs + (m + i) * ns};
+    };
+    const auto put = [&](int n) {
+        for (int i = 0; i < n; i++) out[(m + i) * ldo + col] = r[i];
+    };
     for (; m + 4 <= m1; m += 4) {
-        Act x[4];
-        for (int i = 0; i < 4; i++) x[i] = {xq + (m + i) * K, xd + (m + i) * nd, xs + (m + i) * ns};
+        take(4);
         dot(x, r, std::integral_constant<int, 4>());
-        for (int i = 0; i < 4; i++) out[(m + i) * ldo + col] = r[i];
+        put(4);
     }
-    for (; m < m1; m++) {
-        Act x[1] = {{xq + m * K, xd + m * nd, xs + m * ns}};
-        dot(x, r, std::integral_constant<int, 1>());
-        out[m * ldo + col] = r[0];
-    }
+    const int rest = (int)(m1 - m);
+    take(rest);
+    if (rest == 3) dot(x, r, std::integral_constant<int, 3>());
+    if (rest == 2) dot(x, r, std::integral_constant<int, 2>());
+    if (rest == 1) dot(x, r, std::integral_constant<int, 1>());
+    put(rest);
 }
+
+#if defined(MESHD_AVX2)
+constexpr int64_t PREDECODE_FROM = 24;  // activation rows from which a K-quant row is decoded ahead (measured: equal at 24)
+#else
+constexpr int64_t PREDECODE_FROM = 4;
+#endif
 
 template <int T>
 void matmul_k(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, const int8_t* xq,
@@ -375,8 +389,10 @@ void matmul_k(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t* row = w + n * row_bytes;
             const int64_t col = col0 + (colmap ? colmap[n] : n);
-            const KRow* pre = nullptr;  // fewer rows than a group of four: decode as read
-            if (m1 - m0 >= 4) {
+            // decoded once into memory for a long pass over many rows (a prompt); a verify round's few
+            // rows decode as they read, sharing each unpacked block in registers
+            const KRow* pre = nullptr;
+            if (m1 - m0 >= PREDECODE_FROM) {
                 decode_row_k<T>(row, K, k);
                 pre = &k;
             }
