@@ -5,15 +5,16 @@ integration sends (bench/ha_home.py's system prompt, 71 entities, the 16 Assist 
 spoken command streamed through ``/api/chat``; the call the model makes; a tool message shaped
 like Home Assistant's (``action_done`` with ``success`` targets, ``GetLiveContext`` /
 ``GetDateTime`` results); the streamed spoken answer (up to three tool rounds, as HA loops while
-answers hold calls). Every command is run twice on the same daemons, with speculation under the
-grammar on (meshd's default) and off (``"speculative": "off"``), in alternating order (the one
-that goes second finds a little more of the turn in the prefix cache), greedy. Reported per
+answers hold calls). Every command is run with speculation under the grammar on (meshd's
+default) and off (``"speculative": "off"``), each mode on fresh daemons (a second run of a turn
+on the same daemons would find its tool result in the prefix cache), greedy. Reported per
 turn and as medians over the warm turns (every turn after the first: Home Assistant's system
 prompt cached): first-token time, call done, answer done, model steps per generated token
 (from the reply's ``speculative`` usage; 1.0 with speculation off) for the tool-call requests
 and the answers; ``parity``: the same calls and words on and off. The same turns go through
 ``llama-server --jinja`` (same GGUF, one thread on one core, its prompt cache on) when llama.cpp
-is built, else skipped with a note.
+is built, else skipped with a note; a call llama-server cannot parse (the model's ```json fence,
+the doubled braces of the GGUF's template) ends its turn as text, and ``calls_parsed`` says how often.
 """
 
 from __future__ import annotations
@@ -209,17 +210,22 @@ def medians(turns: list[Turn]) -> dict:
             "steps_per_token": _ratio(calls), "answer_steps_per_token": _ratio(answers)}
 
 
-def run_turns(port: int, model: str, commands: list[Command], log) -> dict:
-    """Every command as a whole turn, speculation on and off in alternating order, on a serving daemon."""
+def run_turns(serve, model: str, commands: list[Command], log) -> dict:
+    """Every command as a whole turn, all with speculation on, then all off, each mode on fresh daemons
+    (``serve()`` starts them: a context manager giving the API port), so every turn of either mode finds
+    what a home's would: Home Assistant's system prompt cached after the first turn, nothing of the
+    command (a second run of the same turn on the same daemons would find its tool result cached)."""
     by_mode: dict[str, list[Turn]] = {"on": [], "off": []}
-    for i, cmd in enumerate(commands):
-        for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
-            t = meshd_turn(port, model, cmd, mode)
-            by_mode[mode].append(t)
-            s = t.summary()
-            log(f"[{model}] turn {i + 1:2d}/{len(commands)} speculation {mode:3s}: first token {s['first_token_s']:6.2f} s, "
-                f"call {s['call_done_s']:6.2f} s, answer {s['answer_done_s']:6.2f} s, steps/token call "
-                f"{s['call_steps_per_token']} answer {s['answer_steps_per_token']}: {s['calls']} {s['answer'][:60]!r}")
+    for mode in ("on", "off"):
+        with serve() as port:
+            for i, cmd in enumerate(commands):
+                t = meshd_turn(port, model, cmd, mode)
+                by_mode[mode].append(t)
+                s = t.summary()
+                log(f"[{model}] turn {i + 1:2d}/{len(commands)} speculation {mode:3s}: first token "
+                    f"{s['first_token_s']:6.2f} s, call {s['call_done_s']:6.2f} s, answer {s['answer_done_s']:6.2f} s, "
+                    f"steps/token call {s['call_steps_per_token']} answer {s['answer_steps_per_token']}: "
+                    f"{s['calls']} {s['answer'][:60]!r}")
     on, off = medians(by_mode["on"]), medians(by_mode["off"])
     same = [a.summary()["calls"] == b.summary()["calls"] and a.requests[-1].content == b.requests[-1].content
             for a, b in zip(by_mode["on"], by_mode["off"])]
@@ -244,5 +250,7 @@ def llama_turns(path: str, commands: list[Command], core: int, bin_dir: Path | N
             s = t.summary()
             log(f"[llama-server] turn {i + 1:2d}/{len(commands)}: first token {s['first_token_s']:6.2f} s, "
                 f"call {s['call_done_s']:6.2f} s, answer {s['answer_done_s']:6.2f} s: {s['calls']}")
-    return {**medians(turns), "setup": f"llama-server --jinja from {bin_dir}, -t 1 pinned to core {core}, "
-                                       "cache_prompt on, the same GGUF", "turns": [t.summary() for t in turns]}
+    parsed = sum(bool(t.requests[0].calls) for t in turns)
+    return {**medians(turns), "calls_parsed": f"{parsed}/{len(turns)}",
+            "setup": f"llama-server --jinja from {bin_dir}, -t 1 pinned to core {core}, cache_prompt on, the same GGUF",
+            "turns": [t.summary() for t in turns]}

@@ -4,6 +4,7 @@ bench/ha_turns.py's whole-turn measurement, and the JSON the issue names (``step
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import time
@@ -22,27 +23,35 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _one_device(root: Path, path: str, weights: str, core: int):
+@contextlib.contextmanager
+def _one_device(root: Path, path: str, weights: str, core: int, where: dict):
     from bench.ha_commands import Daemon
 
     d = Daemon(root, path, weights, core)
-    t = time.monotonic()
-    d.wait_ready(900)
-    log(f"one device: daemon ready in {time.monotonic() - t:.1f} s, pinned to core {core}, one torch thread")
-    return d.port, [d], lambda: d.stop(), {"layout": "one device"}
+    try:
+        t = time.monotonic()
+        d.wait_ready(900)
+        log(f"one device: daemon ready in {time.monotonic() - t:.1f} s, pinned to core {core}, one torch thread")
+        where["layout"] = "one device"
+        yield d.port
+    finally:
+        d.stop()
 
 
-def _two_devices(root: Path, path: str, weights: str):
+@contextlib.contextmanager
+def _two_devices(root: Path, path: str, weights: str, where: dict):
     from bench.home_assistant import start_homes
     from bench.soak import stop_all
 
     spawned: list = []
     args = ["--model", path, "--self-profile", "off", *(["--weights", weights] if weights != "auto" else [])]
-    home = start_homes(root, {"mesh": []}, args, [0, 1], spawned, 900.0)[0]
-    log(f"2-device home up in {home.up_s:.1f} s: plan {home.layout()} ({home.plan.get('reason')})")
-    a = home.coordinator
-    return a.api_port, home.daemons, lambda: stop_all(spawned), {"layout": home.layout(),
-                                                                "plan_reason": home.plan.get("reason")}
+    try:
+        home = start_homes(root, {"mesh": []}, args, [0, 1], spawned, 900.0)[0]
+        log(f"2-device home up in {home.up_s:.1f} s: plan {home.layout()} ({home.plan.get('reason')})")
+        where.update(layout=home.layout(), plan_reason=home.plan.get("reason"))
+        yield home.coordinator.api_port
+    finally:
+        stop_all(spawned)
 
 
 def main_turns(args) -> int:
@@ -59,22 +68,28 @@ def main_turns(args) -> int:
              "threads": "each daemon pinned to its own core, one torch thread" if args.mesh
              else f"one daemon pinned to core {core}, one torch thread",
              "decoding": "greedy, num_predict 96, up to 3 tool rounds a turn",
-             "order": "each command on then off, or off then on, alternating"}
+             "order": "every turn with speculation on, then every turn off, each mode on fresh daemons"}
     log("setup: " + json.dumps(setup))
+    where: dict = {}
     with tempfile.TemporaryDirectory(prefix="ha-turns-") as tmp:
-        port, daemons, stop, where = (_two_devices(Path(tmp), path, args.weights) if args.mesh
-                                      else _one_device(Path(tmp), path, args.weights, core))
-        setup.update(where)
-        try:
-            res = run_turns(port, "meshd" if args.mesh else model, commands, log)
-        finally:
-            stop()
+        runs = iter(range(2))
+
+        def serve():
+            root = Path(tmp) / f"run{next(runs)}"
+            root.mkdir()
+            return (_two_devices(root, path, args.weights, where) if args.mesh
+                    else _one_device(root, path, args.weights, core, where))
+
+        res = run_turns(serve, "meshd" if args.mesh else model, commands, log)
+    setup.update(where)
     llama = llama_turns(path, commands, core, Path(args.llama_bin) if args.llama_bin else None, log)
     res["llama_cpp"] = llama
     if "median_turn_s" in llama and res["on"]["median_turn_s"]:
         res["turn_ratio_on_over_llama_cpp"] = round(res["on"]["median_turn_s"] / llama["median_turn_s"], 3)
+        res["call_ratio_on_over_llama_cpp"] = round(res["on"]["median_call_done_s"] / llama["median_call_done_s"], 3)
     log(f"[{model}] warm median turn: speculation on {res['on']['median_turn_s']} s, off {res['off']['median_turn_s']} s "
         f"(x{res['turn_ratio_on_over_off']}), llama-server {llama.get('median_turn_s', llama.get('skipped'))}; "
-        f"steps/token on tool calls {res['steps_per_token']}; parity {res['parity_turns']}")
+        f"(its calls parsed: {llama.get('calls_parsed')}); steps/token on tool calls {res['steps_per_token']}; "
+        f"parity {res['parity_turns']}")
     finish({"setup": setup, **res}, args.out, args.json)
     return 0

@@ -102,6 +102,33 @@ def test_two_people_asking_two_devices_at_once_both_get_the_reference_answer(hom
     wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
 
 
+def test_structured_output_speculates_under_its_grammar_through_two_daemons_and_says_so(home):
+    """A grammar on every token (structured output here; a Home Assistant request's tool grammar is the
+    same path) no longer turns speculation off: the answer is the same on and off, usage counts the model
+    steps per token and the forced drafts, and the coordinator's status sums them under the grammar."""
+    _, a, b, _ = home
+    client = sdk(a.socket, timeout=240)
+    schema = {"type": "object", "properties": {"device": {"type": "string"}, "on": {"type": "boolean"}},
+              "required": ["device", "on"]}
+    messages = [{"role": "user", "content": "Turn on the kitchen ceiling light. Answer as JSON with device and on."}]
+    replies = {}
+    for spec in ("off", "auto"):
+        resp = client.chat.completions.create(
+            model="meshd", messages=messages, max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "switch", "schema": schema}},
+            extra_body={"speculative": spec})
+        replies[spec] = resp.choices[0].message.content
+        if spec == "auto":
+            s = resp.usage.model_dump()["speculative"]
+            assert s["constrained"] and s["tokens"] >= 1 and 0 < s["steps_per_token"] <= 1.0
+            assert {"forced_drafted", "forced_accepted"} <= set(s)
+    assert replies["off"] == replies["auto"]
+    json.loads(replies["off"])
+    grammar = a.status()["stage"]["speculative"]["under_grammar"]
+    assert grammar["requests"] >= 1 and grammar["tokens"] >= 1
+    wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
+
+
 def _hang_up_during_prefill(sock_path, prompt: str, after_s: float) -> None:
     body = json.dumps({"messages": [{"role": "user", "content": prompt}], "stream": True,
                        "temperature": 0}).encode()
