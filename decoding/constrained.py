@@ -224,19 +224,16 @@ class TokenConstraint:
         self._consumed = 0
 
     def forced_draft(self, limit: int = 16) -> list[int]:
-        """Tokens for the text the grammar forces next (up to ``limit``), as a *draft*.
+        """The tokens the grammar forces next (up to ``limit``), as a *draft*.
 
-        llguidance's forced tokens stop wherever another tokenization of the forced
-        bytes would also be allowed (``"`` before ``name"`` could be ``"name``), which
-        under a JSON grammar is nearly everywhere; a model writes the forced bytes
-        its own way. So the bytes are tokenized as the vocabulary would, and the
-        tokens are drafts that a verify round checks against the masked model: taken
-        when it agrees, never merely because the grammar had one choice.
+        llguidance's forced tokens: the canonical tokenization of the forced text, stopped before
+        a token the text after it could still merge into (``name`` of ``name"``, not the ``"``,
+        which the model may write as ``":``). So nearly all are taken; a verify round still checks
+        each against the masked model, so none is taken merely because the grammar had one choice.
         """
-        forced = self._matcher.compute_ff_bytes()
-        if not forced or limit <= 0:
+        if limit <= 0:
             return []
-        tokens = [int(t) for t in self._tok.tokenize_bytes(forced)[:limit]]
+        tokens = [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
         return tokens[:self.valid_prefix(tokens)]
 
     def valid_prefix(self, tokens: list[int]) -> int:

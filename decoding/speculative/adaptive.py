@@ -95,7 +95,8 @@ class Controller:
             self._idle_rounds += 1
             if limit and self._idle_rounds >= self._gap:  # look again: the text may have turned repetitive
                 self._idle_rounds = 0
-                self.last_choice, self._probing = min(limit, 2), True
+                # two candidates where a round is nearly free, one where each row costs most of a step
+                self.last_choice, self._probing = min(limit, 2 if self.cost(3) < 1.5 else 1), True
         else:
             self._idle_rounds = 0
         return self.last_choice
@@ -113,8 +114,11 @@ class Controller:
         round that costs more than a plain step and returns the same one token.
         Any accepted candidate brings the wait back to ``probe_every``.
         """
-        if self._probing or accepted:
-            self._gap = (min(2 * self._gap, self.max_probe_every) if self._probing and not accepted
+        # A win is a round that paid for itself: on a CPU where a round of m tokens costs c(m) steps, a
+        # probe whose one accepted token did not cover its extra rows won nothing.
+        won = accepted > 0 and 1 + accepted >= self.cost(self.last_choice + 1)
+        if self._probing or won:
+            self._gap = (min(2 * self._gap, self.max_probe_every) if self._probing and not won
                          else self.probe_every)
         if predicted <= 0:
             return

@@ -30,7 +30,7 @@ from decoding.speculative.tree import DraftTree
 from decoding.speculative.verify import Verdict
 
 LOOKUP_ALPHA = 0.6  # prior chance that a lookup continuation's next token is right
-FORCED_VALUE = 0.9  # a grammar's forced text: taken unless the model writes it in other tokens
+FORCED_VALUE = 0.95  # a grammar's forced tokens: taken unless the model writes the text in other tokens
 LOOKUP_LENGTH = 8
 SECOND_BRANCH = 0.3  # weight of a lookup branch other than the most recent match
 

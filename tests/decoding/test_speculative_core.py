@@ -223,8 +223,21 @@ def test_the_controller_sends_nothing_when_rounds_cost_more_than_drafts_win():
 
 
 def test_the_controller_probes_again_after_a_run_of_plain_rounds():
-    c = Controller(RoundCost(slope=1.0), probe_every=3)
-    assert [c.choose([0.2, 0.1]) for _ in range(3)] == [0, 0, 2]
+    c = Controller(RoundCost(slope=1.0), probe_every=3)  # each row a whole step: a probe of one candidate
+    assert [c.choose([0.2, 0.1]) for _ in range(3)] == [0, 0, 1]
+    cheap = Controller(RoundCost(slope=0.2), probe_every=3)
+    assert [cheap.choose([0.05, 0.01]) for _ in range(3)] == [0, 0, 2]
+
+
+def test_a_probe_wins_only_when_what_it_took_paid_for_its_rows():
+    c = Controller(RoundCost(slope=0.6), probe_every=2, max_probe_every=8)
+    c.choose([0.2]), c.choose([0.2])  # the second is a probe of one candidate: 1.6 steps
+    c.observe(0.2, 1)  # two tokens for 1.6 steps: a win, the next probe comes as soon
+    assert c.choose([0.2]) == 0 and c.choose([0.2]) == 1
+    expensive = Controller(RoundCost(slope=1.5), probe_every=2, max_probe_every=8)
+    expensive.choose([0.2]), expensive.choose([0.2])
+    expensive.observe(0.2, 1)  # two tokens for 2.5 steps: not a win, the next probe waits twice as long
+    assert [expensive.choose([0.2]) for _ in range(4)] == [0, 0, 0, 1]
 
 
 def test_heads_are_asked_for_only_when_the_next_round_may_use_them():
