@@ -41,22 +41,28 @@ class HeadRows:
 
     def row(self, i: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [vocab]: row ``i``'s logits; with ``allowed`` (bool [vocab]) and few of them, only
-        those are computed and every other token is ``-inf``."""
-        i = i % len(self)
+        those are computed and every other token is ``-inf``. A row read whole is computed with every
+        other row not read yet, in one product (a walk that reads several pays one pass over the head,
+        as the eager path does; one that stops at the first pays the rows it did not need)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"head row {i} of {n}")
+        i = i + n if i < 0 else i
         if i in self._rows:
             return self._rows[i]
-        x = self.normed[i:i + 1]
-        self.products += 1
         if allowed is not None:
             ids = allowed.nonzero().flatten()
             if 0 < ids.numel() < SELECT_BELOW * self._vocab:
+                self.products += 1
                 self.selected += 1
                 out = torch.full((self._vocab,), float("-inf"))
-                out[ids] = self._head.only(ids)(x)[0].float()
+                out[ids] = self._head.only(ids)(self.normed[i:i + 1])[0].float()
                 return out
-        out = self._head(x)[0].float()
-        self._rows[i] = out
-        return out
+        todo = [j for j in range(n) if j not in self._rows]
+        self.products += len(todo)
+        for j, out in zip(todo, self._head(self.normed[todo]).float()):
+            self._rows[j] = out
+        return self._rows[i]
 
     def all(self) -> torch.Tensor:
         """Every row, in full (a reader that needs them all)."""

@@ -112,7 +112,8 @@ class Controller:
         A probe that won nothing doubles the wait before the next one (up to
         ``max_probe_every``): on text the drafters cannot guess, each probe is a
         round that costs more than a plain step and returns the same one token.
-        Any accepted candidate brings the wait back to ``probe_every``.
+        A round whose accepted candidates paid for its extra rows brings the wait
+        back to ``probe_every``.
         """
         # A win is a round that paid for itself: on a CPU where a round of m tokens costs c(m) steps, a
         # probe whose one accepted token did not cover its extra rows won nothing.

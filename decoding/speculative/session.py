@@ -124,7 +124,8 @@ class SpeculationSession:
                 seq = (forced + seq)[:self._valid(forced + seq)][len(forced):]
                 pool += [(w * LOOKUP_ALPHA ** d, -len(forced) - d, forced + seq[:d]) for d in range(1, len(seq) + 1)]
         if medusa is not None and self.uses_medusa:
-            pool += [(v, -len(s), s[:self._valid(s)]) for s, v in zip(medusa.sequences, medusa.values)]
+            cut = [s[:self._valid(s)] for s in medusa.sequences]
+            pool += [(v, -len(s), s) for s, v in zip(cut, medusa.values)]
         if self.model_drafter is not None:
             chain = self.model_drafter.propose(self.context, min(cap, 6))
             chain = chain[:self._valid(chain)]

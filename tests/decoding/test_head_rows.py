@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from decoding.head_rows import HeadRows
@@ -19,10 +20,13 @@ def test_a_row_over_the_allowed_tokens_has_the_full_products_bits_there_and_minu
     allowed[torch.randperm(vocab)[:300]] = True
     got = rows.row(1, allowed)
     assert torch.equal(got[allowed], full[1][allowed]) and bool(torch.isneginf(got[~allowed]).all())
+    assert (rows.products, rows.selected) == (1, 1)  # only row 1, only its 300 tokens
     assert torch.equal(rows[2], full[2]) and torch.equal(rows[-1], full[2])  # no mask: the whole row
-    assert (rows.products, rows.selected) == (2, 1)  # row 0 was never read: never multiplied
+    assert rows.products == 4  # rows 0, 1 and 2 in one product, the first time one was read whole
     everything = torch.ones(vocab, dtype=torch.bool)
-    assert torch.equal(rows.row(0, everything), full[0])  # many allowed: the plain product
+    assert torch.equal(rows.row(0, everything), full[0]) and rows.products == 4  # many allowed: the plain row
+    with pytest.raises(IndexError):
+        rows.row(3)
 
 
 def test_heads_the_kernels_cannot_select_from_are_computed_in_the_pass(real_source):

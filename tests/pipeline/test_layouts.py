@@ -175,12 +175,14 @@ async def test_a_tool_rounds_second_request_goes_where_the_first_left_its_prompt
         for r in mesh.routes:
             await mesh.coord.table.wait_ready(r)
         first = mesh.coord.steps(StepsRequest("call", system + [5, 6, 7], 8, SamplingSpec()))
-        call = [(await first.__anext__()).token for _ in range(8)]  # the last token is out; not yet wound down
+        call = [(await first.__anext__()).token for _ in range(7)]
         holder = next(r for r in mesh.routes if mesh.coord.route_counts.running(r) == 1)
+        call.append((await first.__anext__()).token)  # the last token is out; the attempt not yet wound down
+        assert mesh.coord.route_counts.running(holder) == 0  # ... but it is no longer load
         # someone else's long answer on the same system prompt keeps that replica busier meanwhile
         busy = asyncio.create_task(_drain(mesh.coord.steps(StepsRequest("other", system + [77, 78], 60,
                                                                         SamplingSpec()))))
-        await eventually(lambda: mesh.coord.route_counts.running(holder) == 2)
+        await eventually(lambda: mesh.coord.route_counts.running(holder) == 1)
         second = mesh.coord.steps(StepsRequest("result", system + [5, 6, 7] + call + [9, 10, 11], 4, SamplingSpec()))
         step = await second.__anext__()
         await first.aclose()

@@ -26,6 +26,8 @@ def test_a_prompt_goes_where_its_longest_prefix_is_cached_and_load_decides_only_
     # both hold the system prompt, one the turn too: within MIN_SHARED tokens the idle one is as good
     assert pick_route([RouteLoad(A, 0, 2900), RouteLoad(B, 1, 2950)], 3000) is A
     assert pick_route([RouteLoad(A, 0, 2800), RouteLoad(B, 1, 2950)], 3000) is B
+    # a shared system prompt must not pin everyone to one replica: two requests busier, load decides
+    assert pick_route([RouteLoad(A, 0, 0), RouteLoad(B, 2, 2950)], 3000) is A
 
 
 def test_recent_requests_say_where_a_conversation_left_its_prompt():
@@ -38,6 +40,7 @@ def test_recent_requests_say_where_a_conversation_left_its_prompt():
     recent.note(B, first)
     follow_up = list(range(100)) + [500, 501, 777, 5]
     assert recent.held(B, follow_up) == 102 and recent.held(A, follow_up) == 0
+    assert recent.held(B, follow_up, asking=first) == 0  # a replay is not drawn back to where it was lost
     recent.note(A, RequestSlot(StepsRequest("x", [1], 8), None))
     recent.note(A, RequestSlot(StepsRequest("y", [2], 8), None))
     assert recent.held(B, follow_up) == 0  # forgotten: only the last few are kept

@@ -58,10 +58,15 @@ def pick_route(loads: list[RouteLoad], prompt_len: int) -> Route:
 
     A conversation's next request belongs where its prompt is: prefilling the difference elsewhere costs
     seconds a token-per-token wait behind another request does not (a Home Assistant tool round sends its
-    second request while its first is still winding down on its route, whose count then says "busy")."""
+    second request while its first is still winding down on its route, whose count then says "busy").
+    Load still wins when the holders run more than one request more than the idlest route."""
     best = max(load.held for load in loads)
     if best >= MIN_REUSE:
-        loads = [load for load in loads if load.held >= best - MIN_SHARED]
+        holders = [load for load in loads if load.held >= best - MIN_SHARED]
+        # ... unless the holders are busier by more than one request than the idlest route: then a shared
+        # system prompt would pin every conversation to one replica, and the other would never warm up
+        if min(load.running for load in holders) <= min(load.running for load in loads) + 1:
+            loads = holders
     return min(loads, key=lambda load: route_score(load, prompt_len)).route
 
 
@@ -80,11 +85,12 @@ class RecentRequests:
         while len(self._slots) > self.capacity:
             self._slots.pop(next(iter(self._slots)))
 
-    def held(self, route: Route, ids: Sequence[int]) -> int:
+    def held(self, route: Route, ids: Sequence[int], asking: RequestSlot | None = None) -> int:
         """The longest prefix of ``ids`` a recent request on ``route`` had (a hint: its stages may have
-        evicted it since; the request's own probe then says how much it really reuses)."""
-        n = max((common_prefix(slot.context, ids) for key, slot in self._slots.values() if key == route.key),
-                default=0)
+        evicted it since; the request's own probe then says how much it really reuses). ``asking``'s own
+        entry never counts: a replay must not be drawn back to the route that just lost it."""
+        n = max((common_prefix(slot.context, ids) for key, slot in self._slots.values()
+                 if key == route.key and slot is not asking), default=0)
         return min(n, max(0, len(ids) - 1))
 
 
@@ -251,7 +257,8 @@ class RouteTable:
         held = await asyncio.gather(*(self.prefixes.reusable(r, ids, count=False, wait_s=RANKING_WAIT_S)
                                       for r in routes)) \
             if self.prefixes.enabled and slot.reuse else [(0, False)] * len(routes)
-        loads = [RouteLoad(r, self.counts.running(r), max(h, self.recent.held(r, ids) if slot.reuse else 0))
+        hinted = self.prefixes.enabled and slot.reuse
+        loads = [RouteLoad(r, self.counts.running(r), max(h, self.recent.held(r, ids, slot) if hinted else 0))
                  for r, (h, _) in zip(routes, held) if r in self.routes]
         if not loads:  # re-planned during the probes
             return self.first

@@ -204,6 +204,11 @@ class PipelineCoordinator:
                         slot.generated.append(step.token)
                         if len(slot.generated) == 1:
                             cached = step.cached or 0
+                        if running is not None and slot.ends_with(step.token):
+                            # its last token: no more load on the route (a client sends its next request
+                            # as soon as it has this one, while the attempt still winds down)
+                            self.route_counts.give(running)
+                            running = None
                         yield step
                     return
                 except PrefixMiss as exc:  # evicted since the probe: this request prefills in full
