@@ -299,7 +299,7 @@ def main() -> int:
     ap.add_argument("--overhead-only", action="store_true", help="only the in-process grammar timing (no daemons)")
     ap.add_argument("--turns", action="store_true",
                     help="whole turns (command, call, tool result, answer), speculation under the grammar on and "
-                         "off (bench/ha_turns.py); with --quick: the 0.5B, 6 commands")
+                         "off (bench/ha_turns.py); with --quick: the 0.5B, 3 commands")
     ap.add_argument("--mesh", action="store_true", help="--turns on a 2-device home (a daemon per core)")
     ap.add_argument("--llama-bin", default=None,
                     help="llama.cpp's bin directory for --turns (default: bench/build_llama_cpp.sh's native "

@@ -44,6 +44,7 @@ class Request:
     steps: int = 0  # model steps that produced its tokens (0: not reported, i.e. plain decoding)
     tokens: int = 0
     forced: int = 0
+    evaluated: int = -1  # prompt tokens computed (the rest came from the prefix cache); -1: not reported
 
     @property
     def steps_per_token(self) -> float:
@@ -75,6 +76,7 @@ class Turn:
                 "call_done_s": round(self.call_done_s, 3), "answer_done_s": round(self.answer_done_s, 3),
                 "requests": len(self.requests),
                 "call_steps_per_token": _ratio(calls), "answer_steps_per_token": _ratio(answers),
+                "prompt_evaluated": [r.evaluated for r in self.requests],
                 "calls": [c for r in self.requests for c in r.calls],
                 "answer": self.requests[-1].content[:200]}
 
@@ -130,7 +132,8 @@ def meshd_request(port: int, model: str, messages: list[dict], speculative: str)
     total = time.perf_counter() - t0
     spec = final.get("speculative") or {}
     return Request(ttft if ttft is not None else total, total, content, calls, int(spec.get("steps") or 0),
-                   int(spec.get("tokens") or final.get("eval_count") or 0), int(spec.get("forced_accepted") or 0))
+                   int(spec.get("tokens") or final.get("eval_count") or 0), int(spec.get("forced_accepted") or 0),
+                   int(final.get("prompt_eval_count", -1)))
 
 
 def meshd_turn(port: int, model: str, cmd: Command, speculative: str) -> Turn:

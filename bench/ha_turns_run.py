@@ -59,7 +59,7 @@ def main_turns(args) -> int:
 
     model = (args.models or ("qwen2.5-coder-0.5b-instruct" if args.quick else "qwen2.5-coder-1.5b-instruct"))
     model = model.split(",")[0]
-    n = args.commands or (6 if args.quick else 12)
+    n = args.commands or (3 if args.quick else 12)  # --quick: ~4 minutes (three cold prefills of HA's prompt)
     commands = TURN_COMMANDS[:n]
     path = str(resolve_model(model))
     core = 0 if args.core is None else args.core
