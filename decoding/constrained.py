@@ -248,6 +248,12 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return unpacked.reshape(-1)[:vocab_size].to(torch.bool)
 
 
+def constraint_for(spec: dict[str, Any], tokenizer, vocab_size: int):
+    """:func:`make_constraint` for a model's tokenizer (its ``tokenizer.json`` ``path`` and ``eos_ids``):
+    the last stage's selector and the coordinator's drafting copy are built alike."""
+    return make_constraint(spec, tokenizer.path, vocab_size, tuple(tokenizer.eos_ids))
+
+
 def make_constraint(spec: dict[str, Any], tokenizer_json: str | Path, vocab_size: int,
                     eos_ids: tuple[int, ...]):
     """The constraint object for ``spec``: a :class:`~decoding.tool_constraint.ToolCallConstraint` for

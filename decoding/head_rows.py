@@ -32,10 +32,6 @@ class HeadRows:
     def __len__(self) -> int:
         return int(self.normed.shape[0])
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self), self._vocab)
-
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.row(int(i))
 
@@ -63,7 +59,3 @@ class HeadRows:
         for j, out in zip(todo, self._head(self.normed[todo]).float()):
             self._rows[j] = out
         return self._rows[i]
-
-    def all(self) -> torch.Tensor:
-        """Every row, in full (a reader that needs them all)."""
-        return torch.stack([self.row(i) for i in range(len(self))])

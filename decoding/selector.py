@@ -41,10 +41,10 @@ class TokenSelector:
         samples holds one."""
         constraint, eos = None, ()
         if spec.constraint is not None:
-            from decoding.constrained import make_constraint
+            from decoding.constrained import constraint_for
 
             eos = tuple(tokenizer.eos_ids)
-            constraint = make_constraint(spec.constraint, tokenizer.path, vocab_size, eos)
+            constraint = constraint_for(spec.constraint, tokenizer, vocab_size)
         return cls(spec.params, penalties=spec.penalties, constraint=constraint, prompt_tail=prompt_tail,
                    eos_ids=eos, history=history, skip=skip)
 

@@ -204,8 +204,7 @@ class ToolCallConstraint:
             raise ValueError(f"cannot roll back {num_tokens} tokens; {len(self._consumed)} were consumed")
         if num_tokens:
             keep = self._consumed[: len(self._consumed) - num_tokens]
-            self._consumed = []
-            self._reset()
+            self.restart()
             for t in keep:
                 self.advance(t)
 

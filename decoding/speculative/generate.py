@@ -81,11 +81,10 @@ def speculative_generate(pipeline: LocalPipeline, prompt_ids: list[int], max_new
     session = SpeculationSession(drafter, list(prompt_ids), max_candidates=max_candidates, fixed=fixed,
                                  model_drafter=model_drafter, **kw)
     if shaped and sampler.constraint is not None:  # the drafts' own copy of the grammar
-        from decoding.constrained import make_constraint
+        from decoding.constrained import constraint_for
 
-        eos = tuple(tokenizer.eos_ids)
-        session.follow_grammar(make_constraint(sampling.constraint, tokenizer.path, pipeline.config.vocab_size,
-                                               eos), eos)
+        session.follow_grammar(constraint_for(sampling.constraint, tokenizer, pipeline.config.vocab_size),
+                               tokenizer.eos_ids)
     pipeline.create(seq_id, capacity)
     out: list[int] = []
     finish = "length"

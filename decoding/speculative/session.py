@@ -11,10 +11,10 @@ none: a plain decode step).
 
 Under a grammar (a tool call, structured output) the session holds a mirror of
 the last stage's grammar, fed the same committed tokens. Where the grammar forces
-text (``", "arguments": {"`` once a tool is chosen) that text, tokenized, leads
-every candidate; lookup continues after it (entity names are copied from the
-prompt), and every candidate is cut at the first token the grammar refuses, so a
-round carries no row that could not be taken. The last stage still masks every
+text (``arguments`` once a tool is chosen) its forced tokens lead every candidate;
+lookup continues after them (entity names are copied from the prompt), and every
+candidate is cut at the first token the grammar refuses, so a round carries no row
+that could not be taken. The last stage still masks every
 row it verifies: the mirror only drafts, it never decides.
 """
 

@@ -143,18 +143,16 @@ class PipelineEngine(Engine):
         """Give ``session`` its own copy of the request's grammar, so it drafts what the grammar forces
         and cuts drafts it refuses. Built off the event loop: the grammar engine's first look at a
         vocabulary takes a second on a device that does not sample (later ones, milliseconds)."""
-        from decoding.constrained import make_constraint
+        from decoding.constrained import constraint_for
 
-        tok, spec = self.tokenizer, req.options.sampling.constraint
-        eos = tuple(tok.eos_ids)
         try:
             grammar = await asyncio.get_running_loop().run_in_executor(
-                None, make_constraint, spec, tok.path, self.vocab_size, eos)
+                None, constraint_for, req.options.sampling.constraint, self.tokenizer, self.vocab_size)
         except Exception as exc:  # noqa: BLE001 - optional: the last stage still masks every row it verifies
             log.warning("grammar_drafting_unavailable", request_id=req.request_id,
                         error=f"{type(exc).__name__}: {exc}")
             return
-        session.follow_grammar(grammar, eos)
+        session.follow_grammar(grammar, self.tokenizer.eos_ids)
 
     def outline_for(self, req: GenerationRequest, modes: Resolution) -> OutlineDecision:
         """Whether to answer in outline mode, decided before any token (``meshd.pipeline.outline.gate``);

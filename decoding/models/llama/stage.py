@@ -208,9 +208,8 @@ class StageModel:
         # The LM head only over the rows someone reads: one product for the whole batch, but for the
         # items that read their rows later, and perhaps only a grammar's tokens of them (HeadRows).
         normed = rms_norm(torch.cat(read), self.final_norm, cfg.rms_eps)
-        readers = [it for it in items if it.head and it.seq_id not in exited]
         normed_parts = normed.split([r.shape[0] for r in read])
-        lazy = [it.lazy_head and self.selectable_head for it in readers]
+        lazy = [it.lazy_head and self.selectable_head for it in items if it.head and it.seq_id not in exited]
         eager = [nm for nm, lz in zip(normed_parts, lazy) if not lz]
         # (a packed head multiplies every row alone: widening a 152k-row head would cost more than it saves)
         logits = iter(linear(torch.cat(eager), self.lm_head, dense=False).float().split([e.shape[0] for e in eager])

@@ -100,8 +100,8 @@ async def attempt(coord, slot: RequestSlot, route: Route) -> AsyncIterator[Token
             if slot.ends_with(token):
                 return
             if finished:  # the grammar is complete: nothing may follow but the end
-                if request.eos_ids:
-                    yield TokenStep(min(request.eos_ids))
+                for end in slot.grammar_end():
+                    yield end
                 return
             kept = completed = False  # feeding another token: what was kept moves on
             await coord.send(first, StageForward(

@@ -145,6 +145,12 @@ class RequestSlot:
         """Whether ``token`` (just generated, and appended) is the request's last (:class:`Budget`)."""
         return Budget(self.request.max_tokens, self.request.eos_ids).finish(token, len(self.generated)) is not None
 
+    def grammar_end(self) -> list[TokenStep]:
+        """The steps after a token that completed the grammar: nothing may follow but the end (an EOS
+        when the request has one)."""
+        eos = self.request.eos_ids
+        return [TokenStep(min(eos))] if eos else []
+
     def capacity(self) -> int:
         """KV positions a sequence of this request may need on every stage."""
         r = self.request

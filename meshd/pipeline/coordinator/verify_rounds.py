@@ -48,8 +48,8 @@ async def verify_rounds(coord, slot: RequestSlot, session: SpeculationSession, f
             if slot.ends_with(t):
                 return
         if res.finished:  # the grammar is complete: nothing may follow but the end
-            if slot.request.eos_ids:
-                yield TokenStep(min(slot.request.eos_ids))
+            for end in slot.grammar_end():
+                yield end
             return
         n = base + len(session.context) - 1  # positions every stage holds (after the pending commit)
         if session.model_drafter is not None:  # a draft model computes: off the event loop
