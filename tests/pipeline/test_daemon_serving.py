@@ -124,6 +124,13 @@ def test_structured_output_speculates_under_its_grammar_through_two_daemons_and_
             assert {"forced_drafted", "forced_accepted"} <= set(s)
     assert replies["off"] == replies["auto"]
     json.loads(replies["off"])
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="typical"):  # lossy acceptance cannot keep a grammar's law
+        client.chat.completions.create(
+            model="meshd", messages=messages, max_tokens=8, temperature=0.7,
+            response_format={"type": "json_schema", "json_schema": {"name": "switch", "schema": schema}},
+            extra_body={"speculative": {"drafter": "medusa", "typical": True}})
     grammar = a.status()["stage"]["speculative"]["under_grammar"]
     assert grammar["requests"] >= 1 and grammar["tokens"] >= 1
     wait_until(lambda: kv_in_use(a) == 0 and kv_in_use(b) == 0, 30, what="every sequence freed")
