@@ -17,7 +17,9 @@ naming the file and the byte where reading stopped.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,6 +91,13 @@ class TensorInfo:
     data: np.ndarray = field(repr=False)
 
 
+try:  # Linux and the BSDs: hand a mapping's read pages back (GGUFFile.release_pages)
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):
+    _madvise = None
+
+
 class GGUFFile:
     """A parsed GGUF header and its tensors (one memory map of the file, opened read-only)."""
 
@@ -122,6 +131,12 @@ class GGUFFile:
     def skipped(self) -> frozenset[str]:
         """The keys whose arrays were too long to keep."""
         return frozenset(k for k, v in self.fields.items() if v is SKIPPED)
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process (they stay in the page cache, and come back on the next
+        read): a tensor-parallel member that has copied its share out of the file holds its share only."""
+        if _madvise is not None and hasattr(mmap, "MADV_DONTNEED") and self._size:
+            _madvise(ctypes.c_void_p(self._map.ctypes.data), ctypes.c_size_t(self._size), mmap.MADV_DONTNEED)
 
     def tensor(self, name: str) -> TensorInfo | None:
         return self._by_name.get(name)

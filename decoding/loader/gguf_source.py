@@ -60,6 +60,11 @@ class GGUFSource(ModelSource):
         if self._family is not None:
             self._index_tensors()
 
+    def release_pages(self) -> None:
+        """This process's read pages of every part handed back (``GGUFFile.release_pages``)."""
+        for f in self.gguf_files:
+            f.release_pages()
+
     def _index_tensors(self) -> None:
         for t in (t for f in self.gguf_files for t in f.tensors):
             canon = self._family.gguf_canonical(t.name)

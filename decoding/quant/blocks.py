@@ -36,6 +36,25 @@ class BlockPart:
     def rows(self) -> int:
         return int(self.blocks.shape[0])
 
+    def stored(self, ids: np.ndarray) -> np.ndarray:
+        """The stored rows that hold output rows ``ids``."""
+        return ids if self.colmap is None else np.argsort(self.colmap)[ids]
+
+    def take_rows(self, ids: np.ndarray) -> "BlockPart":
+        """Output rows ``ids`` (their blocks copied), stored in that order."""
+        return BlockPart(self.type_name, np.ascontiguousarray(self.blocks[self.stored(np.asarray(ids, np.int64))]),
+                         self.cols)
+
+    def take_columns(self, start: int, stop: int) -> "BlockPart":
+        """Inputs ``[start, stop)`` of every row (their blocks copied): whole blocks only, so each output's
+        partial sum is the full product's sum over those blocks."""
+        per = native.library().meshd_block_elems(native.TYPE_IDS[self.type_name])
+        if start % per or stop % per or not 0 <= start < stop <= self.cols:
+            raise ValueError(f"{self.type_name} inputs [{start}, {stop}) of {self.cols} are not whole {per}-wide blocks")
+        width = self.blocks.shape[1] // (self.cols // per)
+        cut = self.blocks[:, start // per * width: stop // per * width]
+        return BlockPart(self.type_name, np.ascontiguousarray(cut), stop - start, self.colmap)
+
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols] in output order (tests and tools; the mode itself never widens)."""
         import gguf
@@ -115,14 +134,22 @@ class BlockLinear:
     def only(self, ids: torch.Tensor) -> "BlockLinear":
         """The matrix of output rows ``ids`` only (their blocks copied): ``only(ids)(x)`` is ``self(x)[:, ids]``,
         bit for bit, since a row's result depends on its own blocks and the activations alone. An LM head
-        under a grammar multiplies just the tokens the grammar allows."""
-        if len(self.parts) != 1:
-            raise ValueError("rows are selected from a single matrix")
-        part = self.parts[0]
-        ids = ids.reshape(-1).cpu().numpy().astype(np.int64)
-        if part.colmap is not None:
-            ids = np.argsort(part.colmap)[ids]
-        return BlockLinear([BlockPart(part.type_name, np.ascontiguousarray(part.blocks[ids]), part.cols)])
+        under a grammar multiplies just the tokens the grammar allows; a tensor-parallel member, its share
+        of every matrix's rows."""
+        ids = ids.reshape(-1).cpu().numpy().astype(np.int64) if isinstance(ids, torch.Tensor) else np.asarray(ids, np.int64)
+        parts, start = [], 0
+        for part in self.parts:
+            mine = ids[(ids >= start) & (ids < start + part.rows)]
+            if mine.size:
+                parts.append(part.take_rows(mine - start))
+            start += part.rows
+        if sum(p.rows for p in parts) != ids.size or (len(self.parts) > 1 and (np.diff(ids) <= 0).any()):
+            raise ValueError("rows of a fused matrix are selected in order, each once")
+        return BlockLinear(parts)
+
+    def columns(self, start: int, stop: int) -> "BlockLinear":
+        """Inputs ``[start, stop)`` of every row: a tensor-parallel member's share of a matrix split by input."""
+        return BlockLinear([p.take_columns(start, stop) for p in self.parts])
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows ``ids`` of the matrix (a token embedding): only those rows are widened."""

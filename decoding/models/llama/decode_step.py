@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from decoding.batch import BatchItem, RowPlan
@@ -46,6 +47,9 @@ class DecodeSteps:
             native.DecodeLayerSpec(addr(qkv), None if bias is None else bias.data_ptr(), addr(o), addr(gu),
                                    addr(down), attn_norm.data_ptr(), mlp_norm.data_ptr())
             for qkv, o, gu, down, bias, attn_norm, mlp_norm in self._keep))
+        # a tensor-parallel member hands its two partial sums a layer to its group from inside the step
+        self._failure: BaseException | None = None
+        self._reduce = native.REDUCE_FN(self._sum_over_group) if stage.group is not None else native.REDUCE_FN()
 
     @staticmethod
     def serves(stage) -> bool:
@@ -79,12 +83,25 @@ class DecodeSteps:
         gate_up = torch.empty(2 * self.inter)
         act = torch.empty(self.inter)
         scratch = torch.empty(self.hidden + self.qkv_width + self.nh * self.hd)
-        self.lib.meshd_decode_layers(
+        self._failure = None
+        failed = self.lib.meshd_decode_layers(
             len(self.specs), self.specs, self.eps, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             self.nh, self.nkv, self.hd, self.scale, n,
             ptrs(*(k.data_ptr() for k, _, _ in spans)), ptrs(*(v.data_ptr() for _, v, _ in spans)),
             i64(*(length for _, _, length in spans)), i64(*(k.stride(1) for k, _, _ in spans)),
             i64(*(k.stride(0) for k, _, _ in spans)), p.offset * own_k.stride(2), own_k.stride(1),
-            gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+            gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), self._reduce)
+        if failed:
+            raise self._failure or RuntimeError("the group's reduction failed")
         self.stage.work_done += len(self.specs)
         return h
+
+    def _sum_over_group(self, ptr: int, n: int) -> int:
+        """The kernel's callback at each split product: the partial sum summed over the group, in place.
+        An exception cannot cross the C frames: it is kept, the kernel stops, and :meth:`run` raises it."""
+        try:
+            self.stage.group.sum_(np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr)))
+            return 0
+        except BaseException as exc:  # noqa: BLE001 (re-raised by run)
+            self._failure = exc
+            return 1

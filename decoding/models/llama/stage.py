@@ -60,6 +60,21 @@ class StageModel:
         # pass advance (a stage tells the coordinators waiting on it; see meshd.pipeline.stage.progress).
         self.work_done = 0
         self._decode_steps: DecodeSteps | None | bool = None  # built on the first decode step
+        # A tensor-parallel member (decoding.models.llama.tensor_slice): the group that adds up its
+        # partial sums, and the vocabulary rows its head holds.
+        self.group = None
+        self.vocab_rows: tuple[int, int] | None = None
+
+    def join_group(self, group, vocab_rows: tuple[int, int]) -> None:
+        """This stage is one member's share of a layer range; ``group`` adds up what the members computed."""
+        self.group, self.vocab_rows = group, vocab_rows
+        self._decode_steps = None
+
+    def _summed(self, x: torch.Tensor) -> torch.Tensor:
+        """A member's partial output of a split product, summed over its group (in place); else ``x``."""
+        if self.group is not None:
+            self.group.sum_(x.numpy())
+        return x
 
     @classmethod
     def from_source(cls, source, first: int, end: int, dtype: torch.dtype = torch.float32,
@@ -212,8 +227,7 @@ class StageModel:
         lazy = [it.lazy_head and self.selectable_head for it in items if it.head and it.seq_id not in exited]
         eager = [nm for nm, lz in zip(normed_parts, lazy) if not lz]
         # (a packed head multiplies every row alone: widening a 152k-row head would cost more than it saves)
-        logits = iter(linear(torch.cat(eager), self.lm_head, dense=False).float().split([e.shape[0] for e in eager])
-                      if eager else ())
+        logits = iter(self._head(torch.cat(eager)).split([e.shape[0] for e in eager]) if eager else ())
         heads = iter(zip(normed_parts, lazy))
         outs: list = []
         for part, it in zip(parts, items):
@@ -225,11 +239,19 @@ class StageModel:
             outs.append((lg, nm) if it.return_normed else lg)
         return outs
 
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits of final-normed rows; a group member's vocabulary rows gathered into whole rows."""
+        logits = linear(normed, self.lm_head, dense=False).float()
+        if self.group is None:
+            return logits
+        return torch.from_numpy(self.group.gather(logits.contiguous().numpy()))
+
     @property
     def selectable_head(self) -> bool:
         """Whether the head can multiply a row over chosen tokens only, with the full product's bits
-        (the ``gguf`` mode's block matrices: a row's result depends on its own blocks alone)."""
-        return self.lm_head is not None and hasattr(self.lm_head, "only")
+        (the ``gguf`` mode's block matrices: a row's result depends on its own blocks alone). A group
+        member's head holds only its share of the tokens: it gathers whole rows instead."""
+        return self.lm_head is not None and hasattr(self.lm_head, "only") and self.group is None
 
     # -- early exits (decoding.exits.owed) ----------------------------------------------
     def has_pending(self) -> bool:
@@ -274,13 +296,13 @@ class StageModel:
                                           probes))
                 start = end
             attn = torch.cat(parts, dim=1)
-        h = h + linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o, None, dense)
+        h = h + self._summed(linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o, None, dense))
         x = (row_ops.rms_norm if fused else rms_norm)(h, lw.mlp_norm, cfg.rms_eps)
         gate_up = linear(x, lw.gate_up, None, dense)
         if fused:
-            return h + linear(row_ops.swiglu(gate_up), lw.down, None, dense)
+            return h + self._summed(linear(row_ops.swiglu(gate_up), lw.down, None, dense))
         gate, up = gate_up.chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, lw.down, None, dense)
+        return h + self._summed(linear(F.silu(gate) * up, lw.down, None, dense))
 
     def _attend(self, kv: KVCache, li: int, seq_id, p: RowPlan, q, k, v, probes=None) -> torch.Tensor:
         """One sequence's attention, [heads, n, head_dim]: its new keys written, then read in place."""

@@ -14,6 +14,8 @@ from decoding.models.llama.layers import LayerWeights, rms_norm
 class Qwen3LayerWeights(LayerWeights):
     q_norm: torch.Tensor  # [head_dim], shared by every query head
     k_norm: torch.Tensor  # [head_dim], shared by every key head
+    #: tensors every head uses alike: a tensor-parallel member keeps them whole
+    shared_by_heads = ("q_norm", "k_norm")
 
     def nbytes(self) -> int:
         return super().nbytes() + nbytes(self.q_norm) + nbytes(self.k_norm)

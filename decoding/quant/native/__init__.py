@@ -115,6 +115,10 @@ def _home_dir() -> Path:
     return (Path(env).expanduser() if env else Path.home() / ".cache" / "meshd") / "kernels"
 
 
+#: decode_step.cpp's ``ReduceFn``: a tensor-parallel member's partial sum (float*, n) summed over its group in
+#: place; returns non-zero when the group failed.
+REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
+
 _LIB: ctypes.CDLL | None = None
 _ERROR: str = ""
 _LOCK = threading.Lock()
@@ -146,9 +150,10 @@ def library() -> ctypes.CDLL:
                 lib.meshd_swiglu.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64]
                 lib.meshd_decode_layers.argtypes = [
                     ctypes.c_int, _ptr, ctypes.c_float, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float,
-                    ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
+                    ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, REDUCE_FN]
+                lib.meshd_decode_layers.restype = ctypes.c_int
                 for f in ("meshd_rms_norm", "meshd_rope", "meshd_row_attention", "meshd_linear_threads",
-                          "meshd_swiglu", "meshd_decode_layers"):
+                          "meshd_swiglu"):
                     getattr(lib, f).restype = None
                 for f in ("meshd_block_bytes", "meshd_block_elems", "meshd_act_block"):
                     getattr(lib, f).argtypes = [ctypes.c_int]

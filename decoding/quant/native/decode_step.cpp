@@ -266,9 +266,13 @@ struct DecodeLayer {
 // output), its new key and value written at k_dst/v_dst (head stride dst_head_stride) and already
 // counted in `s`'s last segment; gate_up [2 * intermediate] receives the MLP's first product.
 // scratch: at least hidden + q/k/v width + nh * hd floats.
-void decode_attention(const DecodeLayer& L, float eps, float* h, const float* cos, const float* sin, int64_t nh,
+// A tensor-parallel member's partial sum (o's and down's outputs) handed to its group, which replaces it
+// in place with the sum over the members; non-zero: the group failed and the step stops.
+typedef int (*ReduceFn)(float* x, int64_t n);
+
+bool decode_attention(const DecodeLayer& L, float eps, float* h, const float* cos, const float* sin, int64_t nh,
                       int64_t nkv, int64_t hd, float scale, const Segments& s, float* k_dst, float* v_dst,
-                      int64_t dst_head_stride, float* out_gate_up, float* scratch, int threads) {
+                      int64_t dst_head_stride, float* out_gate_up, float* scratch, int threads, ReduceFn reduce) {
     const int64_t hidden = L.o->n_out;
     float* x = scratch;
     float* qkv_out = x + hidden;
@@ -288,15 +292,19 @@ void decode_attention(const DecodeLayer& L, float eps, float* h, const float* co
     }
     attention(q, nh, nkv, hd, scale, s, attn, threads);
     linear(*L.o, attn, x, threads);
+    if (reduce && reduce(x, hidden)) return false;
     for (int64_t i = 0; i < hidden; i++) h[i] = h[i] + x[i];
     meshd_rms_norm(h, hidden, L.mlp_norm, x, hidden, 1, hidden, eps);
     linear(*L.gate_up, x, out_gate_up, threads);
+    return true;
 }
 
 // The MLP's last product and the residual for one row: h += act @ down.T. scratch: hidden floats.
-void decode_down(const Matrix& down, const float* act, float* h, float* scratch, int threads) {
+bool decode_down(const Matrix& down, const float* act, float* h, float* scratch, int threads, ReduceFn reduce) {
     linear(down, act, scratch, threads);
+    if (reduce && reduce(scratch, down.n_out)) return false;
     for (int64_t i = 0; i < down.n_out; i++) h[i] = h[i] + scratch[i];
+    return true;
 }
 
 }  // namespace
@@ -308,11 +316,14 @@ extern "C" {
 // holds lengths[j] positions (the last one's count includes the new row) with head stride
 // head_strides[j]; the new row's key and value go `own` floats into the last segment's layer.
 // gate_up: 2 * intermediate floats; act: intermediate floats; scratch as decode_attention's.
-void meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, float* h, const float* cos,
+// reduce (null on one device): a group member's partial sums summed over its group. Returns 0, or 1 when
+// the group failed (h is then unusable).
+int meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, float* h, const float* cos,
                          const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, int nseg,
                          float* const* key_base, float* const* value_base, const int64_t* lengths,
                          const int64_t* head_strides, const int64_t* layer_step, int64_t own,
-                         int64_t dst_head_stride, float* gate_up, float* act, float* scratch, int threads) {
+                         int64_t dst_head_stride, float* gate_up, float* act, float* scratch, int threads,
+                         ReduceFn reduce) {
     std::vector<const float*> keys(nseg), values(nseg);
     const Segments s{nseg, keys.data(), values.data(), lengths, head_strides};
     for (int li = 0; li < n_layers; li++) {
@@ -322,12 +333,14 @@ void meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, flo
             values[j] = value_base[j] + li * layer_step[j];
         }
         const int64_t at = li * layer_step[nseg - 1] + own;
-        decode_attention(L, eps, h, cos, sin, nh, nkv, hd, scale, s, key_base[nseg - 1] + at,
-                         value_base[nseg - 1] + at, dst_head_stride, gate_up, scratch, threads);
+        if (!decode_attention(L, eps, h, cos, sin, nh, nkv, hd, scale, s, key_base[nseg - 1] + at,
+                              value_base[nseg - 1] + at, dst_head_stride, gate_up, scratch, threads, reduce))
+            return 1;
         const int64_t inter = L.down->k;
         meshd_swiglu(gate_up, 2 * inter, 1, inter, act, inter);
-        decode_down(*L.down, act, h, scratch, threads);
+        if (!decode_down(*L.down, act, h, scratch, threads, reduce)) return 1;
     }
+    return 0;
 }
 
 }  // extern "C"

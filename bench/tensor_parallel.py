@@ -1,0 +1,217 @@
+"""Decode on one device vs a 2-device tensor-parallel group (and llama.cpp on one device), side by side.
+
+Every member is its own process pinned to its own core with one torch thread (a device each); the group's
+partial sums travel over its CurveZMQ links (``transport.group_link``) on loopback. Each configuration
+prefills the same prompt and decodes the same greedy tokens; the figure is decode tokens/s after two
+warm-up tokens. ``agreement`` is the share of the group's greedy tokens equal to one device's (the group
+adds its partial sums in another order, so last bits may differ); ``deterministic``: the group gives the
+same tokens twice.
+
+    python bench/tensor_parallel.py [--quick] [--json] [--models embedded,qwen2.5-coder-0.5b-instruct,...]
+        [--tokens 48] [--llama-bin DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._common import emit_json, machine_banner, pinned_child  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = ("You are a voice assistant in a smart home. The user asked to turn on the kitchen ceiling light "
+          "and set the living room lamp to forty percent, then asked what the weather will be like tomorrow. ")
+
+
+def child(args) -> None:
+    """One member (or the one device): load, link, and on rank 0 measure; prints JSON lines."""
+    import torch
+
+    torch.set_num_threads(1)
+    from decoding.loader import open_model
+    from meshd.pipeline.tensor.member import GroupLeader, follow, load_member
+    from transport.group_link import GroupLink, GroupPeer
+    from transport.keys import Keypair
+
+    src = open_model(args.model_file)
+    prompt = src.tokenizer.encode(PROMPT * 4)[: args.prompt_len]
+    if args.size == 1:
+        stage = src.load_stage(0, src.config.num_layers, torch.float32, packed="gguf")
+        run = _Plain(stage)
+    else:
+        keys = Keypair.generate()
+        link = GroupLink(args.rank, args.size, keys)
+        stage, split = load_member(src, 0, src.config.num_layers, args.size, args.rank, link)
+        print(json.dumps({"endpoint": link.endpoint, "public": keys.public.decode()}), flush=True)
+        peers = [GroupPeer(p["rank"], p["endpoint"], p["public"].encode()) for p in json.loads(sys.stdin.readline())]
+        link.connect([p for p in peers if p.rank != args.rank])
+        if args.rank:
+            follow(stage, link)
+            link.close()
+            return
+        run = GroupLeader(stage, link, split)
+    results = [_measure(run, prompt, args.tokens, f"s{i}") for i in range(args.repeats)]
+    if args.size > 1:
+        run.stop()
+    rss = _rss_mb()
+    print(json.dumps({"result": results, "rss_mb": rss}), flush=True)
+
+
+class _Plain:
+    """One device, with the leader's interface."""
+
+    def __init__(self, stage):
+        self.stage, self.kv = stage, stage.new_cache(1 << 14)
+
+    def create(self, seq, capacity):
+        self.kv.create(seq, capacity)
+
+    def forward(self, seq, ids, all_logits=False):
+        import torch
+
+        return self.stage.forward(self.kv, seq, torch.tensor(ids, dtype=torch.long), all_logits=all_logits)
+
+    def free(self, seq):
+        self.kv.free(seq)
+
+
+def _measure(run, prompt: list[int], tokens: int, seq: str) -> dict:
+    run.create(seq, len(prompt) + tokens + 8)
+    t = time.perf_counter()
+    logits = run.forward(seq, prompt)
+    prefill_s = time.perf_counter() - t
+    out, times = [], []
+    for _ in range(tokens):
+        tok = int(logits[-1].argmax())
+        out.append(tok)
+        t = time.perf_counter()
+        logits = run.forward(seq, [tok])
+        times.append(time.perf_counter() - t)
+    run.free(seq)
+    timed = times[2:]
+    return {"prefill_s": prefill_s, "decode_tok_s": len(timed) / sum(timed), "tokens": out,
+            "ms_per_token": 1000 * sum(timed) / len(timed)}
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def run_config(model_file: str, size: int, tokens: int, prompt_len: int, repeats: int) -> dict:
+    """``size`` processes on cores 0..size-1; rank 0's measurement."""
+    cmd = lambda rank: [sys.executable, os.environ.get("TP_CHILD", __file__), "--child", "--rank", str(rank), "--size", str(size),  # noqa: E731
+                        "--model-file", model_file, "--tokens", str(tokens), "--prompt-len", str(prompt_len),
+                        "--repeats", str(repeats)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen(cmd(r), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                              preexec_fn=pinned_child(r % (os.cpu_count() or 1))) for r in range(size)]
+    try:
+        if size > 1:
+            hello = [json.loads(p.stdout.readline()) for p in procs]
+            peers = json.dumps([{"rank": r, **h} for r, h in enumerate(hello)])
+            for p in procs:
+                p.stdin.write(peers + "\n")
+                p.stdin.flush()
+        line = procs[0].stdout.readline()
+        if not line:
+            raise RuntimeError(f"the measuring process of {size} ended without a result")
+        rss = [json.loads(line)["rss_mb"]]
+        got = json.loads(line)["result"]
+        for p in procs[1:]:
+            p.wait(timeout=60)
+        return {"runs": got, "rss_mb_rank0": rss[0]}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def llama_cpp(bin_dir: Path | None, gguf: str, tokens: int) -> float | None:
+    if bin_dir is None or not (bin_dir / "llama-bench").exists():
+        return None
+    out = subprocess.run(["taskset", "-c", "0", str(bin_dir / "llama-bench"), "-m", gguf, "-t", "1", "-p", "0",
+                          "-n", str(tokens), "-r", "3", "-o", "json"], capture_output=True, text=True)
+    if out.returncode:
+        print(f"llama-bench failed: {out.stderr[-500:]}", file=sys.stderr)
+        return None
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def model_file(name: str) -> str | None:
+    from meshd.model import store
+
+    try:
+        return str(store.open_model(None if name == "embedded" else name).path)
+    except Exception:  # noqa: BLE001 - not pulled here
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--model-file", help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--models", default="embedded,qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--llama-bin", default=str(Path.home() / ".cache" / "meshd-anchors" / "llama.cpp" / "build" / "bin"))
+    ap.add_argument("--quick", action="store_true", help="24 tokens, one repeat")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    if args.quick:
+        args.tokens, args.repeats = 24, 1
+    banner = machine_banner()
+    print(f"setup: {json.dumps(banner)}")
+    print(f"each device: one core (taskset), one torch thread; gguf mode; loopback CurveZMQ; "
+          f"{args.prompt_len}-token prompt, {args.tokens} greedy tokens, {args.repeats} repeats")
+    rows = []
+    for name in args.models.split(","):
+        path = model_file(name)
+        if path is None:
+            print(f"{name}: not pulled here; skipped")
+            continue
+        one = run_config(path, 1, args.tokens, args.prompt_len, args.repeats)
+        two = run_config(path, 2, args.tokens, args.prompt_len, args.repeats)
+        one_tok = max(r["decode_tok_s"] for r in one["runs"])
+        two_tok = max(r["decode_tok_s"] for r in two["runs"])
+        ref = one["runs"][0]["tokens"]
+        agree = [sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref) for r in two["runs"]]
+        first_diff = next((i for i, (a, b) in enumerate(zip(two["runs"][0]["tokens"], ref)) if a != b), None)
+        lc = llama_cpp(Path(args.llama_bin), path, args.tokens)
+        row = {"model": name, "one_device_tok_s": round(one_tok, 2), "tensor2_tok_s": round(two_tok, 2),
+               "speedup": round(two_tok / one_tok, 3), "llamacpp_tok_s": None if lc is None else round(lc, 2),
+               "pipeline2_tok_s": None, "link": "loopback", "planner_choice": None,
+               "agreement": round(min(agree), 3), "first_divergence": first_diff,
+               "deterministic": all(r["tokens"] == two["runs"][0]["tokens"] for r in two["runs"]),
+               "rss_mb": {"one_device": round(one["rss_mb_rank0"]), "tensor2_member": round(two["rss_mb_rank0"])},
+               "ms_per_token": {"one": round(1000 / one_tok, 2), "tensor2": round(1000 / two_tok, 2)}}
+        rows.append(row)
+        print(f"{name}: one device {one_tok:.2f} tok/s, tensor2 {two_tok:.2f} tok/s ({two_tok / one_tok:.2f}x), "
+              f"llama.cpp {lc if lc is None else round(lc, 2)} tok/s; agreement {row['agreement']}, "
+              f"deterministic {row['deterministic']}; rss one {row['rss_mb']['one_device']} MB, "
+              f"member {row['rss_mb']['tensor2_member']} MB")
+    result = {"setup": banner, "models": rows,
+              "agreement": min((r["agreement"] for r in rows), default=None),
+              "deterministic": all(r["deterministic"] for r in rows)}
+    if args.json:
+        emit_json(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""A tensor-parallel member's share of a stage: members together compute what one device computes.
+
+In float32 the only difference from one device is the order of the partial sums, so the group's logits
+equal one device's to float rounding (this checks the split itself: rows, columns, heads, KV groups,
+biases). In the gguf mode the group is exactly its own reference: the two-call decode step and the
+per-operation path give the same bits, the members agree bit for bit, and greedy tokens follow one
+device's on real text.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from decoding.loader import open_model
+from decoding.models.llama.tensor_slice import UnsplittableStage, layer_shape, member_stage
+from decoding.quant import native
+from decoding.tensor_group import GroupLost, ThreadGroup
+from partition.tensor_split import split_layers
+from tests.support.models import build_tiny_checkpoint
+from tests.support.tensor_group import decode, run_group
+
+GGUF_OK, WHY = native.available()
+
+
+@pytest.fixture(scope="module")
+def tiny_dense(tmp_path_factory):
+    """A tiny Llama with four KV groups of two query heads, float32."""
+    path = tmp_path_factory.mktemp("tiny-tp")
+    build_tiny_checkpoint(path, "llama", seed=3, num_attention_heads=8, num_key_value_heads=4, hidden_size=64,
+                          intermediate_size=128)
+    source = open_model(path)
+    return source, source.load_stage(0, source.config.num_layers, torch.float32)
+
+
+PROMPT = torch.tensor([5, 17, 42, 99, 3, 150, 7, 61, 88, 12])
+
+
+@pytest.mark.parametrize("n,speeds", [(2, None), (4, None), (3, (1.0, 2.0, 1.0)), (8, None)],
+                         ids=["2", "4", "3-uneven", "8-replicated-kv"])
+def test_a_float32_group_computes_what_one_device_computes(tiny_dense, n, speeds):
+    _, whole = tiny_dense
+    want, want_tokens = decode(whole, PROMPT, 6)
+    logits, tokens = run_group(whole, n, PROMPT, 6, speeds)[0]  # the first member gathers whole rows
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-5)
+
+
+def test_eight_members_over_four_kv_heads_replicate_them(tiny_dense):
+    _, whole = tiny_dense
+    split = split_layers(layer_shape(whole), 8)
+    assert split.replicated_kv and all(m.num_kv_heads == 1 for m in split.members)
+
+
+def test_a_member_holds_its_share_of_every_matrix(tiny_dense):
+    _, whole = tiny_dense
+    cfg = whole.config
+    split = split_layers(layer_shape(whole), 2)
+    member = member_stage(whole, split.members[1], ThreadGroup(2).member(1))
+    lw, full = member.layers[0], whole.layers[0]
+    assert member.config.num_heads == cfg.num_heads // 2 and member.config.num_kv_heads == cfg.num_kv_heads // 2
+    assert lw.qkv.shape[0] == full.qkv.shape[0] // 2 and lw.o.shape[1] == full.o.shape[1] // 2
+    assert lw.gate_up.shape[0] + member_stage(whole, split.members[0], None).layers[0].gate_up.shape[0] \
+        == full.gate_up.shape[0]
+    assert member.lm_head.shape[0] == split.members[1].vocab[1] - split.members[1].vocab[0]
+    assert member.new_cache(64).bytes_per_token() == whole.new_cache(64).bytes_per_token() // 2
+
+
+def test_a_member_that_fails_ends_the_others_wait(tiny_dense):
+    """A member raising mid-pass aborts the group: the others get GroupLost, nobody hangs."""
+    _, whole = tiny_dense
+    split = split_layers(layer_shape(whole), 2)
+    group = ThreadGroup(2, timeout_s=60)
+    survivor = member_stage(whole, split.members[0], group.member(0))
+    caught: list = []
+
+    def run():
+        try:
+            decode(survivor, PROMPT, 2)
+        except GroupLost as exc:
+            caught.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    group.abort()  # the other member died before its first partial sum
+    t.join(timeout=60)
+    assert not t.is_alive() and caught
+
+
+def test_a_packed_stage_is_refused_with_a_reason(tiny_dense):
+    source, _ = tiny_dense
+    packed = source.load_stage(0, source.config.num_layers, torch.float32, packed="packed")
+    with pytest.raises(UnsplittableStage):
+        member_stage(packed, split_layers(layer_shape(packed), 2).members[0], None)
+
+
+@pytest.mark.skipif(not GGUF_OK, reason=f"integer kernels unavailable: {WHY}")
+def test_a_gguf_group_with_qkv_biases_takes_the_same_bits_in_both_paths(tmp_path):
+    """Qwen2 (q/k/v biases) stored as Q8_0, two members: the two-call step (partial sums handed out from
+    inside the kernel) gives the per-operation path's bits, and one device's tokens."""
+    from tests.support.gguf_convert import write_gguf
+
+    model = build_tiny_checkpoint(tmp_path / "hf", "qwen2", seed=1, tie_word_embeddings=True, intermediate_size=128)
+    source = open_model(write_gguf(model, tmp_path / "qwen2.gguf", "Q8_0"))
+    whole = source.load_stage(0, source.config.num_layers, torch.float32, packed="gguf")
+    _, want_tokens = decode(whole, PROMPT, 8)
+    fast = run_group(whole, 2, PROMPT, 8)
+    slow = run_group(whole, 2, PROMPT, 8, per_op=True)
+    assert torch.equal(fast[0][0], slow[0][0])
+    assert fast[0][1] == want_tokens
+
+
+@pytest.mark.skipif(not GGUF_OK, reason=f"integer kernels unavailable: {WHY}")
+def test_the_embedded_model_split_in_two_follows_one_device(real_source):
+    """SmolLM2 (Llama: q/k rows stored permuted in the file) in the gguf mode over two members."""
+    whole = real_source.load_stage(0, real_source.config.num_layers, torch.float32, packed="gguf")
+    prompt = torch.tensor(real_source.tokenizer.encode("The lighthouse keeper climbed the stairs at dusk, and"))
+    want, want_tokens = decode(whole, prompt, 12)
+    (logits, tokens), (_, follower_tokens) = run_group(whole, 2, prompt, 12)
+    assert tokens == want_tokens == follower_tokens
+    # the sums' order differs from one device: close, not equal (int8 activations amplify last bits)
+    assert torch.nn.functional.cosine_similarity(logits[0], want[0], dim=0) > 0.999
+    assert logits.shape == want.shape

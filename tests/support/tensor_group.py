@@ -1,0 +1,60 @@
+"""A tensor-parallel group in one process (a thread per member, ``decoding.tensor_group.ThreadGroup``):
+the reference a group over links must equal, and the driver of the split's own tests."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from decoding.models.llama.tensor_slice import layer_shape, member_stage
+from decoding.tensor_group import ThreadGroup
+from partition.tensor_split import split_layers
+
+
+def run_group(stage, n: int, prompt: torch.Tensor, steps: int, speeds=None, per_op: bool = False):
+    """Each member in its own thread; returns (members' logits [steps + 1, vocab], greedy tokens)."""
+    split = split_layers(layer_shape(stage), n, speeds)
+    group = ThreadGroup(n, timeout_s=120)
+    members = [member_stage(stage, m, group.member(m.rank)) for m in split.members]
+    out: list = [None] * n
+
+    chosen = [queue.Queue() for _ in range(n)]  # the first member's greedy tokens, to every other member
+
+    def member(rank: int):
+        try:
+            if rank == 0:
+                out[0] = decode(members[0], prompt, steps, per_op, lambda t: [q.put(t) for q in chosen[1:]])
+            else:
+                out[rank] = decode(members[rank], prompt, steps, per_op, take=lambda: chosen[rank].get(timeout=120))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out[rank] = exc
+            group.abort()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out
+
+
+def decode(stage, prompt: torch.Tensor, steps: int, per_op: bool = False, tell=None, take=None):
+    """Greedy steps; a member after the first ``take``s the first member's token (it holds only its share
+    of the vocabulary), which the first member ``tell``s."""
+    if per_op:
+        stage._decode_steps = False  # the per-operation path for every row
+    kv = stage.new_cache(512)
+    kv.create("s", 64)
+    logits = [stage.forward(kv, "s", prompt, all_logits=False)[-1]]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(take() if take else int(logits[-1].argmax()))
+        if tell:
+            tell(tokens[-1])
+        logits.append(stage.forward(kv, "s", torch.tensor([tokens[-1]]), all_logits=False)[-1])
+    return torch.stack(logits), tokens

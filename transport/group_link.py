@@ -1,0 +1,196 @@
+"""A tensor-parallel group's links: the partial sums of every layer, exchanged in the compute thread.
+
+Why not the stage links: a decode step of a split model makes two reductions a layer (56 on a 28-layer
+model), each a few kilobytes that the next half-layer waits for. An asyncio hop per reduction would cost
+more than the product it joins, so the group's sockets are blocking ones, used only by the thread that
+computes, with the GIL released while they wait. They are CurveZMQ all the same: each member listens on
+one ROUTER socket that admits only the group's member keys (a ZAP handler in its own thread) and reaches
+every other member through a DEALER that checks that member's server key — encrypted and authenticated
+both ways, like every other link of the home.
+
+Every member sends its partial to every other member and adds all of them in rank order
+(``decoding.tensor_group.add_in_rank_order``): one exchange per reduction, and every member ends up
+with the same bits. Activations travel as float32 (exact: the group computes what an in-process group
+computes). A peer whose connection drops ends the wait at once (:class:`GroupLost`); a peer that is
+merely slow is waited for as long as its link stays up.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+from decoding.tensor_group import GroupLost, add_in_rank_order
+from transport.keys import Keypair, validate_public_key
+from transport.log import get_logger
+
+log = get_logger("transport.group_link")
+
+_HEADER = struct.Struct("<BQ")  # kind, exchange number
+_PARTIAL, _COMMAND = 1, 2
+_ZAP_DOMAIN = "meshd-group"
+_SLICE_MS = 200  # a blocked receive looks at the links' health this often
+_ZERO_COPY_FROM = 1 << 16
+
+
+@dataclass(frozen=True)
+class GroupPeer:
+    rank: int
+    endpoint: str  # tcp://host:port of its group socket
+    public_key: bytes
+
+
+class GroupLink:
+    """Member ``rank``'s end of the group's links (a :class:`decoding.tensor_group.PartialSums`)."""
+
+    def __init__(self, rank: int, size: int, keypair: Keypair, bind: str = "tcp://127.0.0.1:0"):
+        self.rank, self.size = rank, size
+        self._ctx = zmq.Context()
+        self._members: set[bytes] = {keypair.public}
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("transport.group_link.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(_ZAP_DOMAIN, self)
+        self._inbox = self._ctx.socket(zmq.ROUTER)
+        self._inbox.curve_server = True
+        self._inbox.curve_publickey, self._inbox.curve_secretkey = keypair.public, keypair.secret
+        self._inbox.zap_domain = _ZAP_DOMAIN.encode()
+        self._inbox.linger = 0
+        self._inbox.rcvtimeo = _SLICE_MS
+        self._inbox.bind(bind)
+        self.endpoint: str = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._keypair = keypair
+        self._out: dict[int, zmq.Socket] = {}
+        self._watch: dict[zmq.Socket, int] = {}
+        self._early: dict[tuple[int, int], memoryview] = {}  # (rank, exchange) that arrived before we asked
+        self._commands: deque[bytes] = deque()
+        self._exchange = 0
+        self._lost: str = ""
+
+    # ZAP: only the group's members may connect (ThreadAuthenticator's credentials provider)
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self._members
+
+    def connect(self, peers: list[GroupPeer]) -> None:
+        """Reach every other member (their keys admitted here as well)."""
+        if sorted([self.rank, *(p.rank for p in peers)]) != list(range(self.size)):
+            raise ValueError(f"member {self.rank} of {self.size} needs every other member, got {[p.rank for p in peers]}")
+        for p in peers:
+            key = validate_public_key(p.public_key)
+            self._members.add(key)
+            s = self._ctx.socket(zmq.DEALER)
+            s.curve_serverkey = key
+            s.curve_publickey, s.curve_secretkey = self._keypair.public, self._keypair.secret
+            s.routing_id = struct.pack("<H", self.rank)
+            s.linger = 0
+            s.sndhwm = s.rcvhwm = 0
+            monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            s.connect(p.endpoint)
+            self._out[p.rank] = s
+            self._watch[monitor] = p.rank
+
+    # -- PartialSums ---------------------------------------------------------------------
+    def sum_(self, x: np.ndarray) -> None:
+        add_in_rank_order(self._all(x), x)
+
+    def gather(self, x: np.ndarray) -> np.ndarray:
+        """To the first member only: the others send their share and go on."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        self._exchange += 1
+        n = self._exchange
+        if self.rank:
+            self._out[0].send_multipart([_HEADER.pack(_PARTIAL, n), x], copy=x.nbytes < _ZERO_COPY_FROM)
+            return x
+        return np.concatenate(self._collect(x, n), axis=-1)
+
+    # -- commands from the group's first member -------------------------------------------
+    def send_command(self, payload: bytes) -> None:
+        for s in self._out.values():
+            s.send_multipart([_HEADER.pack(_COMMAND, 0), payload])
+
+    def next_command(self, timeout_s: float | None = None) -> bytes | None:
+        """The first member's next command (None: ``timeout_s`` passed without one)."""
+        if self._commands:
+            return self._commands.popleft()
+        got = self._receive(lambda kind, rank, n: kind == _COMMAND, timeout_s)
+        return None if got is None else bytes(got[2])
+
+    def close(self) -> None:
+        for s in list(self._out.values()) + [self._inbox]:
+            s.close(linger=0)
+        for m in self._watch:
+            m.close(linger=0)
+        self._auth.stop()
+        self._ctx.term()
+
+    # -- the exchange ---------------------------------------------------------------------
+    def _all(self, x: np.ndarray) -> list[np.ndarray]:
+        self._exchange += 1
+        n = self._exchange
+        header = _HEADER.pack(_PARTIAL, n)
+        small = x.nbytes < _ZERO_COPY_FROM  # a copy is cheaper than zero-copy's bookkeeping below ~64 KiB
+        for s in self._out.values():
+            s.send_multipart([header, x], copy=small)
+        return self._collect(x, n)
+
+    def _collect(self, x: np.ndarray, n: int) -> list[np.ndarray]:
+        """Exchange ``n``'s parts from every member (``x`` is this member's)."""
+        parts: list[np.ndarray | None] = [None] * self.size
+        parts[self.rank] = x.copy()
+        missing = self.size - 1
+        for r in range(self.size):
+            if parts[r] is None and (r, n) in self._early:
+                parts[r] = self._as_array(self._early.pop((r, n)), x)
+                missing -= 1
+        while missing:
+            kind, rank, payload = self._receive(lambda kind, rank, num: kind == _PARTIAL and num == n, None)
+            parts[rank] = self._as_array(payload, x)
+            missing -= 1
+        return parts  # type: ignore[return-value]
+
+    @staticmethod
+    def _as_array(payload, like: np.ndarray) -> np.ndarray:
+        """A peer's part shaped as ours: the same rows; its own width (a gather's shares may differ)."""
+        return np.frombuffer(payload, dtype=like.dtype).reshape(*like.shape[:-1], -1)
+
+    def _receive(self, wanted, timeout_s: float | None):
+        """The next message ``wanted(kind, rank, number)`` accepts; others wait in ``_early``. Raises
+        :class:`GroupLost` as soon as a member's link drops.
+
+        The inbox is read with a blocking receive (its timeout a short slice): polling every socket for
+        every message would cost more than the message. The links' monitors are read between slices."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._check_links()
+            try:
+                ident, head, payload = self._inbox.recv_multipart(copy=False)
+            except zmq.Again:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            rank = struct.unpack("<H", ident.bytes)[0]
+            kind, number = _HEADER.unpack(head.bytes)
+            if wanted(kind, rank, number):
+                return kind, rank, payload.buffer
+            if kind == _COMMAND:
+                self._commands.append(bytes(payload.buffer))
+            else:
+                self._early[(rank, number)] = payload.buffer
+
+    def _check_links(self) -> None:
+        if self._lost:
+            raise GroupLost(self._lost)
+        for monitor, rank in self._watch.items():
+            if monitor.poll(0):
+                event = recv_monitor_message(monitor)
+                self._lost = f"group member {rank} dropped its link ({event['event']!r})"
+                log.warning("group_member_lost", rank=rank, why=str(event["event"]))
+                raise GroupLost(self._lost)
