@@ -181,7 +181,7 @@ async def parity(mesh, tok, prompts, max_tokens: int, cuts_for) -> dict:
     return {"checked": len(prompts), "mismatches": bad, "ok": not bad}
 
 
-class _Netns:
+class InNetns:
     """Move this process's network namespace (so sockets created afterwards live there)."""
 
     CLONE_NEWNET = 0x40000000
@@ -397,7 +397,7 @@ async def run(args) -> dict:
             if tb.mode != "netns":
                 print(f"[{spec}] testbed fell back to loopback: link not shaped, skipped", file=sys.stderr)
                 continue
-            with _Netns(tb.host(0).ns):
+            with InNetns(tb.host(0).ns):
                 per_link.append(await run_link(args, spec, tok, lens, prompts, runs, tb))
     stage_parity = {}
     if args.parity_stages:

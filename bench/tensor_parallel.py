@@ -47,11 +47,15 @@ def child(args) -> None:
         run = _Plain(stage)
     else:
         keys = Keypair.generate()
-        link = GroupLink(args.rank, args.size, keys)
+        link = GroupLink(args.rank, args.size, keys, bind=args.bind)
         stage, split = load_member(src, 0, src.config.num_layers, args.size, args.rank, link)
         print(json.dumps({"endpoint": link.endpoint, "public": keys.public.decode()}), flush=True)
         peers = [GroupPeer(p["rank"], p["endpoint"], p["public"].encode()) for p in json.loads(sys.stdin.readline())]
-        link.connect([p for p in peers if p.rank != args.rank])
+        others = [p for p in peers if p.rank != args.rank]
+        link.admit(others)  # every member admits every key before anyone dials (as a plan tells them all)
+        print(json.dumps({"admitted": True}), flush=True)
+        sys.stdin.readline()
+        link.connect(others)
         if args.rank:
             follow(stage, link)
             link.close()
@@ -107,26 +111,47 @@ def _rss_mb() -> float:
     return 0.0
 
 
-def run_config(model_file: str, size: int, tokens: int, prompt_len: int, repeats: int) -> dict:
-    """``size`` processes on cores 0..size-1; rank 0's measurement."""
-    cmd = lambda rank: [sys.executable, os.environ.get("TP_CHILD", __file__), "--child", "--rank", str(rank), "--size", str(size),  # noqa: E731
-                        "--model-file", model_file, "--tokens", str(tokens), "--prompt-len", str(prompt_len),
-                        "--repeats", str(repeats)]
+GROUP_PORT = 47310
+
+
+def run_config(model_file: str, size: int, tokens: int, prompt_len: int, repeats: int, testbed=None) -> dict:
+    """``size`` processes on cores 0..size-1; rank 0's measurement. ``testbed``: each member in its own
+    network namespace, reaching the others through the testbed's shaped link and delay proxies."""
+    def cmd(rank: int) -> list[str]:
+        bind = f"tcp://{testbed.host(rank).ip}:{GROUP_PORT}" if testbed else "tcp://127.0.0.1:0"
+        return [sys.executable, os.environ.get("TP_CHILD", __file__), "--child", "--rank", str(rank),
+                "--size", str(size), "--model-file", model_file, "--tokens", str(tokens),
+                "--prompt-len", str(prompt_len), "--repeats", str(repeats), "--bind", bind]
+
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen(cmd(r), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                              preexec_fn=pinned_child(r % (os.cpu_count() or 1))) for r in range(size)]
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if testbed:
+        procs = [testbed.host(r).popen(cmd(r), cores=[r % (os.cpu_count() or 1)], env=env, **pipes)
+                 for r in range(size)]
+    else:
+        procs = [subprocess.Popen(cmd(r), env=env, preexec_fn=pinned_child(r % (os.cpu_count() or 1)), **pipes)
+                 for r in range(size)]
     try:
         if size > 1:
-            hello = [json.loads(p.stdout.readline()) for p in procs]
-            peers = json.dumps([{"rank": r, **h} for r, h in enumerate(hello)])
-            for p in procs:
-                p.stdin.write(peers + "\n")
+            hello = [_json_line(p) for p in procs]
+            for me, p in enumerate(procs):
+                peers = []
+                for r, h in enumerate(hello):
+                    endpoint = h["endpoint"]
+                    if testbed and r != me:  # through the link's delay, as a device on the LAN would be reached
+                        ip, port = testbed.delayed_address(r, GROUP_PORT)
+                        endpoint = f"tcp://{ip}:{port}"
+                    peers.append({"rank": r, "endpoint": endpoint, "public": h["public"]})
+                p.stdin.write(json.dumps(peers) + "\n")
                 p.stdin.flush()
-        line = procs[0].stdout.readline()
-        if not line:
-            raise RuntimeError(f"the measuring process of {size} ended without a result")
-        rss = [json.loads(line)["rss_mb"]]
-        got = json.loads(line)["result"]
+            for p in procs:
+                _json_line(p, "admitted")
+            for p in procs:
+                p.stdin.write("connect\n")
+                p.stdin.flush()
+        line = _json_line(procs[0], "result")
+        rss = [line["rss_mb"]]
+        got = line["result"]
         for p in procs[1:]:
             p.wait(timeout=60)
         return {"runs": got, "rss_mb_rank0": rss[0]}
@@ -134,6 +159,60 @@ def run_config(model_file: str, size: int, tokens: int, prompt_len: int, repeats
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def pipeline2(model_file: str, tokens: int, prompt_len: int, repeats: int, testbed=None) -> float:
+    """Decode tokens/s of the product's 2-stage pipeline (stage processes on cores 0 and 1, gguf mode, the
+    coordinator in this process): every token walks both stages in turn."""
+    import asyncio
+    import statistics
+
+    from decoding.loader import open_model
+    from decoding.sampling import SamplingSpec
+    from tests.support.coordinator import generate_on
+    from tests.support.proc_mesh import ProcessMesh
+
+    src = open_model(model_file)
+    half = src.config.num_layers // 2
+    prompt = src.tokenizer.encode(PROMPT * 4)[:prompt_len]
+    kw = {}
+    if testbed:
+        # as bench/pipeline.py: the coordinator shares host 0 with stage 0; every other hop crosses the link
+        kw = dict(hosts=[testbed.host(0).ip, testbed.host(1).ip], coordinator_host=testbed.host(0).ip,
+                  launcher=lambda i, argv: testbed.host(i).popen(argv, cores=[i], env=dict(os.environ),
+                                                                 stdout=subprocess.PIPE, text=True),
+                  reach=lambda i, host, port: (host, port) if i == 0 else testbed.delayed_address(max(i, 0), port))
+
+    async def run() -> float:
+        rates = []
+        async with ProcessMesh([(0, half), (half, src.config.num_layers)], model=model_file, cores=[[0], [1]],
+                               threads=1, weights="gguf", **kw) as mesh:
+            for r in range(repeats + 1):  # the first: warm-up
+                stamps = []
+                async for _ in generate_on(mesh.coord, f"p{r}", [*prompt[:-1], 1000 + r], tokens + 1, SamplingSpec()):
+                    stamps.append(time.perf_counter())
+                if r:
+                    rates.append((len(stamps) - 3) / (stamps[-1] - stamps[2]))
+        return statistics.median(rates)
+
+    if testbed is None:
+        return asyncio.run(run())
+    from bench.pipeline import InNetns
+
+    with InNetns(testbed.host(0).ns):  # the coordinator's sockets in host 0, beside stage 0
+        return asyncio.run(run())
+
+
+def _json_line(p, key: str | None = None) -> dict:
+    """The child's next JSON line (with ``key``, when given), skipping log lines."""
+    while True:
+        raw = p.stdout.readline()
+        if not raw:
+            raise RuntimeError(f"a member process ended without a result (rc {p.wait()})")
+        if raw.startswith("{"):
+            d = json.loads(raw)
+            if key is None or key in d:
+                return d
 
 
 def llama_cpp(bin_dir: Path | None, gguf: str, tokens: int) -> float | None:
@@ -162,11 +241,15 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--model-file", help=argparse.SUPPRESS)
+    ap.add_argument("--bind", default="tcp://127.0.0.1:0", help=argparse.SUPPRESS)
+    ap.add_argument("--link", default="", help="also measure the group over the testbed's shaped link "
+                    "(e.g. 1gbit,0.3ms; root, network namespaces)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--models", default="embedded,qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--llama-bin", default=str(Path.home() / ".cache" / "meshd-anchors" / "llama.cpp" / "build" / "bin"))
+    ap.add_argument("--no-pipeline", action="store_true", help="skip the 2-stage pipeline figure")
     ap.add_argument("--quick", action="store_true", help="24 tokens, one repeat")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -180,31 +263,45 @@ def main() -> int:
     print(f"each device: one core (taskset), one torch thread; gguf mode; loopback CurveZMQ; "
           f"{args.prompt_len}-token prompt, {args.tokens} greedy tokens, {args.repeats} repeats")
     rows = []
+    links = ["loopback"] + ([args.link] if args.link else [])
     for name in args.models.split(","):
         path = model_file(name)
         if path is None:
             print(f"{name}: not pulled here; skipped")
             continue
         one = run_config(path, 1, args.tokens, args.prompt_len, args.repeats)
-        two = run_config(path, 2, args.tokens, args.prompt_len, args.repeats)
         one_tok = max(r["decode_tok_s"] for r in one["runs"])
-        two_tok = max(r["decode_tok_s"] for r in two["runs"])
         ref = one["runs"][0]["tokens"]
-        agree = [sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref) for r in two["runs"]]
-        first_diff = next((i for i, (a, b) in enumerate(zip(two["runs"][0]["tokens"], ref)) if a != b), None)
         lc = llama_cpp(Path(args.llama_bin), path, args.tokens)
-        row = {"model": name, "one_device_tok_s": round(one_tok, 2), "tensor2_tok_s": round(two_tok, 2),
-               "speedup": round(two_tok / one_tok, 3), "llamacpp_tok_s": None if lc is None else round(lc, 2),
-               "pipeline2_tok_s": None, "link": "loopback", "planner_choice": None,
-               "agreement": round(min(agree), 3), "first_divergence": first_diff,
-               "deterministic": all(r["tokens"] == two["runs"][0]["tokens"] for r in two["runs"]),
-               "rss_mb": {"one_device": round(one["rss_mb_rank0"]), "tensor2_member": round(two["rss_mb_rank0"])},
-               "ms_per_token": {"one": round(1000 / one_tok, 2), "tensor2": round(1000 / two_tok, 2)}}
-        rows.append(row)
-        print(f"{name}: one device {one_tok:.2f} tok/s, tensor2 {two_tok:.2f} tok/s ({two_tok / one_tok:.2f}x), "
-              f"llama.cpp {lc if lc is None else round(lc, 2)} tok/s; agreement {row['agreement']}, "
-              f"deterministic {row['deterministic']}; rss one {row['rss_mb']['one_device']} MB, "
-              f"member {row['rss_mb']['tensor2_member']} MB")
+        for link in links:
+            tb = None
+            if link != "loopback":
+                from bench.testbed import LinkSpec, Testbed
+
+                tb = Testbed(2, LinkSpec.parse(link), mode="netns").start()
+            try:
+                two = run_config(path, 2, args.tokens, args.prompt_len, args.repeats, tb)
+                pipe = None if args.no_pipeline else pipeline2(path, args.tokens, args.prompt_len, args.repeats, tb)
+            finally:
+                if tb is not None:
+                    tb.close()
+            two_tok = max(r["decode_tok_s"] for r in two["runs"])
+            agree = [sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref) for r in two["runs"]]
+            first_diff = next((i for i, (a, b) in enumerate(zip(two["runs"][0]["tokens"], ref)) if a != b), None)
+            row = {"model": name, "link": link, "one_device_tok_s": round(one_tok, 2),
+                   "tensor2_tok_s": round(two_tok, 2), "speedup": round(two_tok / one_tok, 3),
+                   "pipeline2_tok_s": None if pipe is None else round(pipe, 2),
+                   "llamacpp_tok_s": None if lc is None else round(lc, 2), "planner_choice": None,
+                   "agreement": round(min(agree), 3), "first_divergence": first_diff,
+                   "deterministic": all(r["tokens"] == two["runs"][0]["tokens"] for r in two["runs"]),
+                   "rss_mb": {"one_device": round(one["rss_mb_rank0"]), "tensor2_member": round(two["rss_mb_rank0"])},
+                   "ms_per_token": {"one": round(1000 / one_tok, 2), "tensor2": round(1000 / two_tok, 2)}}
+            rows.append(row)
+            print(f"{name} [{link}]: one device {one_tok:.2f} tok/s, tensor2 {two_tok:.2f} tok/s "
+                  f"({two_tok / one_tok:.2f}x), pipeline2 {row['pipeline2_tok_s']} tok/s, llama.cpp "
+                  f"{row['llamacpp_tok_s']} tok/s; agreement {row['agreement']}, deterministic "
+                  f"{row['deterministic']}; rss one {row['rss_mb']['one_device']} MB, member "
+                  f"{row['rss_mb']['tensor2_member']} MB", flush=True)
     result = {"setup": banner, "models": rows,
               "agreement": min((r["agreement"] for r in rows), default=None),
               "deterministic": all(r["deterministic"] for r in rows)}

@@ -32,7 +32,15 @@ from partition.profile import DeviceProfile
 from partition.sequence import equal_starts, flow_shop_latency, pipeline_timings
 from partition.stagecount import MIN_COMPARE_CHUNK, plan_layers
 
-LAYOUT_KINDS = ("auto", "pipeline", "replicas")
+LAYOUT_KINDS = ("auto", "pipeline", "replicas", "tensor")
+
+#: bytes of one activation element between a tensor group's members (float32: the group adds exactly
+#: what an in-process group adds; decoding.tensor_group)
+TENSOR_ACTIVATION_BYTES = 4
+#: what one exchange of partial sums costs beyond the link's round trip: the sockets, the encryption and
+#: the hand-off into and out of the compute thread. Measured (bench/tensor_parallel.py: 108 us an exchange
+#: between two pinned processes on loopback, AMD EPYC VM); a group that measures its own replaces it.
+TENSOR_EXCHANGE_OVERHEAD_S = 100e-6
 
 #: predicted prices this close count as a tie (the prediction is not finer than that)
 SIMPLER_MARGIN = 0.03
@@ -89,14 +97,17 @@ class Group:
     stages: tuple[tuple[NodeId, int, int], ...]
     prefill_s: float
     step_s: tuple[float, ...]
+    # a tensor-parallel group holds the (one) stage: its members in rank order, their relative speeds
+    tensor: tuple[NodeId, ...] = ()
+    tensor_speeds: tuple[float, ...] = ()
 
     @property
     def members(self) -> tuple[NodeId, ...]:
-        return tuple(n for n, _, _ in self.stages)
+        return self.tensor or tuple(n for n, _, _ in self.stages)
 
     @property
     def is_replica(self) -> bool:
-        return len(self.stages) == 1
+        return len(self.stages) == 1 and not self.tensor
 
     def latency_s(self, requests: int, answer_tokens: int) -> float:
         """Mean latency of ``requests`` arriving together: prefills queue one behind another
@@ -182,6 +193,67 @@ def price_group(stages: list[tuple[DeviceProfile, int, int]], link: LinkModel, w
                  _prefill_s(stages, link, work), _step_s(stages, link, work))
 
 
+def tensor_fits(members: list[DeviceProfile], max_seq: int) -> bool:
+    """Whether ``members`` hold the whole model between them, each its speed's share of every layer,
+    and the model's heads split over that many (partition.tensor_split, blocks of one element: the
+    file's own block widths are checked where the members load it)."""
+    from partition.tensor_split import LayerShape, SplitError, split_layers
+
+    m = members[0].model
+    speeds = _tensor_speeds(members, 1)
+    try:
+        split_layers(LayerShape(m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.vocab_size),
+                     len(members), speeds)
+    except SplitError:
+        return False
+    whole = [stage_memory_bytes(p, 0, p.num_layers, max_seq) for p in members]
+    return all(need * s / sum(speeds) <= p.memory_budget_bytes for p, need, s in zip(members, whole, speeds))
+
+
+def _tensor_speeds(members: list[DeviceProfile], context: int) -> tuple[float, ...]:
+    """Each member's relative speed: decode steps per second on its own (the split gives it that share)."""
+    return tuple(1.0 / max(float(p.decode_step(context)), 1e-9) for p in members)
+
+
+#: homes up to this size price a tensor group over every subset of members; larger ones over the k fastest
+TENSOR_SUBSETS_UP_TO = 6
+
+
+def _tensor_candidates(ranked: list[DeviceProfile]) -> list[list[DeviceProfile]]:
+    """The member sets a tensor group may be formed of (each fastest first)."""
+    if len(ranked) <= TENSOR_SUBSETS_UP_TO:
+        return [list(c) for k in range(2, len(ranked) + 1) for c in itertools.combinations(ranked, k)]
+    return [ranked[:k] for k in range(2, len(ranked) + 1)]
+
+
+def price_tensor_group(members: list[DeviceProfile], link: LinkModel, work: Workload,
+                       exchange_overhead_s: float = TENSOR_EXCHANGE_OVERHEAD_S) -> Group:
+    """A tensor-parallel group over ``members`` holding every layer: each computes its speed's share of
+    every product (so all finish together), and every layer waits for two exchanges of partial sums, the
+    head for one more. An exchange is priced as one of the link's round trips plus its bytes — on a
+    LAN the round trips are the cost, which is why a group pays for big models on fast links only."""
+    context = work.prompt_tokens + work.answer_tokens // 2
+    speeds = _tensor_speeds(members, context)
+    total = sum(speeds)
+    lead = members[0]
+    L, hidden = lead.num_layers, lead.model.hidden_size
+    syncs = 2 * L + 1
+
+    def exchanges_s(rows: int) -> float:
+        return syncs * (float(link.activation_transfer_s(rows, hidden, TENSOR_ACTIVATION_BYTES))
+                        + exchange_overhead_s)
+
+    steps = []
+    for rows in range(1, work.requests + 1):
+        compute = max(float(p.decode_step(context)) * (sp / total) * _batch_ratio(p, rows, context)
+                      for p, sp in zip(members, speeds))
+        steps.append(compute + exchanges_s(rows))
+    prefill = max(_prefill_s([(p, 0, L)], link, work) * (sp / total) for p, sp in zip(members, speeds))
+    prefill += exchanges_s(work.new_tokens)
+    return Group(((NodeId(lead.device_id), 0, L),), prefill, tuple(steps),
+                 tuple(NodeId(p.device_id) for p in members), tuple(round(sp / total, 6) for sp in speeds))
+
+
 def route_requests(groups: tuple[Group, ...], work: Workload) -> tuple[tuple[int, ...], float]:
     """(requests per group, mean latency): each of the workload's requests goes where it adds least,
     as the coordinator routes them one by one."""
@@ -226,7 +298,9 @@ def _layout(groups: list[Group], work: Workload, everyone: list[DeviceProfile]) 
     shares, latency = route_requests(groups_t, work)
     used = {n for g in groups_t for n in g.members}
     replicas = sum(1 for g in groups_t if g.is_replica)
-    kind = "pipeline" if replicas == 0 else "replicas" if replicas == len(groups_t) else "mixed"
+    tensors = sum(1 for g in groups_t if g.tensor)
+    kind = ("tensor" if tensors == len(groups_t) else "pipeline" if replicas == 0 and not tensors
+            else "replicas" if replicas == len(groups_t) else "mixed")
     return Layout(kind, groups_t, shares, latency, work,
                   tuple(NodeId(p.device_id) for p in everyone if p.device_id not in used))
 
@@ -265,7 +339,7 @@ def _served(prefer, profiles: list[DeviceProfile], link: LinkModel, work: Worklo
 
 def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
                   force: str = "auto", *, margin: float = SIMPLER_MARGIN, prefer=None,
-                  keep_margin: float | None = None) -> Layout:
+                  keep_margin: float | None = None, tensor: bool = False) -> Layout:
     """The layout with the lowest predicted mean latency for ``work``.
 
     Candidates: one pipeline over every member (the layer DP, which may leave slow members out);
@@ -274,6 +348,8 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
     "replicas" only replicas of every member that holds the model (the pipeline when none does).
     ``prefer``: the routes served now (``Layout.routes``), priced too and kept while within
     ``keep_margin`` (default ``margin``) of the best; ``margin``: ties, see :func:`_pick`.
+    ``tensor``: tensor-parallel groups are candidates too (a home whose members all serve them; always
+    with ``force="tensor"``).
     Raises :class:`PlanError` when no candidate holds the model.
     """
     if force not in LAYOUT_KINDS:
@@ -296,6 +372,17 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
             for group in _pipeline_groups(rest, link, work, max_seq, cache) if len(rest) > 1 else ():
                 if not group.is_replica:
                     candidates.append(_layout([*replicas, group], work, profiles))
+    if force == "tensor" or (force == "auto" and tensor):  # a tensor group, the fastest others as replicas
+        ranked = sorted(profiles, key=lambda p: (float(p.decode_step(work.prompt_tokens)), p.device_id))
+        for group in _tensor_candidates(ranked):
+            if not tensor_fits(group, max_seq):
+                continue
+            tensor = price_tensor_group(group, link, work)
+            rest = [solo[p.device_id] for p in fits if p not in group]
+            for k in range(0, len(rest) + 1 if force == "auto" else 1):
+                candidates.append(_layout([tensor, *rest[:k]], work, profiles))
+        if force == "tensor":
+            candidates = [c for c in candidates if any(g.tensor for g in c.groups)] or candidates
     served = _served(prefer, profiles, link, work, max_seq, profiles) if force == "auto" else None
     if served is not None:
         candidates.append(served)
@@ -312,12 +399,17 @@ def _explained(lay: Layout, alternatives: dict, fits: list[DeviceProfile], force
                profiles: list[DeviceProfile], link: LinkModel, max_seq: int) -> Layout:
     work = lay.workload
     replicas = [g.members[0] for g in lay.groups if g.is_replica]
-    pipes = [g for g in lay.groups if not g.is_replica]
+    pipes = [g for g in lay.groups if not g.is_replica and not g.tensor]
     parts = []
     if replicas:
         parts.append(f"{len(replicas)} replica(s) ({', '.join(replicas)}): each holds the whole model")
     for g in pipes:
         parts.append(f"a pipeline over {', '.join(g.members)}")
+    for g in lay.groups:
+        if g.tensor:
+            parts.append(f"a tensor group over {', '.join(g.members)} (every layer split "
+                         f"{':'.join(f'{x:.2f}' for x in g.tensor_speeds)}; {2 * profiles[0].num_layers + 1} "
+                         f"exchanges of {link.describe()} a token)")
     others = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(alternatives.items()) if k != lay.kind)
     why = (f"{'; '.join(parts)}; predicted {lay.latency_s:.2f} s per request at {work.describe()}"
            + (f" (best {others})" if others else ""))
@@ -351,17 +443,24 @@ def crossover_prompt(profiles: list[DeviceProfile], link: LinkModel, work: Workl
 
 
 def brute_force_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload,
-                       max_seq: int) -> float:
+                       max_seq: int, tensor: bool = False) -> float:
     """The least predicted mean latency over every way to give each member a role — replica (if it
-    holds the model), member of the one pipeline group (laid out by the layer DP), or unused.
+    holds the model), member of the one pipeline group (laid out by the layer DP), member of the one
+    tensor group (its members fastest first; not beside a pipeline), or unused.
     Exponential: the tests' reference for :func:`choose_layout`."""
     L = profiles[0].num_layers
     best = math.inf
     cache: dict = {}
-    for roles in itertools.product("rpu", repeat=len(profiles)):
+    for roles in itertools.product("rptu" if tensor else "rpu", repeat=len(profiles)):
         if any(r == "r" and not replica_fits(p, max_seq) for r, p in zip(roles, profiles)):
             continue
         groups = [price_group([(p, 0, L)], link, work) for r, p in zip(roles, profiles) if r == "r"]
+        tensor = [p for r, p in zip(roles, profiles) if r == "t"]
+        if tensor:
+            if len(tensor) < 2 or not tensor_fits(tensor, max_seq) or any(r == "p" for r in roles):
+                continue
+            tensor.sort(key=lambda p: (float(p.decode_step(work.prompt_tokens)), p.device_id))
+            groups.append(price_tensor_group(tensor, link, work))
         pipe_members = [p for r, p in zip(roles, profiles) if r == "p"]
         options = _pipeline_groups(pipe_members, link, work, max_seq, cache) if pipe_members else [None]
         for g in options:

@@ -89,7 +89,8 @@ class Plan:
     # -- reading it
     @property
     def devices(self) -> tuple[NodeId, ...]:
-        return tuple(s.node_id for s in self.stages)
+        """Every device holding layers (a tensor group's members too)."""
+        return tuple(n for s in self.stages for n in s.holders)
 
     @property
     def routes(self) -> tuple[tuple[StageAssignment, ...], ...]:
@@ -102,10 +103,18 @@ class Plan:
         return next((r for r in self.routes if len(r) > 1), ())
 
     def layers_of(self, node_id: str) -> tuple[int, int] | None:
-        """``[first, end)`` of ``node_id``'s stage, or None when it runs no layers."""
+        """``[first, end)`` of ``node_id``'s stage (a group member: of the stage its group holds), or None
+        when it holds no layers."""
         for s in self.stages:
-            if s.node_id == node_id:
+            if node_id in s.holders:
                 return s.layers
+        return None
+
+    def group_of(self, node_id: str) -> tuple[StageAssignment, int] | None:
+        """The stage whose tensor group ``node_id`` is in, and its rank there (0 leads); None: in no group."""
+        for s in self.stages:
+            if node_id in s.group:
+                return s, s.group.index(node_id)
         return None
 
     @property
@@ -126,6 +135,9 @@ class Plan:
         ones on the digest of the same stages (the leader compares mode and model itself
         before re-issuing a plan).
         """
+        if any(s.group for s in self.stages):  # groups: a replica and a group over the same layers differ
+            return json_digest([self.num_layers, [[s.node_id, s.first, s.end, s.route, list(s.group),
+                                                   list(s.group_speeds)] for s in self.stages]])
         if all(s.route == 0 for s in self.stages):  # one route: the digest every meshd has computed
             return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
         return json_digest([self.num_layers, [[s.node_id, s.first, s.end, s.route] for s in self.stages]])
@@ -139,7 +151,8 @@ class Plan:
             # (routes and the layout only for a plan of several routes: members of every version
             # show a one-pipeline plan alike)
             "stages": [{"node_id": s.node_id, "layers": list(s.layers),
-                        **({"route": s.route} if several else {})} for s in self.stages],
+                        **({"route": s.route} if several else {}),
+                        **({"tensor_group": list(s.group)} if s.group else {})} for s in self.stages],
             **({"layout": self.layout or "mixed"} if several else {}),
             "num_layers": self.num_layers,
             # seconds the slowest stage takes (compute + hand-off) for one prefill of
@@ -167,7 +180,7 @@ class Plan:
                 "stage": i, **range_to_wire(s.first, s.end), "num_layers": self.num_layers,
                 "predicted_bottleneck_s": self.predicted_bottleneck_s, "reason": self.reason,
                 "leader": self.leader, "members": list(self.members), "weights": self.weights,
-                "model": self.model, "route": s.route, "layout": self.layout,
+                "model": self.model, "route": s.route, "layout": self.layout, **s.group_to_wire(),
             }
         if self.cut_table is not None and self.stages:
             wire = self.cut_table.to_wire()
@@ -188,7 +201,8 @@ class Plan:
         """
         try:
             rows = sorted(assignment.items(), key=lambda kv: int(kv[1]["stage"]))
-            stages = tuple(StageAssignment(NodeId(str(n)), *range_from_wire(d), route=int(d.get("route", 0)))
+            stages = tuple(StageAssignment(NodeId(str(n)), *range_from_wire(d), route=int(d.get("route", 0)),
+                                           **StageAssignment.group_from_wire(d))
                            for n, d in rows)
             any_row = rows[0][1] if rows else {}
             num_layers = int(any_row.get("num_layers", stages[-1].end if stages else 0))

@@ -105,8 +105,10 @@ def make_layout_plan(
     with_cut_table: bool = True,
     version: PlanVersion = PlanVersion(0),
     prefer=None,
+    tensor: bool = False,
 ) -> Plan:
-    """The plan of the layout :func:`partition.layout.choose_layout` picks for ``workload``.
+    """The plan of the layout :func:`partition.layout.choose_layout` picks for ``workload`` (``tensor``:
+    tensor-parallel groups among the candidates).
 
     A pipeline is :func:`make_plan` over the members it uses (so its account is the layer DP's);
     replicas and mixed layouts number their routes, replicas first, and say why in ``reason``.
@@ -116,7 +118,8 @@ def make_layout_plan(
     t0 = time.perf_counter()
     check_same_model(profiles)
     work = workload or Workload(plan_seq_len or max_seq)
-    chosen = choose_layout(profiles, link, work, max_seq, force=layout, prefer=prefer, keep_margin=REPLAN_MARGIN)
+    chosen = choose_layout(profiles, link, work, max_seq, force=layout, prefer=prefer, keep_margin=REPLAN_MARGIN,
+                           tensor=tensor)
     by_id = {p.device_id: p for p in profiles}
     if chosen.kind == "pipeline":
         used = [by_id[n] for n in chosen.groups[0].members]
@@ -135,9 +138,9 @@ def make_layout_plan(
     for r, group in enumerate(ordered):
         for node, first, end in group.stages:
             stages.append(StageAssignment(node, first, end, memory_budget_bytes=by_id[node].memory_budget_bytes,
-                                          route=r))
+                                          route=r, group=group.tensor, group_speeds=group.tensor_speeds))
     stages_t = tuple(stages)
-    pipe = next((g for g in ordered if not g.is_replica), None)
+    pipe = next((g for g in ordered if not g.is_replica and not g.tensor), None)
     table = None
     if with_cut_table and pipe is not None:
         pipe_stages = tuple(s for s in stages_t if s.route == ordered.index(pipe))

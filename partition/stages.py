@@ -65,6 +65,16 @@ class StageAssignment:
     memory_bytes: int = 0
     memory_budget_bytes: int = 0
     route: int = 0  # which of the plan's routes (a replica or a pipeline group) this stage belongs to
+    # A tensor-parallel group holds this stage: its members in rank order (``node_id`` first: it leads,
+    # the others compute their share of every layer beside it) and their relative speeds, from which
+    # every member computes the same split (partition.tensor_split). (): one device.
+    group: tuple[NodeId, ...] = ()
+    group_speeds: tuple[float, ...] = ()
+
+    @property
+    def holders(self) -> tuple[NodeId, ...]:
+        """Every device this stage's layers are on: its group, or its one device."""
+        return self.group or (self.node_id,)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -99,14 +109,24 @@ class StageAssignment:
             "memory_bytes": self.memory_bytes,
             "memory_budget_bytes": self.memory_budget_bytes,
             "route": self.route,
+            **self.group_to_wire(),
         }
+
+    def group_to_wire(self) -> dict:
+        """The group's keys of a stage row (none for one device: rows readers of every version know)."""
+        return {"group": list(self.group), "group_speeds": list(self.group_speeds)} if self.group else {}
+
+    @staticmethod
+    def group_from_wire(d: dict) -> dict:
+        group = tuple(NodeId(str(n)) for n in d.get("group", ()) or ())
+        return {"group": group, "group_speeds": tuple(float(x) for x in d.get("group_speeds", ()) or ())}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageAssignment":
         first, end = range_from_wire(d)
         return cls(NodeId(d["device"]), first, end, float(d.get("compute_s", 0)),
                    float(d.get("transfer_s", 0)), int(d.get("memory_bytes", 0)),
-                   int(d.get("memory_budget_bytes", 0)), int(d.get("route", 0)))
+                   int(d.get("memory_budget_bytes", 0)), int(d.get("route", 0)), **cls.group_from_wire(d))
 
 
 def group_routes(stages: Iterable[StageAssignment]) -> tuple[tuple[StageAssignment, ...], ...]:
@@ -131,5 +151,10 @@ def check_tiling(stages: Iterable[StageAssignment], num_layers: int) -> None:
             pos = s.end
         if pos != num_layers:
             raise ValueError(f"plan does not cover {num_layers} layers once: {stages}")
-    if len({s.node_id for s in stages}) != len(stages):
+    held = [n for s in stages for n in s.holders]
+    if len(set(held)) != len(held):
         raise ValueError(f"a node holds two stages of the plan: {stages}")
+    for s in stages:
+        if s.group and (s.group[0] != s.node_id or len(s.group) < 2 or len(s.group_speeds) != len(s.group)
+                        or min(s.group_speeds) <= 0):
+            raise ValueError(f"a tensor group is led by its stage's device and names a speed per member: {s}")

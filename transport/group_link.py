@@ -68,7 +68,8 @@ class GroupLink:
         self.endpoint: str = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self._keypair = keypair
         self._out: dict[int, zmq.Socket] = {}
-        self._watch: dict[zmq.Socket, int] = {}
+        self._watch: dict[zmq.Socket, int] = {}  # the formed links' monitors -> the member at the other end
+        self._monitors: list[zmq.Socket] = []
         self._early: dict[tuple[int, int], memoryview] = {}  # (rank, exchange) that arrived before we asked
         self._commands: deque[bytes] = deque()
         self._exchange = 0
@@ -78,24 +79,50 @@ class GroupLink:
     def callback(self, domain: str, key: bytes) -> bool:
         return key in self._members
 
-    def connect(self, peers: list[GroupPeer]) -> None:
-        """Reach every other member (their keys admitted here as well)."""
+    def connect(self, peers: list[GroupPeer], timeout_s: float = 60.0) -> None:
+        """Reach every other member (their keys admitted here as well), and wait until every link's
+        handshake has passed. A member that has not admitted our key yet (it is still loading, or reading
+        the plan) refuses the first handshakes; ZeroMQ tries again, so a refusal only counts once the
+        group has formed — or when ``timeout_s`` passes without it (:class:`GroupLost`).
+
+        Members of one process (tests) call :meth:`admit` on each before any of them connects."""
         if sorted([self.rank, *(p.rank for p in peers)]) != list(range(self.size)):
             raise ValueError(f"member {self.rank} of {self.size} needs every other member, got {[p.rank for p in peers]}")
-        for p in peers:
-            key = validate_public_key(p.public_key)
-            self._members.add(key)
+        keys = self.admit(peers)
+        waiting: dict[zmq.Socket, int] = {}
+        for p, key in zip(peers, keys):
             s = self._ctx.socket(zmq.DEALER)
             s.curve_serverkey = key
             s.curve_publickey, s.curve_secretkey = self._keypair.public, self._keypair.secret
             s.routing_id = struct.pack("<H", self.rank)
             s.linger = 0
             s.sndhwm = s.rcvhwm = 0
-            monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
             s.connect(p.endpoint)
             self._out[p.rank] = s
-            self._watch[monitor] = p.rank
+            self._monitors.append(monitor)
+            waiting[monitor] = p.rank
+        deadline = time.monotonic() + timeout_s
+        refused: dict[int, str] = {}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = ", ".join(f"member {r}: {refused.get(r, 'no answer')}" for r in waiting.values())
+                raise GroupLost(f"the group did not form within {timeout_s:g} s ({why})")
+            for monitor in [m for m in waiting if m.poll(min(100, int(left * 1000) + 1))]:
+                event = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._watch[monitor] = waiting.pop(monitor)
+                else:  # refused or dropped before the handshake passed: ZeroMQ reconnects
+                    refused[waiting[monitor]] = str(event["event"])
+        log.info("group_formed", rank=self.rank, size=self.size)
+
+    def admit(self, peers: list[GroupPeer]) -> list[bytes]:
+        """Let ``peers``' keys through this member's socket (before they connect, or as they do)."""
+        keys = [validate_public_key(p.public_key) for p in peers]
+        self._members.update(keys)
+        return keys
 
     # -- PartialSums ---------------------------------------------------------------------
     def sum_(self, x: np.ndarray) -> None:
@@ -126,7 +153,7 @@ class GroupLink:
     def close(self) -> None:
         for s in list(self._out.values()) + [self._inbox]:
             s.close(linger=0)
-        for m in self._watch:
+        for m in self._monitors:
             m.close(linger=0)
         self._auth.stop()
         self._ctx.term()
@@ -191,6 +218,8 @@ class GroupLink:
         for monitor, rank in self._watch.items():
             if monitor.poll(0):
                 event = recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    continue
                 self._lost = f"group member {rank} dropped its link ({event['event']!r})"
                 log.warning("group_member_lost", rank=rank, why=str(event["event"]))
                 raise GroupLost(self._lost)

@@ -38,9 +38,10 @@ def register(subparsers) -> None:
                    help="also print the chunk cut points and predicted prefill latency for this prompt")
     p.add_argument("--exact-limit", type=int, default=None,
                    help="search device subsets and orders exactly up to this many devices (default 10)")
-    p.add_argument("--layout", choices=("auto", "pipeline", "replicas"), default="auto",
+    p.add_argument("--layout", choices=("auto", "pipeline", "replicas", "tensor"), default="auto",
                    help="layout to price for the workload below (default auto: the cheapest of replicas, one "
-                        "pipeline, or both; the stage table above is always the one pipeline's)")
+                        "pipeline, a tensor-parallel group, or a mix; the stage table above is always the one "
+                        "pipeline's)")
     p.add_argument("--in-flight", type=float, default=1.0, help="requests in flight at once (default 1)")
     p.add_argument("--answer-tokens", type=int, default=64, help="answer tokens per request (default 64)")
     p.add_argument("--cached", type=float, default=0.0,
@@ -161,12 +162,15 @@ def run(args) -> int:
         work = Workload(args.prompt_len or plan.plan_seq_len, args.answer_tokens, args.cached, args.in_flight)
     except ValueError as exc:
         raise MeshdError(str(exc)) from None
-    chosen = choose_layout(profiles, link, work, args.max_seq, force=args.layout)
-    routes = "; ".join(" -> ".join(f"{n} [{a},{b})" for n, a, b in g.stages) for g in chosen.groups)
+    # (what-if pricing: tensor groups among the candidates, whether or not a home's daemons serve them yet)
+    chosen = choose_layout(profiles, link, work, args.max_seq, force=args.layout, tensor=True)
+    routes = "; ".join(" -> ".join(f"{'+'.join(g.tensor) if g.tensor else n} [{a},{b})" for n, a, b in g.stages)
+                       for g in chosen.groups)
     print(f"layout {chosen.kind}: {routes}", file=out)
     print(f"  {chosen.reason}", file=out)
     summary["layout"] = {**layout_account(chosen), "reason": chosen.reason,
-                         "routes": [[[n, a, b] for n, a, b in g.stages] for g in chosen.groups]}
+                         "routes": [[[n, a, b] for n, a, b in g.stages] for g in chosen.groups],
+                         "tensor_groups": [list(g.tensor) for g in chosen.groups if g.tensor]}
     if args.out:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -144,6 +144,11 @@ def _plan(p: Any) -> str:
         if p.get("layout") and p.get("layout") != "pipeline":
             parts.append(f"layout {p['layout']} ({len(routes)} routes)")
         parts.append(f"{len(stages)} stage{'s' if len(stages) != 1 else ''}")
+        for st in stages:
+            group = st.get("tensor_group") if isinstance(st, dict) else None
+            if isinstance(group, list) and group:
+                parts.append(f"tensor group {'+'.join(cell.text(n) for n in group)} "
+                             f"holds layers {cell.text(st.get('layers'))}")
     elif stages is not None:
         parts.append(f"{stages} stages")
     if p.get("weights"):

@@ -61,6 +61,17 @@ def test_plan_prices_layouts_for_a_workload_and_says_which_and_why(tmp_path, cap
     assert forced["kind"] == "pipeline" and "forced to pipeline" in forced["reason"]
 
 
+def test_plan_prices_a_tensor_group_and_names_its_members(tmp_path, capsys):
+    a = pf.save(synthetic_profile("a"), tmp_path / "a.json")
+    b = pf.save(synthetic_profile("b"), tmp_path / "b.json")
+    args = ["plan", "--profile", str(a), "--profile", str(b), "--prompt-len", "512", "--json"]
+    assert main([*args, "--layout", "tensor", "--link", "1gbit,0.1ms"]) == 0
+    out = capsys.readouterr().out
+    forced = last_json(out)["layout"]
+    assert forced["kind"] == "tensor" and forced["tensor_groups"] == [["a", "b"]]
+    assert "layout tensor: a+b [0,30)" in out and "tensor group over a, b" in out
+
+
 def test_status_names_a_plan_of_several_routes_by_its_layout():
     from meshd.commands.status_render import render_status
 
@@ -150,3 +161,11 @@ def test_profile_install_copies_into_the_daemon_state_dir(profiles, tmp_path, ca
     assert main(["profile", "--scale-from", str(a), "--speed", "1.2", "--device-id", "me",
                  "-o", str(tmp_path / "me.json"), "--install", "--state-dir", str(state)]) == 0
     assert pf.load(state / "profiles" / "me.json").device_id == "me"
+
+
+def test_status_names_a_tensor_groups_members():
+    from meshd.commands.status_render import render_status
+
+    text = render_status({"plan": {"version": 5, "layout": "tensor", "reason": "a tensor group over a, b",
+                                   "stages": [{"node_id": "a", "layers": [0, 28], "tensor_group": ["a", "b"]}]}})
+    assert "tensor group a+b holds layers [0, 28]" in text

@@ -20,8 +20,40 @@ def make_group(n: int):
     links = [GroupLink(r, n, keys[r]) for r in range(n)]
     peers = [GroupPeer(r, links[r].endpoint, keys[r].public) for r in range(n)]
     for r, link in enumerate(links):
+        link.admit([p for p in peers if p.rank != r])
+    for r, link in enumerate(links):
         link.connect([p for p in peers if p.rank != r])
     return links, keys
+
+
+def test_a_group_forms_whatever_order_its_members_admit_each_other_in():
+    """A member's first handshakes are refused until the other has read the plan and admitted its key:
+    the link waits for the handshake to pass instead of giving up."""
+    keys = [Keypair.generate() for _ in range(2)]
+    links = [GroupLink(r, 2, keys[r]) for r in range(2)]
+    peers = [GroupPeer(r, links[r].endpoint, keys[r].public) for r in range(2)]
+    try:
+        t = threading.Thread(target=links[0].connect, args=([peers[1]],))
+        t.start()  # member 0 dials before member 1 knows its key
+        wait_until(lambda: links[0].endpoint, what="member 0 dialling")  # sleep-ok: it is dialling already
+        links[1].connect([peers[0]])
+        t.join(timeout=60)
+        assert not t.is_alive()
+        out = in_threads(links, lambda link: link.sum_(np.full(4, link.rank + 1.0, np.float32)))
+        assert out == [None, None]
+    finally:
+        for link in links:
+            link.close()
+
+
+def test_a_group_that_never_forms_says_who_is_missing():
+    keys = [Keypair.generate() for _ in range(2)]
+    lonely = GroupLink(0, 2, keys[0])
+    try:
+        with pytest.raises(GroupLost, match="member 1"):
+            lonely.connect([GroupPeer(1, "tcp://127.0.0.1:9", keys[1].public)], timeout_s=0.5)
+    finally:
+        lonely.close()
 
 
 def in_threads(links, fn):

@@ -16,7 +16,7 @@ import torch
 
 from decoding.kv_cache import KVCache
 from decoding.models.llama.tensor_slice import layer_shape, member_stage
-from decoding.tensor_group import GroupLost
+from decoding.errors import CacheError, ContextOverflow
 from meshd.log import get_logger
 from partition.tensor_split import TensorSplit, split_layers
 
@@ -111,7 +111,9 @@ class GroupLeader:
 
 
 def follow(stage, link, max_tokens: int = 1 << 14) -> None:
-    """A member after the first: the leader's commands, one after another, until it says stop or leaves."""
+    """A member after the first: the leader's commands, one after another, until it says stop or leaves.
+    Any other failure ends the member (its caller closes its link, so the leader's wait ends too): a
+    member that skipped part of a pass would pair the wrong partial sums from then on."""
     seqs = _Sequences(stage, max_tokens)
     while True:
         raw = link.next_command()
@@ -120,7 +122,7 @@ def follow(stage, link, max_tokens: int = 1 << 14) -> None:
             return
         try:
             seqs.apply(cmd)
-        except GroupLost:
-            raise
-        except Exception as exc:  # the leader hit the same error on the same input: log it, stay in step
-            log.warning("group_command_failed", op=cmd.op, seq=cmd.seq, error=str(exc))
+        except (CacheError, ContextOverflow) as exc:
+            # refused before any partial sum, on a cache that mirrors the leader's: the leader was refused
+            # the same way, so the members stay in step
+            log.warning("group_command_refused", op=cmd.op, seq=cmd.seq, error=str(exc))
