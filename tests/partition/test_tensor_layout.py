@@ -99,7 +99,7 @@ def test_the_group_travels_on_the_wire_and_in_the_file(tensor_plan):
     wire = Plan.from_assignment(7, tensor_plan.to_assignment())
     assert wire.stages[0].group == ("a", "b") and wire.stages[0].group_speeds == tensor_plan.stages[0].group_speeds
     msg = decode(encode(PlanUpdate(7, tensor_plan.to_assignment()))).message
-    assert Plan.from_assignment(msg.version, msg.assignment).digest() == tensor_plan.digest()
+    assert Plan.from_assignment(msg.plan_version, msg.assignment).digest() == tensor_plan.digest()
     assert Plan.from_dict(tensor_plan.to_dict()).stages == tensor_plan.stages
 
 
