@@ -36,7 +36,8 @@ def child(args) -> None:
 
     torch.set_num_threads(1)
     from decoding.loader import open_model
-    from meshd.pipeline.tensor.member import GroupLeader, follow, load_member
+    from meshd.pipeline.tensor.grouped import GroupedStage
+    from meshd.pipeline.tensor.member import follow, load_member
     from transport.group_link import GroupLink, GroupPeer
     from transport.keys import Keypair
 
@@ -60,16 +61,16 @@ def child(args) -> None:
             follow(stage, link)
             link.close()
             return
-        run = GroupLeader(stage, link, split)
+        run = _Plain(GroupedStage(stage, link, split))
     results = [_measure(run, prompt, args.tokens, f"s{i}") for i in range(args.repeats)]
     if args.size > 1:
-        run.stop()
+        run.stage.close()
     rss = _rss_mb()
     print(json.dumps({"result": results, "rss_mb": rss}), flush=True)
 
 
 class _Plain:
-    """One device, with the leader's interface."""
+    """A stage (one device's, or a group's first member's) and its cache, driven by the measurement."""
 
     def __init__(self, stage):
         self.stage, self.kv = stage, stage.new_cache(1 << 14)

@@ -81,9 +81,10 @@ class Config:
     # Prompts whose prefix is never evicted once computed: files holding the text, or a JSON chat request
     # ({"messages": [...], "tools": [...]}) rendered with the model's chat template.
     pin_prompts: list[str] = field(default_factory=list)
-    # How the home lays the model out: "auto" (priced per workload: whole-model replicas, one pipeline, or
-    # both), "pipeline" (every member holds a layer range of one pipeline), "replicas" (every member that
-    # holds the whole model runs it alone). The leader's setting decides.
+    # How the home lays the model out: "auto" (priced per workload: whole-model replicas, one pipeline, a
+    # tensor-parallel group in the gguf mode, or a mix), "pipeline" (every member holds a layer range of one
+    # pipeline), "replicas" (every member that holds the whole model runs it alone), "tensor" (members
+    # split every layer between them). The leader's setting decides.
     layout: str = "auto"
     cloud_budget: float = 0.2  # share of drafted chunks a paired cloud verifier checks (0..1; 1 = every one)
     cloud_min_timeout_s: float = 1.0  # the shortest wait for a verdict before the chunk is committed locally
@@ -132,8 +133,8 @@ class Config:
             raise ConfigError(f"cloud_min_timeout_s must be in (0, 3600], got {self.cloud_min_timeout_s}")
         if not 0.0 <= self.prefix_cache_share <= 1.0:
             raise ConfigError(f"prefix_cache_share must be between 0 and 1, got {self.prefix_cache_share}")
-        if self.layout not in ("auto", "pipeline", "replicas"):
-            raise ConfigError(f"layout must be auto, pipeline or replicas, got {self.layout!r}")
+        if self.layout not in ("auto", "pipeline", "replicas", "tensor"):
+            raise ConfigError(f"layout must be auto, pipeline, replicas or tensor, got {self.layout!r}")
         self.pin_prompts = [str(p).strip() for p in self.pin_prompts if str(p).strip()]
         if not 0.0 <= self.exit_threshold <= 1.0:
             raise ConfigError(f"exit_threshold must be between 0 (off) and 1, got {self.exit_threshold}")

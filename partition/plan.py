@@ -144,7 +144,7 @@ class Plan:
 
     def to_status(self) -> dict[str, Any]:
         """The plan in ``meshd status`` (the same document on members of every version)."""
-        several = len(self.routes) > 1
+        several = len(self.routes) > 1 or any(s.group for s in self.stages)
         return {
             "version": self.version,
             # half-open [first, end) per stage
@@ -152,7 +152,8 @@ class Plan:
             # show a one-pipeline plan alike)
             "stages": [{"node_id": s.node_id, "layers": list(s.layers),
                         **({"route": s.route} if several else {}),
-                        **({"tensor_group": list(s.group)} if s.group else {})} for s in self.stages],
+                        **({"tensor_group": list(s.group), "tensor_speeds": list(s.group_speeds)}
+                           if s.group else {})} for s in self.stages],
             **({"layout": self.layout or "mixed"} if several else {}),
             "num_layers": self.num_layers,
             # seconds the slowest stage takes (compute + hand-off) for one prefill of

@@ -38,7 +38,6 @@ _HEADER = struct.Struct("<BQ")  # kind, exchange number
 _PARTIAL, _COMMAND = 1, 2
 _ZAP_DOMAIN = "meshd-group"
 _SLICE_MS = 200  # a blocked receive looks at the links' health this often
-_ZERO_COPY_FROM = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -74,6 +73,7 @@ class GroupLink:
         self._commands: deque[bytes] = deque()
         self._exchange = 0
         self._lost: str = ""
+        self._closed = False
 
     # ZAP: only the group's members may connect (ThreadAuthenticator's credentials provider)
     def callback(self, domain: str, key: bytes) -> bool:
@@ -134,7 +134,7 @@ class GroupLink:
         self._exchange += 1
         n = self._exchange
         if self.rank:
-            self._out[0].send_multipart([_HEADER.pack(_PARTIAL, n), x], copy=x.nbytes < _ZERO_COPY_FROM)
+            self._out[0].send_multipart([_HEADER.pack(_PARTIAL, n), x])
             return x
         return np.concatenate(self._collect(x, n), axis=-1)
 
@@ -150,9 +150,15 @@ class GroupLink:
         got = self._receive(lambda kind, rank, n: kind == _COMMAND, timeout_s)
         return None if got is None else bytes(got[2])
 
-    def close(self) -> None:
-        for s in list(self._out.values()) + [self._inbox]:
-            s.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the links (again: nothing). ``linger_s``: how long what is still queued (a last command)
+        may take to leave."""
+        if self._closed:
+            return
+        self._closed = True
+        for s in self._out.values():
+            s.close(linger=int(linger_s * 1000))
+        self._inbox.close(linger=0)
         for m in self._monitors:
             m.close(linger=0)
         self._auth.stop()
@@ -163,9 +169,10 @@ class GroupLink:
         self._exchange += 1
         n = self._exchange
         header = _HEADER.pack(_PARTIAL, n)
-        small = x.nbytes < _ZERO_COPY_FROM  # a copy is cheaper than zero-copy's bookkeeping below ~64 KiB
+        # copied into the message, never sent from ``x`` in place: the sum is written into ``x`` while a
+        # zero-copy send could still be reading it (and a gathered share's buffer is the allocator's again)
         for s in self._out.values():
-            s.send_multipart([header, x], copy=small)
+            s.send_multipart([header, x])
         return self._collect(x, n)
 
     def _collect(self, x: np.ndarray, n: int) -> list[np.ndarray]:

@@ -72,7 +72,8 @@ _FLAGS = [
                                          "\"tools\": [...]} (e.g. Home Assistant's system prompt)"),
     ("--layout", "layout", str, "how the home lays the model out (the leader's setting decides): auto "
                                 "(default: priced per workload), pipeline (one pipeline over the members), "
-                                "replicas (every member holding the whole model runs it alone)"),
+                                "replicas (every member holding the whole model runs it alone), tensor "
+                                "(members split every layer between them, gguf mode)"),
     ("--exit-threshold", "exit_threshold", float, "early exits (Synera, lossy) for requests that do not say: "
                                                   "a token leaves the model where its top-2 margin clears "
                                                   "this, 0..1 (default 0: off; 0.7 is the paper's)"),

@@ -31,6 +31,7 @@ class Cap(enum.Enum):
     EXITS = "exits"  # its coordinator reads early-exit fields (HelloReply.exits, TokenResult.exit_layer)
     ERROR_NODE = "error_node"  # its coordinator reads ErrorReply.node and .seq_id
     PROGRESS = "progress"  # its stage reports StageProgress during long passes; its coordinator reads them
+    TENSOR_GROUPS = "tensor_groups"  # takes a seat in a plan's tensor group (announces its group port)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class MeshHeartbeat:
     state: str = "ready"  # "ready" | "draining"
     requests_in_flight: int = 0
     stage_port: int = 0  # where this member's pipeline stage listens (0: no engine yet)
+    group_port: int = 0  # where it takes a tensor group's links (transport.group_link; 0: none)
     incarnation: str = ""  # random per daemon start: a change means the member restarted (caches gone)
     load_state: str = "loading"  # "loading" | "loaded" | "failed" | "none" (model = none)
     model: str = ""  # identity of the loaded model file (name@sha256 prefix); "" for model-less engines

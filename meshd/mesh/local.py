@@ -36,6 +36,7 @@ class LocalMember:
         self.profile_how = ""  # how this device came by the profile it is planned with (set once the model is open)
         self.mode_how = ""  # the numeric mode this device serves in and why (set once the model is open)
         self.stage_port = 0  # set by the model host once the serving role's stage listens
+        self.group_port = 0  # where this device takes a tensor group's links (the serving role's)
         self.port = 0  # the control link's transport port
         self.pairing_port = 0
         self.incarnation = secrets.token_hex(6)  # peers see a restart as a new incarnation

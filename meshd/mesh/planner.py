@@ -127,8 +127,11 @@ class Planner:
         current = view.plan
         version = max([current.version if current else 0, *seen]) + 1
         layout = self.layout_for(ready)
+        # tensor groups among the layouts "auto" prices: members that all take a seat, in the gguf mode
+        tensor = layout == "tensor" or (layout == "auto" and self.weights_mode == "gguf"
+                                        and all(Cap.TENSOR_GROUPS in self.view.caps_of(n) for n in ready))
         plan_over = lambda ids: plan_home(version, node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
-                                          self.weights_mode, model, layout, self.workload(), current)
+                                          self.weights_mode, model, layout, self.workload(), current, tensor)
         plan = plan_over(ready)
         if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
             plan = self.sharing.gate(plan, current, ready, model, plan_over)
@@ -162,7 +165,8 @@ class Planner:
         wanted = str(getattr(self.config, "layout", "pipeline") or "pipeline")
         if wanted == "pipeline":
             return wanted
-        old = [n for n in ready if Cap.LAYOUTS not in self.view.caps_of(n)]
+        old = [n for n in ready if Cap.LAYOUTS not in self.view.caps_of(n)
+               or (wanted == "tensor" and Cap.TENSOR_GROUPS not in self.view.caps_of(n))]
         if old:
             if old != self._said_old:
                 log.info("layout_pipeline_only", members=old, wanted=wanted,

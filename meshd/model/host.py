@@ -86,6 +86,7 @@ class ModelHost:
                 follow_plans=self.planner.listeners.append, choose_mode=self._choose_mode)
             self.local.model_source = s.source
             self.local.stage_port = s.stage_port
+            self.local.group_port = s.group_port
             self._check_fit(s.source)
             await self._settle_profile(s.source)
             drafts = DraftModels(cfg.draft_model, s.source) if cfg.draft_model else None

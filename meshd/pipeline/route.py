@@ -20,16 +20,32 @@ from partition.ids import NodeId, PlanVersion
 
 
 @dataclass(frozen=True)
+class GroupSeat:
+    """One member of a tensor group: where its group links listen, and its key."""
+
+    node_id: NodeId
+    address: str  # tcp://host:port of its group socket ("" while unknown)
+    public_key: str
+
+
+@dataclass(frozen=True)
 class StageEndpoint:
     node_id: NodeId
     address: str  # tcp://host:port of the node's stage server
     public_key: str  # z85 CURVE key ("" when CURVE is off, e.g. in-process tests)
     first: int
     end: int  # exclusive: the stage runs decoder layers [first, end)
+    # a tensor group holds this stage: its members in rank order (``node_id`` first) and their speeds
+    group: tuple[GroupSeat, ...] = ()
+    group_speeds: tuple[float, ...] = ()
 
     @property
     def layers(self) -> tuple[int, int]:
         return (self.first, self.end)
+
+    def rank_of(self, node_id: NodeId) -> int | None:
+        """``node_id``'s rank in this stage's tensor group (None: not a member)."""
+        return next((i for i, seat in enumerate(self.group) if seat.node_id == node_id), None)
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,14 @@ class Route:
         for i, s in enumerate(self.stages):
             if s.node_id == node_id:
                 return i
+        return None
+
+    def group_seat(self, node_id: NodeId) -> tuple[int, int] | None:
+        """(stage index, rank) of ``node_id`` in a tensor group of this route (None: in none)."""
+        for i, s in enumerate(self.stages):
+            rank = s.rank_of(node_id)
+            if rank is not None:
+                return i, rank
         return None
 
     def next_after(self, index: int) -> StageEndpoint | None:

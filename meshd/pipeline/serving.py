@@ -42,6 +42,7 @@ class MeshDirectory:
         self.view = view  # meshd.mesh.view.MeshView
         self.listen = listen
         self.own_port = 0  # where this device's stage listens (start_serving sets it)
+        self.own_group_port = 0  # where it takes a tensor group's links
 
     def own_host(self) -> str:
         if self.listen not in ("0.0.0.0", "", "::"):
@@ -63,6 +64,20 @@ class MeshDirectory:
             return "", member.public_key
         return f"tcp://{view.addresses[node_id][0]}:{port}", member.public_key
 
+    def group_seat(self, node_id: NodeId):
+        """Where ``node_id`` takes a tensor group's links, and its key (``meshd.pipeline.route.GroupSeat``)."""
+        from meshd.pipeline.route import GroupSeat
+
+        view = self.view
+        if node_id == view.node_id:
+            return GroupSeat(node_id, f"tcp://{self.own_host()}:{self.own_group_port}", view.local.public_key)
+        member = view.members.get(node_id)
+        key = member.public_key if member is not None else ""
+        port = int(view.info_of(node_id).get("group_port") or 0) if member is not None else 0
+        if node_id not in view.addresses or not port:
+            return GroupSeat(node_id, "", key)
+        return GroupSeat(node_id, f"tcp://{view.addresses[node_id][0]}:{port}", key)
+
     def caps_of(self, node_id: NodeId) -> PeerCaps:
         """What ``node_id``'s daemon decodes, as its heartbeats announce it (``meshd.mesh.caps``)."""
         return self.view.caps_of(node_id)
@@ -80,10 +95,30 @@ def routes_from_plan(plan: Plan, directory) -> tuple[Route, ...]:
                 address, key = directory(s.node_id)
             except KeyError:
                 address, key = "", ""
-            endpoints.append(StageEndpoint(s.node_id, address, key, s.first, s.end))
+            group = tuple(_seat(directory, n) for n in s.group)
+            endpoints.append(StageEndpoint(s.node_id, address, key, s.first, s.end, group, s.group_speeds))
         routes.append(Route(plan.version, tuple(endpoints), getattr(plan, "weights", "") or "",
                             getattr(plan, "model", "") or "", stages[0].route))
     return tuple(routes)
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the group socket binds it when a plan seats this device)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host if host not in ("", "::") else "0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def _seat(directory, node_id):
+    from meshd.pipeline.route import GroupSeat
+
+    seat = getattr(directory, "group_seat", None)
+    try:
+        return seat(node_id) if seat is not None else GroupSeat(node_id, "", "")
+    except KeyError:
+        return GroupSeat(node_id, "", "")
 
 
 def route_from_plan(plan: Plan, directory) -> Route:
@@ -92,8 +127,10 @@ def route_from_plan(plan: Plan, directory) -> Route:
 
 
 def own_route(routes: tuple[Route, ...], node_id: NodeId) -> Route:
-    """The route this node's stage belongs to (the first when it holds no layers)."""
-    return next((r for r in routes if r.index_of(node_id) is not None), routes[0])
+    """The route this node's stage belongs to, or whose tensor group it is in (the first when it holds no
+    layers)."""
+    return next((r for r in routes if r.index_of(node_id) is not None or r.group_seat(node_id) is not None),
+                routes[0])
 
 
 def cut_table_for(route: Route, profiles: dict[str, dict], num_layers: int, link_spec: str):
@@ -145,6 +182,11 @@ class ServingRole:
     def stage_port(self) -> int:
         """The port this device's stage listens on (its heartbeats announce it)."""
         return self.directory.own_port
+
+    @property
+    def group_port(self) -> int:
+        """The port this device takes a tensor group's links on (its heartbeats announce it)."""
+        return self.directory.own_group_port
 
     def follow(self, plan) -> None:
         """A plan listener: adopt ``plan`` in the background (in order, see :meth:`adopt`)."""
@@ -276,6 +318,9 @@ async def start_serving(cfg, view, node, *, sharing=None, weights_mode: str = ""
     stage_port = cfg.port + 2 if cfg.port else 0  # 7412 by default: transport 7410, pairing 7411
     address = await stage.start(f"tcp://{cfg.listen}:{stage_port}")
     directory.own_port = int(address.rsplit(":", 1)[1])
+    # a tensor group's links bind here whenever a plan puts this device in a group (7413 by default)
+    directory.own_group_port = cfg.port + 3 if cfg.port else free_port(cfg.listen)
+    stage.take_groups_at(f"tcp://{cfg.listen}:{directory.own_group_port}")
     coordinator = PipelineCoordinator(node, view.node_id, directory, resume_timeout_s=cfg.request_wait_s,
                                       model=source.identity, vocab_size=source.config.vocab_size,
                                       prefix_cache=share > 0, peer_caps=directory.caps_of)

@@ -19,7 +19,11 @@ from tests.support.waiting import wait_until
 OK, WHY = native.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"integer kernels unavailable: {WHY}")
 ROOT = Path(__file__).resolve().parents[2]
-PROMPT = "The lighthouse keeper climbed the stairs at dusk, and"
+# long enough that a prompt's partial sums (rows x hidden floats) exceed 64 KiB: a regression test for sums
+# written into a buffer a zero-copy send was still reading
+PROMPT = ("The lighthouse keeper climbed the stairs at dusk, counted the steps as his father had, and found the "
+          "lamp cold. Outside, the fishing boats were coming home early, their lights low on the water, and the "
+          "radio kept repeating the same warning about the storm that was due before midnight. He")
 
 
 class Members:
@@ -59,6 +63,7 @@ class Members:
 def test_two_member_processes_equal_the_in_process_group_bit_for_bit(real_source, tmp_path):
     whole = real_source.load_stage(0, real_source.config.num_layers, torch.float32, packed="gguf")
     prompt = torch.tensor(real_source.tokenizer.encode(PROMPT))
+    assert len(prompt) * real_source.config.hidden_size * 4 > 1 << 16
     want_logits, want_tokens = run_group(whole, 2, prompt, 10)[0]
     members = Members(2, 10, tmp_path / "logits.pt")
     try:

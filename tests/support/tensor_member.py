@@ -25,12 +25,14 @@ def main() -> int:
     ap.add_argument("--model")
     ap.add_argument("--prompt", default="The lighthouse keeper climbed the stairs at dusk, and")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--ids", default=None, help="the prompt as token ids (JSON list), instead of --prompt")
     ap.add_argument("--logits-out")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from decoding.tensor_group import GroupLost
     from meshd.model import store
-    from meshd.pipeline.tensor.member import GroupLeader, follow, load_member
+    from meshd.pipeline.tensor.grouped import GroupedStage
+    from meshd.pipeline.tensor.member import follow, load_member
     from transport.group_link import GroupLink, GroupPeer
     from transport.keys import Keypair
 
@@ -45,24 +47,25 @@ def main() -> int:
         if args.rank:
             follow(stage, link)
             return 0
-        leader = GroupLeader(stage, link, split)
-        prompt = source.tokenizer.encode(args.prompt)
-        leader.create("s", len(prompt) + args.steps + 1)
-        logits = [leader.forward("s", prompt)[-1]]
+        grouped = GroupedStage(stage, link, split)
+        kv = grouped.new_cache(1 << 14)
+        prompt = json.loads(args.ids) if args.ids else source.tokenizer.encode(args.prompt)
+        kv.create("s", len(prompt) + args.steps + 1)
+        logits = [grouped.forward(kv, "s", torch.tensor(prompt), all_logits=False)[-1]]
         tokens = []
         for i in range(args.steps):
             tokens.append(int(logits[-1].argmax()))
-            logits.append(leader.forward("s", [tokens[-1]])[-1])
+            logits.append(grouped.forward(kv, "s", torch.tensor([tokens[-1]]), all_logits=False)[-1])
             say({"step": i})
-        leader.free("s")
-        leader.stop()
+        kv.free("s")
+        grouped.close()
         if args.logits_out:
             torch.save(torch.stack(logits), args.logits_out)
         say({"tokens": tokens})
     except GroupLost as exc:
         say({"lost": str(exc)})
     finally:
-        link.close()
+        link.close()  # (closing twice is harmless)
     return 0
 
 

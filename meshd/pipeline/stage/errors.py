@@ -9,6 +9,7 @@ reach. The coordinator suspects that device instead of parsing error text.
 from __future__ import annotations
 
 from decoding.errors import CacheFull
+from decoding.tensor_group import GroupLost
 from meshd.errors import USER_ERRORS, MeshdError
 from partition.ids import NodeId
 from transport.errors import TransportError
@@ -37,7 +38,7 @@ def error_code(exc: BaseException) -> str:
         return "cache_full"
     if isinstance(exc, StageError):
         return exc.code
-    if isinstance(exc, TransportError):
+    if isinstance(exc, (TransportError, GroupLost)):  # a tensor group's member or link went away
         return "link"
     if isinstance(exc, USER_ERRORS):  # also decoding's (a bad cache op, a context overflow)
         return "stage"

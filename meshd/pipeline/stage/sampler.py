@@ -26,6 +26,7 @@ from decoding.speculative.verify import verify_shaped
 from decoding.models import StageModel
 from meshd.log import get_logger
 from meshd.pipeline.stage.worker import Work
+from meshd.pipeline.tensor.grouped import GroupedStage
 from transport.stage_messages import StageForward, TokenResult
 
 log = get_logger("meshd.stage")
@@ -136,6 +137,8 @@ class StageSampler:
     def _propose(self, stage: StageModel, hidden: torch.Tensor, paths: int):
         if self._medusa is None and not self._medusa_error:
             try:
+                if isinstance(stage, GroupedStage):
+                    raise DecodingError("a tensor group's LM head is split between its members")
                 if self._medusa_factory is None:
                     raise DecodingError("no Medusa heads are configured for this model")
                 self._medusa = self._medusa_factory(stage)

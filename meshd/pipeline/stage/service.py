@@ -94,6 +94,7 @@ class StageService:
         self.route: Route | None = None
         self.index: int | None = None
         self.model_mismatch = ""  # the current plan names another model than this stage's file holds
+        self.group_bind = ""  # where a tensor group's links bind, when a plan seats this device in one
         self.outbox = StageOutbox(node, node_id, directory, self.stats, activation_dtype, send_timeout_s,
                                   peer_caps)
         self.progress = ProgressReporter(node_id, self.outbox, progress_every_s)
@@ -130,6 +131,10 @@ class StageService:
             await self.server.close()
         self.worker.close()
 
+    def take_groups_at(self, address: str) -> None:
+        """Plans may seat this device in a tensor group: its links bind at ``address`` (tcp://host:port)."""
+        self.group_bind = address
+
     @property
     def serving_version(self) -> int:
         """The plan version whose layers are loaded and served here (0: none)."""
@@ -148,12 +153,23 @@ class StageService:
                 return
             idx = route.index_of(self.node_id)
             rng = route.stages[idx].layers if idx is not None else None
+            seat = route.group_seat(self.node_id)
             self.model_mismatch = model_mismatch(route.model, str(getattr(self.source, "identity", "") or "")) \
                 if route.model else ""
             if self.model_mismatch and rng is not None:
                 log.warning("stage_model_mismatch", plan_version=route.plan_version, error=self.model_mismatch)
                 rng = None  # never load another model's layer range from this file
-            if rng is None:
+            if self.worker.in_group:
+                await self.worker.leave_group()
+            if seat is not None and not self.model_mismatch:
+                if not self.group_bind or self.node.keypair is None:
+                    raise StageError("no_stage", "this device takes no tensor group's links (no group port, "
+                                     "or no CURVE keys)")
+                if seat[1] == 0:
+                    await self.worker.lead_group(route, seat[0], self.node.keypair, self.group_bind)
+                else:  # its layers are the first member's stage: this device computes its share beside it
+                    await self.worker.follow_group(route, seat[0], seat[1], self.node.keypair, self.group_bind)
+            elif rng is None:
                 self.worker.unload()
             elif not self.worker.holds(rng, route):
                 await self.worker.load(rng, route)

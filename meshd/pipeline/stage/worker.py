@@ -17,6 +17,7 @@ limits (:meth:`StageWorker.wait_fill`) until they have written its keys and valu
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from meshd.log import get_logger
 from meshd.pipeline.route import Route
 from meshd.pipeline.stage.errors import StageError
 from meshd.pipeline.stage.slot import SeqSlot
+from meshd.pipeline.tensor.grouped import GroupedStage
 from partition.ids import SeqKey
 from transport.stage_messages import StageForward
 
@@ -103,6 +105,8 @@ class StageWorker:
         self.stage: StageModel | None = None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="stage-compute")
         self._filling: dict[SeqKey, asyncio.Future] = {}  # exited sequences whose skipped layers are computing
+        self._following: asyncio.Future | None = None  # this device follows a tensor group's first member
+        self._stopping = threading.Event()
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
@@ -124,9 +128,10 @@ class StageWorker:
         return wanted
 
     def holds(self, layers: tuple[int, int], route: Route) -> bool:
-        """Whether the loaded layers already are ``layers`` in the mode ``route`` asks for."""
+        """Whether the loaded layers already are ``layers`` in the mode ``route`` asks for (a tensor group's
+        share never is: its links are the plan's)."""
         return (self.stage is not None and (self.stage.first, self.stage.end) == tuple(layers)
-                and self.mode_for(route) == self.mode)
+                and self.mode_for(route) == self.mode and not self.in_group)
 
     async def load(self, layers: tuple[int, int], route: Route) -> StageModel:
         """Load ``layers`` in the plan's mode, in the compute thread; nothing is served meanwhile."""
@@ -181,6 +186,53 @@ class StageWorker:
 
     def unload(self) -> None:
         self.stage = None
+
+    # -- a seat in a tensor group (meshd.pipeline.tensor.seat) -----------------------------------
+    async def lead_group(self, route: Route, index: int, keypair, bind: str) -> StageModel:
+        """Rank 0 of stage ``index``'s tensor group: links, this member's share, and the stage to serve."""
+        from meshd.pipeline.tensor.seat import lead
+
+        await self.leave_group()
+        self.dtype, self.packed = resolve_weights("gguf", self.device)  # a group adds float32 partial sums
+        self.stage = None
+        t = time.perf_counter()
+        stage = await asyncio.get_running_loop().run_in_executor(
+            self._compute, lead, self.source, route.stages[index], keypair, bind)
+        log.info("stage_loaded", first=stage.first, end=stage.end, seconds=round(time.perf_counter() - t, 2),
+                 weights=self.mode, tensor_group=[s.node_id for s in route.stages[index].group])
+        self.exits_note = "off: a tensor group's layers are split"
+        self.stage = stage
+        return stage
+
+    async def follow_group(self, route: Route, index: int, rank: int, keypair, bind: str) -> None:
+        """A later rank of stage ``index``'s group: the compute thread follows its first member from now
+        until :meth:`leave_group` (this device serves no stage of its own meanwhile)."""
+        from meshd.pipeline.tensor.seat import follow_seat
+
+        await self.leave_group()
+        self.dtype, self.packed = resolve_weights("gguf", self.device)
+        self.stage = None
+        self._stopping = threading.Event()
+        self._following = asyncio.get_running_loop().run_in_executor(
+            self._compute, follow_seat, self.source, route.stages[index], rank, keypair, bind, self._stopping)
+
+    async def leave_group(self) -> None:
+        """Out of the group this device was in (the first member tells the others; a follower stops)."""
+        stage = self.stage
+        if isinstance(stage, GroupedStage):  # this device led a group
+            self.stage = None
+            await self.in_compute(stage.close)
+        if self._following is not None:
+            self._stopping.set()
+            following, self._following = self._following, None
+            try:
+                await following
+            except Exception as exc:  # noqa: BLE001 - the group was already gone; the new plan goes on
+                log.warning("tensor_group_follow_failed", error=f"{type(exc).__name__}: {exc}")
+
+    @property
+    def in_group(self) -> bool:
+        return self._following is not None or isinstance(self.stage, GroupedStage)
 
     # -- one pass -------------------------------------------------------------------------------
     def input_of(self, msg: StageForward) -> tuple[torch.Tensor, DraftTree | None]:
