@@ -204,6 +204,34 @@ def pipeline2(model_file: str, tokens: int, prompt_len: int, repeats: int, testb
         return asyncio.run(run())
 
 
+def planner_choice(model_path: str, one_ms: float, link: str, prompt_len: int, tokens: int) -> dict:
+    """What the planner picks for two such devices over ``link``: the shipped profile of this model (any
+    mode), scaled so its decode step is the one measured here, priced with tensor groups among the layouts.
+    Loopback is priced as a 10 Gbit/s, 0.1 ms link (what the exchanges cost here: bench RESULTS)."""
+    import dataclasses
+
+    from decoding.loader import open_model
+    from meshd.mesh.home_plan import shipped_profiles
+    from partition.layout import Workload, choose_layout
+    from partition.link import parse_link
+    from partition.profile import DeviceProfile
+    from partition.scaling import scale
+
+    layers = open_model(model_path).config.num_layers
+    shipped = [DeviceProfile.from_dict(d) for d in shipped_profiles()]
+    base = next((p for p in shipped if p.num_layers == layers and p.model.identity.split("@")[0] in model_path), None)
+    base = base or next((p for p in shipped if p.num_layers == layers), None)
+    if base is None:
+        return {"kind": None, "why": "no shipped profile of this model's layer count"}
+    context = prompt_len + tokens // 2
+    dev = scale(base, float(base.decode_step(context)) * 1000 / one_ms)
+    devs = [dataclasses.replace(dev, device_id=n, memory_budget_bytes=24 << 30) for n in ("a", "b")]
+    lay = choose_layout(devs, parse_link("10gbit,0.1ms" if link == "loopback" else link),
+                        Workload(prompt_len, tokens, 0.0, 1), 4096, tensor=True)
+    return {"kind": lay.kind, "predicted_s": {k: round(v, 3) for k, v in lay.alternatives.items()},
+            "profile": base.model.identity}
+
+
 def _json_line(p, key: str | None = None) -> dict:
     """The child's next JSON line (with ``key``, when given), skipping log lines."""
     while True:
@@ -289,10 +317,17 @@ def main() -> int:
             two_tok = max(r["decode_tok_s"] for r in two["runs"])
             agree = [sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref) for r in two["runs"]]
             first_diff = next((i for i, (a, b) in enumerate(zip(two["runs"][0]["tokens"], ref)) if a != b), None)
+            choice = planner_choice(path, 1000 / one_tok, link, args.prompt_len, args.tokens)
+            measured = {"replicas": one_tok, "tensor": two_tok, "pipeline": pipe or 0.0}
+            best = max(measured.values())
             row = {"model": name, "link": link, "one_device_tok_s": round(one_tok, 2),
                    "tensor2_tok_s": round(two_tok, 2), "speedup": round(two_tok / one_tok, 3),
                    "pipeline2_tok_s": None if pipe is None else round(pipe, 2),
-                   "llamacpp_tok_s": None if lc is None else round(lc, 2), "planner_choice": None,
+                   "llamacpp_tok_s": None if lc is None else round(lc, 2), "planner_choice": choice["kind"],
+                   "planner": choice,
+                   # the chosen layout's measured rate within 10 % of the best measured one
+                   "planner_within_10pct": (None if choice["kind"] not in measured
+                                            else measured[choice["kind"]] >= 0.9 * best),
                    "agreement": round(min(agree), 3), "first_divergence": first_diff,
                    "deterministic": all(r["tokens"] == two["runs"][0]["tokens"] for r in two["runs"]),
                    "rss_mb": {"one_device": round(one["rss_mb_rank0"]), "tensor2_member": round(two["rss_mb_rank0"])},
@@ -300,7 +335,8 @@ def main() -> int:
             rows.append(row)
             print(f"{name} [{link}]: one device {one_tok:.2f} tok/s, tensor2 {two_tok:.2f} tok/s "
                   f"({two_tok / one_tok:.2f}x), pipeline2 {row['pipeline2_tok_s']} tok/s, llama.cpp "
-                  f"{row['llamacpp_tok_s']} tok/s; agreement {row['agreement']}, deterministic "
+                  f"{row['llamacpp_tok_s']} tok/s; planner picks {row['planner_choice']} "
+                  f"(within 10 %: {row['planner_within_10pct']}); agreement {row['agreement']}, deterministic "
                   f"{row['deterministic']}; rss one {row['rss_mb']['one_device']} MB, member "
                   f"{row['rss_mb']['tensor2_member']} MB", flush=True)
     result = {"setup": banner, "models": rows,

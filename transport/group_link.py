@@ -34,10 +34,14 @@ from transport.log import get_logger
 
 log = get_logger("transport.group_link")
 
-_HEADER = struct.Struct("<BQ")  # kind, exchange number
+_HEADER = struct.Struct("<BII")  # kind, pass, exchange within the pass
+_IDENTITY = struct.Struct("<HI")  # rank, epoch (the plan the links were formed for)
 _PARTIAL, _COMMAND = 1, 2
 _ZAP_DOMAIN = "meshd-group"
-_SLICE_MS = 200  # a blocked receive looks at the links' health this often
+_SLICE_MS = 200  # a blocked receive looks at the links' health (and an abort) this often
+# ZeroMQ's own heartbeat on every link: a member whose machine lost power sends no reset, so without it a
+# partial sum would be waited for forever
+_HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS = 1000, 5000
 
 
 @dataclass(frozen=True)
@@ -50,30 +54,39 @@ class GroupPeer:
 class GroupLink:
     """Member ``rank``'s end of the group's links (a :class:`decoding.tensor_group.PartialSums`)."""
 
-    def __init__(self, rank: int, size: int, keypair: Keypair, bind: str = "tcp://127.0.0.1:0"):
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, keypair: Keypair, bind: str = "tcp://127.0.0.1:0", epoch: int = 0):
+        """``epoch``: the plan this group is for; messages of another epoch's links (a member still on the
+        previous plan, reaching the same port) are dropped."""
+        self.rank, self.size, self.epoch = rank, size, epoch
         self._ctx = zmq.Context()
         self._members: set[bytes] = {keypair.public}
         self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("transport.group_link.zap"))
-        self._auth.start()
-        self._auth.configure_curve_callback(_ZAP_DOMAIN, self)
-        self._inbox = self._ctx.socket(zmq.ROUTER)
-        self._inbox.curve_server = True
-        self._inbox.curve_publickey, self._inbox.curve_secretkey = keypair.public, keypair.secret
-        self._inbox.zap_domain = _ZAP_DOMAIN.encode()
-        self._inbox.linger = 0
-        self._inbox.rcvtimeo = _SLICE_MS
-        self._inbox.bind(bind)
+        self._out: dict[int, zmq.Socket] = {}
+        self._monitors: list[zmq.Socket] = []
+        self._closed = False
+        try:
+            self._auth.start()
+            self._auth.configure_curve_callback(_ZAP_DOMAIN, self)
+            self._inbox = self._ctx.socket(zmq.ROUTER)
+            self._inbox.curve_server = True
+            self._inbox.curve_publickey, self._inbox.curve_secretkey = keypair.public, keypair.secret
+            self._inbox.zap_domain = _ZAP_DOMAIN.encode()
+            self._inbox.linger = 0
+            self._inbox.rcvtimeo = _SLICE_MS
+            self._inbox.bind(bind)
+        except zmq.ZMQError as exc:
+            self._auth.stop()
+            self._ctx.destroy(linger=0)
+            raise GroupLost(f"the group socket cannot listen on {bind}: {exc}") from exc
         self.endpoint: str = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self._keypair = keypair
-        self._out: dict[int, zmq.Socket] = {}
         self._watch: dict[zmq.Socket, int] = {}  # the formed links' monitors -> the member at the other end
-        self._monitors: list[zmq.Socket] = []
-        self._early: dict[tuple[int, int], memoryview] = {}  # (rank, exchange) that arrived before we asked
+        self._early: dict[tuple[int, int, int], memoryview] = {}  # (rank, pass, exchange) before we asked
         self._commands: deque[bytes] = deque()
+        self._pass = 0
         self._exchange = 0
         self._lost: str = ""
-        self._closed = False
+        self._abort_event = None
 
     # ZAP: only the group's members may connect (ThreadAuthenticator's credentials provider)
     def callback(self, domain: str, key: bytes) -> bool:
@@ -94,9 +107,11 @@ class GroupLink:
             s = self._ctx.socket(zmq.DEALER)
             s.curve_serverkey = key
             s.curve_publickey, s.curve_secretkey = self._keypair.public, self._keypair.secret
-            s.routing_id = struct.pack("<H", self.rank)
+            s.routing_id = _IDENTITY.pack(self.rank, self.epoch)
             s.linger = 0
             s.sndhwm = s.rcvhwm = 0
+            s.heartbeat_ivl, s.heartbeat_timeout = _HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS
+            s.heartbeat_ttl = 2 * _HEARTBEAT_TIMEOUT_MS
             monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                                            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
             s.connect(p.endpoint)
@@ -125,6 +140,12 @@ class GroupLink:
         return keys
 
     # -- PartialSums ---------------------------------------------------------------------
+    def begin_pass(self, number: int) -> None:
+        """Exchanges from here on belong to pass ``number`` (the first member numbers them; the others take
+        the number from its command): a partial sum pairs only with its own pass's."""
+        self._pass, self._exchange = number, 0
+        self._early = {k: v for k, v in self._early.items() if k[1] >= number}
+
     def sum_(self, x: np.ndarray) -> None:
         add_in_rank_order(self._all(x), x)
 
@@ -132,23 +153,30 @@ class GroupLink:
         """To the first member only: the others send their share and go on."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         self._exchange += 1
-        n = self._exchange
         if self.rank:
-            self._out[0].send_multipart([_HEADER.pack(_PARTIAL, n), x])
+            self._send(self._out[0], _PARTIAL, x)
             return x
-        return np.concatenate(self._collect(x, n), axis=-1)
+        return np.concatenate(self._collect(x, self._exchange), axis=-1)
 
     # -- commands from the group's first member -------------------------------------------
     def send_command(self, payload: bytes) -> None:
         for s in self._out.values():
-            s.send_multipart([_HEADER.pack(_COMMAND, 0), payload])
+            self._send(s, _COMMAND, payload)
 
     def next_command(self, timeout_s: float | None = None) -> bytes | None:
         """The first member's next command (None: ``timeout_s`` passed without one)."""
         if self._commands:
             return self._commands.popleft()
-        got = self._receive(lambda kind, rank, n: kind == _COMMAND, timeout_s)
+        got = self._receive(lambda kind, rank, p, n: kind == _COMMAND, timeout_s)
         return None if got is None else bytes(got[2])
+
+    def abort(self, why: str) -> None:
+        """End this member's waits (any thread): the next or current receive raises :class:`GroupLost`."""
+        self._lost = self._lost or why
+
+    def abort_when(self, event) -> None:
+        """Abort as soon as ``event`` (a ``threading.Event``) is set: a follower leaving for a new plan."""
+        self._abort_event = event
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the links (again: nothing). ``linger_s``: how long what is still queued (a last command)
@@ -165,27 +193,32 @@ class GroupLink:
         self._ctx.term()
 
     # -- the exchange ---------------------------------------------------------------------
+    def _send(self, sock: zmq.Socket, kind: int, payload) -> None:
+        # copied into the message, never sent from the buffer in place: a sum is written into ``x`` while a
+        # zero-copy send could still be reading it (and a gathered share's buffer is the allocator's again)
+        try:
+            sock.send_multipart([_HEADER.pack(kind, self._pass, self._exchange), payload])
+        except zmq.ZMQError as exc:
+            raise GroupLost(f"the group link failed: {exc}") from exc
+
     def _all(self, x: np.ndarray) -> list[np.ndarray]:
         self._exchange += 1
-        n = self._exchange
-        header = _HEADER.pack(_PARTIAL, n)
-        # copied into the message, never sent from ``x`` in place: the sum is written into ``x`` while a
-        # zero-copy send could still be reading it (and a gathered share's buffer is the allocator's again)
         for s in self._out.values():
-            s.send_multipart([header, x])
-        return self._collect(x, n)
+            self._send(s, _PARTIAL, x)
+        return self._collect(x, self._exchange)
 
     def _collect(self, x: np.ndarray, n: int) -> list[np.ndarray]:
-        """Exchange ``n``'s parts from every member (``x`` is this member's)."""
+        """Exchange ``n`` of this pass: every member's part (``x`` is this member's)."""
         parts: list[np.ndarray | None] = [None] * self.size
         parts[self.rank] = x.copy()
         missing = self.size - 1
         for r in range(self.size):
-            if parts[r] is None and (r, n) in self._early:
-                parts[r] = self._as_array(self._early.pop((r, n)), x)
+            if parts[r] is None and (r, self._pass, n) in self._early:
+                parts[r] = self._as_array(self._early.pop((r, self._pass, n)), x)
                 missing -= 1
         while missing:
-            kind, rank, payload = self._receive(lambda kind, rank, num: kind == _PARTIAL and num == n, None)
+            kind, rank, payload = self._receive(
+                lambda kind, rank, p, num: kind == _PARTIAL and p == self._pass and num == n, None)
             parts[rank] = self._as_array(payload, x)
             missing -= 1
         return parts  # type: ignore[return-value]
@@ -196,8 +229,9 @@ class GroupLink:
         return np.frombuffer(payload, dtype=like.dtype).reshape(*like.shape[:-1], -1)
 
     def _receive(self, wanted, timeout_s: float | None):
-        """The next message ``wanted(kind, rank, number)`` accepts; others wait in ``_early``. Raises
-        :class:`GroupLost` as soon as a member's link drops.
+        """The next message ``wanted(kind, rank, pass, number)`` accepts; others wait in ``_early``. Raises
+        :class:`GroupLost` as soon as a member's link drops, :meth:`abort` is called, or the members are
+        out of step (the first member moved on to a later pass while this one waits in an earlier one).
 
         The inbox is read with a blocking receive (its timeout a short slice): polling every socket for
         every message would cost more than the message. The links' monitors are read between slices."""
@@ -210,16 +244,25 @@ class GroupLink:
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 continue
-            rank = struct.unpack("<H", ident.bytes)[0]
-            kind, number = _HEADER.unpack(head.bytes)
-            if wanted(kind, rank, number):
+            except zmq.ZMQError as exc:
+                raise GroupLost(f"the group link failed: {exc}") from exc
+            rank, epoch = _IDENTITY.unpack(ident.bytes)
+            if epoch != self.epoch:
+                continue  # a link of another plan's group (a member still leaving it)
+            kind, number_pass, number = _HEADER.unpack(head.bytes)
+            if wanted(kind, rank, number_pass, number):
                 return kind, rank, payload.buffer
             if kind == _COMMAND:
                 self._commands.append(bytes(payload.buffer))
-            else:
-                self._early[(rank, number)] = payload.buffer
+            elif rank == 0 and number_pass > self._pass:
+                # (its command for that pass came first, on the same link: it gave up the pass this member is in)
+                raise GroupLost(f"the first member is in pass {number_pass}, this member in {self._pass}")
+            elif number_pass >= self._pass:
+                self._early[(rank, number_pass, number)] = payload.buffer
 
     def _check_links(self) -> None:
+        if self._abort_event is not None and self._abort_event.is_set():
+            self.abort("this member left the group (a new plan)")
         if self._lost:
             raise GroupLost(self._lost)
         for monitor, rank in self._watch.items():

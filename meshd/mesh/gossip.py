@@ -202,6 +202,6 @@ class Gossip:
             return
         hb = self.heartbeat()
         # fields at their default are left out on the wire: strict 0.1 daemons refuse any they lack
-        legacy = dataclasses.replace(hb, plan_digest="", workload=None, caps=None)
+        legacy = dataclasses.replace(hb, plan_digest="", workload=None, caps=None, group_port=0)
         for peer in ([node_id] if node_id is not None else list(self.link.peers)):
             self.link.send(peer, hb if Cap.HEARTBEAT_FIELDS in self.view.caps_of(peer) else legacy)

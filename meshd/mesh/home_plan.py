@@ -157,8 +157,9 @@ def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
 
 
 def served_routes(plan: Plan | None):
-    """``plan``'s routes as ``partition.layout.Layout.routes`` spells them (None: no plan)."""
-    if plan is None:
+    """``plan``'s routes as ``partition.layout.Layout.routes`` spells them (None: no plan, or a plan with a
+    tensor group: its route would be priced as its first member alone, so none is preferred)."""
+    if plan is None or any(s.group for s in plan.stages):
         return None
     return tuple(tuple((s.node_id, s.first, s.end) for s in r) for r in plan.routes)
 

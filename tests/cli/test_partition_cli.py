@@ -47,10 +47,15 @@ def test_plan_with_prompt_length_gives_cuts_and_predicted_ttft(profiles, capsys)
     assert 0 < summary["predicted_ttft_s"] < summary["unchunked_prefill_s"]
 
 
-def test_plan_prices_layouts_for_a_workload_and_says_which_and_why(tmp_path, capsys):
+def plan_two(tmp_path) -> list[str]:
+    """``meshd plan`` over two synthetic devices a and b, a 512-token prompt, JSON last."""
     a = pf.save(synthetic_profile("a"), tmp_path / "a.json")
     b = pf.save(synthetic_profile("b"), tmp_path / "b.json")
-    args = ["plan", "--profile", str(a), "--profile", str(b), "--prompt-len", "512", "--json"]
+    return ["plan", "--profile", str(a), "--profile", str(b), "--prompt-len", "512", "--json"]
+
+
+def test_plan_prices_layouts_for_a_workload_and_says_which_and_why(tmp_path, capsys):
+    args = plan_two(tmp_path)
     assert main([*args, "--in-flight", "4", "--cached", "0.9"]) == 0
     out = capsys.readouterr().out
     busy = last_json(out)["layout"]
@@ -62,10 +67,7 @@ def test_plan_prices_layouts_for_a_workload_and_says_which_and_why(tmp_path, cap
 
 
 def test_plan_prices_a_tensor_group_and_names_its_members(tmp_path, capsys):
-    a = pf.save(synthetic_profile("a"), tmp_path / "a.json")
-    b = pf.save(synthetic_profile("b"), tmp_path / "b.json")
-    args = ["plan", "--profile", str(a), "--profile", str(b), "--prompt-len", "512", "--json"]
-    assert main([*args, "--layout", "tensor", "--link", "1gbit,0.1ms"]) == 0
+    assert main([*plan_two(tmp_path), "--layout", "tensor", "--link", "1gbit,0.1ms"]) == 0
     out = capsys.readouterr().out
     forced = last_json(out)["layout"]
     assert forced["kind"] == "tensor" and forced["tensor_groups"] == [["a", "b"]]

@@ -43,11 +43,7 @@ def reference(real_source, served_stage):
 def replicas(real_source):
     mesh = Mesh()
     try:
-        model = str(real_source.path)
-        a = mesh.spawn("alpha", "--model", model, "--layout", "replicas", new_home="replicas-test")
-        a.wait_serving(60)
-        b = mesh.spawn("beta", "--model", model, "--layout", "replicas", token=mesh.invite(a))
-        b.wait_serving(60)
+        a, b = mesh.pair("replicas-test", "--model", str(real_source.path), "--layout", "replicas")
 
         def two_replicas() -> bool:
             sa, sb = a.status(), b.status()

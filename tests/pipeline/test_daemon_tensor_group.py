@@ -28,11 +28,7 @@ def group_of(proc) -> list[str]:
 def group(real_source):
     mesh = Mesh()
     try:
-        model = str(real_source.path)
-        a = mesh.spawn("alpha", "--model", model, "--layout", "tensor", new_home="tensor-test")
-        a.wait_serving(60)
-        b = mesh.spawn("beta", "--model", model, "--layout", "tensor", token=mesh.invite(a))
-        b.wait_serving(60)
+        a, b = mesh.pair("tensor-test", "--model", str(real_source.path), "--layout", "tensor")
 
         def formed() -> bool:
             sa, sb = a.status(), b.status()

@@ -106,3 +106,44 @@ def test_a_refused_sequence_keeps_the_members_in_step(whole, group):
         grouped.forward_batch(kv, [BatchItem("long", too_long, all_logits=False)])
     out = grouped.forward_batch(kv, [BatchItem("long", ids(1, 2, 3), all_logits=False)])[0]
     assert out.shape[-1] == whole.config.vocab_size and follower.is_alive() and not outcome
+
+
+def test_a_member_that_fails_a_pass_ends_the_first_members_wait(whole, group, monkeypatch):
+    """The follower raises in a pass (its own trouble): it leaves the group, and the first member's pass
+    ends in GroupLost (a 'link' error: the request replays) instead of waiting for partial sums forever."""
+    from decoding.tensor_group import GroupLost
+
+    grouped, follower, outcome = group
+    kv = grouped.new_cache(4096)
+    kv.create("s", 64)
+    grouped.forward_batch(kv, [BatchItem("s", ids(1, 2, 3), all_logits=False)])
+    kv.create("doomed", 64)
+    # the follower's cache refuses what the first member admitted (as a follower out of step would)
+    monkeypatch.setattr("meshd.pipeline.tensor.member.apply_ops",
+                        lambda stage, kv, ops: (_ for _ in ()).throw(RuntimeError("out of step")))
+    with pytest.raises(GroupLost):
+        grouped.forward_batch(kv, [BatchItem("doomed", ids(4, 5), all_logits=False)])
+    follower.join(timeout=30)
+    assert not follower.is_alive() and isinstance(outcome[0], RuntimeError)
+
+
+def test_leaving_for_a_new_plan_ends_a_pass_that_waits_on_the_others(whole, group, monkeypatch):
+    """A first member blocked in an exchange (the other member went quiet) is freed by abort, at once."""
+    from decoding.tensor_group import GroupLost
+    from meshd.pipeline.tensor import member
+
+    grouped, _, _ = group
+    kv = grouped.new_cache(4096)
+    kv.create("s", 64)
+    grouped.forward_batch(kv, [BatchItem("s", ids(1, 2), all_logits=False)])
+    quiet = threading.Event()
+    real = member.apply_ops
+    monkeypatch.setattr(member, "apply_ops", lambda *a: (quiet.wait(30), real(*a))[1])
+    timer = threading.Timer(0.5, grouped.abort, args=("a new plan",))
+    timer.start()
+    try:
+        with pytest.raises(GroupLost, match="new plan"):
+            grouped.forward_batch(kv, [BatchItem("s", ids(3), all_logits=False)])
+    finally:
+        quiet.set()
+        timer.join()

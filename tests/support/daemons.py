@@ -138,6 +138,16 @@ class Mesh:
         assert rc == 0, out
         return json.loads(out.strip().splitlines()[-1])["token"]
 
+    def pair(self, home: str, *args: str, names=("alpha", "beta"), timeout: float = 60.0
+             ) -> tuple[DaemonProc, DaemonProc]:
+        """Two daemons with the same ``args`` in a new home: the first creates it, the second joins by
+        invite; each serving before this returns (the plan over both is the caller's to wait for)."""
+        a = self.spawn(names[0], *args, new_home=home)
+        a.wait_serving(timeout)
+        b = self.spawn(names[1], *args, token=self.invite(a))
+        b.wait_serving(timeout)
+        return a, b
+
     def cleanup(self) -> None:
         for p in self.procs:
             p.cleanup()

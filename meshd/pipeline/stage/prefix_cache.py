@@ -60,6 +60,9 @@ class CacheKey:
     mode: str  # this stage's numeric mode (weights and KV dtype)
     upstream: tuple  # (node id, layers) of every stage before this one, in order, and the plan's mode
     device: str = "cpu"  # where the KV lives: a stage reloaded on another device computes (and holds) it anew
+    # a tensor group's stage: its members' caches start empty with every plan's group, so nothing is kept
+    # across one (the plan version, the members, their shares)
+    group: tuple = ()
 
     @classmethod
     def of(cls, model: str, stage, mode: str, route, index: int | None, activation_dtype: str | None
@@ -68,8 +71,11 @@ class CacheKey:
         if stage is None or index is None:
             return None
         upstream = tuple((s.node_id, tuple(s.layers)) for s in route.stages[:index])
+        own = route.stages[index]
+        group = ((int(route.plan_version), tuple(s.node_id for s in own.group), tuple(own.group_speeds))
+                 if getattr(own, "group", ()) else ())
         return cls(model, (stage.first, stage.end), mode,
-                   upstream + ((route.weights or "", activation_dtype or ""),), str(stage.device))
+                   upstream + ((route.weights or "", activation_dtype or ""),), str(stage.device), group)
 
 
 @dataclass

@@ -34,6 +34,7 @@ import torch
 
 from decoding.device import dtype_name
 from decoding.models import StageModel
+from decoding.tensor_group import GroupLost
 from meshd.log import get_logger
 from meshd.mesh.caps import Cap, PeerCaps
 from meshd.pipeline.links import Directory
@@ -101,6 +102,7 @@ class StageService:
         self.server: StageServer | None = None
         self._deploy_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []  # the reaper and the progress reporter, for the stage's life
+        self._leaving: set[asyncio.Task] = set()  # a lost tensor group being left
 
     # -- lifecycle --------------------------------------------------------------
     async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
@@ -129,6 +131,10 @@ class StageService:
         await self.outbox.close()
         if self.server is not None:
             await self.server.close()
+        try:  # out of a tensor group first: its compute thread may be following another member
+            await asyncio.wait_for(self.worker.leave_group(), 10.0)
+        except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - stopping anyway
+            log.warning("tensor_group_leave_failed", error=f"{type(exc).__name__}: {exc}")
         self.worker.close()
 
     def take_groups_at(self, address: str) -> None:
@@ -286,6 +292,13 @@ class StageService:
     async def _fail(self, msg: Any, exc: Exception) -> ErrorReply:
         """The one error path: the coordinator told at once, naming the node that failed; the sequence freed."""
         self.stats.errors += 1
+        if isinstance(exc, GroupLost) and self.worker.in_group:
+            # the group cannot compute another pass: serve nothing until the next plan (requests wait for
+            # it and replay, instead of failing at once on the same group again and again)
+            log.warning("tensor_group_lost", plan_version=self.serving_version, error=str(exc))
+            leaving = asyncio.get_running_loop().create_task(self.worker.leave_group())
+            self._leaving.add(leaving)
+            leaving.add_done_callback(self._leaving.discard)
         reply = self.outbox.error_reply(msg, exc)
         seq = getattr(msg, "seq_id", None)
         if isinstance(seq, str) and seq and not isinstance(msg, ForkSequence):

@@ -197,7 +197,7 @@ class StageWorker:
         self.stage = None
         t = time.perf_counter()
         stage = await asyncio.get_running_loop().run_in_executor(
-            self._compute, lead, self.source, route.stages[index], keypair, bind)
+            self._compute, lead, self.source, route.stages[index], keypair, bind, int(route.plan_version))
         log.info("stage_loaded", first=stage.first, end=stage.end, seconds=round(time.perf_counter() - t, 2),
                  weights=self.mode, tensor_group=[s.node_id for s in route.stages[index].group])
         self.exits_note = "off: a tensor group's layers are split"
@@ -214,13 +214,15 @@ class StageWorker:
         self.stage = None
         self._stopping = threading.Event()
         self._following = asyncio.get_running_loop().run_in_executor(
-            self._compute, follow_seat, self.source, route.stages[index], rank, keypair, bind, self._stopping)
+            self._compute, follow_seat, self.source, route.stages[index], rank, keypair, bind,
+            int(route.plan_version), self._stopping)
 
     async def leave_group(self) -> None:
         """Out of the group this device was in (the first member tells the others; a follower stops)."""
         stage = self.stage
         if isinstance(stage, GroupedStage):  # this device led a group
             self.stage = None
+            stage.abort("the first member left the group (a new plan)")  # a pass waiting on the others ends
             await self.in_compute(stage.close)
         if self._following is not None:
             self._stopping.set()

@@ -18,10 +18,16 @@ import numpy as np
 import torch
 
 from decoding.batch import BatchItem
+from decoding.errors import CacheFull, ContextOverflow
 from decoding.kv_cache import KVCache
+from decoding.tensor_group import GroupLost
 
 #: the cache operations the other members repeat (everything else only reads)
 MIRRORED = ("create", "fork", "free", "truncate", "keep", "trim")
+#: a member after the first keeps this many times the first member's token budget: the first member's
+#: frees (a request hung up, an evicted prefix) reach the others only with its next pass, so their caches
+#: may be fuller for a moment, and a member must never refuse a pass the first member admitted
+FOLLOWER_BUDGET = 2
 
 
 class MirroredKV:
@@ -29,7 +35,8 @@ class MirroredKV:
 
     def __init__(self, kv: KVCache):
         self.local = kv
-        self._pending: deque[tuple[str, tuple]] = deque()
+        # the others start from a new cache of the same budget (times FOLLOWER_BUDGET)
+        self._pending: deque[tuple[str, tuple]] = deque([("reset", (kv.max_tokens,))])
         self._lock = threading.Lock()
 
     def __getattr__(self, name):  # reads (length, capacity, free_tokens, ...) are the local cache's
@@ -76,12 +83,16 @@ def encode_ops(ops: list[tuple[str, tuple]]) -> list:
     return [[op, list(args)] for op, args in ops]
 
 
-def apply_ops(kv: KVCache, ops: list) -> None:
-    """A follower's side of :meth:`MirroredKV.drain` (only the mirrored operations)."""
+def apply_ops(stage, kv: KVCache | None, ops: list) -> KVCache:
+    """A follower's side of :meth:`MirroredKV.drain`: the cache after ``ops`` (a reset starts a new one)."""
     for op, args in ops:
-        if op not in MIRRORED:
+        if op == "reset":
+            kv = stage.new_cache(int(args[0]) * FOLLOWER_BUDGET)
+        elif op in MIRRORED and kv is not None:
+            getattr(kv, op)(*args)
+        else:
             raise ValueError(f"not a cache operation a group repeats: {op!r}")
-        getattr(kv, op)(*args)
+    return kv
 
 
 def encode_items(items: list[BatchItem]) -> list[dict]:
@@ -108,8 +119,8 @@ def decode_items(raw: list[dict]) -> list[BatchItem]:
     return items
 
 
-def pass_command(ops: list, items: list[BatchItem]) -> bytes:
-    return msgpack.packb({"op": "pass", "kv": encode_ops(ops), "items": encode_items(items)})
+def pass_command(number: int, ops: list, items: list[BatchItem]) -> bytes:
+    return msgpack.packb({"op": "pass", "pass": number, "kv": encode_ops(ops), "items": encode_items(items)})
 
 
 class GroupedStage:
@@ -119,6 +130,7 @@ class GroupedStage:
         self.member = member  # decoding StageModel over this member's share (stage.group is the link)
         self.split = split
         self._link = link
+        self._passes = 0
 
     def __getattr__(self, name):  # config, first, end, is_first, is_last, device, packing, ...
         return getattr(self.member, name)
@@ -133,15 +145,31 @@ class GroupedStage:
             raise ValueError("a tensor group's stage takes no early exits")
 
     def new_cache(self, max_tokens: int = 1 << 16) -> MirroredKV:
-        kv = MirroredKV(self.member.new_cache(max_tokens))
-        self._link.send_command(msgpack.packb({"op": "reset", "max_tokens": max_tokens}))
-        return kv
+        """(Any thread: the reset reaches the others as the first of the cache's queued operations.)"""
+        return MirroredKV(self.member.new_cache(max_tokens))
 
     def forward_batch(self, kv: MirroredKV, items: list[BatchItem], probes=None) -> list:
-        """The pass on every member: the queued cache operations and the items go first (compute thread)."""
+        """The pass on every member: the queued cache operations and the items go first (compute thread).
+
+        A pass this member would refuse (a full cache, a context overflow) is refused before anything is
+        sent, so the others never start a pass it does not finish; one that fails after it was sent
+        leaves the members out of step, so the group is given up (:class:`GroupLost`: the request replays)."""
         items = [it if it.exit_threshold == 0 else _without_exit(it) for it in items]
-        self._link.send_command(pass_command(encode_ops(kv.drain()), items))
-        return self.member.forward_batch(kv.local, items, probes)
+        _admissible(self.member, kv.local, items)
+        self._passes += 1
+        self._link.begin_pass(self._passes)
+        self._link.send_command(pass_command(self._passes, encode_ops(kv.drain()), items))
+        try:
+            return self.member.forward_batch(kv.local, items, probes)
+        except GroupLost:
+            raise
+        except Exception as exc:
+            self._link.abort(f"the first member's pass failed: {type(exc).__name__}: {exc}")
+            raise GroupLost(f"the group gave up a pass its first member could not finish ({exc})") from exc
+
+    def abort(self, why: str) -> None:
+        """End a pass waiting on the others (any thread): it raises GroupLost."""
+        self._link.abort(why)
 
     def forward(self, kv: MirroredKV, seq_id, x, tree_mask=None, all_logits: bool = True, head: bool = True,
                 return_normed: bool = False):
@@ -162,6 +190,25 @@ class GroupedStage:
             self._link.send_command(msgpack.packb({"op": "stop"}))
         finally:
             self._link.close(linger_s=1.0)
+
+
+def _admissible(stage, kv: KVCache, items: list[BatchItem]) -> None:
+    """Raise what ``stage.forward_batch`` would refuse ``items`` with before computing anything."""
+    if len({it.seq_id for it in items}) != len(items):
+        raise ValueError("a sequence may appear only once in a batch")
+    cfg = stage.config
+    growth = 0
+    for it in items:
+        past, n = kv.length(it.seq_id), int(it.x.shape[0])  # (an unknown sequence: CacheError)
+        if past + n > cfg.max_position:
+            raise ContextOverflow(f"sequence would reach {past + n} positions; the model's context is "
+                                  f"{cfg.max_position}")
+        if cfg.sliding_window and past + n > cfg.sliding_window:
+            raise ContextOverflow(f"sequence would reach {past + n} positions, beyond the sliding window "
+                                  f"{cfg.sliding_window}")
+        growth += kv.growth(it.seq_id, n)
+    if growth > kv.free_tokens:
+        raise CacheFull(f"KV cache full: the pass needs {growth} more positions, {kv.free_tokens} are free")
 
 
 def _without_exit(item: BatchItem) -> BatchItem:

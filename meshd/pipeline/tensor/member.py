@@ -13,7 +13,6 @@ import msgpack
 import torch
 
 from decoding.models.llama.tensor_slice import layer_shape, member_stage
-from decoding.errors import CacheError, ContextOverflow
 from meshd.log import get_logger
 from meshd.pipeline.tensor.grouped import apply_ops, decode_items
 from partition.tensor_split import split_layers
@@ -37,11 +36,10 @@ def follow(stage, link, stopping=None) -> None:
     """A member after the first: the first member's cache operations and passes, in its order, until it
     says stop (or ``stopping`` is set; or the group is lost: :class:`GroupLost`).
 
-    Any failure ends the member (its caller closes its link, so the first member's wait ends too): a
-    member that skipped part of a pass would pair the wrong partial sums from then on. Only a refusal
-    that comes before any partial sum (a full cache, a context overflow) keeps it in step: the first
-    member, whose cache is the same, was refused alike."""
-    kv = stage.new_cache()
+    Any failure ends the member (its caller closes its link, so the first member's wait ends too): the
+    first member admits a pass only if it can finish it, and this member's cache has room to spare
+    (``grouped.FOLLOWER_BUDGET``), so a pass refused here means the members are out of step."""
+    kv = None
     while stopping is None or not stopping.is_set():
         raw = link.next_command(timeout_s=None if stopping is None else 0.2)
         if raw is None:
@@ -49,13 +47,8 @@ def follow(stage, link, stopping=None) -> None:
         cmd = msgpack.unpackb(raw)
         if cmd["op"] == "stop":
             return
-        if cmd["op"] == "reset":
-            kv = stage.new_cache(int(cmd["max_tokens"]))
-            continue
         if cmd["op"] != "pass":
             raise ValueError(f"unknown group command {cmd['op']!r}")
-        apply_ops(kv, cmd["kv"])
-        try:
-            stage.forward_batch(kv, decode_items(cmd["items"]))
-        except (CacheError, ContextOverflow) as exc:
-            log.warning("group_pass_refused", error=str(exc))
+        kv = apply_ops(stage, kv, cmd["kv"])
+        link.begin_pass(int(cmd["pass"]))
+        stage.forward_batch(kv, decode_items(cmd["items"]))

@@ -19,12 +19,13 @@ from transport.group_link import GroupLink, GroupPeer
 log = get_logger("meshd.pipeline.tensor")
 
 
-def form(stage: StageEndpoint, rank: int, keypair, bind: str) -> GroupLink:
-    """This member's links to the rest of ``stage``'s group, once every handshake has passed."""
+def form(stage: StageEndpoint, rank: int, keypair, bind: str, epoch: int) -> GroupLink:
+    """This member's links to the rest of ``stage``'s group (for plan ``epoch``), once every handshake has
+    passed."""
     missing = [s.node_id for s in stage.group if not s.address]
     if missing:
         raise GroupLost(f"no group address known for {', '.join(missing)} yet")
-    link = GroupLink(rank, len(stage.group), keypair, bind=bind)
+    link = GroupLink(rank, len(stage.group), keypair, bind=bind, epoch=epoch)
     try:
         link.connect([GroupPeer(r, s.address, s.public_key.encode()) for r, s in enumerate(stage.group) if r != rank])
     except BaseException:
@@ -33,9 +34,9 @@ def form(stage: StageEndpoint, rank: int, keypair, bind: str) -> GroupLink:
     return link
 
 
-def lead(source, stage: StageEndpoint, keypair, bind: str) -> GroupedStage:
+def lead(source, stage: StageEndpoint, keypair, bind: str, epoch: int) -> GroupedStage:
     """Rank 0: the links, this member's share, and the stage the service serves."""
-    link = form(stage, 0, keypair, bind)
+    link = form(stage, 0, keypair, bind, epoch)
     try:
         member, split = load_member(source, stage.first, stage.end, len(stage.group), 0, link, stage.group_speeds or None)
     except BaseException:
@@ -45,10 +46,12 @@ def lead(source, stage: StageEndpoint, keypair, bind: str) -> GroupedStage:
     return GroupedStage(member, link, split)
 
 
-def follow_seat(source, stage: StageEndpoint, rank: int, keypair, bind: str, stopping: threading.Event) -> None:
+def follow_seat(source, stage: StageEndpoint, rank: int, keypair, bind: str, epoch: int,
+                stopping: threading.Event) -> None:
     """Rank > 0: the links and this member's share, then the first member's passes until it stops, the
-    group is lost, or ``stopping`` is set (a new plan)."""
-    link = form(stage, rank, keypair, bind)
+    group is lost, or ``stopping`` is set (a new plan: it ends even a pass waiting on the others)."""
+    link = form(stage, rank, keypair, bind, epoch)
+    link.abort_when(stopping)
     try:
         member, _ = load_member(source, stage.first, stage.end, len(stage.group), rank, link,
                                 stage.group_speeds or None)
