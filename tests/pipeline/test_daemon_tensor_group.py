@@ -71,6 +71,21 @@ def test_two_daemons_split_every_layer_and_answer_as_the_in_process_group(group,
     assert again.choices[0].message.content == want
 
 
+def test_a_grammar_masks_the_groups_gathered_logits(group):
+    """Structured output (as every Home Assistant request is, under its tool grammar) through the group:
+    the grammar runs over the whole rows the first member gathered."""
+    import json
+
+    _, a, _ = group
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    reply = sdk(a.socket, timeout=240).chat.completions.create(
+        model="meshd", messages=[{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        max_tokens=32, temperature=0)
+    assert isinstance(json.loads(reply.choices[0].message.content)["city"], str)
+
+
 def test_a_member_that_leaves_mid_answer_leaves_the_stream_whole(group):
     """The follower is killed while the answer streams: the request replays on what is left (alpha alone)
     and the stream goes on from the tokens already sent."""
