@@ -42,7 +42,7 @@ def child(args) -> None:
     from transport.keys import Keypair
 
     src = open_model(args.model_file)
-    prompt = src.tokenizer.encode(PROMPT * 4)[: args.prompt_len]
+    prompt = src.tokenizer.encode(PROMPT * (args.prompt_len // 20 + 1))[: args.prompt_len]
     if args.size == 1:
         stage = src.load_stage(0, src.config.num_layers, torch.float32, packed="gguf")
         run = _Plain(stage)
@@ -175,7 +175,7 @@ def pipeline2(model_file: str, tokens: int, prompt_len: int, repeats: int, testb
 
     src = open_model(model_file)
     half = src.config.num_layers // 2
-    prompt = src.tokenizer.encode(PROMPT * 4)[:prompt_len]
+    prompt = src.tokenizer.encode(PROMPT * (prompt_len // 20 + 1))[:prompt_len]
     kw = {}
     if testbed:
         # as bench/pipeline.py: the coordinator shares host 0 with stage 0; every other hop crosses the link
@@ -331,14 +331,18 @@ def main() -> int:
                    "agreement": round(min(agree), 3), "first_divergence": first_diff,
                    "deterministic": all(r["tokens"] == two["runs"][0]["tokens"] for r in two["runs"]),
                    "rss_mb": {"one_device": round(one["rss_mb_rank0"]), "tensor2_member": round(two["rss_mb_rank0"])},
-                   "ms_per_token": {"one": round(1000 / one_tok, 2), "tensor2": round(1000 / two_tok, 2)}}
+                   "ms_per_token": {"one": round(1000 / one_tok, 2), "tensor2": round(1000 / two_tok, 2)},
+                   # the prompt's prefill in one pass (the group splits it the same way), best of the repeats
+                   "prefill_s": {"one": round(min(r["prefill_s"] for r in one["runs"]), 4),
+                                 "tensor2": round(min(r["prefill_s"] for r in two["runs"]), 4)}}
             rows.append(row)
             print(f"{name} [{link}]: one device {one_tok:.2f} tok/s, tensor2 {two_tok:.2f} tok/s "
                   f"({two_tok / one_tok:.2f}x), pipeline2 {row['pipeline2_tok_s']} tok/s, llama.cpp "
                   f"{row['llamacpp_tok_s']} tok/s; planner picks {row['planner_choice']} "
                   f"(within 10 %: {row['planner_within_10pct']}); agreement {row['agreement']}, deterministic "
                   f"{row['deterministic']}; rss one {row['rss_mb']['one_device']} MB, member "
-                  f"{row['rss_mb']['tensor2_member']} MB", flush=True)
+                  f"{row['rss_mb']['tensor2_member']} MB; prefill of {args.prompt_len} tokens "
+                  f"{row['prefill_s']['one']:.3f} s vs {row['prefill_s']['tensor2']:.3f} s", flush=True)
     result = {"setup": banner, "models": rows,
               "agreement": min((r["agreement"] for r in rows), default=None),
               "deterministic": all(r["deterministic"] for r in rows)}
