@@ -63,6 +63,9 @@ def child(args) -> None:
             return
         run = _Plain(GroupedStage(stage, link, split))
     results = [_measure(run, prompt, args.tokens, f"s{i}") for i in range(args.repeats)]
+    if args.batch > 1:  # several requests decoding together: one pass, one exchange per layer for all rows
+        batched = [_measure_batch(run, prompt, args.tokens, args.batch, f"b{i}") for i in range(args.repeats)]
+        results[0]["batched_tok_s"] = round(max(b["tok_s"] for b in batched), 2)
     if args.size > 1:
         run.stage.close()
     rss = _rss_mb()
@@ -105,6 +108,30 @@ def _measure(run, prompt: list[int], tokens: int, seq: str) -> dict:
             "ms_per_token": 1000 * sum(timed) / len(timed)}
 
 
+def _measure_batch(run, prompt: list[int], tokens: int, n: int, tag: str) -> dict:
+    """``n`` sequences (the prompt with a different last token each) decoding in one pass a step."""
+    import torch
+
+    from decoding.batch import BatchItem
+
+    seqs = [f"{tag}-{i}" for i in range(n)]
+    last = []
+    for i, seq in enumerate(seqs):
+        run.create(seq, len(prompt) + tokens + 8)
+        last.append(int(run.forward(seq, [*prompt[:-1], 1000 + i])[-1].argmax()))
+    times = []
+    for _ in range(tokens):
+        items = [BatchItem(seq, torch.tensor([t]), all_logits=False) for seq, t in zip(seqs, last)]
+        t = time.perf_counter()
+        outs = run.stage.forward_batch(run.kv, items)
+        times.append(time.perf_counter() - t)
+        last = [int(o[-1].argmax()) for o in outs]
+    for seq in seqs:
+        run.free(seq)
+    timed = times[2:]
+    return {"tok_s": n * len(timed) / sum(timed)}
+
+
 def _rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -115,14 +142,15 @@ def _rss_mb() -> float:
 GROUP_PORT = 47310
 
 
-def run_config(model_file: str, size: int, tokens: int, prompt_len: int, repeats: int, testbed=None) -> dict:
+def run_config(model_file: str, size: int, tokens: int, prompt_len: int, repeats: int, testbed=None,
+               batch: int = 1) -> dict:
     """``size`` processes on cores 0..size-1; rank 0's measurement. ``testbed``: each member in its own
     network namespace, reaching the others through the testbed's shaped link and delay proxies."""
     def cmd(rank: int) -> list[str]:
         bind = f"tcp://{testbed.host(rank).ip}:{GROUP_PORT}" if testbed else "tcp://127.0.0.1:0"
         return [sys.executable, os.environ.get("TP_CHILD", __file__), "--child", "--rank", str(rank),
                 "--size", str(size), "--model-file", model_file, "--tokens", str(tokens),
-                "--prompt-len", str(prompt_len), "--repeats", str(repeats), "--bind", bind]
+                "--prompt-len", str(prompt_len), "--repeats", str(repeats), "--bind", bind, "--batch", str(batch)]
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -279,6 +307,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--llama-bin", default=str(Path.home() / ".cache" / "meshd-anchors" / "llama.cpp" / "build" / "bin"))
     ap.add_argument("--no-pipeline", action="store_true", help="skip the 2-stage pipeline figure")
+    ap.add_argument("--batch", type=int, default=4, help="also decode this many requests at once in one pass "
+                    "(one device batched vs the group batched; 1: skip)")
     ap.add_argument("--quick", action="store_true", help="24 tokens, one repeat")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -298,7 +328,7 @@ def main() -> int:
         if path is None:
             print(f"{name}: not pulled here; skipped")
             continue
-        one = run_config(path, 1, args.tokens, args.prompt_len, args.repeats)
+        one = run_config(path, 1, args.tokens, args.prompt_len, args.repeats, batch=args.batch)
         one_tok = max(r["decode_tok_s"] for r in one["runs"])
         ref = one["runs"][0]["tokens"]
         lc = llama_cpp(Path(args.llama_bin), path, args.tokens)
@@ -309,7 +339,7 @@ def main() -> int:
 
                 tb = Testbed(2, LinkSpec.parse(link), mode="netns").start()
             try:
-                two = run_config(path, 2, args.tokens, args.prompt_len, args.repeats, tb)
+                two = run_config(path, 2, args.tokens, args.prompt_len, args.repeats, tb, batch=args.batch)
                 pipe = None if args.no_pipeline else pipeline2(path, args.tokens, args.prompt_len, args.repeats, tb)
             finally:
                 if tb is not None:
@@ -333,6 +363,11 @@ def main() -> int:
                    "rss_mb": {"one_device": round(one["rss_mb_rank0"]), "tensor2_member": round(two["rss_mb_rank0"])},
                    "ms_per_token": {"one": round(1000 / one_tok, 2), "tensor2": round(1000 / two_tok, 2)},
                    # the prompt's prefill in one pass (the group splits it the same way), best of the repeats
+                   # ``batch`` requests decoding together: the group batched over one device batched
+                   "batched_tok_s": {"one": one["runs"][0].get("batched_tok_s"),
+                                     "tensor2": two["runs"][0].get("batched_tok_s")},
+                   "speedup_batched": (round(two["runs"][0]["batched_tok_s"] / one["runs"][0]["batched_tok_s"], 3)
+                                       if args.batch > 1 else None),
                    "prefill_s": {"one": round(min(r["prefill_s"] for r in one["runs"]), 4),
                                  "tensor2": round(min(r["prefill_s"] for r in two["runs"]), 4)}}
             rows.append(row)
@@ -342,7 +377,9 @@ def main() -> int:
                   f"(within 10 %: {row['planner_within_10pct']}); agreement {row['agreement']}, deterministic "
                   f"{row['deterministic']}; rss one {row['rss_mb']['one_device']} MB, member "
                   f"{row['rss_mb']['tensor2_member']} MB; prefill of {args.prompt_len} tokens "
-                  f"{row['prefill_s']['one']:.3f} s vs {row['prefill_s']['tensor2']:.3f} s", flush=True)
+                  f"{row['prefill_s']['one']:.3f} s vs {row['prefill_s']['tensor2']:.3f} s; {args.batch} at once: "
+                  f"{row['batched_tok_s']['one']} vs {row['batched_tok_s']['tensor2']} tok/s "
+                  f"({row['speedup_batched']}x)", flush=True)
     result = {"setup": banner, "models": rows,
               "agreement": min((r["agreement"] for r in rows), default=None),
               "deterministic": all(r["deterministic"] for r in rows)}
