@@ -23,99 +23,19 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from partition.ids import NodeId
 from partition.layers import PlanError, partition_layers, stage_memory_bytes
 from partition.link import LinkModel
+# (Workload, Group and the route prices are partition.pricing's; imported from here by the planner's callers)
+from partition.pricing import Group, Workload, price_group, replica_fits  # noqa: F401
 from partition.profile import DeviceProfile
-from partition.sequence import equal_starts, flow_shop_latency, pipeline_timings
-from partition.stagecount import MIN_COMPARE_CHUNK, plan_layers
+from partition.stagecount import plan_layers
+from partition.tensor_layout import price_tensor_group, tensor_candidates, tensor_fits
 
 LAYOUT_KINDS = ("auto", "pipeline", "replicas", "tensor")
 
-#: bytes of one activation element between a tensor group's members (float32: the group adds exactly
-#: what an in-process group adds; decoding.tensor_group)
-TENSOR_ACTIVATION_BYTES = 4
-#: what one exchange of partial sums costs beyond the link's round trip: the sockets, the encryption and
-#: the hand-off into and out of the compute thread. Measured (bench/tensor_parallel.py: 108 us an exchange
-#: between two pinned processes on loopback, AMD EPYC VM); a group that measures its own replaces it.
-TENSOR_EXCHANGE_OVERHEAD_S = 100e-6
-
 #: predicted prices this close count as a tie (the prediction is not finer than that)
 SIMPLER_MARGIN = 0.03
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What the home asks of its mesh, as the planner prices it.
-
-    ``prompt_tokens`` of which ``cached_fraction`` the prefix cache already holds,
-    ``answer_tokens`` decoded, ``in_flight`` requests at once on average (1: one at a
-    time). Observed by the coordinators; the defaults are a home's voice request.
-    """
-
-    prompt_tokens: int = 512
-    answer_tokens: int = 64
-    cached_fraction: float = 0.0
-    in_flight: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.prompt_tokens < 1 or self.answer_tokens < 0 or self.in_flight <= 0:
-            raise ValueError(f"a workload needs a prompt, answers and requests: {self}")
-        if not 0.0 <= self.cached_fraction < 1.0:
-            raise ValueError(f"cached_fraction must be in [0, 1): {self.cached_fraction}")
-
-    @property
-    def new_tokens(self) -> int:
-        """Prompt tokens a request prefills (the rest is reused from the prefix cache)."""
-        return max(1, round(self.prompt_tokens * (1.0 - self.cached_fraction)))
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.prompt_tokens - self.new_tokens
-
-    @property
-    def requests(self) -> int:
-        """Requests in flight the price is computed for (whole requests)."""
-        return max(1, math.ceil(self.in_flight - 1e-9))
-
-    def describe(self) -> str:
-        cached = f", {self.cached_fraction:.0%} cached" if self.cached_fraction else ""
-        return (f"{self.in_flight:g} request(s) in flight, {self.prompt_tokens}-token prompts{cached}, "
-                f"{self.answer_tokens} answer tokens")
-
-
-@dataclass(frozen=True)
-class Group:
-    """One route of a layout: a replica (one member, every layer) or a pipeline (``[first, end)`` each).
-
-    ``prefill_s``: the workload's new tokens, alone on the group; ``step_s[b - 1]``: one
-    decode step with ``b`` requests decoding on it at once.
-    """
-
-    stages: tuple[tuple[NodeId, int, int], ...]
-    prefill_s: float
-    step_s: tuple[float, ...]
-    # a tensor-parallel group holds the (one) stage: its members in rank order, their relative speeds
-    tensor: tuple[NodeId, ...] = ()
-    tensor_speeds: tuple[float, ...] = ()
-
-    @property
-    def members(self) -> tuple[NodeId, ...]:
-        return self.tensor or tuple(n for n, _, _ in self.stages)
-
-    @property
-    def is_replica(self) -> bool:
-        return len(self.stages) == 1 and not self.tensor
-
-    def latency_s(self, requests: int, answer_tokens: int) -> float:
-        """Mean latency of ``requests`` arriving together: prefills queue one behind another
-        (the k-th waits for k-1), decode steps batch all of them."""
-        if requests <= 0:
-            return 0.0
-        step = self.step_s[min(requests, len(self.step_s)) - 1]
-        return self.prefill_s * (requests + 1) / 2 + answer_tokens * step
 
 
 @dataclass(frozen=True)
@@ -134,124 +54,6 @@ class Layout:
     @property
     def routes(self) -> tuple[tuple[tuple[NodeId, int, int], ...], ...]:
         return tuple(g.stages for g in self.groups)
-
-
-def replica_fits(profile: DeviceProfile, max_seq: int) -> bool:
-    """Whether ``profile``'s device holds the whole model with a ``max_seq``-token KV cache."""
-    return stage_memory_bytes(profile, 0, profile.num_layers, max_seq) <= profile.memory_budget_bytes
-
-
-def _batch_ratio(p: DeviceProfile, rows: int, context: int) -> float:
-    """How much longer a layer takes for ``rows`` decoding rows than for one (weights are read once)."""
-    one = float(p.q_layer(1, context))
-    return float(p.q_layer(rows, context)) / one if one > 0 else float(rows)
-
-
-def _prefill_s(stages: list[tuple[DeviceProfile, int, int]], link: LinkModel, work: Workload) -> float:
-    """The workload's new tokens after its cached ones, pipelined over equal chunks (best count)."""
-    timings = pipeline_timings(stages, link)
-    new, cached = work.new_tokens, work.cached_tokens
-    best = math.inf
-    for k in range(1, 4 * len(stages) + 1):
-        if k > 1 and new // k < MIN_COMPARE_CHUNK:
-            break
-        starts = cached + equal_starts(k, new + 1)[-1:]
-        best = min(best, float(flow_shop_latency(timings, starts, np.array([cached + new]))[0]))
-    return best
-
-
-def _step_s(stages: list[tuple[DeviceProfile, int, int]], link: LinkModel, work: Workload) -> tuple[float, ...]:
-    """Decode step for 1..requests rows: each stage's share of its device's measured step, scaled by
-    what extra rows cost there, plus its per-message cost and one hop per boundary.
-
-    Rows of a pipeline travel together (the stages' schedulers batch what arrives together), so
-    a step costs the sum of the stages: a pipeline batches no better than one device does.
-    """
-    context = work.prompt_tokens + work.answer_tokens // 2
-    out = []
-    for rows in range(1, work.requests + 1):
-        total = 0.0
-        for k, (p, first, end) in enumerate(stages):
-            layers = float(p.q_layer(1, context))
-            ends = float(p.embed_time(1)), float(p.head_time(1))
-            whole = p.num_layers * layers + sum(ends)
-            part = (end - first) * layers + (ends[0] if first == 0 else 0.0) \
-                + (ends[1] if end == p.num_layers else 0.0)
-            share = part / whole if whole > 0 else (end - first) / p.num_layers
-            total += float(p.decode_step(context)) * share * _batch_ratio(p, rows, context)
-            if len(stages) > 1:
-                total += p.chunk_overhead_s
-            if k < len(stages) - 1:
-                total += float(link.activation_transfer_s(rows, p.model.hidden_size, p.dtype_bytes))
-        out.append(total)
-    return tuple(out)
-
-
-def price_group(stages: list[tuple[DeviceProfile, int, int]], link: LinkModel, work: Workload) -> Group:
-    """A route's :class:`Group` from its stages (profile, first, end) in order."""
-    return Group(tuple((NodeId(p.device_id), f, e) for p, f, e in stages),
-                 _prefill_s(stages, link, work), _step_s(stages, link, work))
-
-
-def tensor_fits(members: list[DeviceProfile], max_seq: int) -> bool:
-    """Whether ``members`` hold the whole model between them, each its speed's share of every layer,
-    and the model's heads split over that many (partition.tensor_split, blocks of one element: the
-    file's own block widths are checked where the members load it)."""
-    from partition.tensor_split import LayerShape, SplitError, split_layers
-
-    m = members[0].model
-    speeds = _tensor_speeds(members, 1)
-    try:
-        split_layers(LayerShape(m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.vocab_size),
-                     len(members), speeds)
-    except SplitError:
-        return False
-    whole = [stage_memory_bytes(p, 0, p.num_layers, max_seq) for p in members]
-    return all(need * s / sum(speeds) <= p.memory_budget_bytes for p, need, s in zip(members, whole, speeds))
-
-
-def _tensor_speeds(members: list[DeviceProfile], context: int) -> tuple[float, ...]:
-    """Each member's relative speed: decode steps per second on its own (the split gives it that share)."""
-    return tuple(1.0 / max(float(p.decode_step(context)), 1e-9) for p in members)
-
-
-#: homes up to this size price a tensor group over every subset of members; larger ones over the k fastest
-TENSOR_SUBSETS_UP_TO = 6
-
-
-def _tensor_candidates(ranked: list[DeviceProfile]) -> list[list[DeviceProfile]]:
-    """The member sets a tensor group may be formed of (each fastest first)."""
-    if len(ranked) <= TENSOR_SUBSETS_UP_TO:
-        return [list(c) for k in range(2, len(ranked) + 1) for c in itertools.combinations(ranked, k)]
-    return [ranked[:k] for k in range(2, len(ranked) + 1)]
-
-
-def price_tensor_group(members: list[DeviceProfile], link: LinkModel, work: Workload,
-                       exchange_overhead_s: float = TENSOR_EXCHANGE_OVERHEAD_S) -> Group:
-    """A tensor-parallel group over ``members`` holding every layer: each computes its speed's share of
-    every product (so all finish together), and every layer waits for two exchanges of partial sums, the
-    head for one more. An exchange is priced as one of the link's round trips plus its bytes — on a
-    LAN the round trips are the cost, which is why a group pays for big models on fast links only."""
-    context = work.prompt_tokens + work.answer_tokens // 2
-    speeds = _tensor_speeds(members, context)
-    total = sum(speeds)
-    lead = members[0]
-    L, hidden = lead.num_layers, lead.model.hidden_size
-    syncs = 2 * L + 1
-
-    def exchanges_s(rows: int) -> float:
-        return syncs * (float(link.activation_transfer_s(rows, hidden, TENSOR_ACTIVATION_BYTES))
-                        + exchange_overhead_s)
-
-    steps = []
-    for rows in range(1, work.requests + 1):
-        compute = max(float(p.decode_step(context)) * (sp / total) * _batch_ratio(p, rows, context)
-                      for p, sp in zip(members, speeds))
-        steps.append(compute + exchanges_s(rows))
-    prefill = max(_prefill_s([(p, 0, L)], link, work) * (sp / total) for p, sp in zip(members, speeds))
-    prefill += exchanges_s(work.new_tokens)
-    return Group(((NodeId(lead.device_id), 0, L),), prefill, tuple(steps),
-                 tuple(NodeId(p.device_id) for p in members), tuple(round(sp / total, 6) for sp in speeds))
 
 
 def route_requests(groups: tuple[Group, ...], work: Workload) -> tuple[tuple[int, ...], float]:
@@ -374,7 +176,7 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
                     candidates.append(_layout([*replicas, group], work, profiles))
     if force == "tensor" or (force == "auto" and tensor):  # a tensor group, the fastest others as replicas
         ranked = sorted(profiles, key=lambda p: (float(p.decode_step(work.prompt_tokens)), p.device_id))
-        for group in _tensor_candidates(ranked):
+        for group in tensor_candidates(ranked):
             if not tensor_fits(group, max_seq):
                 continue
             tensor = price_tensor_group(group, link, work)

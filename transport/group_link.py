@@ -42,6 +42,7 @@ _SLICE_MS = 200  # a blocked receive looks at the links' health (and an abort) t
 # ZeroMQ's own heartbeat on every link: a member whose machine lost power sends no reset, so without it a
 # partial sum would be waited for forever
 _HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS = 1000, 5000
+_REDIAL_S = 0.2  # a refused link is dialled again this often while the group forms
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class GroupLink:
             self._inbox.zap_domain = _ZAP_DOMAIN.encode()
             self._inbox.linger = 0
             self._inbox.rcvtimeo = _SLICE_MS
+            # a member that reconnects (its first handshakes refused until we admitted its key, a link
+            # that dropped) comes back under the same identity: the new connection replaces the old
+            self._inbox.router_handover = 1
             self._inbox.bind(bind)
         except zmq.ZMQError as exc:
             self._auth.stop()
@@ -95,43 +99,54 @@ class GroupLink:
     def connect(self, peers: list[GroupPeer], timeout_s: float = 60.0) -> None:
         """Reach every other member (their keys admitted here as well), and wait until every link's
         handshake has passed. A member that has not admitted our key yet (it is still loading, or reading
-        the plan) refuses the first handshakes; ZeroMQ tries again, so a refusal only counts once the
-        group has formed — or when ``timeout_s`` passes without it (:class:`GroupLost`).
+        the plan) refuses the first handshakes, and ZeroMQ never dials again after a refused one (libzmq
+        takes a ZAP refusal as final), so a refused link is dialled anew, every ``_REDIAL_S``, until
+        the group forms — or ``timeout_s`` passes without it (:class:`GroupLost`).
 
-        Members of one process (tests) call :meth:`admit` on each before any of them connects."""
+        Members of one process (tests) may call :meth:`admit` on each before any of them connects."""
         if sorted([self.rank, *(p.rank for p in peers)]) != list(range(self.size)):
             raise ValueError(f"member {self.rank} of {self.size} needs every other member, got {[p.rank for p in peers]}")
         keys = self.admit(peers)
-        waiting: dict[zmq.Socket, int] = {}
+        waiting: dict[zmq.Socket, GroupPeer] = {}
         for p, key in zip(peers, keys):
-            s = self._ctx.socket(zmq.DEALER)
-            s.curve_serverkey = key
-            s.curve_publickey, s.curve_secretkey = self._keypair.public, self._keypair.secret
-            s.routing_id = _IDENTITY.pack(self.rank, self.epoch)
-            s.linger = 0
-            s.sndhwm = s.rcvhwm = 0
-            s.heartbeat_ivl, s.heartbeat_timeout = _HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS
-            s.heartbeat_ttl = 2 * _HEARTBEAT_TIMEOUT_MS
-            monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-            s.connect(p.endpoint)
-            self._out[p.rank] = s
-            self._monitors.append(monitor)
-            waiting[monitor] = p.rank
+            waiting[self._dial(p, key)] = p
         deadline = time.monotonic() + timeout_s
         refused: dict[int, str] = {}
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                why = ", ".join(f"member {r}: {refused.get(r, 'no answer')}" for r in waiting.values())
+                why = ", ".join(f"member {p.rank}: {refused.get(p.rank, 'no answer')}" for p in waiting.values())
                 raise GroupLost(f"the group did not form within {timeout_s:g} s ({why})")
             for monitor in [m for m in waiting if m.poll(min(100, int(left * 1000) + 1))]:
                 event = recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._watch[monitor] = waiting.pop(monitor)
-                else:  # refused or dropped before the handshake passed: ZeroMQ reconnects
-                    refused[waiting[monitor]] = str(event["event"])
+                    self._watch[monitor] = waiting.pop(monitor).rank
+                elif event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                    peer = waiting.pop(monitor)
+                    refused[peer.rank] = str(event["event"])
+                    time.sleep(_REDIAL_S)  # sleep-ok: the member admits our key once it has read the plan
+                    waiting[self._dial(peer, validate_public_key(peer.public_key))] = peer
         log.info("group_formed", rank=self.rank, size=self.size)
+
+    def _dial(self, peer: GroupPeer, key: bytes) -> zmq.Socket:
+        """A DEALER to ``peer`` (replacing one a refusal left dead); returns its monitor."""
+        old = self._out.pop(peer.rank, None)
+        if old is not None:
+            old.close(linger=0)
+        s = self._ctx.socket(zmq.DEALER)
+        s.curve_serverkey = key
+        s.curve_publickey, s.curve_secretkey = self._keypair.public, self._keypair.secret
+        s.routing_id = _IDENTITY.pack(self.rank, self.epoch)
+        s.linger = 0
+        s.sndhwm = s.rcvhwm = 0
+        s.heartbeat_ivl, s.heartbeat_timeout = _HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS
+        s.heartbeat_ttl = 2 * _HEARTBEAT_TIMEOUT_MS
+        monitor = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        s.connect(peer.endpoint)
+        self._out[peer.rank] = s
+        self._monitors.append(monitor)
+        return monitor
 
     def admit(self, peers: list[GroupPeer]) -> list[bytes]:
         """Let ``peers``' keys through this member's socket (before they connect, or as they do)."""

@@ -102,7 +102,6 @@ class StageService:
         self.server: StageServer | None = None
         self._deploy_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []  # the reaper and the progress reporter, for the stage's life
-        self._leaving: set[asyncio.Task] = set()  # a lost tensor group being left
 
     # -- lifecycle --------------------------------------------------------------
     async def start(self, address: str = "tcp://127.0.0.1:0") -> str:
@@ -131,11 +130,7 @@ class StageService:
         await self.outbox.close()
         if self.server is not None:
             await self.server.close()
-        try:  # out of a tensor group first: its compute thread may be following another member
-            await asyncio.wait_for(self.worker.leave_group(), 10.0)
-        except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - stopping anyway
-            log.warning("tensor_group_leave_failed", error=f"{type(exc).__name__}: {exc}")
-        self.worker.close()
+        await self.worker.aclose()
 
     def take_groups_at(self, address: str) -> None:
         """Plans may seat this device in a tensor group: its links bind at ``address`` (tcp://host:port)."""
@@ -165,16 +160,9 @@ class StageService:
             if self.model_mismatch and rng is not None:
                 log.warning("stage_model_mismatch", plan_version=route.plan_version, error=self.model_mismatch)
                 rng = None  # never load another model's layer range from this file
-            if self.worker.in_group:
-                await self.worker.leave_group()
+            await self.worker.leave_group()
             if seat is not None and not self.model_mismatch:
-                if not self.group_bind or self.node.keypair is None:
-                    raise StageError("no_stage", "this device takes no tensor group's links (no group port, "
-                                     "or no CURVE keys)")
-                if seat[1] == 0:
-                    await self.worker.lead_group(route, seat[0], self.node.keypair, self.group_bind)
-                else:  # its layers are the first member's stage: this device computes its share beside it
-                    await self.worker.follow_group(route, seat[0], seat[1], self.node.keypair, self.group_bind)
+                await self.worker.take_seat(route, seat, self.node.keypair, self.group_bind)
             elif rng is None:
                 self.worker.unload()
             elif not self.worker.holds(rng, route):
@@ -292,13 +280,8 @@ class StageService:
     async def _fail(self, msg: Any, exc: Exception) -> ErrorReply:
         """The one error path: the coordinator told at once, naming the node that failed; the sequence freed."""
         self.stats.errors += 1
-        if isinstance(exc, GroupLost) and self.worker.in_group:
-            # the group cannot compute another pass: serve nothing until the next plan (requests wait for
-            # it and replay, instead of failing at once on the same group again and again)
-            log.warning("tensor_group_lost", plan_version=self.serving_version, error=str(exc))
-            leaving = asyncio.get_running_loop().create_task(self.worker.leave_group())
-            self._leaving.add(leaving)
-            leaving.add_done_callback(self._leaving.discard)
+        if isinstance(exc, GroupLost):
+            self.worker.group_lost(exc)
         reply = self.outbox.error_reply(msg, exc)
         seq = getattr(msg, "seq_id", None)
         if isinstance(seq, str) and seq and not isinstance(msg, ForkSequence):

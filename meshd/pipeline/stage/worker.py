@@ -107,6 +107,7 @@ class StageWorker:
         self._filling: dict[SeqKey, asyncio.Future] = {}  # exited sequences whose skipped layers are computing
         self._following: asyncio.Future | None = None  # this device follows a tensor group's first member
         self._stopping = threading.Event()
+        self._leaving: set[asyncio.Task] = set()  # a lost tensor group being left
 
     def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
@@ -216,6 +217,34 @@ class StageWorker:
         self._following = asyncio.get_running_loop().run_in_executor(
             self._compute, follow_seat, self.source, route.stages[index], rank, keypair, bind,
             int(route.plan_version), self._stopping)
+
+    async def take_seat(self, route: Route, seat: tuple[int, int], keypair, bind: str) -> None:
+        """This device's seat in a tensor group of ``route``: (stage index, rank); rank 0 leads it."""
+        if not bind or keypair is None:
+            raise StageError("no_stage", "this device takes no tensor group's links (no group port, or no CURVE keys)")
+        index, rank = seat
+        if rank == 0:
+            await self.lead_group(route, index, keypair, bind)
+        else:  # its layers are the first member's stage: this device computes its share beside it
+            await self.follow_group(route, index, rank, keypair, bind)
+
+    def group_lost(self, exc: BaseException) -> None:
+        """A pass found the group gone: serve nothing until the next plan (requests wait for it and replay,
+        instead of failing at once on the same group again and again)."""
+        if not self.in_group:
+            return
+        log.warning("tensor_group_lost", error=str(exc))
+        leaving = asyncio.get_running_loop().create_task(self.leave_group())
+        self._leaving.add(leaving)
+        leaving.add_done_callback(self._leaving.discard)
+
+    async def aclose(self) -> None:
+        """Out of a tensor group first (the compute thread may be following another member), then closed."""
+        try:
+            await asyncio.wait_for(self.leave_group(), 10.0)
+        except (asyncio.TimeoutError, Exception) as exc:  # noqa: BLE001 - stopping anyway
+            log.warning("tensor_group_leave_failed", error=f"{type(exc).__name__}: {exc}")
+        self.close()
 
     async def leave_group(self) -> None:
         """Out of the group this device was in (the first member tells the others; a follower stops)."""
