@@ -30,7 +30,7 @@ from partition.link import LinkModel
 from partition.pricing import Group, Workload, price_group, replica_fits  # noqa: F401
 from partition.profile import DeviceProfile
 from partition.stagecount import plan_layers
-from partition.tensor_layout import price_tensor_group, tensor_candidates, tensor_fits
+from partition.tensor_layout import fastest_first, price_tensor_group, tensor_candidates, tensor_fits
 
 LAYOUT_KINDS = ("auto", "pipeline", "replicas", "tensor")
 
@@ -175,7 +175,7 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
                 if not group.is_replica:
                     candidates.append(_layout([*replicas, group], work, profiles))
     if force == "tensor" or (force == "auto" and tensor):  # a tensor group, the fastest others as replicas
-        ranked = sorted(profiles, key=lambda p: (float(p.decode_step(work.prompt_tokens)), p.device_id))
+        ranked = fastest_first(profiles, work)
         for group in tensor_candidates(ranked):
             if not tensor_fits(group, max_seq):
                 continue
@@ -261,8 +261,7 @@ def brute_force_layout(profiles: list[DeviceProfile], link: LinkModel, work: Wor
         if tensor:
             if len(tensor) < 2 or not tensor_fits(tensor, max_seq) or any(r == "p" for r in roles):
                 continue
-            tensor.sort(key=lambda p: (float(p.decode_step(work.prompt_tokens)), p.device_id))
-            groups.append(price_tensor_group(tensor, link, work))
+            groups.append(price_tensor_group(fastest_first(tensor, work), link, work))
         pipe_members = [p for r, p in zip(roles, profiles) if r == "p"]
         options = _pipeline_groups(pipe_members, link, work, max_seq, cache) if pipe_members else [None]
         for g in options:

@@ -51,6 +51,11 @@ def tensor_speeds(members: list[DeviceProfile], context: int) -> tuple[float, ..
 TENSOR_SUBSETS_UP_TO = 6
 
 
+def fastest_first(members: list[DeviceProfile], work: Workload) -> list[DeviceProfile]:
+    """A group's rank order: the fastest member first (it leads: it also samples)."""
+    return sorted(members, key=lambda p: (float(p.decode_step(work.prompt_tokens)), p.device_id))
+
+
 def tensor_candidates(ranked: list[DeviceProfile]) -> list[list[DeviceProfile]]:
     """The member sets a tensor group may be formed of (each fastest first)."""
     if len(ranked) <= TENSOR_SUBSETS_UP_TO:

@@ -124,6 +124,8 @@ class GroupLink:
                 elif event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
                     peer = waiting.pop(monitor)
                     refused[peer.rank] = str(event["event"])
+                    self._monitors.remove(monitor)  # its socket is replaced (closed by _dial)
+                    monitor.close(linger=0)
                     time.sleep(_REDIAL_S)  # sleep-ok: the member admits our key once it has read the plan
                     waiting[self._dial(peer, validate_public_key(peer.public_key))] = peer
         log.info("group_formed", rank=self.rank, size=self.size)

@@ -60,14 +60,12 @@ class StageModel:
         # pass advance (a stage tells the coordinators waiting on it; see meshd.pipeline.stage.progress).
         self.work_done = 0
         self._decode_steps: DecodeSteps | None | bool = None  # built on the first decode step
-        # A tensor-parallel member (decoding.models.llama.tensor_slice): the group that adds up its
-        # partial sums, and the vocabulary rows its head holds.
+        # A tensor-parallel member (decoding.models.llama.tensor_slice): the group that adds up its partial sums
         self.group = None
-        self.vocab_rows: tuple[int, int] | None = None
 
-    def join_group(self, group, vocab_rows: tuple[int, int]) -> None:
+    def join_group(self, group) -> None:
         """This stage is one member's share of a layer range; ``group`` adds up what the members computed."""
-        self.group, self.vocab_rows = group, vocab_rows
+        self.group = group
         self._decode_steps = None
 
     def _summed(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,24 +162,14 @@ class StageModel:
         edge device asks for it to judge how much later tokens lean on a drafted
         chunk (the importance half of deciding what a cloud verifier should see).
         """
-        if len({it.seq_id for it in items}) != len(items):
-            raise ValueError("a sequence may appear only once in a batch")
+        self.check_positions(kv, items)
         if self.exited:  # a sequence's exited row finishes its layers before its next rows attend to them
             broken = self.fill_pending(kv, {it.seq_id for it in items})
             if broken:
                 raise RuntimeError(f"the layers an early exit skipped could not be computed for {broken[0]!r}")
         cfg, device = self.config, self.device
         items = [it.on(device) for it in items]  # a CPU stage after a GPU one gets GPU tensors too
-        plans = []
-        for it in items:
-            past, n = kv.length(it.seq_id), it.x.shape[0]
-            if past + n > cfg.max_position:
-                raise ContextOverflow(
-                    f"sequence would reach {past + n} positions; the model's context is {cfg.max_position}")
-            if cfg.sliding_window and past + n > cfg.sliding_window:
-                raise ContextOverflow(
-                    f"sequence would reach {past + n} positions, beyond the sliding window {cfg.sliding_window}")
-            plans.append(RowPlan.of(it, past, device, exact=bool(self.packing)))
+        plans = [RowPlan.of(it, kv.length(it.seq_id), device, exact=bool(self.packing)) for it in items]
         if self.is_first:
             ids = torch.cat([it.x for it in items]) if len(items) > 1 else items[0].x
             h = F.embedding(ids, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed.lookup(ids)
@@ -245,6 +233,21 @@ class StageModel:
         if self.group is None:
             return logits
         return torch.from_numpy(self.group.gather(logits.contiguous().numpy()))
+
+    def check_positions(self, kv: KVCache, items: list[BatchItem]) -> None:
+        """Refuse ``items`` before anything is computed: a sequence twice in one batch, one unknown to
+        ``kv`` (CacheError), or one that would pass the model's context or sliding window."""
+        if len({it.seq_id for it in items}) != len(items):
+            raise ValueError("a sequence may appear only once in a batch")
+        cfg = self.config
+        for it in items:
+            past, n = kv.length(it.seq_id), it.x.shape[0]
+            if past + n > cfg.max_position:
+                raise ContextOverflow(
+                    f"sequence would reach {past + n} positions; the model's context is {cfg.max_position}")
+            if cfg.sliding_window and past + n > cfg.sliding_window:
+                raise ContextOverflow(
+                    f"sequence would reach {past + n} positions, beyond the sliding window {cfg.sliding_window}")
 
     @property
     def selectable_head(self) -> bool:

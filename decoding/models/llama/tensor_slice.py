@@ -63,7 +63,7 @@ def member_stage(stage, member: MemberSlice, group):
     out = type(stage)(local, stage.first, stage.end, layers, stage.embed, stage.final_norm, lm_head, stage.inv_freq,
                       stage.dtype)
     out.formats, out.scratch, out.packing = dict(stage.formats), stage.scratch, stage.packing
-    out.join_group(group, member.vocab)
+    out.join_group(group)
     return out
 
 

@@ -1,7 +1,7 @@
 """A stage held by a tensor-parallel group: every member computes its share of every layer of the range.
 
-    first member (leads) ──GroupCommand──► other members
-          │  forward on its share            │  forward on their shares
+    first member (leads) ──cache operations, each pass's rows──► other members
+          │  forward on its share                                │  forward on their shares
           └──── partial sums, twice a layer, all to all (transport.group_link) ────┘
 
 The first member owns the sequences (the cache operations and the rows a pass runs); the others mirror

@@ -10,6 +10,7 @@ so the members see the operations in the order the first member did them.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from decoding.batch import BatchItem
-from decoding.errors import CacheFull, ContextOverflow
+from decoding.errors import CacheFull
 from decoding.kv_cache import KVCache
 from decoding.tensor_group import GroupLost
 
@@ -40,8 +41,6 @@ class MirroredKV:
         self._lock = threading.Lock()
 
     def __getattr__(self, name):  # reads (length, capacity, free_tokens, ...) are the local cache's
-        if name in MIRRORED:
-            raise AttributeError(name)
         return getattr(self.local, name)
 
     def __contains__(self, seq_id) -> bool:
@@ -154,7 +153,7 @@ class GroupedStage:
         A pass this member would refuse (a full cache, a context overflow) is refused before anything is
         sent, so the others never start a pass it does not finish; one that fails after it was sent
         leaves the members out of step, so the group is given up (:class:`GroupLost`: the request replays)."""
-        items = [it if it.exit_threshold == 0 else _without_exit(it) for it in items]
+        items = [it if it.exit_threshold == 0 else dataclasses.replace(it, exit_threshold=0.0) for it in items]
         _admissible(self.member, kv.local, items)
         self._passes += 1
         self._link.begin_pass(self._passes)
@@ -193,25 +192,9 @@ class GroupedStage:
 
 
 def _admissible(stage, kv: KVCache, items: list[BatchItem]) -> None:
-    """Raise what ``stage.forward_batch`` would refuse ``items`` with before computing anything."""
-    if len({it.seq_id for it in items}) != len(items):
-        raise ValueError("a sequence may appear only once in a batch")
-    cfg = stage.config
-    growth = 0
-    for it in items:
-        past, n = kv.length(it.seq_id), int(it.x.shape[0])  # (an unknown sequence: CacheError)
-        if past + n > cfg.max_position:
-            raise ContextOverflow(f"sequence would reach {past + n} positions; the model's context is "
-                                  f"{cfg.max_position}")
-        if cfg.sliding_window and past + n > cfg.sliding_window:
-            raise ContextOverflow(f"sequence would reach {past + n} positions, beyond the sliding window "
-                                  f"{cfg.sliding_window}")
-        growth += kv.growth(it.seq_id, n)
+    """Raise what ``stage.forward_batch`` would refuse ``items`` with, before computing anything: its own
+    position checks, and room for every item's rows at once (it reserves them one by one)."""
+    stage.check_positions(kv, items)
+    growth = sum(kv.growth(it.seq_id, int(it.x.shape[0])) for it in items)
     if growth > kv.free_tokens:
         raise CacheFull(f"KV cache full: the pass needs {growth} more positions, {kv.free_tokens} are free")
-
-
-def _without_exit(item: BatchItem) -> BatchItem:
-    import dataclasses
-
-    return dataclasses.replace(item, exit_threshold=0.0)
