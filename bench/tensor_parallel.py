@@ -50,8 +50,10 @@ def child(args) -> None:
         keys = Keypair.generate()
         link = GroupLink(args.rank, args.size, keys, bind=args.bind)
         stage, split = load_member(src, 0, src.config.num_layers, args.size, args.rank, link)
-        print(json.dumps({"endpoint": link.endpoint, "public": keys.public.decode()}), flush=True)
-        peers = [GroupPeer(p["rank"], p["endpoint"], p["public"].encode()) for p in json.loads(sys.stdin.readline())]
+        print(json.dumps({"endpoint": link.endpoint, "public": keys.public.decode(), "data_port": link.data_port}),
+              flush=True)
+        peers = [GroupPeer(p["rank"], p["endpoint"], p["public"].encode(), p.get("data_endpoint"))
+                 for p in json.loads(sys.stdin.readline())]
         others = [p for p in peers if p.rank != args.rank]
         link.admit(others)  # every member admits every key before anyone dials (as a plan tells them all)
         print(json.dumps({"admitted": True}), flush=True)
@@ -166,11 +168,13 @@ def run_config(model_file: str, size: int, tokens: int, prompt_len: int, repeats
             for me, p in enumerate(procs):
                 peers = []
                 for r, h in enumerate(hello):
-                    endpoint = h["endpoint"]
+                    endpoint, data = h["endpoint"], None
                     if testbed and r != me:  # through the link's delay, as a device on the LAN would be reached
                         ip, port = testbed.delayed_address(r, GROUP_PORT)
                         endpoint = f"tcp://{ip}:{port}"
-                    peers.append({"rank": r, "endpoint": endpoint, "public": h["public"]})
+                        ip, port = testbed.delayed_address(r, h["data_port"])  # the partial sums' stream too
+                        data = f"{ip}:{port}"
+                    peers.append({"rank": r, "endpoint": endpoint, "public": h["public"], "data_endpoint": data})
                 p.stdin.write(json.dumps(peers) + "\n")
                 p.stdin.flush()
             for p in procs:

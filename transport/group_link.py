@@ -8,6 +8,12 @@ one ROUTER socket that admits only the group's member keys (a ZAP handler in its
 every other member through a DEALER that checks that member's server key — encrypted and authenticated
 both ways, like every other link of the home.
 
+The partial sums themselves travel beside it, on one :mod:`transport.group_stream` per pair of members:
+a TCP stream the compute thread writes and reads itself, sealed with session keys agreed over this
+link (ZeroMQ's hop through its I/O thread was most of an exchange's cost on a one-core device). The
+CurveZMQ link keeps what needs no speed: forming the group, the keys, the first member's commands, and
+ZeroMQ's heartbeats that notice a member whose machine went silent.
+
 Every member sends its partial to every other member and adds all of them in rank order
 (``decoding.tensor_group.add_in_rank_order``): one exchange per reduction, and every member ends up
 with the same bits. Activations travel as float32 (exact: the group computes what an in-process group
@@ -18,6 +24,8 @@ merely slow is waited for as long as its link stays up.
 from __future__ import annotations
 
 import logging
+import os
+import select
 import struct
 import time
 from collections import deque
@@ -29,6 +37,8 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from decoding.tensor_group import GroupLost, add_in_rank_order
+from transport import group_stream
+from transport.group_stream import SealedStream
 from transport.keys import Keypair, validate_public_key
 from transport.log import get_logger
 
@@ -36,7 +46,15 @@ log = get_logger("transport.group_link")
 
 _HEADER = struct.Struct("<BII")  # kind, pass, exchange within the pass
 _IDENTITY = struct.Struct("<HI")  # rank, epoch (the plan the links were formed for)
-_PARTIAL, _COMMAND = 1, 2
+_HELLO_BODY = struct.Struct(f"<{group_stream.KX_PUBLIC_BYTES}sH")  # a member's stream key and port
+_PARTIAL, _COMMAND, _HELLO = 1, 2, 3
+_STREAM_OPEN_S = 30.0  # a member that reached its first exchange answers its stream's opening within this
+_STREAM_PREAMBLE_S = 5.0  # a caller on the stream port says who it is within this (or is not a member)
+# a member waiting on a partial sum looks for it without sleeping this long first (yielding the core to
+# anything else runnable): its core has nothing else to do, and waking from idle costs more than the wait
+# (measured in a decode step on loopback: 88 us from the later member's send to both holding the sum when
+# blocking at once, 46 us spinning first)
+_SPIN_S = 0.0005
 _ZAP_DOMAIN = "meshd-group"
 _SLICE_MS = 200  # a blocked receive looks at the links' health (and an abort) this often
 # ZeroMQ's own heartbeat on every link: a member whose machine lost power sends no reset, so without it a
@@ -50,6 +68,9 @@ class GroupPeer:
     rank: int
     endpoint: str  # tcp://host:port of its group socket
     public_key: bytes
+    # host:port of its stream listener when it is not reached at the endpoint's host and the port it
+    # announces (a test bed's delay proxy in between)
+    data_endpoint: str | None = None
 
 
 class GroupLink:
@@ -83,6 +104,17 @@ class GroupLink:
             self._ctx.destroy(linger=0)
             raise GroupLost(f"the group socket cannot listen on {bind}: {exc}") from exc
         self.endpoint: str = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        host, port = _host_port(self.endpoint)
+        try:
+            # the partial sums' stream: the group port + 1 when it is fixed (7414 by default), else any
+            self._listener = group_stream.listen(host, port + 1 if _host_port(bind)[1] else 0)
+        except GroupLost:
+            self._inbox.close(linger=0)
+            self._auth.stop()
+            self._ctx.destroy(linger=0)
+            raise
+        self.data_port: int = self._listener.getsockname()[1]
+        self._kx = group_stream.kx_keypair()
         self._keypair = keypair
         self._watch: dict[zmq.Socket, int] = {}  # the formed links' monitors -> the member at the other end
         self._early: dict[tuple[int, int, int], memoryview] = {}  # (rank, pass, exchange) before we asked
@@ -91,6 +123,11 @@ class GroupLink:
         self._exchange = 0
         self._lost: str = ""
         self._abort_event = None
+        self._peers: dict[int, GroupPeer] = {}
+        self._hellos: dict[int, tuple[bytes, int]] = {}  # rank -> (its stream key, its stream port)
+        self._streams: dict[int, SealedStream] = {}
+        self._by_fd: dict[int, SealedStream] = {}
+        self._poller = select.poll()
 
     # ZAP: only the group's members may connect (ThreadAuthenticator's credentials provider)
     def callback(self, domain: str, key: bytes) -> bool:
@@ -107,6 +144,7 @@ class GroupLink:
         if sorted([self.rank, *(p.rank for p in peers)]) != list(range(self.size)):
             raise ValueError(f"member {self.rank} of {self.size} needs every other member, got {[p.rank for p in peers]}")
         keys = self.admit(peers)
+        self._peers.update({p.rank: p for p in peers})
         waiting: dict[zmq.Socket, GroupPeer] = {}
         for p, key in zip(peers, keys):
             waiting[self._dial(p, key)] = p
@@ -128,6 +166,11 @@ class GroupLink:
                     monitor.close(linger=0)
                     time.sleep(_REDIAL_S)  # sleep-ok: the member admits our key once it has read the plan
                     waiting[self._dial(peer, validate_public_key(peer.public_key))] = peer
+        # this member's stream key and port, to each member over the link that authenticated it; the
+        # streams open at the first exchange (every member is in it then, so nobody waits on another's setup)
+        hello = _HELLO_BODY.pack(self._kx[0], self.data_port)
+        for s in self._out.values():
+            self._send(s, _HELLO, hello)
         log.info("group_formed", rank=self.rank, size=self.size)
 
     def _dial(self, peer: GroupPeer, key: bytes) -> zmq.Socket:
@@ -164,16 +207,16 @@ class GroupLink:
         self._early = {k: v for k, v in self._early.items() if k[1] >= number}
 
     def sum_(self, x: np.ndarray) -> None:
-        add_in_rank_order(self._all(x), x)
+        others = [r for r in range(self.size) if r != self.rank]
+        add_in_rank_order(self._swap(x, to=others, want=others), x)
 
     def gather(self, x: np.ndarray) -> np.ndarray:
         """To the first member only: the others send their share and go on."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        self._exchange += 1
         if self.rank:
-            self._send(self._out[0], _PARTIAL, x)
+            self._swap(x, to=[0], want=[])
             return x
-        return np.concatenate(self._collect(x, self._exchange), axis=-1)
+        return np.concatenate(self._swap(x, to=[], want=list(range(1, self.size))), axis=-1)
 
     # -- commands from the group's first member -------------------------------------------
     def send_command(self, payload: bytes) -> None:
@@ -201,6 +244,9 @@ class GroupLink:
         if self._closed:
             return
         self._closed = True
+        for stream in self._streams.values():
+            stream.close()
+        self._listener.close()
         for s in self._out.values():
             s.close(linger=int(linger_s * 1000))
         self._inbox.close(linger=0)
@@ -218,27 +264,102 @@ class GroupLink:
         except zmq.ZMQError as exc:
             raise GroupLost(f"the group link failed: {exc}") from exc
 
-    def _all(self, x: np.ndarray) -> list[np.ndarray]:
+    def _swap(self, x: np.ndarray, to: list[int], want: list[int]) -> list[np.ndarray]:
+        """Exchange ``n`` of this pass: ``x`` to the members ``to``, and every member's part back (``x``
+        at this member's rank) once those in ``want`` have arrived. Sending and receiving interleave, so
+        a prompt's megabytes never deadlock two members that both send first."""
+        self._open_streams()
         self._exchange += 1
-        for s in self._out.values():
-            self._send(s, _PARTIAL, x)
-        return self._collect(x, self._exchange)
-
-    def _collect(self, x: np.ndarray, n: int) -> list[np.ndarray]:
-        """Exchange ``n`` of this pass: every member's part (``x`` is this member's)."""
+        n = self._exchange
+        sending = []
+        for r in to:
+            stream = self._streams[r]
+            stream.seal(_PARTIAL, self._pass, n, x.data)
+            if not stream.flush():
+                sending.append(stream)
+                self._poller.modify(stream.fileno(), select.POLLIN | select.POLLOUT)
         parts: list[np.ndarray | None] = [None] * self.size
         parts[self.rank] = x.copy()
-        missing = self.size - 1
-        for r in range(self.size):
-            if parts[r] is None and (r, self._pass, n) in self._early:
-                parts[r] = self._as_array(self._early.pop((r, self._pass, n)), x)
-                missing -= 1
-        while missing:
-            kind, rank, payload = self._receive(
-                lambda kind, rank, p, num: kind == _PARTIAL and p == self._pass and num == n, None)
-            parts[rank] = self._as_array(payload, x)
-            missing -= 1
+        missing = set()
+        for r in want:
+            early = self._early.pop((r, self._pass, n), None)
+            if early is None:
+                missing.add(r)
+            else:
+                parts[r] = self._as_array(early, x)
+        spin_until = time.perf_counter() + _SPIN_S
+        while missing or sending:
+            self._check_abort()
+            events = self._poller.poll(0)
+            if not events and time.perf_counter() < spin_until:
+                os.sched_yield()
+                continue
+            if not events:
+                events = self._poller.poll(_SLICE_MS)
+            if not events:
+                self._check_links()
+                continue
+            for fd, event in events:
+                stream = self._by_fd[fd]
+                if event & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    for kind, number_pass, number, payload in stream.receive():
+                        if self._is_part(stream.peer, kind, number_pass, number, n) and stream.peer in missing:
+                            parts[stream.peer] = self._as_array(payload, x)
+                            missing.discard(stream.peer)
+                        else:
+                            self._keep_early(stream.peer, kind, number_pass, number, payload)
+                if event & select.POLLOUT and stream.flush():
+                    sending.remove(stream)
+                    self._poller.modify(fd, select.POLLIN)
         return parts  # type: ignore[return-value]
+
+    def _is_part(self, rank: int, kind: int, number_pass: int, number: int, n: int) -> bool:
+        return kind == _PARTIAL and number_pass == self._pass and number == n
+
+    def _keep_early(self, rank: int, kind: int, number_pass: int, number: int, payload) -> None:
+        """A frame this member did not ask for yet: kept for its exchange, or proof the group moved on."""
+        if kind != _PARTIAL:
+            return
+        if rank == 0 and number_pass > self._pass:
+            # (the stream is in order: it gave up the pass this member is still in)
+            raise GroupLost(f"the first member is in pass {number_pass}, this member in {self._pass}")
+        if number_pass >= self._pass:
+            self._early[(rank, number_pass, number)] = payload
+
+    def _open_streams(self) -> None:
+        """The streams to every other member, opened at this member's first exchange: it dials the
+        members ranked below it and takes the calls of those above (no two wait on each other)."""
+        if len(self._streams) == self.size - 1:
+            return
+        while len(self._hellos) < self.size - 1:
+            self._receive(lambda kind, rank, p, n: kind == _HELLO and rank in self._hellos, _SLICE_MS / 1000)
+        for r in range(self.rank):
+            if r not in self._streams:
+                self._add_stream(group_stream.dial(self._stream_address(r), self.rank, self.epoch, r, self._kx,
+                                                   self._hellos[r][0], _STREAM_OPEN_S))
+        keys = {r: self._hellos[r][0] for r in range(self.rank + 1, self.size)}
+        self._listener.settimeout(_SLICE_MS / 1000)
+        while len(self._streams) < self.size - 1:
+            self._check_links()
+            stream = group_stream.accept(self._listener, self._kx, keys, self.epoch, _STREAM_PREAMBLE_S)
+            if stream is not None and stream.peer not in self._streams:
+                self._add_stream(stream)
+            elif stream is not None:
+                stream.close()
+        self._listener.close()  # every member's stream is open: nobody else may call
+        log.info("group_streams_open", rank=self.rank, size=self.size)
+
+    def _add_stream(self, stream: SealedStream) -> None:
+        self._streams[stream.peer] = stream
+        self._by_fd[stream.fileno()] = stream
+        self._poller.register(stream.fileno(), select.POLLIN)
+
+    def _stream_address(self, rank: int) -> tuple[str, int]:
+        peer = self._peers[rank]
+        if peer.data_endpoint:
+            host, port = _host_port(peer.data_endpoint)
+            return host, port
+        return _host_port(peer.endpoint)[0], self._hellos[rank][1]
 
     @staticmethod
     def _as_array(payload, like: np.ndarray) -> np.ndarray:
@@ -267,21 +388,21 @@ class GroupLink:
             if epoch != self.epoch:
                 continue  # a link of another plan's group (a member still leaving it)
             kind, number_pass, number = _HEADER.unpack(head.bytes)
+            if kind == _HELLO:
+                self._hellos[rank] = _HELLO_BODY.unpack(payload.bytes)
             if wanted(kind, rank, number_pass, number):
                 return kind, rank, payload.buffer
             if kind == _COMMAND:
                 self._commands.append(bytes(payload.buffer))
-            elif rank == 0 and number_pass > self._pass:
-                # (its command for that pass came first, on the same link: it gave up the pass this member is in)
-                raise GroupLost(f"the first member is in pass {number_pass}, this member in {self._pass}")
-            elif number_pass >= self._pass:
-                self._early[(rank, number_pass, number)] = payload.buffer
 
-    def _check_links(self) -> None:
+    def _check_abort(self) -> None:
         if self._abort_event is not None and self._abort_event.is_set():
             self.abort("this member left the group (a new plan)")
         if self._lost:
             raise GroupLost(self._lost)
+
+    def _check_links(self) -> None:
+        self._check_abort()
         for monitor, rank in self._watch.items():
             if monitor.poll(0):
                 event = recv_monitor_message(monitor)
@@ -290,3 +411,11 @@ class GroupLink:
                 self._lost = f"group member {rank} dropped its link ({event['event']!r})"
                 log.warning("group_member_lost", rank=rank, why=str(event["event"]))
                 raise GroupLost(self._lost)
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    """("host", port) of ``tcp://host:port``, ``host:port`` or ``tcp://[v6]:port`` (``*`` is every address)."""
+    rest = endpoint.split("://", 1)[-1]
+    host, _, port = rest.rpartition(":")
+    host = host.strip("[]")
+    return ("0.0.0.0" if host in ("*", "") else host), int(port or 0)

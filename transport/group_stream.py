@@ -1,0 +1,239 @@
+"""The sealed byte stream that carries a tensor group's partial sums between two members.
+
+Why not the CurveZMQ link the group forms over: a partial sum is a few kilobytes that the other member's
+next half-layer waits for, 57 times a token on a 28-layer model. Through ZeroMQ each one hops from the
+compute thread to ZeroMQ's I/O thread and back on both members — on a device whose one core also
+computes, that hop is most of the exchange (measured on loopback between two pinned processes: 115 us
+an exchange over CurveZMQ, 40 us over this stream, 30 us over bare TCP). Here the compute thread writes
+and reads the socket itself.
+
+It is as private as the CurveZMQ link: the two members agree on fresh session keys with libsodium's
+``crypto_kx`` from ephemeral key pairs whose public halves travelled over the authenticated CurveZMQ
+link (so only the member that link authenticated can derive them), and every frame is sealed with
+libsodium's ``secretstream`` (XChaCha20-Poly1305: encrypted, authenticated, and bound to its place in
+the stream, so a frame cannot be dropped, replayed or reordered unnoticed). A connection that cannot
+open a frame with the right keys is closed. Nothing here is a new cipher or a new protocol: key
+exchange and stream sealing are libsodium's, composed the way its documentation describes.
+
+Frames: a 4-byte length, then the sealed message (kind, pass, exchange, payload).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import nacl.bindings as sodium
+
+from decoding.tensor_group import GroupLost
+
+_LENGTH = struct.Struct("<I")
+_HEADER = struct.Struct("<BII")  # kind, pass, exchange within the pass
+_PREAMBLE = struct.Struct("<HI")  # the dialling member's rank and plan epoch, in clear (keys are chosen by it)
+_SEAL = sodium.crypto_secretstream_xchacha20poly1305_ABYTES
+_STREAM_HEADER = sodium.crypto_secretstream_xchacha20poly1305_HEADERBYTES
+KX_PUBLIC_BYTES = sodium.crypto_kx_PUBLIC_KEY_BYTES
+#: the first frame each side sends: proves it holds the session keys (a stranger cannot make one)
+OPEN = 0
+#: a frame larger than this is a broken or hostile stream, not a partial sum (a 2048-row prompt chunk of
+#: an 8192-wide model is 64 MiB)
+MAX_FRAME = 1 << 30
+_FIRST_FRAME_MAX = 256
+
+
+def kx_keypair() -> tuple[bytes, bytes]:
+    """A fresh ephemeral key pair for one group's streams (public, secret)."""
+    return sodium.crypto_kx_keypair()
+
+
+class SealedStream:
+    """One member's stream to one other member (non-blocking once open): sealed frames out, opened
+    frames in, in order."""
+
+    def __init__(self, sock: socket.socket, push_state, pull_state, peer: int):
+        self.sock, self.peer = sock, peer
+        self._push, self._pull = push_state, pull_state
+        self._out = bytearray()
+        self._in = bytearray()
+        sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def seal(self, kind: int, number_pass: int, number: int, payload) -> None:
+        """Queue a frame (:meth:`flush` sends it)."""
+        sealed = sodium.crypto_secretstream_xchacha20poly1305_push(
+            self._push, _HEADER.pack(kind, number_pass, number) + bytes(payload))
+        self._out += _LENGTH.pack(len(sealed))
+        self._out += sealed
+
+    @property
+    def sending(self) -> bool:
+        return bool(self._out)
+
+    def flush(self) -> bool:
+        """Send what the socket takes now; whether everything queued has gone."""
+        while self._out:
+            try:
+                sent = self.sock.send(self._out)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as exc:
+                raise GroupLost(f"group member {self.peer} dropped its link ({exc})") from exc
+            del self._out[:sent]
+        return True
+
+    def receive(self) -> list[tuple[int, int, int, memoryview]]:
+        """The frames complete now (kind, pass, exchange, payload): reads what the socket has."""
+        while True:
+            try:
+                got = self.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                raise GroupLost(f"group member {self.peer} dropped its link ({exc})") from exc
+            if not got:
+                raise GroupLost(f"group member {self.peer} dropped its link (the stream closed)")
+            self._in += got
+            if len(got) < (1 << 20):
+                break
+        frames = []
+        at = 0
+        while len(self._in) - at >= _LENGTH.size:
+            (n,) = _LENGTH.unpack_from(self._in, at)
+            if n > MAX_FRAME:
+                raise GroupLost(f"group member {self.peer} sent a {n}-byte frame (broken stream)")
+            if len(self._in) - at - _LENGTH.size < n:
+                break
+            frames.append(self._open(bytes(self._in[at + _LENGTH.size: at + _LENGTH.size + n])))
+            at += _LENGTH.size + n
+        if at:
+            del self._in[:at]
+        return frames
+
+    def _open(self, sealed: bytes) -> tuple[int, int, int, memoryview]:
+        try:
+            message, _ = sodium.crypto_secretstream_xchacha20poly1305_pull(self._pull, sealed)
+        except Exception as exc:  # noqa: BLE001 - libsodium's refusal, whatever PyNaCl names it
+            raise GroupLost(f"a frame from group member {self.peer} failed authentication") from exc
+        kind, number_pass, number = _HEADER.unpack_from(message)
+        return kind, number_pass, number, memoryview(message)[_HEADER.size:]
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def dial(address: tuple[str, int], rank: int, epoch: int, peer: int, own_kx: tuple[bytes, bytes],
+         peer_kx: bytes, timeout_s: float) -> SealedStream:
+    """Open the stream to lower-ranked ``peer`` (the dialling side is crypto_kx's client)."""
+    rx, tx = sodium.crypto_kx_client_session_keys(own_kx[0], own_kx[1], peer_kx)
+    try:
+        sock = socket.create_connection(address, timeout=timeout_s)
+    except OSError as exc:
+        raise GroupLost(f"group member {peer}'s stream at {address[0]}:{address[1]} refused: {exc}") from exc
+    _tune(sock)
+    push = sodium.crypto_secretstream_xchacha20poly1305_state()
+    header = sodium.crypto_secretstream_xchacha20poly1305_init_push(push, tx)
+    try:
+        sock.sendall(_PREAMBLE.pack(rank, epoch) + header + _first_frame(push))
+        pull = _open_side(sock, rx, peer, timeout_s)
+    except BaseException:
+        sock.close()
+        raise
+    return SealedStream(sock, push, pull, peer)
+
+
+def accept(listener: socket.socket, own_kx: tuple[bytes, bytes], peers_kx: dict[int, bytes], epoch: int,
+           timeout_s: float) -> SealedStream | None:
+    """The next member's stream on ``listener`` (its side is crypto_kx's server), or None when a
+    connection was not one of the group's (wrong epoch, unknown rank, a frame that does not open)."""
+    try:
+        sock, _ = listener.accept()
+    except (socket.timeout, BlockingIOError):
+        return None
+    _tune(sock)
+    try:
+        sock.settimeout(timeout_s)
+        rank, their_epoch = _PREAMBLE.unpack(_read_exact(sock, _PREAMBLE.size))
+        header = _read_exact(sock, _STREAM_HEADER)
+        if their_epoch != epoch or rank not in peers_kx:
+            sock.close()
+            return None
+        rx, tx = sodium.crypto_kx_server_session_keys(own_kx[0], own_kx[1], peers_kx[rank])
+        pull = sodium.crypto_secretstream_xchacha20poly1305_state()
+        sodium.crypto_secretstream_xchacha20poly1305_init_pull(pull, header, rx)
+        _check_first_frame(sock, pull, rank)
+        push = sodium.crypto_secretstream_xchacha20poly1305_state()
+        reply = sodium.crypto_secretstream_xchacha20poly1305_init_push(push, tx)
+        sock.sendall(reply + _first_frame(push))
+    except (OSError, GroupLost, struct.error):
+        sock.close()
+        return None
+    return SealedStream(sock, push, pull, rank)
+
+
+def _open_side(sock: socket.socket, rx: bytes, peer: int, timeout_s: float):
+    sock.settimeout(timeout_s)
+    pull = sodium.crypto_secretstream_xchacha20poly1305_state()
+    try:
+        header = _read_exact(sock, _STREAM_HEADER)
+        sodium.crypto_secretstream_xchacha20poly1305_init_pull(pull, header, rx)
+        _check_first_frame(sock, pull, peer)
+    except OSError as exc:
+        raise GroupLost(f"group member {peer} did not open its stream: {exc}") from exc
+    return pull
+
+
+def _first_frame(push) -> bytes:
+    sealed = sodium.crypto_secretstream_xchacha20poly1305_push(push, _HEADER.pack(OPEN, 0, 0))
+    return _LENGTH.pack(len(sealed)) + sealed
+
+
+def _check_first_frame(sock: socket.socket, pull, peer: int) -> None:
+    (n,) = _LENGTH.unpack(_read_exact(sock, _LENGTH.size))
+    if n > _FIRST_FRAME_MAX:
+        raise GroupLost(f"group member {peer}'s stream did not open with its first frame")
+    try:
+        message, _ = sodium.crypto_secretstream_xchacha20poly1305_pull(pull, _read_exact(sock, n))
+    except Exception as exc:  # noqa: BLE001 - libsodium's refusal
+        raise GroupLost(f"group member {peer}'s stream failed authentication") from exc
+    if _HEADER.unpack_from(message)[0] != OPEN:
+        raise GroupLost(f"group member {peer}'s stream did not open with its first frame")
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    deadline = time.monotonic() + (sock.gettimeout() or 60.0)
+    while len(buf) < n:
+        if time.monotonic() > deadline:
+            raise socket.timeout("the stream's opening took too long")
+        got = sock.recv(n - len(buf))
+        if not got:
+            raise ConnectionError("the stream closed while opening")
+        buf += got
+    return bytes(buf)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a partial sum leaves now, not with the next
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """The member's stream listener on ``host`` (``port``, or any port when it is taken or 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for p in ([port, 0] if port else [0]):
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, p))
+        except OSError:
+            s.close()
+            continue
+        s.listen(16)
+        return s
+    raise GroupLost(f"the group's stream cannot listen on {host}")
