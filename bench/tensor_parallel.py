@@ -49,7 +49,7 @@ def child(args) -> None:
     else:
         keys = Keypair.generate()
         link = GroupLink(args.rank, args.size, keys, bind=args.bind)
-        stage, split = load_member(src, 0, src.config.num_layers, args.size, args.rank, link)
+        stage, split = load_member(src, 0, src.config.num_layers, args.size, args.rank, link, attention=args.attention)
         print(json.dumps({"endpoint": link.endpoint, "public": keys.public.decode(), "data_port": link.data_port}),
               flush=True)
         peers = [GroupPeer(p["rank"], p["endpoint"], p["public"].encode(), p.get("data_endpoint"))
@@ -145,14 +145,15 @@ GROUP_PORT = 47310
 
 
 def run_config(model_file: str, size: int, tokens: int, prompt_len: int, repeats: int, testbed=None,
-               batch: int = 1) -> dict:
+               batch: int = 1, attention: str = "split") -> dict:
     """``size`` processes on cores 0..size-1; rank 0's measurement. ``testbed``: each member in its own
     network namespace, reaching the others through the testbed's shaped link and delay proxies."""
     def cmd(rank: int) -> list[str]:
         bind = f"tcp://{testbed.host(rank).ip}:{GROUP_PORT}" if testbed else "tcp://127.0.0.1:0"
         return [sys.executable, os.environ.get("TP_CHILD", __file__), "--child", "--rank", str(rank),
                 "--size", str(size), "--model-file", model_file, "--tokens", str(tokens),
-                "--prompt-len", str(prompt_len), "--repeats", str(repeats), "--bind", bind, "--batch", str(batch)]
+                "--prompt-len", str(prompt_len), "--repeats", str(repeats), "--bind", bind, "--batch", str(batch),
+                "--attention", attention]
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -260,8 +261,9 @@ def planner_choice(model_path: str, one_ms: float, link: str, prompt_len: int, t
     devs = [dataclasses.replace(dev, device_id=n, memory_budget_bytes=24 << 30) for n in ("a", "b")]
     lay = choose_layout(devs, parse_link("10gbit,0.1ms" if link == "loopback" else link),
                         Workload(prompt_len, tokens, 0.0, 1), 4096, tensor=True)
-    return {"kind": lay.kind, "predicted_s": {k: round(v, 3) for k, v in lay.alternatives.items()},
-            "profile": base.model.identity}
+    attention = next((g.tensor_attention for g in lay.groups if g.tensor), None)
+    return {"kind": lay.kind, "attention": attention,
+            "predicted_s": {k: round(v, 3) for k, v in lay.alternatives.items()}, "profile": base.model.identity}
 
 
 def _json_line(p, key: str | None = None) -> dict:
@@ -299,6 +301,7 @@ def model_file(name: str) -> str | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--attention", default="split", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--model-file", help=argparse.SUPPRESS)
@@ -344,26 +347,35 @@ def main() -> int:
                 tb = Testbed(2, LinkSpec.parse(link), mode="netns").start()
             try:
                 two = run_config(path, 2, args.tokens, args.prompt_len, args.repeats, tb, batch=args.batch)
+                whole = run_config(path, 2, args.tokens, args.prompt_len, args.repeats, tb, batch=1,
+                                   attention="whole")
                 pipe = None if args.no_pipeline else pipeline2(path, args.tokens, args.prompt_len, args.repeats, tb)
             finally:
                 if tb is not None:
                     tb.close()
             two_tok = max(r["decode_tok_s"] for r in two["runs"])
+            whole_tok = max(r["decode_tok_s"] for r in whole["runs"])
             agree = [sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref) for r in two["runs"]]
+            agree_whole = [sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref) for r in whole["runs"]]
             first_diff = next((i for i, (a, b) in enumerate(zip(two["runs"][0]["tokens"], ref)) if a != b), None)
             choice = planner_choice(path, 1000 / one_tok, link, args.prompt_len, args.tokens)
-            measured = {"replicas": one_tok, "tensor": two_tok, "pipeline": pipe or 0.0}
+            measured = {"replicas": one_tok, "tensor:split": two_tok, "tensor:whole": whole_tok, "pipeline": pipe or 0.0}
             best = max(measured.values())
+            picked = f"tensor:{choice.get('attention')}" if choice["kind"] == "tensor" else choice["kind"]
             row = {"model": name, "link": link, "one_device_tok_s": round(one_tok, 2),
                    "tensor2_tok_s": round(two_tok, 2), "speedup": round(two_tok / one_tok, 3),
+                   # the group holding the attention whole on both members (one exchange a layer)
+                   "tensor2_whole_attention_tok_s": round(whole_tok, 2),
+                   "speedup_whole_attention": round(whole_tok / one_tok, 3),
+                   "agreement_whole_attention": round(min(agree_whole), 3),
                    "pipeline2_tok_s": None if pipe is None else round(pipe, 2),
-                   "llamacpp_tok_s": None if lc is None else round(lc, 2), "planner_choice": choice["kind"],
+                   "llamacpp_tok_s": None if lc is None else round(lc, 2), "planner_choice": picked,
                    "planner": choice,
                    # the chosen layout's measured rate within 10 % of the best measured one
-                   "planner_within_10pct": (None if choice["kind"] not in measured
-                                            else measured[choice["kind"]] >= 0.9 * best),
+                   "planner_within_10pct": (None if picked not in measured else measured[picked] >= 0.9 * best),
                    "agreement": round(min(agree), 3), "first_divergence": first_diff,
-                   "deterministic": all(r["tokens"] == two["runs"][0]["tokens"] for r in two["runs"]),
+                   "deterministic": all(r["tokens"] == two["runs"][0]["tokens"] for r in two["runs"])
+                   and all(r["tokens"] == whole["runs"][0]["tokens"] for r in whole["runs"]),
                    "rss_mb": {"one_device": round(one["rss_mb_rank0"]), "tensor2_member": round(two["rss_mb_rank0"])},
                    "ms_per_token": {"one": round(1000 / one_tok, 2), "tensor2": round(1000 / two_tok, 2)},
                    # the prompt's prefill in one pass (the group splits it the same way), best of the repeats
@@ -376,8 +388,9 @@ def main() -> int:
                                  "tensor2": round(min(r["prefill_s"] for r in two["runs"]), 4)}}
             rows.append(row)
             print(f"{name} [{link}]: one device {one_tok:.2f} tok/s, tensor2 {two_tok:.2f} tok/s "
-                  f"({two_tok / one_tok:.2f}x), pipeline2 {row['pipeline2_tok_s']} tok/s, llama.cpp "
-                  f"{row['llamacpp_tok_s']} tok/s; planner picks {row['planner_choice']} "
+                  f"({two_tok / one_tok:.2f}x), attention whole {whole_tok:.2f} tok/s ({whole_tok / one_tok:.2f}x, "
+                  f"agreement {row['agreement_whole_attention']}), pipeline2 {row['pipeline2_tok_s']} tok/s, llama.cpp "
+                  f"{row['llamacpp_tok_s']} tok/s; planner picks {picked} "
                   f"(within 10 %: {row['planner_within_10pct']}); agreement {row['agreement']}, deterministic "
                   f"{row['deterministic']}; rss one {row['rss_mb']['one_device']} MB, member "
                   f"{row['rss_mb']['tensor2_member']} MB; prefill of {args.prompt_len} tokens "

@@ -30,7 +30,8 @@ from partition.link import LinkModel
 from partition.pricing import Group, Workload, price_group, replica_fits  # noqa: F401
 from partition.profile import DeviceProfile
 from partition.stagecount import plan_layers
-from partition.tensor_layout import fastest_first, price_tensor_group, tensor_candidates, tensor_fits
+from partition.tensor_layout import fastest_first, price_tensor_group, tensor_candidates
+from partition.tensor_split import ATTENTIONS
 
 LAYOUT_KINDS = ("auto", "pipeline", "replicas", "tensor")
 
@@ -141,7 +142,8 @@ def _served(prefer, profiles: list[DeviceProfile], link: LinkModel, work: Worklo
 
 def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
                   force: str = "auto", *, margin: float = SIMPLER_MARGIN, prefer=None,
-                  keep_margin: float | None = None, tensor: bool = False) -> Layout:
+                  keep_margin: float | None = None, tensor: bool = False,
+                  tensor_attentions: tuple[str, ...] = ATTENTIONS) -> Layout:
     """The layout with the lowest predicted mean latency for ``work``.
 
     Candidates: one pipeline over every member (the layer DP, which may leave slow members out);
@@ -151,7 +153,7 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
     ``prefer``: the routes served now (``Layout.routes``), priced too and kept while within
     ``keep_margin`` (default ``margin``) of the best; ``margin``: ties, see :func:`_pick`.
     ``tensor``: tensor-parallel groups are candidates too (a home whose members all serve them; always
-    with ``force="tensor"``).
+    with ``force="tensor"``), holding the attention in the cheaper of ``tensor_attentions``.
     Raises :class:`PlanError` when no candidate holds the model.
     """
     if force not in LAYOUT_KINDS:
@@ -177,12 +179,12 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
     if force == "tensor" or (force == "auto" and tensor):  # a tensor group, the fastest others as replicas
         ranked = fastest_first(profiles, work)
         for group in tensor_candidates(ranked):
-            if not tensor_fits(group, max_seq):
+            grouped = price_tensor_group(group, link, work, attentions=tensor_attentions, max_seq=max_seq)
+            if grouped is None:
                 continue
-            tensor = price_tensor_group(group, link, work)
             rest = [solo[p.device_id] for p in fits if p not in group]
             for k in range(0, len(rest) + 1 if force == "auto" else 1):
-                candidates.append(_layout([tensor, *rest[:k]], work, profiles))
+                candidates.append(_layout([grouped, *rest[:k]], work, profiles))
         if force == "tensor":
             candidates = [c for c in candidates if any(g.tensor for g in c.groups)] or candidates
     served = _served(prefer, profiles, link, work, max_seq, profiles) if force == "auto" else None
@@ -209,8 +211,11 @@ def _explained(lay: Layout, alternatives: dict, fits: list[DeviceProfile], force
         parts.append(f"a pipeline over {', '.join(g.members)}")
     for g in lay.groups:
         if g.tensor:
+            whole = g.tensor_attention == "whole"
+            syncs = (1 if whole else 2) * profiles[0].num_layers + 1
             parts.append(f"a tensor group over {', '.join(g.members)} (every layer split "
-                         f"{':'.join(f'{x:.2f}' for x in g.tensor_speeds)}; {2 * profiles[0].num_layers + 1} "
+                         f"{':'.join(f'{x:.2f}' for x in g.tensor_speeds)}"
+                         f"{', the attention whole on every member' if whole else ''}; {syncs} "
                          f"exchanges of {link.describe()} a token)")
     others = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(alternatives.items()) if k != lay.kind)
     why = (f"{'; '.join(parts)}; predicted {lay.latency_s:.2f} s per request at {work.describe()}"
@@ -245,7 +250,7 @@ def crossover_prompt(profiles: list[DeviceProfile], link: LinkModel, work: Workl
 
 
 def brute_force_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload,
-                       max_seq: int, tensor: bool = False) -> float:
+                       max_seq: int, tensor: bool = False, tensor_attentions: tuple[str, ...] = ATTENTIONS) -> float:
     """The least predicted mean latency over every way to give each member a role — replica (if it
     holds the model), member of the one pipeline group (laid out by the layer DP), member of the one
     tensor group (its members fastest first; not beside a pipeline), or unused.
@@ -257,17 +262,21 @@ def brute_force_layout(profiles: list[DeviceProfile], link: LinkModel, work: Wor
         if any(r == "r" and not replica_fits(p, max_seq) for r, p in zip(roles, profiles)):
             continue
         groups = [price_group([(p, 0, L)], link, work) for r, p in zip(roles, profiles) if r == "r"]
-        tensor = [p for r, p in zip(roles, profiles) if r == "t"]
-        if tensor:
-            if len(tensor) < 2 or not tensor_fits(tensor, max_seq) or any(r == "p" for r in roles):
+        held = [p for r, p in zip(roles, profiles) if r == "t"]
+        variants: list = [None]
+        if held:
+            if len(held) < 2 or any(r == "p" for r in roles):
                 continue
-            groups.append(price_tensor_group(fastest_first(tensor, work), link, work))
+            variants = [price_tensor_group(fastest_first(held, work), link, work, attentions=(a,), max_seq=max_seq)
+                        for a in tensor_attentions]
+            variants = [g for g in variants if g is not None]
         pipe_members = [p for r, p in zip(roles, profiles) if r == "p"]
         options = _pipeline_groups(pipe_members, link, work, max_seq, cache) if pipe_members else [None]
-        for g in options:
-            layout = [*groups, g] if g is not None else groups
-            if layout:
-                best = min(best, route_requests(tuple(layout), work)[1])
+        for t in variants:
+            for g in options:
+                layout = [*groups, *([t] if t is not None else []), *([g] if g is not None else [])]
+                if layout:
+                    best = min(best, route_requests(tuple(layout), work)[1])
     return best
 
 

@@ -137,7 +137,9 @@ class Plan:
         """
         if any(s.group for s in self.stages):  # groups: a replica and a group over the same layers differ
             return json_digest([self.num_layers, [[s.node_id, s.first, s.end, s.route, list(s.group),
-                                                   list(s.group_speeds)] for s in self.stages]])
+                                                   list(s.group_speeds),
+                                                   *([s.group_attention] if s.group_attention != "split" else [])]
+                                                  for s in self.stages]])
         if all(s.route == 0 for s in self.stages):  # one route: the digest every meshd has computed
             return json_digest([self.num_layers, [[s.node_id, s.first, s.end] for s in self.stages]])
         return json_digest([self.num_layers, [[s.node_id, s.first, s.end, s.route] for s in self.stages]])
@@ -152,8 +154,8 @@ class Plan:
             # show a one-pipeline plan alike)
             "stages": [{"node_id": s.node_id, "layers": list(s.layers),
                         **({"route": s.route} if several else {}),
-                        **({"tensor_group": list(s.group), "tensor_speeds": list(s.group_speeds)}
-                           if s.group else {})} for s in self.stages],
+                        **({"tensor_group": list(s.group), "tensor_speeds": list(s.group_speeds),
+                            "tensor_attention": s.group_attention} if s.group else {})} for s in self.stages],
             **({"layout": self.layout or "mixed"} if several else {}),
             "num_layers": self.num_layers,
             # seconds the slowest stage takes (compute + hand-off) for one prefill of

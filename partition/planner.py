@@ -106,6 +106,7 @@ def make_layout_plan(
     version: PlanVersion = PlanVersion(0),
     prefer=None,
     tensor: bool = False,
+    tensor_attentions: tuple[str, ...] = ("split", "whole"),
 ) -> Plan:
     """The plan of the layout :func:`partition.layout.choose_layout` picks for ``workload`` (``tensor``:
     tensor-parallel groups among the candidates).
@@ -119,7 +120,7 @@ def make_layout_plan(
     check_same_model(profiles)
     work = workload or Workload(plan_seq_len or max_seq)
     chosen = choose_layout(profiles, link, work, max_seq, force=layout, prefer=prefer, keep_margin=REPLAN_MARGIN,
-                           tensor=tensor)
+                           tensor=tensor, tensor_attentions=tensor_attentions)
     by_id = {p.device_id: p for p in profiles}
     if chosen.kind == "pipeline":
         used = [by_id[n] for n in chosen.groups[0].members]
@@ -138,7 +139,8 @@ def make_layout_plan(
     for r, group in enumerate(ordered):
         for node, first, end in group.stages:
             stages.append(StageAssignment(node, first, end, memory_budget_bytes=by_id[node].memory_budget_bytes,
-                                          route=r, group=group.tensor, group_speeds=group.tensor_speeds))
+                                          route=r, group=group.tensor, group_speeds=group.tensor_speeds,
+                                          group_attention=group.tensor_attention or "split"))
     stages_t = tuple(stages)
     pipe = next((g for g in ordered if not g.is_replica and not g.tensor), None)
     table = None

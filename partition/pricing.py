@@ -74,6 +74,7 @@ class Group:
     # a tensor-parallel group holds the (one) stage: its members in rank order, their relative speeds
     tensor: tuple[NodeId, ...] = ()
     tensor_speeds: tuple[float, ...] = ()
+    tensor_attention: str = ""  # how the group holds the attention (partition.tensor_split.ATTENTIONS)
 
     @property
     def members(self) -> tuple[NodeId, ...]:

@@ -70,6 +70,8 @@ class StageAssignment:
     # every member computes the same split (partition.tensor_split). (): one device.
     group: tuple[NodeId, ...] = ()
     group_speeds: tuple[float, ...] = ()
+    # how the group holds the attention: "split" by heads, or "whole" on every member (partition.tensor_split)
+    group_attention: str = "split"
 
     @property
     def holders(self) -> tuple[NodeId, ...]:
@@ -114,12 +116,16 @@ class StageAssignment:
 
     def group_to_wire(self) -> dict:
         """The group's keys of a stage row (none for one device: rows readers of every version know)."""
-        return {"group": list(self.group), "group_speeds": list(self.group_speeds)} if self.group else {}
+        if not self.group:
+            return {}
+        return {"group": list(self.group), "group_speeds": list(self.group_speeds),
+                **({"group_attention": self.group_attention} if self.group_attention != "split" else {})}
 
     @staticmethod
     def group_from_wire(d: dict) -> dict:
         group = tuple(NodeId(str(n)) for n in d.get("group", ()) or ())
-        return {"group": group, "group_speeds": tuple(float(x) for x in d.get("group_speeds", ()) or ())}
+        return {"group": group, "group_speeds": tuple(float(x) for x in d.get("group_speeds", ()) or ()),
+                "group_attention": str(d.get("group_attention", "split") or "split")}
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageAssignment":
@@ -158,3 +164,5 @@ def check_tiling(stages: Iterable[StageAssignment], num_layers: int) -> None:
         if s.group and (s.group[0] != s.node_id or len(s.group) < 2 or len(s.group_speeds) != len(s.group)
                         or min(s.group_speeds) <= 0):
             raise ValueError(f"a tensor group is led by its stage's device and names a speed per member: {s}")
+        if s.group_attention not in ("split", "whole"):
+            raise ValueError(f"a tensor group holds the attention split or whole, not {s.group_attention!r}: {s}")

@@ -25,21 +25,40 @@ TENSOR_ACTIVATION_BYTES = 4
 TENSOR_EXCHANGE_OVERHEAD_S = 100e-6
 
 
-def tensor_fits(members: list[DeviceProfile], max_seq: int) -> bool:
-    """Whether ``members`` hold the whole model between them, each its speed's share of every layer,
-    and the model's heads split over that many (partition.tensor_split, blocks of one element: the
-    file's own block widths are checked where the members load it)."""
+def tensor_fits(members: list[DeviceProfile], max_seq: int, attention: str = "split") -> bool:
+    """Whether ``members`` hold the whole model between them, each its speed's share of every layer
+    (and all of the attention when it is held ``whole``), and the model's heads split over that many
+    (partition.tensor_split, blocks of one element: the file's own block widths are checked where the
+    members load it)."""
     from partition.tensor_split import LayerShape, SplitError, split_layers
 
     m = members[0].model
     speeds = tensor_speeds(members, 1)
     try:
         split_layers(LayerShape(m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size, m.vocab_size),
-                     len(members), speeds)
+                     len(members), speeds, attention)
     except SplitError:
         return False
     whole = [stage_memory_bytes(p, 0, p.num_layers, max_seq) for p in members]
-    return all(need * s / sum(speeds) <= p.memory_budget_bytes for p, need, s in zip(members, whole, speeds))
+    return all(need * member_share(p, s / sum(speeds), attention) <= p.memory_budget_bytes
+               for p, need, s in zip(members, whole, speeds))
+
+
+def attention_share(p: DeviceProfile) -> float:
+    """The attention's part of the model's weights (its part of a decode step, which reads them all):
+    q, k, v and o of every layer against every layer and the LM head. ~0.10 for Qwen2.5-1.5B."""
+    m = p.model
+    attention = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+    layer = attention + 3 * m.hidden_size * m.intermediate_size
+    return p.num_layers * attention / (p.num_layers * layer + m.vocab_size * m.hidden_size)
+
+
+def member_share(p: DeviceProfile, share: float, attention: str) -> float:
+    """What a member with ``share`` of the split products computes and holds of the whole model."""
+    if attention == "whole":
+        a = attention_share(p)
+        return a + (1.0 - a) * share
+    return share
 
 
 def tensor_speeds(members: list[DeviceProfile], context: int) -> tuple[float, ...]:
@@ -64,17 +83,29 @@ def tensor_candidates(ranked: list[DeviceProfile]) -> list[list[DeviceProfile]]:
 
 
 def price_tensor_group(members: list[DeviceProfile], link: LinkModel, work: Workload,
-                       exchange_overhead_s: float = TENSOR_EXCHANGE_OVERHEAD_S) -> Group:
-    """A tensor-parallel group over ``members`` holding every layer: each computes its speed's share of
-    every product (so all finish together), and every layer waits for two exchanges of partial sums, the
-    head for one more. An exchange is priced as one of the link's round trips plus its bytes — on a
-    LAN the round trips are the cost, which is why a group pays for big models on fast links only."""
+                       exchange_overhead_s: float = TENSOR_EXCHANGE_OVERHEAD_S,
+                       attentions: tuple[str, ...] = ("split", "whole"), max_seq: int | None = None) -> Group | None:
+    """A tensor-parallel group over ``members`` holding every layer, in the cheaper of ``attentions`` that
+    fits (``max_seq``: the KV cache it must hold; None: not checked): None when none does."""
+    priced = [_price_tensor_group(members, link, work, exchange_overhead_s, a) for a in attentions
+              if max_seq is None or tensor_fits(members, max_seq, a)]
+    return min(priced, key=lambda g: (g.latency_s(work.requests, work.answer_tokens), g.tensor_attention),
+               default=None)
+
+
+def _price_tensor_group(members: list[DeviceProfile], link: LinkModel, work: Workload, exchange_overhead_s: float,
+                        attention: str) -> Group:
+    """Each member computes its speed's share of every split product (so all finish together), and every
+    layer waits for two exchanges of partial sums (one when the attention is held whole, which every
+    member then computes), the head for one more. An exchange is priced as one of the link's round
+    trips plus its bytes — on a LAN the round trips are the cost, which is why a group pays for big
+    models on fast links only, and why a link with a real round trip prefers the attention whole."""
     context = work.prompt_tokens + work.answer_tokens // 2
     speeds = tensor_speeds(members, context)
     total = sum(speeds)
     lead = members[0]
     L, hidden = lead.num_layers, lead.model.hidden_size
-    syncs = 2 * L + 1
+    syncs = (L if attention == "whole" else 2 * L) + 1
 
     def exchanges_s(rows: int) -> float:
         return syncs * (float(link.activation_transfer_s(rows, hidden, TENSOR_ACTIVATION_BYTES))
@@ -82,10 +113,12 @@ def price_tensor_group(members: list[DeviceProfile], link: LinkModel, work: Work
 
     steps = []
     for rows in range(1, work.requests + 1):
-        compute = max(float(p.decode_step(context)) * (sp / total) * batch_ratio(p, rows, context)
-                      for p, sp in zip(members, speeds))
+        compute = max(float(p.decode_step(context)) * member_share(p, sp / total, attention)
+                      * batch_ratio(p, rows, context) for p, sp in zip(members, speeds))
         steps.append(compute + exchanges_s(rows))
-    prefill = max(prefill_s([(p, 0, L)], link, work) * (sp / total) for p, sp in zip(members, speeds))
+    prefill = max(prefill_s([(p, 0, L)], link, work) * member_share(p, sp / total, attention)
+                  for p, sp in zip(members, speeds))
     prefill += exchanges_s(work.new_tokens)
     return Group(((NodeId(lead.device_id), 0, L),), prefill, tuple(steps),
-                 tuple(NodeId(p.device_id) for p in members), tuple(round(sp / total, 6) for sp in speeds))
+                 tuple(NodeId(p.device_id) for p in members), tuple(round(sp / total, 6) for sp in speeds),
+                 attention)

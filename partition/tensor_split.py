@@ -8,6 +8,11 @@ their KV head: a member either owns whole KV groups or lies inside one group (th
 by every member of that group: replicated, as a model with fewer KV heads than members requires). Within
 those rules the split is balanced by the members' speeds, so an uneven home gives the faster device more.
 
+Two ways to hold the attention (``ATTENTIONS``): ``split`` by heads as above (two exchanges of partial sums
+a layer), or ``whole`` — every member computes every head and only the MLP and the LM head are split (one
+exchange a layer). Attention is ~10 % of a Qwen2.5 layer's weights, so ``whole`` costs each member that
+much more reading and saves half the exchanges: the trade a link with a real round trip wants.
+
 Pure: numbers in, ranges out (half-open), checked against brute force in the tests.
 """
 
@@ -18,6 +23,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 Range = tuple[int, int]  # half-open [start, stop)
+
+
+#: how a group holds the attention: split by heads (two exchanges a layer) or whole on every member (one)
+ATTENTIONS = ("split", "whole")
 
 
 class SplitError(ValueError):
@@ -60,6 +69,7 @@ class MemberSlice:
 class TensorSplit:
     shape: LayerShape
     members: tuple[MemberSlice, ...]
+    attention: str = "split"  # one of ATTENTIONS
 
     @property
     def size(self) -> int:
@@ -97,10 +107,14 @@ def _balanced(units: int, weights: tuple[float, ...], ok) -> tuple[int, ...] | N
     return None if got is None else (0, *got[1])
 
 
-def split_layers(shape: LayerShape, n: int, speeds: tuple[float, ...] | None = None) -> TensorSplit:
-    """The balanced split of ``shape`` over ``n`` members (``speeds``: their relative compute, default equal)."""
+def split_layers(shape: LayerShape, n: int, speeds: tuple[float, ...] | None = None,
+                 attention: str = "split") -> TensorSplit:
+    """The balanced split of ``shape`` over ``n`` members (``speeds``: their relative compute, default equal);
+    ``attention`` "whole": every member holds every head (the MLP and the head still split)."""
     if n < 1:
         raise SplitError("a group has at least one member")
+    if attention not in ATTENTIONS:
+        raise SplitError(f"attention is held {' or '.join(ATTENTIONS)}, not {attention!r}")
     speeds = tuple(float(s) for s in (speeds or (1.0,) * n))
     if len(speeds) != n or min(speeds) <= 0:
         raise SplitError(f"{n} members need {n} positive speeds, got {speeds}")
@@ -108,19 +122,10 @@ def split_layers(shape: LayerShape, n: int, speeds: tuple[float, ...] | None = N
     if nh % nkv:
         raise SplitError(f"{nh} query heads do not form groups over {nkv} KV heads")
     group = nh // nkv
-    # the smallest run of heads whose o-projection columns are whole blocks
-    unit = shape.o_block // math.gcd(shape.o_block, hd)
-    if nh % unit:
-        raise SplitError(f"{nh} heads of {hd} are not whole {shape.o_block}-wide blocks")
-
-    def heads_ok(a: int, b: int) -> bool:  # in units
-        a, b = a * unit, b * unit
-        return (a % group == 0 and b % group == 0) or a // group == (b - 1) // group
-
-    bounds = _balanced(nh // unit, speeds, heads_ok)
-    if bounds is None:
-        raise SplitError(f"{nh} heads ({nkv} KV heads, {hd} wide, {shape.o_block}-wide blocks) do not split over {n}")
-    heads = [(a * unit, b * unit) for a, b in zip(bounds, bounds[1:])]
+    if attention == "whole":
+        heads = [(0, nh)] * n
+    else:
+        heads = _head_ranges(nh, nkv, hd, shape.o_block, speeds)
     if shape.intermediate % shape.down_block or shape.intermediate // shape.down_block < n:
         raise SplitError(f"{shape.intermediate} MLP columns in blocks of {shape.down_block} do not split over {n}")
     inter_units = shape.intermediate // shape.down_block
@@ -132,7 +137,26 @@ def split_layers(shape: LayerShape, n: int, speeds: tuple[float, ...] | None = N
     members = tuple(
         MemberSlice(r, h, (h[0] // group, -(-h[1] // group)), inter[r], (vb[r], vb[r + 1]))
         for r, h in enumerate(heads))
-    return TensorSplit(shape, members)
+    return TensorSplit(shape, members, attention)
+
+
+def _head_ranges(nh: int, nkv: int, hd: int, o_block: int, speeds: tuple[float, ...]) -> list[Range]:
+    """Each member's query heads, balanced by ``speeds``: whole o-blocks, whole KV groups or inside one."""
+    group = nh // nkv
+    # the smallest run of heads whose o-projection columns are whole blocks
+    unit = o_block // math.gcd(o_block, hd)
+    if nh % unit:
+        raise SplitError(f"{nh} heads of {hd} are not whole {o_block}-wide blocks")
+
+    def heads_ok(a: int, b: int) -> bool:  # in units
+        a, b = a * unit, b * unit
+        return (a % group == 0 and b % group == 0) or a // group == (b - 1) // group
+
+    bounds = _balanced(nh // unit, speeds, heads_ok)
+    if bounds is None:
+        raise SplitError(f"{nh} heads ({nkv} KV heads, {hd} wide, {o_block}-wide blocks) do not split over "
+                         f"{len(speeds)}")
+    return [(a * unit, b * unit) for a, b in zip(bounds, bounds[1:])]
 
 
 def _proportional(total: int, speeds: tuple[float, ...]) -> list[int]:

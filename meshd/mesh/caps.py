@@ -32,6 +32,9 @@ class Cap(enum.Enum):
     ERROR_NODE = "error_node"  # its coordinator reads ErrorReply.node and .seq_id
     PROGRESS = "progress"  # its stage reports StageProgress during long passes; its coordinator reads them
     TENSOR_GROUPS = "tensor_groups"  # takes a seat in a plan's tensor group (announces its group port)
+    # holds a group's attention whole when the plan says so (StageAssignment.group_attention): a member
+    # without it would split what the others hold whole
+    TENSOR_WHOLE_ATTENTION = "tensor_whole_attention"
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,8 @@ def _device_profiles(members: list[MemberInput], weights: str, model: str) -> li
 
 def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int,
               weights: str = "", model: str = "", layout: str = "pipeline", workload=None,
-              current: Plan | None = None, tensor: bool = False) -> Plan:
+              current: Plan | None = None, tensor: bool = False,
+              tensor_attentions: tuple[str, ...] = ("split", "whole")) -> Plan:
     """The leader's plan over ``members``, without its cut table (:class:`PlanIssuer` adds that).
 
     ``layout`` "pipeline": ``partition.planner.make_plan`` (one pipeline); "auto"/"replicas":
@@ -123,7 +124,8 @@ def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
     PLAN_SEQ_LEN-token request at a time), keeping ``current``'s routes unless another layout is
     clearly faster (``partition.planner.REPLAN_MARGIN``). Either needs every member's usable profile; else an
     equal split (one pipeline) that says why in ``reason``. ``tensor``: tensor-parallel groups are among
-    the layouts "auto" prices (``layout`` "tensor" forces one).
+    the layouts "auto" prices (``layout`` "tensor" forces one), holding the attention as the cheaper of
+    ``tensor_attentions`` has it.
     """
     from partition.link import parse_link
     from partition.planner import make_layout_plan, make_plan
@@ -145,7 +147,8 @@ def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
             else:
                 best = make_layout_plan(devs, parse_link(DEFAULT_LINK), PLAN_MAX_SEQ, workload=workload,
                                         layout=layout, plan_seq_len=PLAN_SEQ_LEN, with_cut_table=False,
-                                        version=version, prefer=served_routes(current), tensor=tensor)
+                                        version=version, prefer=served_routes(current), tensor=tensor,
+                                        tensor_attentions=tensor_attentions)
             if any(s.group for s in best.stages):  # a group adds float32 partial sums of the file's blocks
                 weights = "gguf"
             planned = dataclasses.replace(best, leader=leader, members=ids, weights=weights, model=model)

@@ -130,8 +130,11 @@ class Planner:
         # tensor groups among the layouts "auto" prices: members that all take a seat, in the gguf mode
         tensor = layout == "tensor" or (layout == "auto" and self.weights_mode == "gguf"
                                         and all(Cap.TENSOR_GROUPS in self.view.caps_of(n) for n in ready))
+        attentions = (("split", "whole") if all(Cap.TENSOR_WHOLE_ATTENTION in self.view.caps_of(n) for n in ready)
+                      else ("split",))
         plan_over = lambda ids: plan_home(version, node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
-                                          self.weights_mode, model, layout, self.workload(), current, tensor)
+                                          self.weights_mode, model, layout, self.workload(), current, tensor,
+                                          attentions)
         plan = plan_over(ready)
         if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
             plan = self.sharing.gate(plan, current, ready, model, plan_over)

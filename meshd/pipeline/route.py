@@ -38,6 +38,7 @@ class StageEndpoint:
     # a tensor group holds this stage: its members in rank order (``node_id`` first) and their speeds
     group: tuple[GroupSeat, ...] = ()
     group_speeds: tuple[float, ...] = ()
+    group_attention: str = "split"  # partition.tensor_split.ATTENTIONS
 
     @property
     def layers(self) -> tuple[int, int]:

@@ -96,7 +96,8 @@ def routes_from_plan(plan: Plan, directory) -> tuple[Route, ...]:
             except KeyError:
                 address, key = "", ""
             group = tuple(_seat(directory, n) for n in s.group)
-            endpoints.append(StageEndpoint(s.node_id, address, key, s.first, s.end, group, s.group_speeds))
+            endpoints.append(StageEndpoint(s.node_id, address, key, s.first, s.end, group, s.group_speeds,
+                                           s.group_attention))
         routes.append(Route(plan.version, tuple(endpoints), getattr(plan, "weights", "") or "",
                             getattr(plan, "model", "") or "", stages[0].route))
     return tuple(routes)

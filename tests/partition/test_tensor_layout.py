@@ -47,6 +47,30 @@ def test_a_group_is_priced_as_its_share_of_compute_plus_two_exchanges_a_layer():
     assert group.step_s[0] == pytest.approx(a.decode_step(context) / 2 + (2 * 8 + 1) * exchange)
 
 
+def test_a_link_with_a_real_round_trip_holds_the_attention_whole():
+    """One exchange a layer instead of two, for ~a tenth more reading on each member: the 0.3 ms round trip
+    of a wired LAN pays for it; with exchanges free, splitting the attention reads less and wins."""
+    a, b = device("a"), device("b")
+    lan = price_tensor_group([a, b], parse_link("1gbit,0.3ms"), VOICE)
+    assert lan.tensor_attention == "whole"
+    free = price_tensor_group([a, b], parse_link("100gbit,0ms"), VOICE, exchange_overhead_s=0.0)
+    assert free.tensor_attention == "split"
+    split_only = price_tensor_group([a, b], parse_link("1gbit,0.3ms"), VOICE, attentions=("split",))
+    assert split_only.tensor_attention == "split" and split_only.step_s[0] > lan.step_s[0]
+
+
+def test_the_attention_whole_is_priced_as_every_head_on_each_member_and_one_exchange_a_layer():
+    from partition.tensor_layout import attention_share
+
+    a, b = device("a"), device("b")
+    group = price_tensor_group([a, b], FAST, VOICE, exchange_overhead_s=0.0, attentions=("whole",))
+    context = VOICE.prompt_tokens + VOICE.answer_tokens // 2
+    exchange = float(FAST.activation_transfer_s(1, MODEL.hidden_size, 4))
+    share = attention_share(a)
+    assert 0.0 < share < 0.5
+    assert group.step_s[0] == pytest.approx(a.decode_step(context) * (share + (1 - share) / 2) + (8 + 1) * exchange)
+
+
 def test_a_faster_member_gets_the_larger_share():
     group = price_tensor_group([device("fast", 3.0), device("slow", 1.0)], FAST, VOICE)
     assert group.tensor == ("fast", "slow") and group.tensor_speeds[0] == pytest.approx(0.75, rel=1e-3)
@@ -101,6 +125,23 @@ def test_the_group_travels_on_the_wire_and_in_the_file(tensor_plan):
     msg = decode(encode(PlanUpdate(7, tensor_plan.to_assignment()))).message
     assert Plan.from_assignment(msg.plan_version, msg.assignment).digest() == tensor_plan.digest()
     assert Plan.from_dict(tensor_plan.to_dict()).stages == tensor_plan.stages
+
+
+def test_how_the_group_holds_the_attention_travels_and_is_part_of_the_plan(tensor_plan):
+    from transport.messages import PlanUpdate, decode, encode
+
+    stage = tensor_plan.stages[0]
+    whole = replace(tensor_plan, stages=(replace(stage, group_attention="whole"),))
+    split = replace(tensor_plan, stages=(replace(stage, group_attention="split"),))
+    assert whole.digest() != split.digest()
+    assert "group_attention" not in str(split.to_assignment())  # split: rows every version reads alike
+    assert "group_attention" in str(whole.to_assignment())
+    msg = decode(encode(PlanUpdate(7, whole.to_assignment()))).message
+    assert Plan.from_assignment(msg.plan_version, msg.assignment).stages[0].group_attention == "whole"
+    assert Plan.from_dict(whole.to_dict()).stages == whole.stages
+    assert whole.to_status()["stages"][0]["tensor_attention"] == "whole"
+    with pytest.raises(ValueError, match="split or whole"):
+        replace(tensor_plan, stages=(replace(stage, group_attention="halves"),)).check()
 
 
 def test_a_group_and_a_replica_over_the_same_layers_are_different_plans(tensor_plan):

@@ -100,3 +100,24 @@ def test_impossible_splits_say_why():
         split_layers(QWEN_1_5B, 2, (1.0,))
     with pytest.raises(SplitError, match="blocks"):
         split_layers(LayerShape(12, 2, 128, 8960, 1000, o_block=256, down_block=256), 64)
+
+
+@pytest.mark.parametrize("shape", [QWEN_1_5B, SMOLLM2, LLAMA_8B], ids=["1.5b", "smollm2", "8b"])
+def test_attention_held_whole_gives_every_member_every_head_and_splits_the_rest_as_before(shape):
+    """Even where the heads cannot be split (SmolLM2's 9 heads over 4), every member computes them all."""
+    for n in (2, 4):
+        whole = split_layers(shape, n, attention="whole")
+        assert whole.attention == "whole"
+        assert all(m.heads == (0, shape.num_heads) and m.kv_heads == (0, shape.num_kv_heads) for m in whole.members)
+        inter = [m.inter for m in whole.members]
+        assert inter[0][0] == 0 and inter[-1][1] == shape.intermediate and all(a[1] == b[0] for a, b in zip(inter, inter[1:]))
+        try:
+            split = split_layers(shape, n)
+        except SplitError:
+            continue
+        assert [m.inter for m in split.members] == inter and [m.vocab for m in split.members] == [m.vocab for m in whole.members]
+
+
+def test_an_unknown_way_to_hold_the_attention_is_refused():
+    with pytest.raises(SplitError, match="split or whole"):
+        split_layers(QWEN_1_5B, 2, attention="halves")

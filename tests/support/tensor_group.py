@@ -13,9 +13,10 @@ from decoding.tensor_group import ThreadGroup
 from partition.tensor_split import split_layers
 
 
-def run_group(stage, n: int, prompt: torch.Tensor, steps: int, speeds=None, per_op: bool = False):
+def run_group(stage, n: int, prompt: torch.Tensor, steps: int, speeds=None, per_op: bool = False,
+              attention: str = "split"):
     """Each member in its own thread; returns (members' logits [steps + 1, vocab], greedy tokens)."""
-    split = split_layers(layer_shape(stage), n, speeds)
+    split = split_layers(layer_shape(stage), n, speeds, attention)
     group = ThreadGroup(n, timeout_s=120)
     members = [member_stage(stage, m, group.member(m.rank)) for m in split.members]
     out: list = [None] * n

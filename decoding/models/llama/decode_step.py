@@ -50,6 +50,8 @@ class DecodeSteps:
         # a tensor-parallel member hands its two partial sums a layer to its group from inside the step
         self._failure: BaseException | None = None
         self._reduce = native.REDUCE_FN(self._sum_over_group) if stage.group is not None else native.REDUCE_FN()
+        # a member computing every head has the attention output whole: nothing to add up there
+        self._reduce_attention = self._reduce if stage.attention_split else native.REDUCE_FN()
 
     @staticmethod
     def serves(stage) -> bool:
@@ -90,7 +92,8 @@ class DecodeSteps:
             ptrs(*(k.data_ptr() for k, _, _ in spans)), ptrs(*(v.data_ptr() for _, v, _ in spans)),
             i64(*(length for _, _, length in spans)), i64(*(k.stride(1) for k, _, _ in spans)),
             i64(*(k.stride(0) for k, _, _ in spans)), p.offset * own_k.stride(2), own_k.stride(1),
-            gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), self._reduce)
+            gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), self._reduce_attention,
+            self._reduce)
         if failed:
             raise self._failure or RuntimeError("the group's reduction failed")
         self.stage.work_done += len(self.specs)

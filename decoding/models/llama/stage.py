@@ -62,10 +62,14 @@ class StageModel:
         self._decode_steps: DecodeSteps | None | bool = None  # built on the first decode step
         # A tensor-parallel member (decoding.models.llama.tensor_slice): the group that adds up its partial sums
         self.group = None
+        # whether the attention output is a partial sum too (False: this member computes every head)
+        self.attention_split = True
 
-    def join_group(self, group) -> None:
-        """This stage is one member's share of a layer range; ``group`` adds up what the members computed."""
+    def join_group(self, group, attention_split: bool = True) -> None:
+        """This stage is one member's share of a layer range; ``group`` adds up what the members computed.
+        ``attention_split`` False: the member computes every head (only the MLP and the head are split)."""
         self.group = group
+        self.attention_split = attention_split
         self._decode_steps = None
 
     def _summed(self, x: torch.Tensor) -> torch.Tensor:
@@ -299,7 +303,8 @@ class StageModel:
                                           probes))
                 start = end
             attn = torch.cat(parts, dim=1)
-        h = h + self._summed(linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o, None, dense))
+        out = linear(attn.transpose(0, 1).reshape(total, nh * hd), lw.o, None, dense)
+        h = h + (self._summed(out) if self.attention_split else out)
         x = (row_ops.rms_norm if fused else rms_norm)(h, lw.mlp_norm, cfg.rms_eps)
         gate_up = linear(x, lw.gate_up, None, dense)
         if fused:

@@ -5,7 +5,8 @@ decode steps through the two-call kernel, verify rounds, forks of a cached prefi
 a member, with only two points that differ from one device — the attention output and the MLP output are
 partial sums that the group adds up (``stage.group``), and the LM head returns the member's vocabulary
 rows, gathered into the full row. Megatron's split: q/k/v and gate/up by output rows, o and down by input
-columns, so each layer costs two reductions and each member reads ~1/n of every matrix.
+columns, so each layer costs two reductions and each member reads ~1/n of every matrix (or, with the
+attention held whole by every member, one reduction and ~1/n of the MLP).
 
 A member's copy is its own memory (the slices are copied out of the mapped file), so a member holds its
 share, not the file.
@@ -63,7 +64,8 @@ def member_stage(stage, member: MemberSlice, group):
     out = type(stage)(local, stage.first, stage.end, layers, stage.embed, stage.final_norm, lm_head, stage.inv_freq,
                       stage.dtype)
     out.formats, out.scratch, out.packing = dict(stage.formats), stage.scratch, stage.packing
-    out.join_group(group)
+    # a member holding every head (attention "whole") has its attention output whole: only the MLP is summed
+    out.join_group(group, attention_split=(h1 - h0) < cfg.num_heads)
     return out
 
 

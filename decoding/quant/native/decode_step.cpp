@@ -316,14 +316,15 @@ extern "C" {
 // holds lengths[j] positions (the last one's count includes the new row) with head stride
 // head_strides[j]; the new row's key and value go `own` floats into the last segment's layer.
 // gate_up: 2 * intermediate floats; act: intermediate floats; scratch as decode_attention's.
-// reduce (null on one device): a group member's partial sums summed over its group. Returns 0, or 1 when
-// the group failed (h is then unusable).
+// reduce (null on one device): a group member's partial sums summed over its group; reduce_attention the
+// same for the attention output (null also for a member that computes every head: its output is whole).
+// Returns 0, or 1 when the group failed (h is then unusable).
 int meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, float* h, const float* cos,
                          const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, int nseg,
                          float* const* key_base, float* const* value_base, const int64_t* lengths,
                          const int64_t* head_strides, const int64_t* layer_step, int64_t own,
                          int64_t dst_head_stride, float* gate_up, float* act, float* scratch, int threads,
-                         ReduceFn reduce) {
+                         ReduceFn reduce_attention, ReduceFn reduce) {
     std::vector<const float*> keys(nseg), values(nseg);
     const Segments s{nseg, keys.data(), values.data(), lengths, head_strides};
     for (int li = 0; li < n_layers; li++) {
@@ -334,7 +335,7 @@ int meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, floa
         }
         const int64_t at = li * layer_step[nseg - 1] + own;
         if (!decode_attention(L, eps, h, cos, sin, nh, nkv, hd, scale, s, key_base[nseg - 1] + at,
-                              value_base[nseg - 1] + at, dst_head_stride, gate_up, scratch, threads, reduce))
+                              value_base[nseg - 1] + at, dst_head_stride, gate_up, scratch, threads, reduce_attention))
             return 1;
         const int64_t inter = L.down->k;
         meshd_swiglu(gate_up, 2 * inter, 1, inter, act, inter);

@@ -20,10 +20,11 @@ from partition.tensor_split import split_layers
 log = get_logger("meshd.pipeline.tensor")
 
 
-def load_member(source, first: int, end: int, size: int, rank: int, group, speeds=None):
-    """Member ``rank``'s share of ``[first, end)`` of ``source`` in the gguf mode, and the split it is part of."""
+def load_member(source, first: int, end: int, size: int, rank: int, group, speeds=None, attention: str = "split"):
+    """Member ``rank``'s share of ``[first, end)`` of ``source`` in the gguf mode, and the split it is part of
+    (``attention``: how the group holds it, ``partition.tensor_split.ATTENTIONS``)."""
     whole = source.load_stage(first, end, torch.float32, packed="gguf")
-    split = split_layers(layer_shape(whole), size, speeds)
+    split = split_layers(layer_shape(whole), size, speeds, attention)
     stage = member_stage(whole, split.members[rank], group)
     del whole
     release = getattr(source, "release_pages", None)

@@ -38,7 +38,8 @@ def lead(source, stage: StageEndpoint, keypair, bind: str, epoch: int) -> Groupe
     """Rank 0: the links, this member's share, and the stage the service serves."""
     link = form(stage, 0, keypair, bind, epoch)
     try:
-        member, split = load_member(source, stage.first, stage.end, len(stage.group), 0, link, stage.group_speeds or None)
+        member, split = load_member(source, stage.first, stage.end, len(stage.group), 0, link, stage.group_speeds or None,
+                                    stage.group_attention)
     except BaseException:
         link.close()
         raise
@@ -54,7 +55,7 @@ def follow_seat(source, stage: StageEndpoint, rank: int, keypair, bind: str, epo
     link.abort_when(stopping)
     try:
         member, _ = load_member(source, stage.first, stage.end, len(stage.group), rank, link,
-                                stage.group_speeds or None)
+                                stage.group_speeds or None, stage.group_attention)
         log.info("tensor_group_following", members=[s.node_id for s in stage.group], rank=rank,
                  layers=[stage.first, stage.end])
         follow(member, link, stopping)
