@@ -48,12 +48,14 @@ _HEADER = struct.Struct("<BII")  # kind, pass, exchange within the pass
 _IDENTITY = struct.Struct("<HI")  # rank, epoch (the plan the links were formed for)
 _HELLO_BODY = struct.Struct(f"<{group_stream.KX_PUBLIC_BYTES}sH")  # a member's stream key and port
 _PARTIAL, _COMMAND, _HELLO = 1, 2, 3
-_STREAM_OPEN_S = 30.0  # a member that reached its first exchange answers its stream's opening within this
-_STREAM_PREAMBLE_S = 5.0  # a caller on the stream port says who it is within this (or is not a member)
+# a caller on the stream port opens its stream within this (or is not a member): a stranger that connects
+# and says nothing holds the group's formation no longer
+_STREAM_PREAMBLE_S = 2.0
 # a member waiting on a partial sum looks for it without sleeping this long first (yielding the core to
 # anything else runnable): its core has nothing else to do, and waking from idle costs more than the wait
 # (measured in a decode step on loopback: 88 us from the later member's send to both holding the sum when
-# blocking at once, 46 us spinning first)
+# blocking at once, 46 us spinning first). Only while the waits are that short: a member that waits
+# longer (a slower partner) sleeps at once instead of burning its core for nothing.
 _SPIN_S = 0.0005
 _ZAP_DOMAIN = "meshd-group"
 _SLICE_MS = 200  # a blocked receive looks at the links' health (and an abort) this often
@@ -108,10 +110,12 @@ class GroupLink:
         try:
             # the partial sums' stream: the group port + 1 when it is fixed (7414 by default), else any
             self._listener = group_stream.listen(host, port + 1 if _host_port(bind)[1] else 0)
-        except GroupLost:
+        except BaseException as exc:
             self._inbox.close(linger=0)
             self._auth.stop()
             self._ctx.destroy(linger=0)
+            if isinstance(exc, (OSError, ValueError)):
+                raise GroupLost(f"the group's stream cannot listen beside {self.endpoint}: {exc}") from exc
             raise
         self.data_port: int = self._listener.getsockname()[1]
         self._kx = group_stream.kx_keypair()
@@ -128,6 +132,7 @@ class GroupLink:
         self._streams: dict[int, SealedStream] = {}
         self._by_fd: dict[int, SealedStream] = {}
         self._poller = select.poll()
+        self._last_wait_s = 0.0  # how long the last exchange waited for the others (whether to spin)
 
     # ZAP: only the group's members may connect (ThreadAuthenticator's credentials provider)
     def callback(self, domain: str, key: bytes) -> bool:
@@ -287,7 +292,8 @@ class GroupLink:
                 missing.add(r)
             else:
                 parts[r] = self._as_array(early, x)
-        spin_until = time.perf_counter() + _SPIN_S
+        started = time.perf_counter()
+        spin_until = started + (_SPIN_S if self._last_wait_s < _SPIN_S else 0.0)
         while missing or sending:
             self._check_abort()
             events = self._poller.poll(0)
@@ -300,31 +306,33 @@ class GroupLink:
                 self._check_links()
                 continue
             for fd, event in events:
-                stream = self._by_fd[fd]
+                stream = self._by_fd.get(fd)
+                if stream is None or event & select.POLLNVAL or self._closed:
+                    raise GroupLost("this member's group links were closed")
                 if event & (select.POLLIN | select.POLLHUP | select.POLLERR):
                     for kind, number_pass, number, payload in stream.receive():
-                        if self._is_part(stream.peer, kind, number_pass, number, n) and stream.peer in missing:
+                        if kind != _PARTIAL:
+                            continue
+                        if stream.peer in missing and (number_pass, number) == (self._pass, n):
                             parts[stream.peer] = self._as_array(payload, x)
                             missing.discard(stream.peer)
                         else:
-                            self._keep_early(stream.peer, kind, number_pass, number, payload)
+                            self._keep_early(stream.peer, number_pass, number, payload, stream.peer in missing, n)
                 if event & select.POLLOUT and stream.flush():
                     sending.remove(stream)
                     self._poller.modify(fd, select.POLLIN)
+        self._last_wait_s = time.perf_counter() - started
         return parts  # type: ignore[return-value]
 
-    def _is_part(self, rank: int, kind: int, number_pass: int, number: int, n: int) -> bool:
-        return kind == _PARTIAL and number_pass == self._pass and number == n
-
-    def _keep_early(self, rank: int, kind: int, number_pass: int, number: int, payload) -> None:
-        """A frame this member did not ask for yet: kept for its exchange, or proof the group moved on."""
-        if kind != _PARTIAL:
-            return
-        if rank == 0 and number_pass > self._pass:
-            # (the stream is in order: it gave up the pass this member is still in)
+    def _keep_early(self, rank: int, number_pass: int, number: int, payload, awaited: bool, n: int) -> None:
+        """A partial this member did not ask for yet: kept for its exchange — or, from the first member
+        while its partial for this exchange is still awaited, proof that it gave this pass up (its stream is
+        in order: a later partial before the awaited one means the awaited one will never come)."""
+        if number_pass < self._pass:
+            return  # a pass given up before this one: nobody waits for it
+        if rank == 0 and awaited and (number_pass, number) > (self._pass, n):
             raise GroupLost(f"the first member is in pass {number_pass}, this member in {self._pass}")
-        if number_pass >= self._pass:
-            self._early[(rank, number_pass, number)] = payload
+        self._early[(rank, number_pass, number)] = payload
 
     def _open_streams(self) -> None:
         """The streams to every other member, opened at this member's first exchange: it dials the
@@ -336,7 +344,7 @@ class GroupLink:
         for r in range(self.rank):
             if r not in self._streams:
                 self._add_stream(group_stream.dial(self._stream_address(r), self.rank, self.epoch, r, self._kx,
-                                                   self._hellos[r][0], _STREAM_OPEN_S))
+                                                   self._hellos[r][0], check=self._check_links))
         keys = {r: self._hellos[r][0] for r in range(self.rank + 1, self.size)}
         self._listener.settimeout(_SLICE_MS / 1000)
         while len(self._streams) < self.size - 1:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from typing import Callable
 
 import nacl.bindings as sodium
 
@@ -128,19 +129,27 @@ class SealedStream:
 
 
 def dial(address: tuple[str, int], rank: int, epoch: int, peer: int, own_kx: tuple[bytes, bytes],
-         peer_kx: bytes, timeout_s: float) -> SealedStream:
-    """Open the stream to lower-ranked ``peer`` (the dialling side is crypto_kx's client)."""
+         peer_kx: bytes, check: Callable[[], None], connect_timeout_s: float = 30.0) -> SealedStream:
+    """Open the stream to lower-ranked ``peer`` (the dialling side is crypto_kx's client). Its answer comes
+    when it reaches its own first exchange (it may still be loading): waited for as long as ``check``
+    (called every slice; it raises when the group is lost or this member is told to leave) lets it."""
     rx, tx = sodium.crypto_kx_client_session_keys(own_kx[0], own_kx[1], peer_kx)
     try:
-        sock = socket.create_connection(address, timeout=timeout_s)
+        sock = socket.create_connection(address, timeout=connect_timeout_s)
     except OSError as exc:
         raise GroupLost(f"group member {peer}'s stream at {address[0]}:{address[1]} refused: {exc}") from exc
-    _tune(sock)
-    push = sodium.crypto_secretstream_xchacha20poly1305_state()
-    header = sodium.crypto_secretstream_xchacha20poly1305_init_push(push, tx)
     try:
+        _tune(sock)
+        push = sodium.crypto_secretstream_xchacha20poly1305_state()
+        header = sodium.crypto_secretstream_xchacha20poly1305_init_push(push, tx)
+        sock.settimeout(connect_timeout_s)
         sock.sendall(_PREAMBLE.pack(rank, epoch) + header + _first_frame(push))
-        pull = _open_side(sock, rx, peer, timeout_s)
+        pull = sodium.crypto_secretstream_xchacha20poly1305_state()
+        sodium.crypto_secretstream_xchacha20poly1305_init_pull(pull, _read_exact(sock, _STREAM_HEADER, check=check), rx)
+        _check_first_frame(sock, pull, peer, check=check)
+    except OSError as exc:
+        sock.close()
+        raise GroupLost(f"group member {peer} did not open its stream: {exc}") from exc
     except BaseException:
         sock.close()
         raise
@@ -149,26 +158,28 @@ def dial(address: tuple[str, int], rank: int, epoch: int, peer: int, own_kx: tup
 
 def accept(listener: socket.socket, own_kx: tuple[bytes, bytes], peers_kx: dict[int, bytes], epoch: int,
            timeout_s: float) -> SealedStream | None:
-    """The next member's stream on ``listener`` (its side is crypto_kx's server), or None when a
-    connection was not one of the group's (wrong epoch, unknown rank, a frame that does not open)."""
+    """The next member's stream on ``listener`` (its side is crypto_kx's server), or None when none came
+    or a connection was not one of the group's (wrong epoch, unknown rank, a frame that does not open, or
+    not all of its opening within ``timeout_s``: a caller cannot hold the group's formation longer)."""
     try:
         sock, _ = listener.accept()
-    except (socket.timeout, BlockingIOError):
+    except (OSError, BlockingIOError):  # nobody called within the listener's timeout (or a failed accept)
         return None
-    _tune(sock)
+    deadline = time.monotonic() + timeout_s
     try:
-        sock.settimeout(timeout_s)
-        rank, their_epoch = _PREAMBLE.unpack(_read_exact(sock, _PREAMBLE.size))
-        header = _read_exact(sock, _STREAM_HEADER)
+        _tune(sock)
+        rank, their_epoch = _PREAMBLE.unpack(_read_exact(sock, _PREAMBLE.size, deadline=deadline))
+        header = _read_exact(sock, _STREAM_HEADER, deadline=deadline)
         if their_epoch != epoch or rank not in peers_kx:
             sock.close()
             return None
         rx, tx = sodium.crypto_kx_server_session_keys(own_kx[0], own_kx[1], peers_kx[rank])
         pull = sodium.crypto_secretstream_xchacha20poly1305_state()
         sodium.crypto_secretstream_xchacha20poly1305_init_pull(pull, header, rx)
-        _check_first_frame(sock, pull, rank)
+        _check_first_frame(sock, pull, rank, deadline=deadline)
         push = sodium.crypto_secretstream_xchacha20poly1305_state()
         reply = sodium.crypto_secretstream_xchacha20poly1305_init_push(push, tx)
+        sock.settimeout(timeout_s)
         sock.sendall(reply + _first_frame(push))
     except (OSError, GroupLost, struct.error):
         sock.close()
@@ -176,42 +187,47 @@ def accept(listener: socket.socket, own_kx: tuple[bytes, bytes], peers_kx: dict[
     return SealedStream(sock, push, pull, rank)
 
 
-def _open_side(sock: socket.socket, rx: bytes, peer: int, timeout_s: float):
-    sock.settimeout(timeout_s)
-    pull = sodium.crypto_secretstream_xchacha20poly1305_state()
-    try:
-        header = _read_exact(sock, _STREAM_HEADER)
-        sodium.crypto_secretstream_xchacha20poly1305_init_pull(pull, header, rx)
-        _check_first_frame(sock, pull, peer)
-    except OSError as exc:
-        raise GroupLost(f"group member {peer} did not open its stream: {exc}") from exc
-    return pull
-
-
 def _first_frame(push) -> bytes:
     sealed = sodium.crypto_secretstream_xchacha20poly1305_push(push, _HEADER.pack(OPEN, 0, 0))
     return _LENGTH.pack(len(sealed)) + sealed
 
 
-def _check_first_frame(sock: socket.socket, pull, peer: int) -> None:
-    (n,) = _LENGTH.unpack(_read_exact(sock, _LENGTH.size))
+def _check_first_frame(sock: socket.socket, pull, peer: int, **wait) -> None:
+    (n,) = _LENGTH.unpack(_read_exact(sock, _LENGTH.size, **wait))
     if n > _FIRST_FRAME_MAX:
         raise GroupLost(f"group member {peer}'s stream did not open with its first frame")
     try:
-        message, _ = sodium.crypto_secretstream_xchacha20poly1305_pull(pull, _read_exact(sock, n))
+        message, _ = sodium.crypto_secretstream_xchacha20poly1305_pull(pull, _read_exact(sock, n, **wait))
+    except OSError:
+        raise
     except Exception as exc:  # noqa: BLE001 - libsodium's refusal
         raise GroupLost(f"group member {peer}'s stream failed authentication") from exc
     if _HEADER.unpack_from(message)[0] != OPEN:
         raise GroupLost(f"group member {peer}'s stream did not open with its first frame")
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+_CHECK_SLICE_S = 0.2
+
+
+def _read_exact(sock: socket.socket, n: int, deadline: float | None = None,
+                check: Callable[[], None] | None = None) -> bytes:
+    """``n`` bytes, all of them by ``deadline`` (then ``socket.timeout``), or for as long as ``check`` lets
+    (called between slices)."""
     buf = bytearray()
-    deadline = time.monotonic() + (sock.gettimeout() or 60.0)
     while len(buf) < n:
-        if time.monotonic() > deadline:
-            raise socket.timeout("the stream's opening took too long")
-        got = sock.recv(n - len(buf))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the stream's opening took too long")
+            sock.settimeout(min(left, _CHECK_SLICE_S))
+        else:
+            sock.settimeout(_CHECK_SLICE_S)
+        try:
+            got = sock.recv(n - len(buf))
+        except socket.timeout:
+            if check is not None:
+                check()
+            continue
         if not got:
             raise ConnectionError("the stream closed while opening")
         buf += got

@@ -40,13 +40,14 @@ def group(real_source):
         mesh.cleanup()
 
 
-def reference_tokens(real_source, question: str, steps: int, speeds) -> list[int]:
-    """The in-process two-member group's greedy tokens for the chat, split by the plan's speeds (the
-    daemons' exact reference: another split adds its partial sums in another order)."""
+def reference_tokens(real_source, question: str, steps: int, speeds, attention: str) -> list[int]:
+    """The in-process two-member group's greedy tokens for the chat, split by the plan's speeds and held as
+    it holds the attention (the daemons' exact reference: another split adds its partial sums in another
+    order)."""
     tok = real_source.tokenizer
     whole = real_source.load_stage(0, real_source.config.num_layers, torch.float32, packed="gguf")
     ids = torch.tensor(tok.apply_chat([{"role": "user", "content": question}]))
-    _, tokens = run_group(whole, 2, ids, steps, tuple(speeds))[0]
+    _, tokens = run_group(whole, 2, ids, steps, tuple(speeds), attention=attention)[0]
     out = []
     for t in tokens:
         if t in tok.eos_ids:
@@ -63,7 +64,8 @@ def test_two_daemons_split_every_layer_and_answer_as_the_in_process_group(group,
     assert stage["tensor_group"] == group_of(b) and len(stage["tensor_group"]) == 2
     reply = sdk(a.socket, timeout=240).chat.completions.create(
         model="meshd", messages=[{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0)
-    want = real_source.tokenizer.decode(reference_tokens(real_source, QUESTION, 16, stage["tensor_speeds"]))
+    want = real_source.tokenizer.decode(reference_tokens(real_source, QUESTION, 16, stage["tensor_speeds"],
+                                                    stage["tensor_attention"]))
     assert reply.choices[0].message.content == want
     # and through the follower's own API: it routes to the group's first member
     again = sdk(b.socket, timeout=240).chat.completions.create(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -139,5 +140,77 @@ def test_a_member_reached_elsewhere_than_its_group_address_is_dialled_there():
         out = in_threads(links[1:], lambda link: link.sum_(np.ones(4, np.float32)))
         assert isinstance(out[0], GroupLost) and "refused" in str(out[0])
     finally:
+        for link in links:
+            link.close()
+
+
+def test_a_partial_of_the_next_pass_read_with_the_awaited_one_is_kept_not_taken_for_a_lost_step(monkeypatch):
+    """A member that reads late finds the first member's last partial of this pass and its first of the
+    next in one read: the first is this exchange's, the second waits for its pass."""
+    links, _ = make_group(2)
+    real = group_stream.SealedStream.receive
+    late = {"once": True}
+
+    def receive(stream):
+        if threading.current_thread().name == "late-member" and late["once"]:
+            late["once"] = False
+            time.sleep(0.3)  # sleep-ok: both of the first member's partials arrive before this member reads
+        return real(stream)
+
+    try:
+        in_threads(links, lambda link: link.sum_(np.ones(4, np.float32)))  # the streams are open
+        monkeypatch.setattr(group_stream.SealedStream, "receive", receive)
+        sums: list = [None, None]
+
+        def member(rank):
+            link = links[rank]
+            link.begin_pass(2)
+            x = np.full(4, rank + 1.0, np.float32)
+            link.sum_(x)
+            link.begin_pass(3)
+            y = np.full(4, 10.0 * (rank + 1), np.float32)
+            link.sum_(y)
+            sums[rank] = (x, y)
+
+        threads = [threading.Thread(target=member, args=(0,)), threading.Thread(target=member, args=(1,), name="late-member")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not late["once"], "the late read did not happen"
+        for x, y in sums:
+            assert np.array_equal(x, np.full(4, 3.0, np.float32)) and np.array_equal(y, np.full(4, 30.0, np.float32))
+    finally:
+        for link in links:
+            link.close()
+
+
+def test_a_member_that_reaches_its_first_exchange_late_is_waited_for():
+    """Three members: the last dials the middle one, which is still loading; it answers when it gets there."""
+    links, _ = make_group(3)
+
+    def member(link):
+        if link.rank == 1:
+            time.sleep(1.0)  # sleep-ok: this member is still loading its share when the others first exchange
+        x = np.full(4, link.rank + 1.0, np.float32)
+        link.sum_(x)
+        return x
+
+    try:
+        out = in_threads(links, member)
+        assert all(np.array_equal(x, np.full(4, 6.0, np.float32)) for x in out)
+    finally:
+        for link in links:
+            link.close()
+
+
+def test_a_stranger_that_connects_and_says_nothing_delays_the_group_only_briefly():
+    links, _ = make_group(2)
+    quiet = socket.create_connection(("127.0.0.1", links[0].data_port))
+    try:
+        out = in_threads(links, lambda link: link.sum_(np.ones(4, np.float32)))
+        assert out == [None, None]
+    finally:
+        quiet.close()
         for link in links:
             link.close()
