@@ -44,17 +44,27 @@ def tensor_fits(members: list[DeviceProfile], max_seq: int, attention: str = "sp
                for p, need, s in zip(members, whole, speeds))
 
 
+#: the attention's part of a decode step over its part of the weights: besides its four products it
+#: rotates, writes the cache and attends, row by row. Measured (bench/tensor_parallel.py, AVX2 kernels,
+#: one core): holding the attention whole costs each member ~0.2 of a step more for 0.087 of the weights on
+#: Qwen2.5-Coder-1.5B (whole 45.3 ms a token against split 40.2 ms, 28 exchanges fewer), ~0.16 for 0.089
+#: on the 0.5B. A profile that measures its own attention would replace it.
+ATTENTION_TIME_PER_WEIGHT = 2.2
+
+
 def attention_share(p: DeviceProfile) -> float:
-    """The attention's part of the model's weights (its part of a decode step, which reads them all):
-    q, k, v and o of every layer against every layer and the LM head. ~0.10 for Qwen2.5-1.5B."""
+    """The attention's part of a decode step: its part of the weights (q, k, v and o of every layer against
+    every layer and the LM head; 0.087 for Qwen2.5-1.5B) times what a row of it costs beyond its weights."""
     m = p.model
     attention = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     layer = attention + 3 * m.hidden_size * m.intermediate_size
-    return p.num_layers * attention / (p.num_layers * layer + m.vocab_size * m.hidden_size)
+    weights = p.num_layers * attention / (p.num_layers * layer + m.vocab_size * m.hidden_size)
+    return min(0.9, weights * ATTENTION_TIME_PER_WEIGHT)
 
 
 def member_share(p: DeviceProfile, share: float, attention: str) -> float:
-    """What a member with ``share`` of the split products computes and holds of the whole model."""
+    """What a member with ``share`` of the split products computes (and, near enough, holds) of the whole
+    model."""
     if attention == "whole":
         a = attention_share(p)
         return a + (1.0 - a) * share
