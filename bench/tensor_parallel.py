@@ -240,7 +240,8 @@ def pipeline2(model_file: str, tokens: int, prompt_len: int, repeats: int, testb
 def planner_choice(model_path: str, one_ms: float, link: str, prompt_len: int, tokens: int) -> dict:
     """What the planner picks for two such devices over ``link``: the shipped profile of this model (any
     mode), scaled so its decode step is the one measured here, priced with tensor groups among the layouts.
-    Loopback is priced as a 10 Gbit/s, 0.1 ms link (what the exchanges cost here: bench RESULTS)."""
+    Loopback is priced as a 10 Gbit/s, 0.01 ms link: an exchange between two pinned processes here costs the
+    planner's per-exchange overhead and next to no round trip (bench RESULTS)."""
     import dataclasses
 
     from decoding.loader import open_model
@@ -259,7 +260,7 @@ def planner_choice(model_path: str, one_ms: float, link: str, prompt_len: int, t
     context = prompt_len + tokens // 2
     dev = scale(base, float(base.decode_step(context)) * 1000 / one_ms)
     devs = [dataclasses.replace(dev, device_id=n, memory_budget_bytes=24 << 30) for n in ("a", "b")]
-    lay = choose_layout(devs, parse_link("10gbit,0.1ms" if link == "loopback" else link),
+    lay = choose_layout(devs, parse_link("10gbit,0.01ms" if link == "loopback" else link),
                         Workload(prompt_len, tokens, 0.0, 1), 4096, tensor=True)
     attention = next((g.tensor_attention for g in lay.groups if g.tensor), None)
     return {"kind": lay.kind, "attention": attention,

@@ -37,6 +37,10 @@ LAYOUT_KINDS = ("auto", "pipeline", "replicas", "tensor")
 
 #: predicted prices this close count as a tie (the prediction is not finer than that)
 SIMPLER_MARGIN = 0.03
+#: a tensor group is chosen only when predicted this much faster than the best layout without one: it ties
+#: every member to every token (a busy or leaving member stalls the stream) and gives up spare routes, so
+#: a gain within the price's own error (a few percent, measured) does not pay for that
+TENSOR_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ def _served(prefer, profiles: list[DeviceProfile], link: LinkModel, work: Worklo
 def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload, max_seq: int,
                   force: str = "auto", *, margin: float = SIMPLER_MARGIN, prefer=None,
                   keep_margin: float | None = None, tensor: bool = False,
-                  tensor_attentions: tuple[str, ...] = ATTENTIONS) -> Layout:
+                  tensor_attentions: tuple[str, ...] = ATTENTIONS, tensor_margin: float = TENSOR_MARGIN) -> Layout:
     """The layout with the lowest predicted mean latency for ``work``.
 
     Candidates: one pipeline over every member (the layer DP, which may leave slow members out);
@@ -153,13 +157,15 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
     ``prefer``: the routes served now (``Layout.routes``), priced too and kept while within
     ``keep_margin`` (default ``margin``) of the best; ``margin``: ties, see :func:`_pick`.
     ``tensor``: tensor-parallel groups are candidates too (a home whose members all serve them; always
-    with ``force="tensor"``), holding the attention in the cheaper of ``tensor_attentions``.
+    with ``force="tensor"``), holding the attention in the cheaper of ``tensor_attentions``, and only
+    ``tensor_margin`` faster than the best layout without one (``force="auto"``).
     Raises :class:`PlanError` when no candidate holds the model.
     """
     if force not in LAYOUT_KINDS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUT_KINDS)}, not {force!r}")
     cache: dict = {}
     L = profiles[0].num_layers
+    priced: list[Layout] = []
     fits = [p for p in profiles if replica_fits(p, max_seq)]
     solo = {p.device_id: price_group([(p, 0, L)], link, work) for p in fits}
     fits.sort(key=lambda p: (solo[p.device_id].latency_s(1, work.answer_tokens), p.device_id))
@@ -187,6 +193,12 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
                 candidates.append(_layout([grouped, *rest[:k]], work, profiles))
         if force == "tensor":
             candidates = [c for c in candidates if any(g.tensor for g in c.groups)] or candidates
+        else:
+            priced = list(candidates)  # a group declined for the margin is still named among the alternatives
+            plain = [c.latency_s for c in candidates if not any(g.tensor for g in c.groups)]
+            if plain:
+                bar = min(plain) * (1 - tensor_margin)
+                candidates = [c for c in candidates if not any(g.tensor for g in c.groups) or c.latency_s <= bar]
     served = _served(prefer, profiles, link, work, max_seq, profiles) if force == "auto" else None
     if served is not None:
         candidates.append(served)
@@ -194,7 +206,7 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
         raise PlanError("no member, and no pipeline of members, holds the model")
     chosen = _pick(candidates, margin, served, margin if keep_margin is None else keep_margin)
     alternatives: dict[str, float] = {}
-    for lay in candidates:
+    for lay in [*candidates, *priced]:
         alternatives[lay.kind] = min(alternatives.get(lay.kind, math.inf), lay.latency_s)
     return _explained(chosen, alternatives, fits, force, profiles, link, max_seq)
 

@@ -45,16 +45,17 @@ def tensor_fits(members: list[DeviceProfile], max_seq: int, attention: str = "sp
 
 
 #: the attention's part of a decode step over its part of the weights: besides its four products it
-#: rotates, writes the cache and attends, row by row. Measured (bench/tensor_parallel.py, AVX2 kernels,
-#: one core): holding the attention whole costs each member ~0.2 of a step more for 0.087 of the weights on
-#: Qwen2.5-Coder-1.5B (whole 45.3 ms a token against split 40.2 ms, 28 exchanges fewer), ~0.16 for 0.089
-#: on the 0.5B. A profile that measures its own attention would replace it.
-ATTENTION_TIME_PER_WEIGHT = 2.2
+#: rotates, writes the cache and attends, row by row. Measured (AVX2 kernels, one core, Qwen2.5-Coder-1.5B,
+#: 64-token context): a member's decode step with no partner to wait for takes 33.3 ms holding half the
+#: heads and 37.0 ms holding all of them (one device 65.2 ms), so the attention is 0.115 of a step for 0.087
+#: of the weights. A profile that measures its own attention would replace it.
+ATTENTION_TIME_PER_WEIGHT = 1.3
 
 
 def attention_share(p: DeviceProfile) -> float:
     """The attention's part of a decode step: its part of the weights (q, k, v and o of every layer against
-    every layer and the LM head; 0.087 for Qwen2.5-1.5B) times what a row of it costs beyond its weights."""
+    every layer and the LM head; 0.087 for Qwen2.5-1.5B) times what a row of it costs beyond its weights
+    (0.113 of a step for that model)."""
     m = p.model
     attention = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
     layer = attention + 3 * m.hidden_size * m.intermediate_size

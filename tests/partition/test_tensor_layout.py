@@ -71,6 +71,17 @@ def test_the_attention_whole_is_priced_as_every_head_on_each_member_and_one_exch
     assert group.step_s[0] == pytest.approx(a.decode_step(context) * (share + (1 - share) / 2) + (8 + 1) * exchange)
 
 
+def test_a_group_that_would_be_only_a_little_faster_is_not_formed():
+    """A group ties both devices to every token; a predicted gain of a few percent does not pay for that."""
+    devices = [device("a"), device("b")]
+    plain = choose_layout(devices, FAST, VOICE, MAX_SEQ, tensor=False)
+    lay = choose_layout(devices, FAST, VOICE, MAX_SEQ, tensor=True, tensor_margin=0.0)
+    assert lay.kind == "tensor"
+    gain = 1 - lay.latency_s / plain.latency_s
+    assert choose_layout(devices, FAST, VOICE, MAX_SEQ, tensor=True, tensor_margin=gain + 0.01).kind != "tensor"
+    assert choose_layout(devices, FAST, VOICE, MAX_SEQ, tensor=True, tensor_margin=gain - 0.01).kind == "tensor"
+
+
 def test_a_faster_member_gets_the_larger_share():
     group = price_tensor_group([device("fast", 3.0), device("slow", 1.0)], FAST, VOICE)
     assert group.tensor == ("fast", "slow") and group.tensor_speeds[0] == pytest.approx(0.75, rel=1e-3)
@@ -99,7 +110,8 @@ def test_the_chosen_layout_is_the_brute_force_optimum_with_tensor_groups_on_fast
         best = brute_force_layout(profiles, link, work, MAX_SEQ, tensor=True)
         if best == float("inf"):
             continue
-        assert choose_layout(profiles, link, work, MAX_SEQ, margin=0.0, tensor=True).latency_s == pytest.approx(best, rel=1e-9)
+        assert choose_layout(profiles, link, work, MAX_SEQ, margin=0.0, tensor=True,
+                             tensor_margin=0.0).latency_s == pytest.approx(best, rel=1e-9)
         checked += 1
     assert checked >= 8
 
