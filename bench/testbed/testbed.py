@@ -223,7 +223,8 @@ class Testbed:
             "link_human": self.link.describe(),
             "rate_shaped": self.shaped,
             "tbf": " ".join(self.link.tbf_args()) if self.shaped else None,
-            "delay": "user-space proxy in switch ns" if self.mode == "netns" else "user-space proxy on loopback",
+            "delay": (f"user-space proxy ({'compiled' if compiled_delay_proxy() else 'Python'}) "
+                      + ("in switch ns" if self.mode == "netns" else "on loopback")),
             "fallback_reason": self.fallback_reason,
         }
 
@@ -248,8 +249,10 @@ class Testbed:
             if key in self._proxies:
                 return self._proxies[key][1]
             listen = f"{SWITCH_IP}:0" if self.mode == "netns" else "127.0.0.1:0"
-            argv = [sys.executable, "-m", "bench.testbed.delay_proxy", "--listen", listen,
-                    "--target", f"{target[0]}:{target[1]}", "--one-way-ms", repr(rtt / 2 * 1000)]
+            compiled = compiled_delay_proxy()
+            program = [str(compiled)] if compiled else [sys.executable, "-m", "bench.testbed.delay_proxy"]
+            argv = [*program, "--listen", listen, "--target", f"{target[0]}:{target[1]}",
+                    "--one-way-ms", repr(rtt / 2 * 1000)]
             if self.mode == "netns":
                 argv = ["ip", "netns", "exec", self._switch_ns()] + argv
             p = self._spawn(argv, None, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -379,6 +382,39 @@ class Testbed:
             except (ValueError, TypeError):
                 pass
         self._old_handlers.clear()
+
+
+_PROXY_SOURCE = Path(__file__).with_name("delay_proxy.c")
+_compiled: list[Path | None] = []
+
+
+def compiled_delay_proxy() -> Path | None:
+    """The compiled delay proxy (built once per source into the user's cache), or None where no C
+    compiler builds it: then the Python one (``delay_proxy.py``, the same behaviour at a higher CPU cost
+    per chunk) stands in. ``MESHD_TESTBED_PY_PROXY=1`` asks for the Python one."""
+    if os.environ.get("MESHD_TESTBED_PY_PROXY") == "1":
+        return None
+    if _compiled:
+        return _compiled[0]
+    import hashlib
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    out = None
+    if cc and _PROXY_SOURCE.exists():
+        digest = hashlib.sha256(_PROXY_SOURCE.read_bytes()).hexdigest()[:16]
+        out = Path.home() / ".cache" / "meshd-testbed" / f"delay_proxy-{digest}"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(f".{os.getpid()}.tmp")
+            built = subprocess.run([cc, "-O2", "-o", str(tmp), str(_PROXY_SOURCE)], capture_output=True, text=True)
+            if built.returncode:
+                print(f"testbed: the compiled delay proxy did not build ({built.stderr.strip()[-300:]}); "
+                      "the Python one stands in", file=sys.stderr)
+                out = None
+            else:
+                os.replace(tmp, out)
+    _compiled.append(out)
+    return out
 
 
 def _read_ready(p: subprocess.Popen, timeout: float, what: str) -> tuple[str, int]:

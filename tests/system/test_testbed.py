@@ -90,6 +90,39 @@ def test_tbf_burst_is_a_few_milliseconds_of_traffic_but_at_least_two_frames():
 # ---------------------------------------------------------------- DelayProxy (loopback)
 
 
+class _CompiledProxy:
+    """``bench/testbed/delay_proxy.c`` as the testbed runs it (a process), behind DelayProxy's interface."""
+
+    def __init__(self, target, one_way_delay_s: float):
+        self.target, self.delay = target, one_way_delay_s
+        self.address = None
+        self._p = None
+
+    async def __aenter__(self):
+        import subprocess
+
+        from bench.testbed.testbed import _read_ready, compiled_delay_proxy
+
+        binary = compiled_delay_proxy()
+        if binary is None:
+            pytest.skip("no C compiler builds the compiled delay proxy here")
+        self._p = subprocess.Popen([str(binary), "--listen", "127.0.0.1:0", "--target",
+                                    f"{self.target[0]}:{self.target[1]}", "--one-way-ms", repr(self.delay * 1000)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.address = _read_ready(self._p, timeout=15.0, what="compiled delay proxy")
+        return self
+
+    async def __aexit__(self, *exc):
+        self._p.kill()
+        self._p.wait(timeout=10)
+
+
+@pytest.fixture(params=["python", "compiled"])
+def delay_proxy(request):
+    """Both delay proxies keep the same promises: the Python one and the compiled one the testbed prefers."""
+    return DelayProxy if request.param == "python" else _CompiledProxy
+
+
 async def _echo_server():
     """Echoes everything; on EOF from the client, half-closes back."""
 
@@ -117,18 +150,18 @@ async def _round_trip(addr, n=5):
     return min(times)
 
 
-async def test_delay_proxy_adds_at_least_the_configured_round_trip_time():
+async def test_delay_proxy_adds_at_least_the_configured_round_trip_time(delay_proxy):
     server, target = await _echo_server()
-    async with server, DelayProxy(target, one_way_delay_s=0.015) as proxy:
+    async with server, delay_proxy(target, one_way_delay_s=0.015) as proxy:
         rtt = await _round_trip(proxy.address)
     assert rtt >= 0.030  # never early: 15 ms each way
     assert rtt < 0.030 + 1.0  # generous: a loaded machine may add scheduling delay
 
 
-async def test_delay_proxy_preserves_bytes_exactly_in_both_directions_with_half_close():
+async def test_delay_proxy_preserves_bytes_exactly_in_both_directions_with_half_close(delay_proxy):
     server, target = await _echo_server()
     rng = random.Random(1234)
-    async with server, DelayProxy(target, one_way_delay_s=0.002) as proxy:
+    async with server, delay_proxy(target, one_way_delay_s=0.002) as proxy:
 
         async def one(size):
             payload = rng.randbytes(size)
@@ -152,11 +185,11 @@ async def test_delay_proxy_preserves_bytes_exactly_in_both_directions_with_half_
         assert received == sent
 
 
-async def test_delay_proxy_pipelines_chunks_so_the_delay_does_not_cap_throughput():
+async def test_delay_proxy_pipelines_chunks_so_the_delay_does_not_cap_throughput(delay_proxy):
     # 2000 separate writes with 50 ms each way: a proxy that slept per chunk
     # would need >= 100 s; a pipeline needs about one delay plus transfer time.
     server, target = await _echo_server()
-    async with server, DelayProxy(target, one_way_delay_s=0.050) as proxy:
+    async with server, delay_proxy(target, one_way_delay_s=0.050) as proxy:
         reader, writer = await asyncio.open_connection(*proxy.address)
         t = time.perf_counter()
         total = 0
@@ -175,7 +208,7 @@ async def test_delay_proxy_pipelines_chunks_so_the_delay_does_not_cap_throughput
     assert 0.100 <= elapsed < 20.0
 
 
-async def test_zeromq_peers_talk_through_the_delay_proxy_with_its_round_trip_time():
+async def test_zeromq_peers_talk_through_the_delay_proxy_with_its_round_trip_time(delay_proxy):
     import zmq
     import zmq.asyncio
 
@@ -184,7 +217,7 @@ async def test_zeromq_peers_talk_through_the_delay_proxy_with_its_round_trip_tim
     port = router.bind_to_random_port("tcp://127.0.0.1")
     dealer = ctx.socket(zmq.DEALER)
     try:
-        async with DelayProxy(("127.0.0.1", port), one_way_delay_s=0.010) as proxy:
+        async with delay_proxy(("127.0.0.1", port), one_way_delay_s=0.010) as proxy:
             dealer.connect(f"tcp://{proxy.address[0]}:{proxy.address[1]}")
             await dealer.send_multipart([b"hdr", b"x" * 100_000])  # handshake + first message
             ident, *frames = await asyncio.wait_for(router.recv_multipart(), 10)

@@ -12,19 +12,9 @@ import zmq
 
 from decoding.tensor_group import GroupLost
 from tests.support.waiting import wait_until
+from tests.support.group_links import in_threads, make_group
 from transport.group_link import GroupLink, GroupPeer
 from transport.keys import Keypair
-
-
-def make_group(n: int):
-    keys = [Keypair.generate() for _ in range(n)]
-    links = [GroupLink(r, n, keys[r]) for r in range(n)]
-    peers = [GroupPeer(r, links[r].endpoint, keys[r].public) for r in range(n)]
-    for r, link in enumerate(links):
-        link.admit([p for p in peers if p.rank != r])
-    for r, link in enumerate(links):
-        link.connect([p for p in peers if p.rank != r])
-    return links, keys
 
 
 def test_a_group_forms_whatever_order_its_members_admit_each_other_in():
@@ -55,24 +45,6 @@ def test_a_group_that_never_forms_says_who_is_missing():
             lonely.connect([GroupPeer(1, "tcp://127.0.0.1:9", keys[1].public)], timeout_s=0.5)
     finally:
         lonely.close()
-
-
-def in_threads(links, fn):
-    out: list = [None] * len(links)
-
-    def run(r):
-        try:
-            out[r] = fn(links[r])
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            out[r] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(links))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a member is still waiting"
-    return out
 
 
 @pytest.fixture

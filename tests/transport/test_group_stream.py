@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from decoding.tensor_group import GroupLost
-from tests.transport.test_group_link import in_threads, make_group
+from tests.support.group_links import in_threads, make_group
 from transport import group_stream
 from transport.group_link import GroupLink, GroupPeer
 from transport.keys import Keypair
