@@ -30,7 +30,7 @@ from partition.link import LinkModel
 from partition.pricing import Group, Workload, price_group, replica_fits  # noqa: F401
 from partition.profile import DeviceProfile
 from partition.stagecount import plan_layers
-from partition.tensor_layout import fastest_first, price_tensor_group, tensor_candidates
+from partition.tensor_layout import exchanges_per_token, fastest_first, price_tensor_group, tensor_candidates
 from partition.tensor_split import ATTENTIONS
 
 LAYOUT_KINDS = ("auto", "pipeline", "replicas", "tensor")
@@ -165,7 +165,7 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
         raise ValueError(f"layout must be one of {', '.join(LAYOUT_KINDS)}, not {force!r}")
     cache: dict = {}
     L = profiles[0].num_layers
-    priced: list[Layout] = []
+    declined: list[Layout] = []  # groups under the margin: still named among the alternatives
     fits = [p for p in profiles if replica_fits(p, max_seq)]
     solo = {p.device_id: price_group([(p, 0, L)], link, work) for p in fits}
     fits.sort(key=lambda p: (solo[p.device_id].latency_s(1, work.answer_tokens), p.device_id))
@@ -194,11 +194,12 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
         if force == "tensor":
             candidates = [c for c in candidates if any(g.tensor for g in c.groups)] or candidates
         else:
-            priced = list(candidates)  # a group declined for the margin is still named among the alternatives
             plain = [c.latency_s for c in candidates if not any(g.tensor for g in c.groups)]
-            if plain:
-                bar = min(plain) * (1 - tensor_margin)
-                candidates = [c for c in candidates if not any(g.tensor for g in c.groups) or c.latency_s <= bar]
+            bar = min(plain, default=math.inf) * (1 - tensor_margin)
+            kept: list[Layout] = []
+            for c in candidates:
+                (declined if any(g.tensor for g in c.groups) and c.latency_s > bar else kept).append(c)
+            candidates = kept
     served = _served(prefer, profiles, link, work, max_seq, profiles) if force == "auto" else None
     if served is not None:
         candidates.append(served)
@@ -206,7 +207,7 @@ def choose_layout(profiles: list[DeviceProfile], link: LinkModel, work: Workload
         raise PlanError("no member, and no pipeline of members, holds the model")
     chosen = _pick(candidates, margin, served, margin if keep_margin is None else keep_margin)
     alternatives: dict[str, float] = {}
-    for lay in [*candidates, *priced]:
+    for lay in [*candidates, *declined]:
         alternatives[lay.kind] = min(alternatives.get(lay.kind, math.inf), lay.latency_s)
     return _explained(chosen, alternatives, fits, force, profiles, link, max_seq)
 
@@ -224,10 +225,10 @@ def _explained(lay: Layout, alternatives: dict, fits: list[DeviceProfile], force
     for g in lay.groups:
         if g.tensor:
             whole = g.tensor_attention == "whole"
-            syncs = (1 if whole else 2) * profiles[0].num_layers + 1
             parts.append(f"a tensor group over {', '.join(g.members)} (every layer split "
                          f"{':'.join(f'{x:.2f}' for x in g.tensor_speeds)}"
-                         f"{', the attention whole on every member' if whole else ''}; {syncs} "
+                         f"{', the attention whole on every member' if whole else ''}; "
+                         f"{exchanges_per_token(profiles[0].num_layers, g.tensor_attention)} "
                          f"exchanges of {link.describe()} a token)")
     others = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(alternatives.items()) if k != lay.kind)
     why = (f"{'; '.join(parts)}; predicted {lay.latency_s:.2f} s per request at {work.describe()}"

@@ -21,6 +21,7 @@ from partition.sequence import StageTiming, build_cut_table, flow_shop_latency, 
 from partition.stagecount import plan_layers
 from partition.layout import Layout, Workload, choose_layout
 from partition.stages import StageAssignment
+from partition.tensor_split import ATTENTIONS
 
 #: how much faster another layout must be predicted than the one served now to re-plan for it
 REPLAN_MARGIN = 0.15
@@ -106,7 +107,7 @@ def make_layout_plan(
     version: PlanVersion = PlanVersion(0),
     prefer=None,
     tensor: bool = False,
-    tensor_attentions: tuple[str, ...] = ("split", "whole"),
+    tensor_attentions: tuple[str, ...] = ATTENTIONS,
 ) -> Plan:
     """The plan of the layout :func:`partition.layout.choose_layout` picks for ``workload`` (``tensor``:
     tensor-parallel groups among the candidates).

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partition.ids import NodeId
+from partition.tensor_split import ATTENTIONS
 
 #: the wire key of a stage's half-open layer range ``[start, stop)``, since meshd 0.3
 RANGE_KEY = "layers_v2"
@@ -164,5 +165,5 @@ def check_tiling(stages: Iterable[StageAssignment], num_layers: int) -> None:
         if s.group and (s.group[0] != s.node_id or len(s.group) < 2 or len(s.group_speeds) != len(s.group)
                         or min(s.group_speeds) <= 0):
             raise ValueError(f"a tensor group is led by its stage's device and names a speed per member: {s}")
-        if s.group_attention not in ("split", "whole"):
+        if s.group_attention not in ATTENTIONS:
             raise ValueError(f"a tensor group holds the attention split or whole, not {s.group_attention!r}: {s}")

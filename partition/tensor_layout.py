@@ -1,9 +1,9 @@
 """A tensor-parallel group's price: its members' shares of the compute, and the exchanges of partial sums.
 
 Why apart from the other layouts' prices: its cost is of another kind — not a layer range per device
-but every layer on every member, and two exchanges of partial sums a layer whose cost is the link's
-round trip — and the split's own rules (``partition.tensor_split``) decide whether a set of members
-can form one at all. Pure.
+but every layer on every member, and one or two exchanges of partial sums a layer whose cost is the
+link's round trip — and the split's own rules (``partition.tensor_split``) decide whether a set of
+members can form one at all. Pure.
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ from partition.layers import stage_memory_bytes
 from partition.link import LinkModel
 from partition.pricing import Group, Workload, batch_ratio, prefill_s
 from partition.profile import DeviceProfile
+from partition.tensor_split import ATTENTIONS, LayerShape, SplitError, split_layers
 
 #: bytes of one activation element between a tensor group's members (float32: the group adds exactly
 #: what an in-process group adds; decoding.tensor_group)
 TENSOR_ACTIVATION_BYTES = 4
 #: what one exchange of partial sums costs beyond the link's round trip: the sockets, the encryption and
-#: the hand-off into and out of the compute thread. Measured (bench/tensor_parallel.py: 108 us an exchange
-#: between two pinned processes on loopback, AMD EPYC VM); a group that measures its own replaces it.
+#: the members' skew. Measured (bench/tensor_parallel.py, two pinned processes on loopback, AMD EPYC VM):
+#: 40 us an exchange alone, 0.1-0.14 ms each inside a decode step with the token's coordination spread
+#: over them; a group that measures its own replaces it.
 TENSOR_EXCHANGE_OVERHEAD_S = 100e-6
 
 
@@ -30,8 +32,6 @@ def tensor_fits(members: list[DeviceProfile], max_seq: int, attention: str = "sp
     (and all of the attention when it is held ``whole``), and the model's heads split over that many
     (partition.tensor_split, blocks of one element: the file's own block widths are checked where the
     members load it)."""
-    from partition.tensor_split import LayerShape, SplitError, split_layers
-
     m = members[0].model
     speeds = tensor_speeds(members, 1)
     try:
@@ -72,6 +72,12 @@ def member_share(p: DeviceProfile, share: float, attention: str) -> float:
     return share
 
 
+def exchanges_per_token(layers: int, attention: str) -> int:
+    """A group's exchanges of partial sums a decode step: the attention's and the MLP's every layer (the
+    MLP's only, when the attention is held whole), and the head's gather."""
+    return (layers if attention == "whole" else 2 * layers) + 1
+
+
 def tensor_speeds(members: list[DeviceProfile], context: int) -> tuple[float, ...]:
     """Each member's relative speed: decode steps per second on its own (the split gives it that share)."""
     return tuple(1.0 / max(float(p.decode_step(context)), 1e-9) for p in members)
@@ -95,7 +101,7 @@ def tensor_candidates(ranked: list[DeviceProfile]) -> list[list[DeviceProfile]]:
 
 def price_tensor_group(members: list[DeviceProfile], link: LinkModel, work: Workload,
                        exchange_overhead_s: float = TENSOR_EXCHANGE_OVERHEAD_S,
-                       attentions: tuple[str, ...] = ("split", "whole"), max_seq: int | None = None) -> Group | None:
+                       attentions: tuple[str, ...] = ATTENTIONS, max_seq: int | None = None) -> Group | None:
     """A tensor-parallel group over ``members`` holding every layer, in the cheaper of ``attentions`` that
     fits (``max_seq``: the KV cache it must hold; None: not checked): None when none does."""
     priced = [_price_tensor_group(members, link, work, exchange_overhead_s, a) for a in attentions
@@ -116,7 +122,7 @@ def _price_tensor_group(members: list[DeviceProfile], link: LinkModel, work: Wor
     total = sum(speeds)
     lead = members[0]
     L, hidden = lead.num_layers, lead.model.hidden_size
-    syncs = (L if attention == "whole" else 2 * L) + 1
+    syncs = exchanges_per_token(L, attention)
 
     def exchanges_s(rows: int) -> float:
         return syncs * (float(link.activation_transfer_s(rows, hidden, TENSOR_ACTIVATION_BYTES))

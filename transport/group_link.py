@@ -1,9 +1,9 @@
 """A tensor-parallel group's links: the partial sums of every layer, exchanged in the compute thread.
 
-Why not the stage links: a decode step of a split model makes two reductions a layer (56 on a 28-layer
-model), each a few kilobytes that the next half-layer waits for. An asyncio hop per reduction would cost
-more than the product it joins, so the group's sockets are blocking ones, used only by the thread that
-computes, with the GIL released while they wait. They are CurveZMQ all the same: each member listens on
+Why not the stage links: a decode step of a split model makes one or two reductions a layer (up to 56 on
+a 28-layer model), each a few kilobytes that the next half-layer waits for. An asyncio hop per reduction
+would cost more than the product it joins, so the group's sockets are used only by the thread that
+computes, with the GIL released while they wait. The group forms over CurveZMQ: each member listens on
 one ROUTER socket that admits only the group's member keys (a ZAP handler in its own thread) and reaches
 every other member through a DEALER that checks that member's server key — encrypted and authenticated
 both ways, like every other link of the home.
@@ -44,7 +44,7 @@ from transport.log import get_logger
 
 log = get_logger("transport.group_link")
 
-_HEADER = struct.Struct("<BII")  # kind, pass, exchange within the pass
+_HEADER = group_stream.HEADER  # kind, pass, exchange within the pass
 _IDENTITY = struct.Struct("<HI")  # rank, epoch (the plan the links were formed for)
 _HELLO_BODY = struct.Struct(f"<{group_stream.KX_PUBLIC_BYTES}sH")  # a member's stream key and port
 _PARTIAL, _COMMAND, _HELLO = 1, 2, 3
@@ -365,8 +365,7 @@ class GroupLink:
     def _stream_address(self, rank: int) -> tuple[str, int]:
         peer = self._peers[rank]
         if peer.data_endpoint:
-            host, port = _host_port(peer.data_endpoint)
-            return host, port
+            return _host_port(peer.data_endpoint)
         return _host_port(peer.endpoint)[0], self._hellos[rank][1]
 
     @staticmethod
@@ -375,9 +374,9 @@ class GroupLink:
         return np.frombuffer(payload, dtype=like.dtype).reshape(*like.shape[:-1], -1)
 
     def _receive(self, wanted, timeout_s: float | None):
-        """The next message ``wanted(kind, rank, pass, number)`` accepts; others wait in ``_early``. Raises
-        :class:`GroupLost` as soon as a member's link drops, :meth:`abort` is called, or the members are
-        out of step (the first member moved on to a later pass while this one waits in an earlier one).
+        """The next CurveZMQ message ``wanted(kind, rank, pass, number)`` accepts (a command or a stream's
+        hello; the partial sums come on the streams); a command not wanted waits in ``_commands``. Raises
+        :class:`GroupLost` as soon as a member's link drops or :meth:`abort` is called.
 
         The inbox is read with a blocking receive (its timeout a short slice): polling every socket for
         every message would cost more than the message. The links' monitors are read between slices."""

@@ -30,9 +30,8 @@ import nacl.bindings as sodium
 from decoding.tensor_group import GroupLost
 
 _LENGTH = struct.Struct("<I")
-_HEADER = struct.Struct("<BII")  # kind, pass, exchange within the pass
+HEADER = struct.Struct("<BII")  # kind, pass, exchange within the pass (the group's CurveZMQ messages too)
 _PREAMBLE = struct.Struct("<HI")  # the dialling member's rank and plan epoch, in clear (keys are chosen by it)
-_SEAL = sodium.crypto_secretstream_xchacha20poly1305_ABYTES
 _STREAM_HEADER = sodium.crypto_secretstream_xchacha20poly1305_HEADERBYTES
 KX_PUBLIC_BYTES = sodium.crypto_kx_PUBLIC_KEY_BYTES
 #: the first frame each side sends: proves it holds the session keys (a stranger cannot make one)
@@ -65,13 +64,9 @@ class SealedStream:
     def seal(self, kind: int, number_pass: int, number: int, payload) -> None:
         """Queue a frame (:meth:`flush` sends it)."""
         sealed = sodium.crypto_secretstream_xchacha20poly1305_push(
-            self._push, _HEADER.pack(kind, number_pass, number) + bytes(payload))
+            self._push, HEADER.pack(kind, number_pass, number) + bytes(payload))
         self._out += _LENGTH.pack(len(sealed))
         self._out += sealed
-
-    @property
-    def sending(self) -> bool:
-        return bool(self._out)
 
     def flush(self) -> bool:
         """Send what the socket takes now; whether everything queued has gone."""
@@ -118,8 +113,8 @@ class SealedStream:
             message, _ = sodium.crypto_secretstream_xchacha20poly1305_pull(self._pull, sealed)
         except Exception as exc:  # noqa: BLE001 - libsodium's refusal, whatever PyNaCl names it
             raise GroupLost(f"a frame from group member {self.peer} failed authentication") from exc
-        kind, number_pass, number = _HEADER.unpack_from(message)
-        return kind, number_pass, number, memoryview(message)[_HEADER.size:]
+        kind, number_pass, number = HEADER.unpack_from(message)
+        return kind, number_pass, number, memoryview(message)[HEADER.size:]
 
     def close(self) -> None:
         try:
@@ -163,7 +158,7 @@ def accept(listener: socket.socket, own_kx: tuple[bytes, bytes], peers_kx: dict[
     not all of its opening within ``timeout_s``: a caller cannot hold the group's formation longer)."""
     try:
         sock, _ = listener.accept()
-    except (OSError, BlockingIOError):  # nobody called within the listener's timeout (or a failed accept)
+    except OSError:  # nobody called within the listener's timeout (or a failed accept)
         return None
     deadline = time.monotonic() + timeout_s
     try:
@@ -188,7 +183,7 @@ def accept(listener: socket.socket, own_kx: tuple[bytes, bytes], peers_kx: dict[
 
 
 def _first_frame(push) -> bytes:
-    sealed = sodium.crypto_secretstream_xchacha20poly1305_push(push, _HEADER.pack(OPEN, 0, 0))
+    sealed = sodium.crypto_secretstream_xchacha20poly1305_push(push, HEADER.pack(OPEN, 0, 0))
     return _LENGTH.pack(len(sealed)) + sealed
 
 
@@ -202,7 +197,7 @@ def _check_first_frame(sock: socket.socket, pull, peer: int, **wait) -> None:
         raise
     except Exception as exc:  # noqa: BLE001 - libsodium's refusal
         raise GroupLost(f"group member {peer}'s stream failed authentication") from exc
-    if _HEADER.unpack_from(message)[0] != OPEN:
+    if HEADER.unpack_from(message)[0] != OPEN:
         raise GroupLost(f"group member {peer}'s stream did not open with its first frame")
 
 

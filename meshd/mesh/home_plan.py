@@ -30,6 +30,7 @@ from partition.ids import NodeId, PlanVersion
 from partition.cuttable import CutTable
 from partition.plan import DEFAULT_LINK, PLAN_MAX_SEQ, PLAN_SEQ_LEN, Plan
 from partition.stages import StageAssignment
+from partition.tensor_split import ATTENTIONS
 
 __all__ = ["DEFAULT_LINK", "PLAN_MAX_SEQ", "PLAN_SEQ_LEN", "MemberInput", "PlanIssuer", "equal_split",
            "plan_home", "chunks_prompts", "home_cut_table", "stage_timings_over", "shipped_profiles_dir", "default_profile",
@@ -116,7 +117,7 @@ def _device_profiles(members: list[MemberInput], weights: str, model: str) -> li
 def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int,
               weights: str = "", model: str = "", layout: str = "pipeline", workload=None,
               current: Plan | None = None, tensor: bool = False,
-              tensor_attentions: tuple[str, ...] = ("split", "whole")) -> Plan:
+              tensor_attentions: tuple[str, ...] = ATTENTIONS) -> Plan:
     """The leader's plan over ``members``, without its cut table (:class:`PlanIssuer` adds that).
 
     ``layout`` "pipeline": ``partition.planner.make_plan`` (one pipeline); "auto"/"replicas":

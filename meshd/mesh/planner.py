@@ -20,6 +20,7 @@ from meshd.mesh.view import MeshView
 from meshd.mesh.home_plan import MemberInput, PlanIssuer, model_name, not_planned, plan_home, plannable_members
 from partition.ids import NodeId, PlanVersion
 from partition.plan import Plan
+from partition.tensor_split import ATTENTIONS
 from transport.messages import PlanUpdate
 
 log = get_logger("meshd.planner")
@@ -130,7 +131,8 @@ class Planner:
         # tensor groups among the layouts "auto" prices: members that all take a seat, in the gguf mode
         tensor = layout == "tensor" or (layout == "auto" and self.weights_mode == "gguf"
                                         and all(Cap.TENSOR_GROUPS in self.view.caps_of(n) for n in ready))
-        attentions = (("split", "whole") if all(Cap.TENSOR_WHOLE_ATTENTION in self.view.caps_of(n) for n in ready)
+        # the attention held whole only where every member knows to (else a member would split it)
+        attentions = (ATTENTIONS if all(Cap.TENSOR_WHOLE_ATTENTION in self.view.caps_of(n) for n in ready)
                       else ("split",))
         plan_over = lambda ids: plan_home(version, node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
                                           self.weights_mode, model, layout, self.workload(), current, tensor,
