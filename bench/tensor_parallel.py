@@ -242,29 +242,17 @@ def planner_choice(model_path: str, one_ms: float, link: str, prompt_len: int, t
     mode), scaled so its decode step is the one measured here, priced with tensor groups among the layouts.
     Loopback is priced as a 10 Gbit/s, 0.01 ms link: an exchange between two pinned processes here costs the
     planner's per-exchange overhead and next to no round trip (bench RESULTS)."""
-    import dataclasses
-
-    from decoding.loader import open_model
-    from meshd.mesh.home_plan import shipped_profiles
+    from bench._profiles import measured_profile, priced_link
     from partition.layout import Workload, choose_layout
-    from partition.link import parse_link
-    from partition.profile import DeviceProfile
-    from partition.scaling import scale
 
-    layers = open_model(model_path).config.num_layers
-    shipped = [DeviceProfile.from_dict(d) for d in shipped_profiles()]
-    base = next((p for p in shipped if p.num_layers == layers and p.model.identity.split("@")[0] in model_path), None)
-    base = base or next((p for p in shipped if p.num_layers == layers), None)
-    if base is None:
+    devs = measured_profile(model_path, one_ms / 1000, prompt_len + tokens // 2)
+    if devs is None:
         return {"kind": None, "why": "no shipped profile of this model's layer count"}
-    context = prompt_len + tokens // 2
-    dev = scale(base, float(base.decode_step(context)) * 1000 / one_ms)
-    devs = [dataclasses.replace(dev, device_id=n, memory_budget_bytes=24 << 30) for n in ("a", "b")]
-    lay = choose_layout(devs, parse_link("10gbit,0.01ms" if link == "loopback" else link),
+    lay = choose_layout(devs, priced_link(link),
                         Workload(prompt_len, tokens, 0.0, 1), 4096, tensor=True)
     attention = next((g.tensor_attention for g in lay.groups if g.tensor), None)
     return {"kind": lay.kind, "attention": attention,
-            "predicted_s": {k: round(v, 3) for k, v in lay.alternatives.items()}, "profile": base.model.identity}
+            "predicted_s": {k: round(v, 3) for k, v in lay.alternatives.items()}, "profile": devs[0].model.identity}
 
 
 def _json_line(p, key: str | None = None) -> dict:

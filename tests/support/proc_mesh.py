@@ -10,6 +10,7 @@ namespace instead (with :func:`stage_env`, so the stage module resolves).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from meshd.pipeline.coordinator.service import PipelineCoordinator
-from meshd.pipeline.route import Route, StageEndpoint
+from meshd.pipeline.route import GroupSeat, Route, StageEndpoint
 from tests.support.repo import ROOT
 
 Launcher = Callable[[int, list[str]], subprocess.Popen]
@@ -73,6 +74,9 @@ class ProcessMesh:
     # ``ranges`` each cover every layer); the coordinator routes each request
     # (meshd.pipeline.coordinator.routes)
     groups: list[int] | None = None
+    # every stage process is a member of one tensor group holding ``ranges[0]`` (all ``ranges`` equal), with
+    # the attention held this way (partition.tensor_split.ATTENTIONS); None: no group. Needs gguf weights.
+    tensor: str | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
 
@@ -103,8 +107,11 @@ class ProcessMesh:
             rip, rport = reach(i, hosts[i], port)
             stages.append(StageEndpoint(f"dev{i}", f"tcp://{rip}:{rport}", keys[f"dev{i}"], a, b))
         stages = tuple(stages)
-        groups = self.groups or [n]
-        assert sum(groups) == n, "groups must add up to the stages"
+        if self.tensor:
+            stages = (self._group_stage(stages, hosts),)
+            self.group_binds = [s.address for s in stages[0].group]
+        groups = self.groups or [len(stages)]
+        assert sum(groups) == len(stages), "groups must add up to the stages"
         self.routes, k = [], 0
         for index, size in enumerate(groups):
             self.routes.append(Route(1, stages[k:k + size], index=index))
@@ -118,21 +125,25 @@ class ProcessMesh:
         for route in self.routes:
             route_files[route.index] = self.root / f"route{route.index}.json"
             route_files[route.index].write_text(json.dumps({
-                "plan_version": 1, "index": route.index, "stages": [s.__dict__ for s in route.stages],
+                "plan_version": 1, "index": route.index, "stages": [dataclasses.asdict(s) for s in route.stages],
                 "directory": {"coord": [coord_addr, keys["coord"]]}}))
         self.node = TransportNode("coord", state_dir=dirs["coord"], curve=self.curve)
         await self.node.start()
         directory = {s.node_id: (s.address, s.public_key) for s in stages}
+        in_route = {st.node_id: r.index for r in self.routes for st in r.stages}
         self.coord = PipelineCoordinator(self.node, "coord", directory.__getitem__, token_timeout_s=300,
                                          activation_dtype=self.activation_dtype, prefix_cache=self.prefix_cache)
         await self.coord.start(coord_bind)
         self.coord.address = coord_addr  # what the last stage dials (maybe through a delay proxy)
-        for i, st in enumerate(stages):
+        for i in range(n):
+            node_id = f"dev{i}"
             cores = self.cores[i] if self.cores else [i % ncpu]
-            argv = [sys.executable, "-m", "tests.support.stage_proc", "--node-id", st.node_id,
-                    "--state-dir", str(dirs[st.node_id]), "--bind", binds[i],
-                    "--route", str(route_files[next(r.index for r in self.routes if st in r.stages)]),
+            argv = [sys.executable, "-m", "tests.support.stage_proc", "--node-id", node_id,
+                    "--state-dir", str(dirs[node_id]), "--bind", binds[i],
+                    "--route", str(route_files[in_route.get(node_id, 0)]),
                     "--threads", str(self.threads), "--cores", ",".join(map(str, cores))]
+            if self.tensor:
+                argv += ["--group-bind", self.group_binds[i]]
             if self.model:
                 argv += ["--model", str(self.model)]
             if self.activation_dtype:
@@ -168,6 +179,15 @@ class ProcessMesh:
         for route in self.routes:
             await self.coord.wait_ready(route)
         return self
+
+    def _group_stage(self, stages: tuple[StageEndpoint, ...], hosts: list[str]) -> StageEndpoint:
+        """One stage held by every process as a tensor group of equal speeds, led by ``dev0``."""
+        assert len(set(self.ranges)) == 1, "a tensor group's members hold the same layers"
+        assert self.reach is None, "a tensor group's links are not proxied here"
+        seats = tuple(GroupSeat(s.node_id, f"tcp://{hosts[i]}:{free_port(hosts[i])}", s.public_key)
+                      for i, s in enumerate(stages))
+        return dataclasses.replace(stages[0], group=seats, group_speeds=(1.0,) * len(seats),
+                                   group_attention=self.tensor)
 
     async def stage_status(self, timeout_s: float = 10.0) -> list[dict]:
         """Every stage process's status now, in stage order (each writes it on SIGUSR1; see stage_proc)."""

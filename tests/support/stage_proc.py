@@ -7,7 +7,8 @@ pipeline by hand, from the repository root (the daemon never runs it):
     python -m tests.support.stage_proc --node-id dev0 --state-dir /tmp/dev0 \\
         --bind tcp://127.0.0.1:7501 --route route.json [--threads 1] [--model PATH] [--device cuda]
 
-``route.json``: {"plan_version": 1, "stages": [{"node_id", "address", "public_key", "first", "end"}],
+``route.json``: {"plan_version": 1, "stages": [{"node_id", "address", "public_key", "first", "end"[, "group",
+"group_speeds", "group_attention"]}],
 "directory": {"node_id": ["address", "public_key"], ...}} — the directory also names coordinators.
 Prints ``READY <address>`` on stdout once its layers are loaded; stops on SIGTERM/SIGINT. On SIGUSR1
 it writes its status (the stage service's, prefix-cache counters included) to ``STATUS_FILE`` in its
@@ -34,11 +35,14 @@ STATUS_FILE = "stage-status.json"  # written into --state-dir on SIGUSR1: {"seri
 
 
 def load_route(path: str):
-    from meshd.pipeline.route import Route, StageEndpoint
+    from meshd.pipeline.route import GroupSeat, Route, StageEndpoint
+
+    def stage(s: dict) -> StageEndpoint:
+        return StageEndpoint(**{**s, "group": tuple(GroupSeat(**g) for g in s.get("group", ())),
+                                "group_speeds": tuple(s.get("group_speeds", ()))})
 
     raw = json.loads(open(path).read())
-    route = Route(int(raw["plan_version"]), tuple(StageEndpoint(**s) for s in raw["stages"]),
-                  index=int(raw.get("index", 0)))
+    route = Route(int(raw["plan_version"]), tuple(stage(s) for s in raw["stages"]), index=int(raw.get("index", 0)))
     directory = {k: tuple(v) for k, v in raw.get("directory", {}).items()}
     for s in route.stages:
         directory.setdefault(s.node_id, (s.address, s.public_key))
@@ -62,6 +66,8 @@ async def serve(args) -> int:
                        **({} if args.progress_every is None else {"progress_every_s": args.progress_every}),
                        **({} if args.max_batch_tokens is None else {"max_batch_tokens": args.max_batch_tokens}))
     address = await svc.start(args.bind)
+    if args.group_bind:
+        svc.take_groups_at(args.group_bind)
     await svc.deploy(route)
     if args.slow_layers > 1:
         slow_layers(svc.stage, args.slow_layers)
@@ -122,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bind", required=True)
     ap.add_argument("--route", required=True)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--group-bind", default="", help="where this device's tensor-group links bind (tcp://host:port), "
+                    "when the route seats it in a group")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cores", default=None, help="comma-separated CPU cores to pin to")
     ap.add_argument("--activation-dtype", default=None, choices=[None, "float16", "bfloat16"])

@@ -15,7 +15,14 @@ from partition.tensor_split import split_layers
 
 def run_group(stage, n: int, prompt: torch.Tensor, steps: int, speeds=None, per_op: bool = False,
               attention: str = "split"):
-    """Each member in its own thread; returns (members' logits [steps + 1, vocab], greedy tokens)."""
+    """Each member in its own thread; returns per member (its logits [steps + 1, vocab], greedy tokens)."""
+    return [per_prompt[0] for per_prompt in run_group_many(stage, n, [prompt], steps, speeds, per_op, attention)]
+
+
+def run_group_many(stage, n: int, prompts: list[torch.Tensor], steps: int, speeds=None, per_op: bool = False,
+                   attention: str = "split"):
+    """One split of ``stage`` decoding every prompt alone, one after another (the exact reference for a group
+    serving them together, whatever else it batches); returns per member, per prompt (logits, tokens)."""
     split = split_layers(layer_shape(stage), n, speeds, attention)
     group = ThreadGroup(n, timeout_s=120)
     members = [member_stage(stage, m, group.member(m.rank)) for m in split.members]
@@ -26,9 +33,11 @@ def run_group(stage, n: int, prompt: torch.Tensor, steps: int, speeds=None, per_
     def member(rank: int):
         try:
             if rank == 0:
-                out[0] = decode(members[0], prompt, steps, per_op, lambda t: [q.put(t) for q in chosen[1:]])
+                tell = lambda t: [q.put(t) for q in chosen[1:]]  # noqa: E731
+                out[0] = [decode(members[0], p, steps, per_op, tell) for p in prompts]
             else:
-                out[rank] = decode(members[rank], prompt, steps, per_op, take=lambda: chosen[rank].get(timeout=120))
+                take = lambda: chosen[rank].get(timeout=120)  # noqa: E731
+                out[rank] = [decode(members[rank], p, steps, per_op, take=take) for p in prompts]
         except BaseException as exc:  # noqa: BLE001 - reported below
             out[rank] = exc
             group.abort()
@@ -37,7 +46,7 @@ def run_group(stage, n: int, prompt: torch.Tensor, steps: int, speeds=None, per_
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=300)
+        t.join(timeout=300 + 60 * len(prompts))
     for o in out:
         if isinstance(o, BaseException):
             raise o
@@ -49,8 +58,9 @@ def decode(stage, prompt: torch.Tensor, steps: int, per_op: bool = False, tell=N
     of the vocabulary), which the first member ``tell``s."""
     if per_op:
         stage._decode_steps = False  # the per-operation path for every row
-    kv = stage.new_cache(512)
-    kv.create("s", 64)
+    need = len(prompt) + steps + 1
+    kv = stage.new_cache(max(512, need))
+    kv.create("s", max(64, need))
     logits = [stage.forward(kv, "s", prompt, all_logits=False)[-1]]
     tokens = []
     for _ in range(steps):
