@@ -21,6 +21,8 @@ from typing import Any
 
 from meshd.errors import MeshdError
 from meshd.paths import default_socket_path, default_state_dir
+from partition.errors import PartitionError
+from partition.link import DEFAULT_LINK, parse_link
 
 DEFAULT_CONFIG_PATH = Path("/etc/meshd/meshd.toml")
 # The spellings decoding.device accepts, repeated so reading a config never imports torch.
@@ -86,6 +88,10 @@ class Config:
     # pipeline), "replicas" (every member that holds the whole model runs it alone), "tensor" (members
     # split every layer between them). The leader's setting decides.
     layout: str = "auto"
+    # The link between members the leader prices its layouts over (BANDWIDTH[,RTT]): the default is a home
+    # Wi-Fi hop; a wired LAN ("1gbit,0.3ms") lets it choose a tensor group where one pays. `meshd status`
+    # shows each link's measured round trip to set it by.
+    link: str = DEFAULT_LINK
     cloud_budget: float = 0.2  # share of drafted chunks a paired cloud verifier checks (0..1; 1 = every one)
     cloud_min_timeout_s: float = 1.0  # the shortest wait for a verdict before the chunk is committed locally
     invite_ttl_s: float = 15 * 60
@@ -135,6 +141,11 @@ class Config:
             raise ConfigError(f"prefix_cache_share must be between 0 and 1, got {self.prefix_cache_share}")
         if self.layout not in ("auto", "pipeline", "replicas", "tensor"):
             raise ConfigError(f"layout must be auto, pipeline, replicas or tensor, got {self.layout!r}")
+        self.link = str(self.link).strip().lower()
+        try:
+            parse_link(self.link)
+        except PartitionError as exc:
+            raise ConfigError(f"link: {exc}") from None
         self.pin_prompts = [str(p).strip() for p in self.pin_prompts if str(p).strip()]
         if not 0.0 <= self.exit_threshold <= 1.0:
             raise ConfigError(f"exit_threshold must be between 0 (off) and 1, got {self.exit_threshold}")

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from partition.errors import PartitionError
 
 
+DEFAULT_LINK = "100mbit,2ms"  # the link a home is priced over unless told: a typical home Wi-Fi hop
+
+
 class LinkSpecError(PartitionError):
     """A ``--link`` value that cannot be understood."""
 

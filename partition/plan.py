@@ -24,7 +24,7 @@ from typing import Any
 from partition.cuttable import CutTable
 from partition.errors import PartitionError
 from partition.ids import NodeId, PlanVersion
-from partition.link import LinkModel
+from partition.link import DEFAULT_LINK, LinkModel  # noqa: F401 - DEFAULT_LINK: spelled here since 0.2
 from partition.log import get_logger
 from partition.stages import StageAssignment, check_tiling, group_routes, range_from_wire, range_to_wire
 
@@ -35,7 +35,6 @@ PLAN_SCHEMA_VERSION = 2  # 2: stages say "end_layer" (exclusive); 1 said "last_l
 # What a home plans for (the daemon's planner and every member's status agree on these)
 PLAN_SEQ_LEN = 512  # prompt length the layer split is balanced for
 PLAN_MAX_SEQ = 2048  # KV capacity every stage must fit; the cut table covers prompts up to it
-DEFAULT_LINK = "100mbit,2ms"  # a typical home Wi-Fi hop
 
 
 def json_digest(obj: Any) -> str:

@@ -74,6 +74,9 @@ _FLAGS = [
                                 "(default: priced per workload), pipeline (one pipeline over the members), "
                                 "replicas (every member holding the whole model runs it alone), tensor "
                                 "(members split every layer between them, gguf mode)"),
+    ("--link", "link", str, "the link between members the leader prices layouts over, BANDWIDTH[,RTT] "
+                            "(default 100mbit,2ms: a Wi-Fi hop; e.g. 1gbit,0.3ms on a wired LAN, where a "
+                            "tensor group may pay; 'meshd status' shows measured round trips)"),
     ("--exit-threshold", "exit_threshold", float, "early exits (Synera, lossy) for requests that do not say: "
                                                   "a token leaves the model where its top-2 margin clears "
                                                   "this, 0..1 (default 0: off; 0.7 is the paper's)"),

@@ -117,7 +117,7 @@ def _device_profiles(members: list[MemberInput], weights: str, model: str) -> li
 def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], num_layers: int,
               weights: str = "", model: str = "", layout: str = "pipeline", workload=None,
               current: Plan | None = None, tensor: bool = False,
-              tensor_attentions: tuple[str, ...] = ATTENTIONS) -> Plan:
+              tensor_attentions: tuple[str, ...] = ATTENTIONS, link: str = DEFAULT_LINK) -> Plan:
     """The leader's plan over ``members``, without its cut table (:class:`PlanIssuer` adds that).
 
     ``layout`` "pipeline": ``partition.planner.make_plan`` (one pipeline); "auto"/"replicas":
@@ -126,7 +126,8 @@ def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
     clearly faster (``partition.planner.REPLAN_MARGIN``). Either needs every member's usable profile; else an
     equal split (one pipeline) that says why in ``reason``. ``tensor``: tensor-parallel groups are among
     the layouts "auto" prices (``layout`` "tensor" forces one), holding the attention as the cheaper of
-    ``tensor_attentions`` has it.
+    ``tensor_attentions`` has it. ``link``: the members' link the layouts are priced over (the cut table
+    stays on ``DEFAULT_LINK``: members of an older leader compute the same one themselves).
     """
     from partition.link import parse_link
     from partition.planner import make_layout_plan, make_plan
@@ -143,10 +144,10 @@ def plan_home(version: PlanVersion, leader: NodeId, members: list[MemberInput], 
             if devs[0].num_layers != num_layers:
                 raise ValueError(f"profiles are for {devs[0].num_layers} layers, model has {num_layers}")
             if layout == "pipeline":
-                best = make_plan(devs, parse_link(DEFAULT_LINK), PLAN_MAX_SEQ, plan_seq_len=PLAN_SEQ_LEN,
+                best = make_plan(devs, parse_link(link), PLAN_MAX_SEQ, plan_seq_len=PLAN_SEQ_LEN,
                                  with_cut_table=False, version=version)
             else:
-                best = make_layout_plan(devs, parse_link(DEFAULT_LINK), PLAN_MAX_SEQ, workload=workload,
+                best = make_layout_plan(devs, parse_link(link), PLAN_MAX_SEQ, workload=workload,
                                         layout=layout, plan_seq_len=PLAN_SEQ_LEN, with_cut_table=False,
                                         version=version, prefer=served_routes(current), tensor=tensor,
                                         tensor_attentions=tensor_attentions)

@@ -136,7 +136,7 @@ class Planner:
                       else ("split",))
         plan_over = lambda ids: plan_home(version, node_id, self._plan_inputs(ids), num_layers,  # noqa: E731
                                           self.weights_mode, model, layout, self.workload(), current, tensor,
-                                          attentions)
+                                          attentions, self.config.link)
         plan = plan_over(ready)
         if self.sharing is not None:  # a plan waits for members still fetching its layers (meshd.share.gate)
             plan = self.sharing.gate(plan, current, ready, model, plan_over)

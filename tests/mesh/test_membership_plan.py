@@ -360,3 +360,28 @@ def test_a_conflict_is_settled_even_while_a_new_plan_waits_for_members_to_fetch_
     c.planner.maybe_replan()
     assert c.plan.version == 3 and c.plan.stages == ours.stages and not c.conflict
     assert [m.plan_version for n, m in c.link.sent if type(m).__name__ == "PlanUpdate"] == [3]
+
+
+def test_the_leader_prices_the_link_it_is_told_and_a_wired_lan_lets_a_tensor_group_form():
+    """Over the default link (a Wi-Fi hop) the split's 57 round trips a token lose; told the members share
+    a wired gigabit LAN, the same home of two 1.5B devices is split layer by layer, and the plan says why."""
+    import json
+
+    from meshd.mesh.home_plan import shipped_profiles_dir
+
+    prof = json.loads((shipped_profiles_dir() / "x86_64-2core-1thread-packed-qwen2.5-coder-1.5b.json").read_text())
+    members = [MemberInput("a", 8000, prof), MemberInput("b", 8000, prof)]
+    layers = prof["model"]["num_layers"]
+    wifi = plan_home(1, "a", members, layers, weights="gguf", layout="auto", tensor=True)
+    wired = plan_home(1, "a", members, layers, weights="gguf", layout="auto", tensor=True, link="1gbit,0.3ms")
+    assert not any(s.group for s in wifi.stages)
+    (stage,) = wired.stages
+    assert stage.group == ("a", "b") and "0.3 ms RTT" in wired.reason and "1000 Mbit/s" in wired.reason
+
+
+def test_a_link_the_config_cannot_read_is_refused_at_start_up():
+    from meshd.config import Config, ConfigError
+
+    assert Config(link=" 1Gbit,0.3ms ").validate().link == "1gbit,0.3ms"
+    with pytest.raises(ConfigError, match="link"):
+        Config(link="fast").validate()
