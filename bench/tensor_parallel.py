@@ -5,7 +5,9 @@ partial sums travel over its CurveZMQ links (``transport.group_link``) on loopba
 prefills the same prompt and decodes the same greedy tokens; the figure is decode tokens/s after two
 warm-up tokens. ``agreement`` is the share of the group's greedy tokens equal to one device's (the group
 adds its partial sums in another order, so last bits may differ); ``deterministic``: the group gives the
-same tokens twice.
+same tokens twice. ``models[].fidelity``: perplexity on ``tests/data/fidelity.txt`` (teacher forced) of float32,
+one gguf device and the group holding the attention each way, with each one's greedy agreement with float32
+and the group's with one gguf device.
 
     python bench/tensor_parallel.py [--quick] [--json] [--models embedded,qwen2.5-coder-0.5b-instruct,...]
         [--tokens 48] [--llama-bin DIR]
@@ -305,6 +307,8 @@ def main() -> int:
     ap.add_argument("--no-pipeline", action="store_true", help="skip the 2-stage pipeline figure")
     ap.add_argument("--batch", type=int, default=4, help="also decode this many requests at once in one pass "
                     "(one device batched vs the group batched; 1: skip)")
+    ap.add_argument("--no-fidelity", action="store_true", help="skip the group's distance from one device and "
+                    "from float32 (perplexity on tests/data/fidelity.txt; always skipped by --quick)")
     ap.add_argument("--quick", action="store_true", help="24 tokens, one repeat")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -328,6 +332,16 @@ def main() -> int:
         one_tok = max(r["decode_tok_s"] for r in one["runs"])
         ref = one["runs"][0]["tokens"]
         lc = llama_cpp(Path(args.llama_bin), path, args.tokens)
+        fid = None
+        if not (args.quick or args.no_fidelity):  # the group's sums in another order: how far that moves it
+            from bench._fidelity import fidelity
+
+            fid = fidelity(Path(path), ["gguf", "tensor2:split", "tensor2:whole"])
+            print(f"{name} fidelity on {fid['tokens']} tokens: " + "; ".join(
+                f"{m} perplexity {r['perplexity']:.4f} ({100 * r['perplexity_gap']:+.2f} % vs float32), agreement "
+                f"{r['top1_agreement']:.4f}" + (f", with one gguf device {r['top1_agreement_one_device']:.4f}"
+                                               if "top1_agreement_one_device" in r else "")
+                for m, r in fid["modes"].items()), flush=True)
         for link in links:
             tb = None
             if link != "loopback":
@@ -373,6 +387,7 @@ def main() -> int:
                                      "tensor2": two["runs"][0].get("batched_tok_s")},
                    "speedup_batched": (round(two["runs"][0]["batched_tok_s"] / one["runs"][0]["batched_tok_s"], 3)
                                        if args.batch > 1 else None),
+                   "fidelity": fid,
                    "prefill_s": {"one": round(min(r["prefill_s"] for r in one["runs"]), 4),
                                  "tensor2": round(min(r["prefill_s"] for r in two["runs"]), 4)}}
             rows.append(row)

@@ -53,6 +53,37 @@ def run_group_many(stage, n: int, prompts: list[torch.Tensor], steps: int, speed
     return out
 
 
+def group_logits(stage, n: int, chunks: list[torch.Tensor], speeds=None, attention: str = "split") -> list[torch.Tensor]:
+    """Every position's logits of each chunk (a fresh sequence each) as the group's first member gathers them:
+    the group's teacher-forced view of a text, for its distance from one device."""
+    split = split_layers(layer_shape(stage), n, speeds, attention)
+    group = ThreadGroup(n, timeout_s=600)
+    members = [member_stage(stage, m, group.member(m.rank)) for m in split.members]
+    out: list = [None] * n
+
+    def member(rank: int):
+        try:
+            got = []
+            for c in chunks:
+                kv = members[rank].new_cache(len(c) + 8)
+                kv.create("f", len(c) + 8)
+                got.append(members[rank].forward(kv, "f", c, all_logits=True).float())
+            out[rank] = got
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out[rank] = exc
+            group.abort()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
+    return out[0]
+
+
 def decode(stage, prompt: torch.Tensor, steps: int, per_op: bool = False, tell=None, take=None):
     """Greedy steps; a member after the first ``take``s the first member's token (it holds only its share
     of the vocabulary), which the first member ``tell``s."""
