@@ -67,6 +67,59 @@ def test_a_forked_sequence_reads_its_prefix_in_place_with_the_same_bits(smol):
     assert torch.equal(decode(slow, prompt, 8, fork_at=64), want)
 
 
+def decode_together(stage, prompts: list[torch.Tensor], steps: int, threads: int = 1, fork_first_at: int = 0):
+    """Every prompt's sequence prefilled alone, then ``steps`` greedy steps of all of them in one pass a step
+    (requests decoding together); the first one reads its first ``fork_first_at`` positions from a parent.
+    Returns each sequence's logits as :func:`decode` does."""
+    from decoding.batch import BatchItem
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kv = stage.new_cache(4096)
+        outs = []
+        for i, prompt in enumerate(prompts):
+            if i == 0 and fork_first_at:
+                kv.create("parent", 256)
+                stage.forward(kv, "parent", prompt[:fork_first_at], all_logits=False)
+                kv.fork("parent", "s0", fork_first_at)
+                outs.append([stage.forward(kv, "s0", prompt[fork_first_at:], all_logits=False)[-1]])
+            else:
+                kv.create(f"s{i}", 64)
+                outs.append([stage.forward(kv, f"s{i}", prompt, all_logits=False)[-1]])
+        for _ in range(steps):
+            items = [BatchItem(f"s{i}", o[-1].argmax().view(1), all_logits=False) for i, o in enumerate(outs)]
+            for o, got in zip(outs, stage.forward_batch(kv, items)):
+                o.append(got[-1])
+        return [torch.stack(o) for o in outs]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_sequences_decoding_together_take_one_call_and_each_gets_its_bits_alone(smol):
+    """Requests decoding together (two people at once, a replica's batch): one kernel call a step for every
+    row, their products taken at once, each row's cache its own (one of them a forked prefix) — and each
+    sequence's logits equal to its decoding alone, on either path, at any thread count."""
+    source, fast, slow = smol
+    texts = ["A home is a collection of small systems. " * 10, "Turn on the kitchen light", "Why is the sky blue?"]
+    prompts = [torch.tensor(source.tokenizer.encode(t)) for t in texts]
+    alone = [decode(slow, p, 10) for p in prompts]
+    calls = []
+    real = fast.decode_steps.run
+    fast.decode_steps.run = lambda kv, items, *a: calls.append(len(items)) or real(kv, items, *a)
+    try:
+        together = decode_together(fast, prompts, 10, fork_first_at=64)
+    finally:
+        fast.decode_steps.run = real
+    assert calls.count(3) == 10  # every step of the three sequences in one call
+    for got, want in zip(together, alone):
+        assert torch.equal(got, want)
+    for got, want in zip(decode_together(slow, prompts, 10, threads=2), alone):
+        assert torch.equal(got, want)
+    for got, want in zip(decode_together(fast, prompts, 10, threads=2), alone):
+        assert torch.equal(got, want)
+
+
 def test_q_k_v_biases_go_through_the_step_too(tmp_path):
     """Qwen2's q/k/v biases (a tiny Qwen2 stored as Q8_0)."""
     from decoding.loader import open_model
@@ -78,7 +131,11 @@ def test_q_k_v_biases_go_through_the_step_too(tmp_path):
     fast = gguf_stage(source, True)
     assert fast.decode_steps is not None and fast.layers[0].qkv_bias is not None
     prompt = torch.randint(3, 200, (20,), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(decode(fast, prompt, 12), decode(gguf_stage(source, False), prompt, 12))
+    slow = gguf_stage(source, False)
+    assert torch.equal(decode(fast, prompt, 12), decode(slow, prompt, 12))
+    other = torch.randint(3, 200, (7,), generator=torch.Generator().manual_seed(3))
+    for got, want in zip(decode_together(fast, [prompt, other], 12), [decode(slow, prompt, 12), decode(slow, other, 12)]):
+        assert torch.equal(got, want)
 
 
 def test_thread_counts_that_change_within_a_process_keep_the_bits(smol):

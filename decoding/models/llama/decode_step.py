@@ -1,9 +1,11 @@
-"""A gguf-mode decode step: every layer of the stage in one kernel call instead of ~25 torch operations a layer.
+"""A gguf-mode decode step: every layer of the stage in one kernel call instead of ~25 torch operations a layer,
+for one sequence's new row or for several sequences' (requests decoding together), their products taken at once.
 
 Why: one row's small operations cost about as much per layer as its matrix products on a
 small model (~0.6 ms a layer at one core), which put the embedded model's decode at 0.74x
 llama.cpp's; two calls a layer with torch's SwiGLU between them still left ~1 ms of Python a
-step. ``native/decode_step.cpp`` runs each layer (norms, q/k/v, RoPE, the cache write,
+step. Several requests decoding together paid it too (the 1.5B: ~17 ms of a four-row step), and a
+tensor group's member paid it between its exchanges. ``native/decode_step.cpp`` runs each layer (norms, q/k/v, RoPE, the cache write,
 attention, the output product, gate/up, SwiGLU, down) and the layers in turn in one call.
 
 Every step is the same function, in the same order, as the per-operation path
@@ -69,34 +71,46 @@ class DecodeSteps:
 
     @staticmethod
     def applies(items: list[BatchItem], plans: list[RowPlan], probes) -> bool:
-        """A lone decode row: one sequence, one row, no tree, no attention probe (the exits are the caller's)."""
-        return (len(items) == 1 and plans[0].n == 1 and plans[0].mask is None
-                and not (probes is not None and plans[0].probe_tail))
+        """Lone decode rows: each item one sequence's one new row, no tree, no attention probe (the exits
+        are the caller's)."""
+        return all(p.n == 1 and p.mask is None and not (probes is not None and p.probe_tail) for p in plans)
 
-    def run(self, kv: KVCache, seq_id, p: RowPlan, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-            ) -> torch.Tensor:
-        """``h`` [1, hidden] through every layer; its key and value written at ``p.offset`` (reserved)."""
+    def run(self, kv: KVCache, items: list[BatchItem], plans: list[RowPlan], h: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> torch.Tensor:
+        """``h`` [rows, hidden], a row per item, through every layer; each row's key and value written at its
+        plan's ``offset`` (reserved) in its own sequence."""
         h = h.to(torch.float32).contiguous().clone()  # updated in place: never the caller's (a message's) buffer
         cos, sin = cos.contiguous(), sin.contiguous()
-        spans = kv.spans(seq_id, p.offset + 1)
-        n = len(spans)
+        rows = len(items)
+        counts, keys, values, lengths, head_strides, steps, own, dst = [], [], [], [], [], [], [], []
+        for it, p in zip(items, plans):
+            spans = kv.spans(it.seq_id, p.offset + 1)
+            counts.append(len(spans))
+            for k, v, length in spans:
+                keys.append(k.data_ptr())
+                values.append(v.data_ptr())
+                lengths.append(length)
+                head_strides.append(k.stride(1))
+                steps.append(k.stride(0))
+            own_k = spans[-1][0]
+            own.append(p.offset * own_k.stride(2))
+            dst.append(own_k.stride(1))
+        n = len(keys)
         ptrs, i64 = ctypes.c_void_p * n, ctypes.c_int64 * n
-        own_k = spans[-1][0]
-        gate_up = torch.empty(2 * self.inter)
-        act = torch.empty(self.inter)
-        scratch = torch.empty(self.hidden + self.qkv_width + self.nh * self.hd)
+        per_row = ctypes.c_int64 * rows
+        gate_up = torch.empty(rows, 2 * self.inter)
+        act = torch.empty(rows, self.inter)
+        scratch = torch.empty(rows, self.hidden + self.qkv_width + self.nh * self.hd)
         self._failure = None
         failed = self.lib.meshd_decode_layers(
-            len(self.specs), self.specs, self.eps, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            self.nh, self.nkv, self.hd, self.scale, n,
-            ptrs(*(k.data_ptr() for k, _, _ in spans)), ptrs(*(v.data_ptr() for _, v, _ in spans)),
-            i64(*(length for _, _, length in spans)), i64(*(k.stride(1) for k, _, _ in spans)),
-            i64(*(k.stride(0) for k, _, _ in spans)), p.offset * own_k.stride(2), own_k.stride(1),
+            len(self.specs), self.specs, self.eps, rows, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            self.nh, self.nkv, self.hd, self.scale, (ctypes.c_int * rows)(*counts), ptrs(*keys), ptrs(*values),
+            i64(*lengths), i64(*head_strides), i64(*steps), per_row(*own), per_row(*dst),
             gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), self._reduce_attention,
             self._reduce)
         if failed:
             raise self._failure or RuntimeError("the group's reduction failed")
-        self.stage.work_done += len(self.specs)
+        self.stage.work_done += rows * len(self.specs)
         return h
 
     def _sum_over_group(self, ptr: int, n: int) -> int:

@@ -194,8 +194,8 @@ class StageModel:
         exits = self.exits if self.exits is not None and any(it.may_exit for it in items) else None
         everyone, exited = (items, plans), {}
         steps = self.decode_steps if exits is None and DecodeSteps.applies(items, plans, probes) else None
-        if steps is not None:  # a lone decode row of the gguf mode: two kernel calls a layer
-            h = steps.run(kv, items[0].seq_id, plans[0], h, cos, sin)
+        if steps is not None:  # decode rows of the gguf mode, one a sequence: the layers in one kernel call
+            h = steps.run(kv, items, plans, h, cos, sin)
         for li, lw in enumerate(self.layers if steps is None else ()):
             h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes, dense)
             self.work_done += h.shape[0]

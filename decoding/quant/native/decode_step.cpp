@@ -262,48 +262,78 @@ struct DecodeLayer {
     const float* mlp_norm;
 };
 
-// The attention half of a decoder layer for one row h [hidden] (updated in place: h += attention's
-// output), its new key and value written at k_dst/v_dst (head stride dst_head_stride) and already
-// counted in `s`'s last segment; gate_up [2 * intermediate] receives the MLP's first product.
-// scratch: at least hidden + q/k/v width + nh * hd floats.
-// A tensor-parallel member's partial sum (o's and down's outputs) handed to its group, which replaces it
-// in place with the sum over the members; non-zero: the group failed and the step stops.
+// A tensor-parallel member's partial sum (o's and down's outputs, every row of the step) handed to its group,
+// which replaces it in place with the sum over the members; non-zero: the group failed and the step stops.
 typedef int (*ReduceFn)(float* x, int64_t n);
 
-bool decode_attention(const DecodeLayer& L, float eps, float* h, const float* cos, const float* sin, int64_t nh,
-                      int64_t nkv, int64_t hd, float scale, const Segments& s, float* k_dst, float* v_dst,
-                      int64_t dst_head_stride, float* out_gate_up, float* scratch, int threads, ReduceFn reduce) {
-    const int64_t hidden = L.o->n_out;
+// Where one row's sequence keeps its keys and values (see meshd_decode_layers).
+struct RowCache {
+    int nseg;
+    float* const* key_base;
+    float* const* value_base;
+    const int64_t* lengths;
+    const int64_t* head_strides;
+    const int64_t* layer_step;
+    int64_t own;
+    int64_t dst_head_stride;
+};
+
+// The attention half of a decoder layer for R rows h [R, hidden], one per sequence (updated in place:
+// h += attention's output): each row's new key and value written into its own sequence's cache at layer
+// li and attended over that sequence's positions alone; out_gate_up [R, 2 * intermediate] receives the
+// MLP's first product. scratch: at least R * (hidden + q/k/v width + nh * hd) floats. The products take
+// all R rows at once (the weights read once: a row's bits do not depend on the others), everything else
+// is row by row, as the per-operation path does it.
+bool decode_attention(const DecodeLayer& L, int li, float eps, int64_t R, float* h, const float* cos,
+                      const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, const RowCache* rows,
+                      float* out_gate_up, float* scratch, int threads, ReduceFn reduce,
+                      std::vector<const float*>& keys, std::vector<const float*>& values) {
+    const int64_t hidden = L.o->n_out, width = L.qkv->n_out;
     float* x = scratch;
-    float* qkv_out = x + hidden;
-    float* attn = qkv_out + L.qkv->n_out;
-    meshd_rms_norm(h, hidden, L.attn_norm, x, hidden, 1, hidden, eps);
-    linear(*L.qkv, x, qkv_out, threads);
+    float* qkv_out = x + R * hidden;
+    float* attn = qkv_out + R * width;
+    meshd_rms_norm(h, hidden, L.attn_norm, x, hidden, R, hidden, eps);
+    linear_rows(*L.qkv, x, R, hidden, qkv_out, width, threads);
     if (L.qkv_bias)
-        for (int64_t i = 0; i < L.qkv->n_out; i++) qkv_out[i] = qkv_out[i] + L.qkv_bias[i];
-    float* q = qkv_out;
-    float* k = q + nh * hd;
-    float* v = k + nkv * hd;
-    meshd_rope(q, 1, nh, hd, nh * hd, hd, cos, sin);
-    meshd_rope(k, 1, nkv, hd, nkv * hd, hd, cos, sin);
-    for (int64_t g = 0; g < nkv; g++) {
-        std::memcpy(k_dst + g * dst_head_stride, k + g * hd, hd * sizeof(float));
-        std::memcpy(v_dst + g * dst_head_stride, v + g * hd, hd * sizeof(float));
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < width; i++) qkv_out[r * width + i] = qkv_out[r * width + i] + L.qkv_bias[i];
+    meshd_rope(qkv_out, R, nh, hd, width, hd, cos, sin);
+    meshd_rope(qkv_out + nh * hd, R, nkv, hd, width, hd, cos, sin);
+    for (int64_t r = 0; r < R; r++) {
+        const RowCache& c = rows[r];
+        const float* q = qkv_out + r * width;
+        const float* k = q + nh * hd;
+        const float* v = k + nkv * hd;
+        const int last = c.nseg - 1;
+        float* k_dst = c.key_base[last] + li * c.layer_step[last] + c.own;
+        float* v_dst = c.value_base[last] + li * c.layer_step[last] + c.own;
+        for (int64_t g = 0; g < nkv; g++) {
+            std::memcpy(k_dst + g * c.dst_head_stride, k + g * hd, hd * sizeof(float));
+            std::memcpy(v_dst + g * c.dst_head_stride, v + g * hd, hd * sizeof(float));
+        }
+        keys.resize(c.nseg);
+        values.resize(c.nseg);
+        for (int j = 0; j < c.nseg; j++) {
+            keys[j] = c.key_base[j] + li * c.layer_step[j];
+            values[j] = c.value_base[j] + li * c.layer_step[j];
+        }
+        const Segments s{c.nseg, keys.data(), values.data(), c.lengths, c.head_strides};
+        attention(q, nh, nkv, hd, scale, s, attn + r * nh * hd, threads);
     }
-    attention(q, nh, nkv, hd, scale, s, attn, threads);
-    linear(*L.o, attn, x, threads);
-    if (reduce && reduce(x, hidden)) return false;
-    for (int64_t i = 0; i < hidden; i++) h[i] = h[i] + x[i];
-    meshd_rms_norm(h, hidden, L.mlp_norm, x, hidden, 1, hidden, eps);
-    linear(*L.gate_up, x, out_gate_up, threads);
+    linear_rows(*L.o, attn, R, nh * hd, x, hidden, threads);
+    if (reduce && reduce(x, R * hidden)) return false;
+    for (int64_t i = 0; i < R * hidden; i++) h[i] = h[i] + x[i];
+    meshd_rms_norm(h, hidden, L.mlp_norm, x, hidden, R, hidden, eps);
+    linear_rows(*L.gate_up, x, R, hidden, out_gate_up, L.gate_up->n_out, threads);
     return true;
 }
 
-// The MLP's last product and the residual for one row: h += act @ down.T. scratch: hidden floats.
-bool decode_down(const Matrix& down, const float* act, float* h, float* scratch, int threads, ReduceFn reduce) {
-    linear(down, act, scratch, threads);
-    if (reduce && reduce(scratch, down.n_out)) return false;
-    for (int64_t i = 0; i < down.n_out; i++) h[i] = h[i] + scratch[i];
+// The MLP's last product and the residual for R rows: h += act @ down.T. scratch: R * hidden floats.
+bool decode_down(const Matrix& down, int64_t R, const float* act, float* h, float* scratch, int threads,
+                 ReduceFn reduce) {
+    linear_rows(down, act, R, down.k, scratch, down.n_out, threads);
+    if (reduce && reduce(scratch, R * down.n_out)) return false;
+    for (int64_t i = 0; i < R * down.n_out; i++) h[i] = h[i] + scratch[i];
     return true;
 }
 
@@ -311,35 +341,35 @@ bool decode_down(const Matrix& down, const float* act, float* h, float* scratch,
 
 extern "C" {
 
-// One row h [hidden] (updated in place) through n_layers layers. The sequence's keys and values lie in
-// nseg segments; segment j's layer li starts at key_base[j] / value_base[j] + li * layer_step[j] floats,
-// holds lengths[j] positions (the last one's count includes the new row) with head stride
-// head_strides[j]; the new row's key and value go `own` floats into the last segment's layer.
-// gate_up: 2 * intermediate floats; act: intermediate floats; scratch as decode_attention's.
-// reduce (null on one device): a group member's partial sums summed over its group; reduce_attention the
-// same for the attention output (null also for a member that computes every head: its output is whole).
-// Returns 0, or 1 when the group failed (h is then unusable).
-int meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, float* h, const float* cos,
-                         const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, int nseg,
+// R rows h [R, hidden] (updated in place), each the one new row of its own sequence, through n_layers
+// layers; cos/sin [R, hd] are each row's rotation. Row r's sequence keeps its keys and values in
+// nseg[r] segments, listed one row after another in key_base/value_base/lengths/head_strides/layer_step:
+// segment j's layer li starts at key_base[j] / value_base[j] + li * layer_step[j] floats, holds lengths[j]
+// positions (the last one's count includes the new row) with head stride head_strides[j]; the new row's
+// key and value go own[r] floats into its last segment's layer, head stride dst_head_stride[r].
+// gate_up: R * 2 * intermediate floats; act: R * intermediate; scratch: R * (hidden + q/k/v width +
+// nh * hd). reduce (null on one device): a group member's partial sums summed over its group;
+// reduce_attention the same for the attention output (null also for a member that computes every head:
+// its output is whole). Returns 0, or 1 when the group failed (h is then unusable).
+int meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, int64_t R, float* h, const float* cos,
+                         const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, const int* nseg,
                          float* const* key_base, float* const* value_base, const int64_t* lengths,
-                         const int64_t* head_strides, const int64_t* layer_step, int64_t own,
-                         int64_t dst_head_stride, float* gate_up, float* act, float* scratch, int threads,
+                         const int64_t* head_strides, const int64_t* layer_step, const int64_t* own,
+                         const int64_t* dst_head_stride, float* gate_up, float* act, float* scratch, int threads,
                          ReduceFn reduce_attention, ReduceFn reduce) {
-    std::vector<const float*> keys(nseg), values(nseg);
-    const Segments s{nseg, keys.data(), values.data(), lengths, head_strides};
+    std::vector<RowCache> rows(R);
+    for (int64_t r = 0, at = 0; r < R; at += nseg[r], r++)
+        rows[r] = RowCache{nseg[r], key_base + at, value_base + at, lengths + at, head_strides + at, layer_step + at,
+                           own[r], dst_head_stride[r]};
+    std::vector<const float*> keys, values;
     for (int li = 0; li < n_layers; li++) {
         const DecodeLayer& L = layers[li];
-        for (int j = 0; j < nseg; j++) {
-            keys[j] = key_base[j] + li * layer_step[j];
-            values[j] = value_base[j] + li * layer_step[j];
-        }
-        const int64_t at = li * layer_step[nseg - 1] + own;
-        if (!decode_attention(L, eps, h, cos, sin, nh, nkv, hd, scale, s, key_base[nseg - 1] + at,
-                              value_base[nseg - 1] + at, dst_head_stride, gate_up, scratch, threads, reduce_attention))
+        if (!decode_attention(L, li, eps, R, h, cos, sin, nh, nkv, hd, scale, rows.data(), gate_up, scratch, threads,
+                              reduce_attention, keys, values))
             return 1;
         const int64_t inter = L.down->k;
-        meshd_swiglu(gate_up, 2 * inter, 1, inter, act, inter);
-        if (!decode_down(*L.down, act, h, scratch, threads, reduce)) return 1;
+        meshd_swiglu(gate_up, 2 * inter, R, inter, act, inter);
+        if (!decode_down(*L.down, R, act, h, scratch, threads, reduce)) return 1;
     }
     return 0;
 }
