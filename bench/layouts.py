@@ -245,14 +245,16 @@ def planner_choices(cases, prompts, tokens_for, link, home, tensor: bool) -> dic
         work = Workload(round(statistics.mean(len(p) for p in ps)), tokens_for(name), 0.0, n)
         lay = choose_layout(home, link, work, max(PLAN_MAX_SEQ, work.prompt_tokens + 64), tensor=tensor)
         attention = next((g.tensor_attention for g in lay.groups if g.tensor), None)
-        config = f"tensor:{attention}" if lay.kind == "tensor" else lay.kind if lay.kind in PLAIN else "single/batched"
+        alone = len(lay.groups) == 1 and len(lay.groups[0].members) == 1  # one device serves: measured as such
+        config = ("single/batched" if alone else f"tensor:{attention}" if lay.kind == "tensor" else
+                  lay.kind if lay.kind in PLAIN else "single/batched")
         out[(name, n)] = {"kind": lay.kind, "config": config, "predicted_s": round(lay.latency_s, 3),
                           "alternatives_s": {k: round(v, 3) for k, v in lay.alternatives.items()},
                           "reason": lay.reason, "workload": dataclasses.asdict(work)}
     return out
 
 
-def handoff_account(res: dict, prompt_tokens: int, p, link) -> dict:
+def handoff_account(res: dict, prompt_tokens: int, p) -> dict:
     """Would a pipeline prefill then a replica decode pay? The TTFT the pipeline saved on the long
     prompt (measured) against moving its KV to a replica (priced: ``partition.layout.kv_handoff_s``)."""
     from partition.layout import kv_handoff_s
@@ -345,7 +347,7 @@ def main() -> int:
                      "planner": choices[(name, n)]})
     handoff = None
     if ("pipeline", "long", 1) in res:
-        handoff = handoff_account(res, setup["prompt_tokens"]["longx1"], home[0], priced_link(args.link))
+        handoff = handoff_account(res, setup["prompt_tokens"]["longx1"], home[0])
         print(f"\nlong prompt: the pipeline's first token came {handoff['prefill_saved_s']:.2f} s before a replica's; "
               f"handing its KV ({handoff['kv_mib']:.0f} MiB) to a replica for decoding would take "
               f"{handoff['transfer_s']['100mbit,2ms']:.2f} s at 100 Mbit/s, {handoff['transfer_s']['1gbit,1ms']:.2f} s "

@@ -120,6 +120,54 @@ def test_sequences_decoding_together_take_one_call_and_each_gets_its_bits_alone(
         assert torch.equal(got, want)
 
 
+def test_a_verify_rounds_chain_and_a_short_prompt_take_the_step_with_the_per_operation_bits(smol):
+    """A chain of drafted rows (a verify round) and a prompt shorter than a position block: each row
+    attends alone over the keys up to itself, so the step computes them all in one call, and a whole
+    position block still takes the per-operation path."""
+    source, fast, slow = smol
+    prompt = torch.tensor(source.tokenizer.encode("The lighthouse keeper climbed the stairs at dusk, and"))
+    draft = torch.tensor(source.tokenizer.encode(" saw the ships coming home"))
+
+    def chain(stage, extra: int = 0):
+        kv = stage.new_cache(1024)
+        kv.create("s", 256)
+        first = stage.forward(kv, "s", prompt, all_logits=True)
+        padding = stage.forward(kv, "s", torch.arange(3, 3 + extra), all_logits=False) if extra else None
+        return first, padding, stage.forward(kv, "s", draft, all_logits=True)
+
+    calls = []
+    real = fast.decode_steps.run
+    fast.decode_steps.run = lambda kv, items, plans, *a: calls.append(sum(p.n for p in plans)) or real(kv, items, plans, *a)
+    try:
+        got = chain(fast)
+        whole_block = chain(fast, 128 - len(prompt))  # a chunk holding positions [64, 128) whole: per-op
+    finally:
+        fast.decode_steps.run = real
+    assert calls == [len(prompt), len(draft)] * 2
+    for a, b in zip(got, chain(slow)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for a, b in zip(whole_block, chain(slow, 128 - len(prompt))):
+        assert torch.equal(a, b)
+
+
+def test_a_chain_on_a_forked_sequence_reads_the_prefix_in_place_with_the_same_bits(smol):
+    """A verify round on a request that reuses a cached prompt: its rows read the parent's positions where
+    they lie and their own earlier rows, as the per-operation path does."""
+    source, fast, slow = smol
+    prompt = torch.tensor(source.tokenizer.encode("A home is a collection of small systems. " * 12))
+    draft = torch.tensor(source.tokenizer.encode(" Each of them keeps its own time"))
+
+    def forked_chain(stage):
+        kv = stage.new_cache(1024)
+        kv.create("parent", 256)
+        stage.forward(kv, "parent", prompt[:64], all_logits=False)
+        kv.fork("parent", "s", 64)
+        stage.forward(kv, "s", prompt[64:], all_logits=False)
+        return stage.forward(kv, "s", draft, all_logits=True)
+
+    assert torch.equal(forked_chain(fast), forked_chain(slow))
+
+
 def test_q_k_v_biases_go_through_the_step_too(tmp_path):
     """Qwen2's q/k/v biases (a tiny Qwen2 stored as Q8_0)."""
     from decoding.loader import open_model

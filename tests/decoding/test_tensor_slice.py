@@ -131,6 +131,8 @@ def test_a_gguf_group_with_qkv_biases_takes_the_same_bits_in_both_paths(tmp_path
     slow = run_group(whole, 2, PROMPT, 8, per_op=True)
     assert torch.equal(fast[0][0], slow[0][0])
     assert fast[0][1] == want_tokens
+    # one member in the kernel's step, the other per operation (the prompt's rows too): the same exchanges
+    assert torch.equal(run_group(whole, 2, PROMPT, 8, per_op=(1,))[0][0], slow[0][0])
     # the attention whole on both members: the kernel skips that reduction exactly as the per-op path does
     fast = run_group(whole, 2, PROMPT, 8, attention="whole")
     slow = run_group(whole, 2, PROMPT, 8, per_op=True, attention="whole")

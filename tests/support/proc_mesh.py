@@ -183,7 +183,7 @@ class ProcessMesh:
     def _group_stage(self, stages: tuple[StageEndpoint, ...], hosts: list[str]) -> StageEndpoint:
         """One stage held by every process as a tensor group of equal speeds, led by ``dev0``."""
         assert len(set(self.ranges)) == 1, "a tensor group's members hold the same layers"
-        assert self.reach is None, "a tensor group's links are not proxied here"
+        assert self.reach is None and self.hosts is None, "a tensor group's links are on loopback here"
         seats = tuple(GroupSeat(s.node_id, f"tcp://{hosts[i]}:{free_port(hosts[i])}", s.public_key)
                       for i, s in enumerate(stages))
         return dataclasses.replace(stages[0], group=seats, group_speeds=(1.0,) * len(seats),

@@ -19,10 +19,11 @@ def run_group(stage, n: int, prompt: torch.Tensor, steps: int, speeds=None, per_
     return [per_prompt[0] for per_prompt in run_group_many(stage, n, [prompt], steps, speeds, per_op, attention)]
 
 
-def run_group_many(stage, n: int, prompts: list[torch.Tensor], steps: int, speeds=None, per_op: bool = False,
+def run_group_many(stage, n: int, prompts: list[torch.Tensor], steps: int, speeds=None, per_op=False,
                    attention: str = "split"):
     """One split of ``stage`` decoding every prompt alone, one after another (the exact reference for a group
-    serving them together, whatever else it batches); returns per member, per prompt (logits, tokens)."""
+    serving them together, whatever else it batches); returns per member, per prompt (logits, tokens).
+    ``per_op``: True, or the ranks (a tuple) that take the per-operation path instead of the kernel's step."""
     split = split_layers(layer_shape(stage), n, speeds, attention)
     group = ThreadGroup(n, timeout_s=120)
     members = [member_stage(stage, m, group.member(m.rank)) for m in split.members]
@@ -31,13 +32,14 @@ def run_group_many(stage, n: int, prompts: list[torch.Tensor], steps: int, speed
     chosen = [queue.Queue() for _ in range(n)]  # the first member's greedy tokens, to every other member
 
     def member(rank: int):
+        slow = per_op is True or (bool(per_op) and rank in per_op)
         try:
             if rank == 0:
                 tell = lambda t: [q.put(t) for q in chosen[1:]]  # noqa: E731
-                out[0] = [decode(members[0], p, steps, per_op, tell) for p in prompts]
+                out[0] = [decode(members[0], p, steps, slow, tell) for p in prompts]
             else:
                 take = lambda: chosen[rank].get(timeout=120)  # noqa: E731
-                out[rank] = [decode(members[rank], p, steps, per_op, take=take) for p in prompts]
+                out[rank] = [decode(members[rank], p, steps, slow, take=take) for p in prompts]
         except BaseException as exc:  # noqa: BLE001 - reported below
             out[rank] = exc
             group.abort()

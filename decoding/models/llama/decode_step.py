@@ -28,7 +28,7 @@ from decoding.quant.blocks import BlockLinear
 
 
 class DecodeSteps:
-    """The layers of one gguf stage, prepared once for the two-call decode step."""
+    """The layers of one gguf stage, prepared once for the decode step kernel."""
 
     def __init__(self, stage):
         cfg = stage.config
@@ -71,30 +71,34 @@ class DecodeSteps:
 
     @staticmethod
     def applies(items: list[BatchItem], plans: list[RowPlan], probes) -> bool:
-        """Lone decode rows: each item one sequence's one new row, no tree, no attention probe (the exits
+        """Rows that each attend alone over the keys up to themselves: a decode step's, sequences decoding
+        together, a verify round's chain (no tree, no whole position block, no attention probe; the exits
         are the caller's)."""
-        return all(p.n == 1 and p.mask is None and not (probes is not None and p.probe_tail) for p in plans)
+        return all(p.mask is None and not (p.whole is not None and bool(p.whole.any()))
+                   and not (probes is not None and p.probe_tail) for p in plans)
 
     def run(self, kv: KVCache, items: list[BatchItem], plans: list[RowPlan], h: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> torch.Tensor:
-        """``h`` [rows, hidden], a row per item, through every layer; each row's key and value written at its
-        plan's ``offset`` (reserved) in its own sequence."""
+        """``h`` [rows, hidden], each item's ``n`` rows in turn, through every layer; each row's key and value
+        written at its position (reserved from its plan's ``offset``) in its own sequence, before the row
+        attends over its sequence's positions up to itself (a chain's later rows see the earlier ones)."""
         h = h.to(torch.float32).contiguous().clone()  # updated in place: never the caller's (a message's) buffer
         cos, sin = cos.contiguous(), sin.contiguous()
-        rows = len(items)
+        rows = h.shape[0]
         counts, keys, values, lengths, head_strides, steps, own, dst = [], [], [], [], [], [], [], []
         for it, p in zip(items, plans):
-            spans = kv.spans(it.seq_id, p.offset + 1)
-            counts.append(len(spans))
-            for k, v, length in spans:
-                keys.append(k.data_ptr())
-                values.append(v.data_ptr())
-                lengths.append(length)
-                head_strides.append(k.stride(1))
-                steps.append(k.stride(0))
-            own_k = spans[-1][0]
-            own.append(p.offset * own_k.stride(2))
-            dst.append(own_k.stride(1))
+            for i in range(p.n):
+                spans = kv.spans(it.seq_id, p.offset + i + 1)
+                counts.append(len(spans))
+                for k, v, length in spans:
+                    keys.append(k.data_ptr())
+                    values.append(v.data_ptr())
+                    lengths.append(length)
+                    head_strides.append(k.stride(1))
+                    steps.append(k.stride(0))
+                own_k = spans[-1][0]
+                own.append((p.offset + i) * own_k.stride(2))
+                dst.append(own_k.stride(1))
         n = len(keys)
         ptrs, i64 = ctypes.c_void_p * n, ctypes.c_int64 * n
         per_row = ctypes.c_int64 * rows
@@ -107,17 +111,18 @@ class DecodeSteps:
             self.nh, self.nkv, self.hd, self.scale, (ctypes.c_int * rows)(*counts), ptrs(*keys), ptrs(*values),
             i64(*lengths), i64(*head_strides), i64(*steps), per_row(*own), per_row(*dst),
             gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), self._reduce_attention,
-            self._reduce)
+            self._reduce, ctypes.byref(self.stage.kernel_done))
         if failed:
             raise self._failure or RuntimeError("the group's reduction failed")
-        self.stage.work_done += rows * len(self.specs)
         return h
 
     def _sum_over_group(self, ptr: int, n: int) -> int:
         """The kernel's callback at each split product: the partial sum summed over the group, in place.
         An exception cannot cross the C frames: it is kept, the kernel stops, and :meth:`run` raises it."""
         try:
-            self.stage.group.sum_(np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr)))
+            # [rows, hidden], as the per-operation path hands its sums: a member on either path pairs up
+            rows = np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr)).reshape(-1, self.hidden)
+            self.stage.group.sum_(rows)
             return 0
         except BaseException as exc:  # noqa: BLE001 (re-raised by run)
             self._failure = exc

@@ -14,6 +14,7 @@ so consecutive stages on one GPU pass activations without a host round trip.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import torch
@@ -56,9 +57,10 @@ class StageModel:
         self.packing = ""  # "", "packed" or "packed4" (decoding.device.PACKINGS)
         self.exits = None  # BoundExits (decoding.exits.bound): early exits inside this stage's layers, if any
         self.exited = ExitedRows()  # exited rows whose later layers still owe KV
-        # Rows x layers computed so far: it grows layer by layer, so another thread can see a long
-        # pass advance (a stage tells the coordinators waiting on it; see meshd.pipeline.stage.progress).
-        self.work_done = 0
+        # Rows x layers computed so far (:attr:`work_done`): the per-operation path's, and the decode step
+        # kernel's, which grows it layer by layer from inside its one call
+        self._work_done = 0
+        self.kernel_done = ctypes.c_int64(0)
         self._decode_steps: DecodeSteps | None | bool = None  # built on the first decode step
         # A tensor-parallel member (decoding.models.llama.tensor_slice): the group that adds up its partial sums
         self.group = None
@@ -100,8 +102,14 @@ class StageModel:
         return bool(self.packing)
 
     @property
+    def work_done(self) -> int:
+        """Rows x layers computed so far. It grows layer by layer, so another thread can see a long pass
+        advance (a stage tells the coordinators waiting on it; see meshd.pipeline.stage.progress)."""
+        return self._work_done + self.kernel_done.value
+
+    @property
     def decode_steps(self) -> DecodeSteps | None:
-        """The gguf mode's two-call decode step for these layers (None: the per-operation path serves)."""
+        """The gguf mode's decode step kernel for these layers (None: the per-operation path serves)."""
         if self._decode_steps is None:
             self._decode_steps = DecodeSteps(self) if DecodeSteps.serves(self) else False
         return self._decode_steps or None
@@ -194,11 +202,11 @@ class StageModel:
         exits = self.exits if self.exits is not None and any(it.may_exit for it in items) else None
         everyone, exited = (items, plans), {}
         steps = self.decode_steps if exits is None and DecodeSteps.applies(items, plans, probes) else None
-        if steps is not None:  # decode rows of the gguf mode, one a sequence: the layers in one kernel call
+        if steps is not None:  # the gguf mode's lone rows (decode steps, chains): the layers in one kernel call
             h = steps.run(kv, items, plans, h, cos, sin)
         for li, lw in enumerate(self.layers if steps is None else ()):
             h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes, dense)
-            self.work_done += h.shape[0]
+            self._work_done += h.shape[0]
             if exits is not None and li in exits.at:
                 h, (cos, sin, dense), items, plans = self.exited.leave(exits, li, h, (cos, sin, dense), items, plans,
                                                                        exited)

@@ -151,7 +151,7 @@ def library() -> ctypes.CDLL:
                 lib.meshd_decode_layers.argtypes = [
                     ctypes.c_int, _ptr, ctypes.c_float, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float,
                     _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, REDUCE_FN,
-                    REDUCE_FN]
+                    REDUCE_FN, _ptr]
                 lib.meshd_decode_layers.restype = ctypes.c_int
                 for f in ("meshd_rms_norm", "meshd_rope", "meshd_row_attention", "meshd_linear_threads",
                           "meshd_swiglu"):

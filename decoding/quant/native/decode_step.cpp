@@ -350,13 +350,14 @@ extern "C" {
 // gate_up: R * 2 * intermediate floats; act: R * intermediate; scratch: R * (hidden + q/k/v width +
 // nh * hd). reduce (null on one device): a group member's partial sums summed over its group;
 // reduce_attention the same for the attention output (null also for a member that computes every head:
-// its output is whole). Returns 0, or 1 when the group failed (h is then unusable).
+// its output is whole). *done grows by R after each layer (another thread may read it: a long pass shows
+// its progress). Returns 0, or 1 when the group failed (h is then unusable).
 int meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, int64_t R, float* h, const float* cos,
                          const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, const int* nseg,
                          float* const* key_base, float* const* value_base, const int64_t* lengths,
                          const int64_t* head_strides, const int64_t* layer_step, const int64_t* own,
                          const int64_t* dst_head_stride, float* gate_up, float* act, float* scratch, int threads,
-                         ReduceFn reduce_attention, ReduceFn reduce) {
+                         ReduceFn reduce_attention, ReduceFn reduce, int64_t* done) {
     std::vector<RowCache> rows(R);
     for (int64_t r = 0, at = 0; r < R; at += nseg[r], r++)
         rows[r] = RowCache{nseg[r], key_base + at, value_base + at, lengths + at, head_strides + at, layer_step + at,
@@ -370,6 +371,7 @@ int meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, int6
         const int64_t inter = L.down->k;
         meshd_swiglu(gate_up, 2 * inter, R, inter, act, inter);
         if (!decode_down(*L.down, R, act, h, scratch, threads, reduce)) return 1;
+        __atomic_add_fetch(done, R, __ATOMIC_RELAXED);
     }
     return 0;
 }
