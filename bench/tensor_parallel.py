@@ -85,10 +85,15 @@ class _Plain:
     def create(self, seq, capacity):
         self.kv.create(seq, capacity)
 
-    def forward(self, seq, ids, all_logits=False):
+    def forward(self, seq, ids, all_logits=False, best_only=False):
+        """``best_only``: a greedy step reads only the best token (a group then gathers each member's best, as
+        the daemon's stage asks for a plain greedy request)."""
         import torch
 
-        return self.stage.forward(self.kv, seq, torch.tensor(ids, dtype=torch.long), all_logits=all_logits)
+        from decoding.batch import BatchItem
+
+        item = BatchItem(seq, torch.tensor(ids, dtype=torch.long), None, all_logits, best_only=best_only)
+        return self.stage.forward_batch(self.kv, [item])[0]
 
     def free(self, seq):
         self.kv.free(seq)
@@ -104,7 +109,7 @@ def _measure(run, prompt: list[int], tokens: int, seq: str) -> dict:
         tok = int(logits[-1].argmax())
         out.append(tok)
         t = time.perf_counter()
-        logits = run.forward(seq, [tok])
+        logits = run.forward(seq, [tok], best_only=True)
         times.append(time.perf_counter() - t)
     run.free(seq)
     timed = times[2:]
@@ -125,7 +130,7 @@ def _measure_batch(run, prompt: list[int], tokens: int, n: int, tag: str) -> dic
         last.append(int(run.forward(seq, [*prompt[:-1], 1000 + i])[-1].argmax()))
     times = []
     for _ in range(tokens):
-        items = [BatchItem(seq, torch.tensor([t]), all_logits=False) for seq, t in zip(seqs, last)]
+        items = [BatchItem(seq, torch.tensor([t]), all_logits=False, best_only=True) for seq, t in zip(seqs, last)]
         t = time.perf_counter()
         outs = run.stage.forward_batch(run.kv, items)
         times.append(time.perf_counter() - t)

@@ -35,6 +35,9 @@ class BatchItem:
     attention_tail: int = 0  # see the stage's forward_batch ``probes``
     exit_threshold: float = 0.0  # a decode step may leave at an exit layer with this top-2 margin (0: never)
     lazy_head: bool = False  # the head's rows are computed when read (decoding.head_rows), not in the pass
+    # only the row's best token is read (a greedy step nothing else looks at): a tensor group may gather each
+    # member's best instead of whole rows (decoding.models.llama.stage.best_rows)
+    best_only: bool = False
 
     @property
     def may_exit(self) -> bool:

@@ -29,6 +29,10 @@ class PartialSums(Protocol):
         """On the first member (which samples), the members' ``x`` [rows, own columns] side by side in rank
         order: [rows, all columns]; the others get their own ``x`` back (nobody reads it)."""
 
+    def gather_parts(self, x: np.ndarray) -> list[np.ndarray] | None:
+        """On the first member, every member's ``x`` in rank order, each as it came (widths may differ);
+        None on the others."""
+
 
 def add_in_rank_order(parts: list[np.ndarray], out: np.ndarray) -> None:
     """``out`` = parts[0] + parts[1] + ... left to right: the one order every member and the reference use."""
@@ -73,5 +77,9 @@ class _ThreadMember:
         add_in_rank_order(self._group.exchange(self.rank, x), x)
 
     def gather(self, x: np.ndarray) -> np.ndarray:
-        parts = self._group.exchange(self.rank, x)
+        parts = self.gather_parts(x)
         return np.concatenate(parts, axis=-1) if self.rank == 0 else x
+
+    def gather_parts(self, x: np.ndarray) -> list[np.ndarray] | None:
+        parts = self._group.exchange(self.rank, x)
+        return parts if self.rank == 0 else None

@@ -217,11 +217,16 @@ class GroupLink:
 
     def gather(self, x: np.ndarray) -> np.ndarray:
         """To the first member only: the others send their share and go on."""
+        parts = self.gather_parts(x)
+        return np.concatenate(parts, axis=-1) if parts is not None else x
+
+    def gather_parts(self, x: np.ndarray) -> list[np.ndarray] | None:
+        """To the first member only, every member's share as it came; the others send theirs and go on."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self.rank:
             self._swap(x, to=[0], want=[])
-            return x
-        return np.concatenate(self._swap(x, to=[], want=list(range(1, self.size))), axis=-1)
+            return None
+        return self._swap(x, to=[], want=list(range(1, self.size)))
 
     # -- commands from the group's first member -------------------------------------------
     def send_command(self, payload: bytes) -> None:

@@ -159,3 +159,37 @@ def test_the_embedded_model_split_in_two_follows_one_device(real_source):
         # (cosine 0.9966-0.9999 seen over three prompts and five steps, either way of holding the attention)
         assert torch.nn.functional.cosine_similarity(logits[0], want[0], dim=0) > 0.995
         assert logits.shape == want.shape
+
+
+def test_best_rows_pick_the_token_one_devices_argmax_picks_from_each_members_best():
+    """Members' bests in rank order (their vocabulary rows lie side by side): the highest logit wins, the
+    lowest token among equals (argmax's first maximum); a member that sent its whole share (an older meshd)
+    is read as its best."""
+    import numpy as np
+
+    from decoding.models.llama.stage import best_rows
+
+    whole = torch.tensor([[0.5, 3.0, 1.0, 3.0, -2.0, 2.0], [9.0, 1.0, 1.0, 2.0, 9.0, 0.0]])
+    share = [(0, 2), (2, 5), (5, 6)]
+    bests = [np.stack([whole[:, a:b].max(-1).values.numpy(), (whole[:, a:b].argmax(-1) + a).float().numpy(),
+                       np.full(2, b - a, np.float32)], -1) for a, b in share]
+    for parts in (bests, [bests[0], whole[:, 2:5].numpy(), bests[2]]):
+        rows = best_rows(parts, 6)
+        assert rows.argmax(-1).tolist() == whole.argmax(-1).tolist() == [1, 0]
+        assert rows[0, 1] == 3.0 and torch.isinf(rows[0, 3]) and rows[1, 0] == 9.0 and torch.isinf(rows[1, 4])
+
+
+@pytest.mark.skipif(not GGUF_OK, reason=f"integer kernels unavailable: {WHY}")
+@pytest.mark.parametrize("attention", ["split", "whole"])
+def test_a_groups_greedy_steps_gather_each_members_best_and_choose_as_whole_rows_do(real_source, attention):
+    """A greedy step reads only the best token: the group sends each member's best (not its share of the
+    vocabulary) and picks the very token the whole rows give, step after step."""
+    whole = real_source.load_stage(0, real_source.config.num_layers, torch.float32, packed="gguf")
+    prompt = torch.tensor(real_source.tokenizer.encode("The kitchen light is on and the door is"))
+    (full_logits, full_tokens), _ = run_group(whole, 2, prompt, 12, attention=attention)
+    (best_logits, best_tokens), _ = run_group(whole, 2, prompt, 12, attention=attention, best_only=True)
+    assert best_tokens == full_tokens
+    assert torch.equal(best_logits[0], full_logits[0])  # the prompt's row is gathered whole
+    for got, want in zip(best_logits[1:], full_logits[1:]):
+        assert int(got.argmax()) == int(want.argmax()) and got.max() == want.max()
+        assert int(torch.isfinite(got).sum()) == 1

@@ -14,13 +14,15 @@ from partition.tensor_split import split_layers
 
 
 def run_group(stage, n: int, prompt: torch.Tensor, steps: int, speeds=None, per_op: bool = False,
-              attention: str = "split"):
-    """Each member in its own thread; returns per member (its logits [steps + 1, vocab], greedy tokens)."""
-    return [per_prompt[0] for per_prompt in run_group_many(stage, n, [prompt], steps, speeds, per_op, attention)]
+              attention: str = "split", best_only: bool = False):
+    """Each member in its own thread; returns per member (its logits [steps + 1, vocab], greedy tokens).
+    ``best_only``: the decode steps gather each member's best token only (a greedy request's steps)."""
+    return [per_prompt[0] for per_prompt in run_group_many(stage, n, [prompt], steps, speeds, per_op, attention,
+                                                          best_only)]
 
 
 def run_group_many(stage, n: int, prompts: list[torch.Tensor], steps: int, speeds=None, per_op=False,
-                   attention: str = "split"):
+                   attention: str = "split", best_only: bool = False):
     """One split of ``stage`` decoding every prompt alone, one after another (the exact reference for a group
     serving them together, whatever else it batches); returns per member, per prompt (logits, tokens).
     ``per_op``: True, or the ranks (a tuple) that take the per-operation path instead of the kernel's step."""
@@ -36,10 +38,10 @@ def run_group_many(stage, n: int, prompts: list[torch.Tensor], steps: int, speed
         try:
             if rank == 0:
                 tell = lambda t: [q.put(t) for q in chosen[1:]]  # noqa: E731
-                out[0] = [decode(members[0], p, steps, slow, tell) for p in prompts]
+                out[0] = [decode(members[0], p, steps, slow, tell, best_only=best_only) for p in prompts]
             else:
                 take = lambda: chosen[rank].get(timeout=120)  # noqa: E731
-                out[rank] = [decode(members[rank], p, steps, slow, take=take) for p in prompts]
+                out[rank] = [decode(members[rank], p, steps, slow, take=take, best_only=best_only) for p in prompts]
         except BaseException as exc:  # noqa: BLE001 - reported below
             out[rank] = exc
             group.abort()
@@ -86,9 +88,13 @@ def group_logits(stage, n: int, chunks: list[torch.Tensor], speeds=None, attenti
     return out[0]
 
 
-def decode(stage, prompt: torch.Tensor, steps: int, per_op: bool = False, tell=None, take=None):
+def decode(stage, prompt: torch.Tensor, steps: int, per_op: bool = False, tell=None, take=None,
+           best_only: bool = False):
     """Greedy steps; a member after the first ``take``s the first member's token (it holds only its share
-    of the vocabulary), which the first member ``tell``s."""
+    of the vocabulary), which the first member ``tell``s. ``best_only``: the steps ask for the best token
+    alone (the prompt's row is gathered whole)."""
+    from decoding.batch import BatchItem
+
     if per_op:
         stage._decode_steps = False  # the per-operation path for every row
     need = len(prompt) + steps + 1
@@ -100,5 +106,6 @@ def decode(stage, prompt: torch.Tensor, steps: int, per_op: bool = False, tell=N
         tokens.append(take() if take else int(logits[-1].argmax()))
         if tell:
             tell(tokens[-1])
-        logits.append(stage.forward(kv, "s", torch.tensor([tokens[-1]]), all_logits=False)[-1])
+        item = BatchItem("s", torch.tensor([tokens[-1]]), all_logits=False, best_only=best_only)
+        logits.append(stage.forward_batch(kv, [item])[0][-1])
     return torch.stack(logits), tokens

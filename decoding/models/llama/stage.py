@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +38,28 @@ from decoding.models.llama.decode_step import DecodeSteps
 from decoding.models.llama.layers import LayerWeights, rms_norm, rotate
 from decoding.quant import row_ops
 
+
+
+def best_rows(parts: list[np.ndarray], vocab: int) -> torch.Tensor:
+    """Whole rows from each member's (best logit, its token, the member's vocabulary width) in rank order:
+    the best token of all with its logit, -inf elsewhere. The members' rows lie side by side in rank order,
+    so keeping the first of equal maxima picks the lowest token, as argmax does. A member that sent its
+    whole share instead (a meshd before best-only gathers) is read the same way."""
+    rows = parts[0].shape[0]
+    best = np.full(rows, -np.inf, dtype=np.float32)
+    token = np.zeros(rows, dtype=np.int64)
+    start = 0
+    for part in parts:
+        if part.shape[-1] == 3:
+            value, index, width = part[:, 0], part[:, 1].astype(np.int64), int(part[0, 2])
+        else:
+            value, index, width = part.max(axis=-1), part.argmax(axis=-1) + start, part.shape[-1]
+        better = value > best
+        best, token = np.where(better, value, best), np.where(better, index, token)
+        start += width
+    out = torch.full((rows, vocab), float("-inf"))
+    out[torch.arange(rows), torch.from_numpy(token)] = torch.from_numpy(best)
+    return out
 
 class StageModel:
     def __init__(self, config: ModelConfig, first: int, end: int, layers: list[LayerWeights],
@@ -62,8 +85,10 @@ class StageModel:
         self._work_done = 0
         self.kernel_done = ctypes.c_int64(0)
         self._decode_steps: DecodeSteps | None | bool = None  # built on the first decode step
-        # A tensor-parallel member (decoding.models.llama.tensor_slice): the group that adds up its partial sums
+        # A tensor-parallel member (decoding.models.llama.tensor_slice): the group that adds up its partial sums,
+        # and the first of the vocabulary rows its head holds
         self.group = None
+        self.vocab_start = 0
         # whether the attention output is a partial sum too (False: this member computes every head)
         self.attention_split = True
 
@@ -227,7 +252,9 @@ class StageModel:
         lazy = [it.lazy_head and self.selectable_head for it in items if it.head and it.seq_id not in exited]
         eager = [nm for nm, lz in zip(normed_parts, lazy) if not lz]
         # (a packed head multiplies every row alone: widening a 152k-row head would cost more than it saves)
-        logits = iter(self._head(torch.cat(eager)).split([e.shape[0] for e in eager]) if eager else ())
+        best = all(it.best_only for it, lz in zip((it for it in items if it.head and it.seq_id not in exited), lazy)
+                   if not lz)
+        logits = iter(self._head(torch.cat(eager), best).split([e.shape[0] for e in eager]) if eager else ())
         heads = iter(zip(normed_parts, lazy))
         outs: list = []
         for part, it in zip(parts, items):
@@ -239,12 +266,20 @@ class StageModel:
             outs.append((lg, nm) if it.return_normed else lg)
         return outs
 
-    def _head(self, normed: torch.Tensor) -> torch.Tensor:
-        """Logits of final-normed rows; a group member's vocabulary rows gathered into whole rows."""
+    def _head(self, normed: torch.Tensor, best_only: bool = False) -> torch.Tensor:
+        """Logits of final-normed rows; a group member's vocabulary rows gathered into whole rows. ``best_only``
+        (every row is read for its best token alone): a group gathers each member's best instead, a few
+        bytes a row instead of its share of the vocabulary (304 KB a row of Qwen's over two members), and
+        the row holds that token's logit and -inf elsewhere: the token one device's argmax picks."""
         logits = linear(normed, self.lm_head, dense=False).float()
         if self.group is None:
             return logits
-        return torch.from_numpy(self.group.gather(logits.contiguous().numpy()))
+        if not best_only:
+            return torch.from_numpy(self.group.gather(logits.contiguous().numpy()))
+        value, index = logits.max(dim=-1)  # the first of equal maxima, as argmax over the whole row
+        mine = torch.stack([value, (index + self.vocab_start).float(), torch.full_like(value, logits.shape[-1])], -1)
+        parts = self.group.gather_parts(mine.contiguous().numpy())
+        return logits if parts is None else best_rows(parts, self.config.vocab_size)
 
     def check_positions(self, kv: KVCache, items: list[BatchItem]) -> None:
         """Refuse ``items`` before anything is computed: a sequence twice in one batch, one unknown to

@@ -64,6 +64,7 @@ def member_stage(stage, member: MemberSlice, group):
     out = type(stage)(local, stage.first, stage.end, layers, stage.embed, stage.final_norm, lm_head, stage.inv_freq,
                       stage.dtype)
     out.formats, out.scratch, out.packing = dict(stage.formats), stage.scratch, stage.packing
+    out.vocab_start = member.vocab[0]
     # a member holding every head (attention "whole") has its attention output whole: only the MLP is summed
     out.join_group(group, attention_split=(h1 - h0) < cfg.num_heads)
     return out

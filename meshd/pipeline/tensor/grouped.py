@@ -103,7 +103,8 @@ def encode_items(items: list[BatchItem]) -> list[dict]:
         out.append({"seq": it.seq_id, "x": x.numpy().tobytes(), "dtype": str(x.dtype).removeprefix("torch."),
                     "shape": list(x.shape), "mask": None if mask is None else mask.numpy().tobytes(),
                     "mask_shape": None if mask is None else list(mask.shape), "all_logits": it.all_logits,
-                    "head": it.head, "normed": it.return_normed, "logit_rows": it.logit_rows})
+                    "head": it.head, "normed": it.return_normed, "logit_rows": it.logit_rows,
+                    "best_only": it.best_only})
     return out
 
 
@@ -114,7 +115,8 @@ def decode_items(raw: list[dict]) -> list[BatchItem]:
         mask = None
         if d["mask"] is not None:
             mask = torch.from_numpy(np.frombuffer(d["mask"], dtype=np.bool_).reshape(d["mask_shape"]).copy())
-        items.append(BatchItem(d["seq"], x, mask, d["all_logits"], d["head"], d["normed"], d["logit_rows"]))
+        items.append(BatchItem(d["seq"], x, mask, d["all_logits"], d["head"], d["normed"], d["logit_rows"],
+                               best_only=bool(d.get("best_only", False))))
     return items
 
 
@@ -171,8 +173,9 @@ class GroupedStage:
         self._link.abort(why)
 
     def forward(self, kv: MirroredKV, seq_id, x, tree_mask=None, all_logits: bool = True, head: bool = True,
-                return_normed: bool = False):
-        return self.forward_batch(kv, [BatchItem(seq_id, x, tree_mask, all_logits, head, return_normed)])[0]
+                return_normed: bool = False, best_only: bool = False):
+        return self.forward_batch(kv, [BatchItem(seq_id, x, tree_mask, all_logits, head, return_normed,
+                                                 best_only=best_only)])[0]
 
     def has_pending(self) -> bool:
         return False
