@@ -26,58 +26,49 @@ def run_group_many(stage, n: int, prompts: list[torch.Tensor], steps: int, speed
     """One split of ``stage`` decoding every prompt alone, one after another (the exact reference for a group
     serving them together, whatever else it batches); returns per member, per prompt (logits, tokens).
     ``per_op``: True, or the ranks (a tuple) that take the per-operation path instead of the kernel's step."""
-    split = split_layers(layer_shape(stage), n, speeds, attention)
-    group = ThreadGroup(n, timeout_s=120)
-    members = [member_stage(stage, m, group.member(m.rank)) for m in split.members]
-    out: list = [None] * n
-
     chosen = [queue.Queue() for _ in range(n)]  # the first member's greedy tokens, to every other member
 
-    def member(rank: int):
+    def member(rank: int, stage) -> list:
         slow = per_op is True or (bool(per_op) and rank in per_op)
-        try:
-            if rank == 0:
-                tell = lambda t: [q.put(t) for q in chosen[1:]]  # noqa: E731
-                out[0] = [decode(members[0], p, steps, slow, tell, best_only=best_only) for p in prompts]
-            else:
-                take = lambda: chosen[rank].get(timeout=120)  # noqa: E731
-                out[rank] = [decode(members[rank], p, steps, slow, take=take, best_only=best_only) for p in prompts]
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            out[rank] = exc
-            group.abort()
+        if rank == 0:
+            tell = lambda t: [q.put(t) for q in chosen[1:]]  # noqa: E731
+            return [decode(stage, p, steps, slow, tell, best_only=best_only) for p in prompts]
+        take = lambda: chosen[rank].get(timeout=120)  # noqa: E731
+        return [decode(stage, p, steps, slow, take=take, best_only=best_only) for p in prompts]
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300 + 60 * len(prompts))
-    for o in out:
-        if isinstance(o, BaseException):
-            raise o
-    return out
+    return in_member_threads(stage, n, speeds, attention, member, 120)
 
 
 def group_logits(stage, n: int, chunks: list[torch.Tensor], speeds=None, attention: str = "split") -> list[torch.Tensor]:
     """Every position's logits of each chunk (a fresh sequence each) as the group's first member gathers them:
     the group's teacher-forced view of a text, for its distance from one device."""
+    def member(rank: int, stage) -> list:
+        got = []
+        for c in chunks:
+            kv = stage.new_cache(len(c) + 8)
+            kv.create("f", len(c) + 8)
+            got.append(stage.forward(kv, "f", c, all_logits=True).float())
+        return got
+
+    return in_member_threads(stage, n, speeds, attention, member, 600)[0]
+
+
+def in_member_threads(stage, n: int, speeds, attention: str, work, timeout_s: float) -> list:
+    """``stage`` split over ``n`` members of an in-process group, ``work(rank, member_stage)`` run in a thread
+    per member; returns each member's result (a member's failure ends the others' waits, and is raised)."""
     split = split_layers(layer_shape(stage), n, speeds, attention)
-    group = ThreadGroup(n, timeout_s=600)
+    group = ThreadGroup(n, timeout_s=timeout_s)
     members = [member_stage(stage, m, group.member(m.rank)) for m in split.members]
     out: list = [None] * n
 
-    def member(rank: int):
+    def run(rank: int) -> None:
         try:
-            got = []
-            for c in chunks:
-                kv = members[rank].new_cache(len(c) + 8)
-                kv.create("f", len(c) + 8)
-                got.append(members[rank].forward(kv, "f", c, all_logits=True).float())
-            out[rank] = got
+            out[rank] = work(rank, members[rank])
         except BaseException as exc:  # noqa: BLE001 - reported below
             out[rank] = exc
             group.abort()
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -85,7 +76,7 @@ def group_logits(stage, n: int, chunks: list[torch.Tensor], speeds=None, attenti
     for o in out:
         if isinstance(o, BaseException):
             raise o
-    return out[0]
+    return out
 
 
 def decode(stage, prompt: torch.Tensor, steps: int, per_op: bool = False, tell=None, take=None,
