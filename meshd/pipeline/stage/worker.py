@@ -303,10 +303,11 @@ class StageWorker:
         grammar = msg.sampling.constraint is not None or (slot.selector is not None and
                                                           slot.selector.constraint is not None)
         lazy = want_logits and (msg.verify or grammar) and msg.return_topk == 0 and not exits
-        # A greedy step that nothing but the argmax reads (no grammar, penalties, verifier top-k, Medusa or
-        # early exit): a tensor group sends each member's best token, not its share of the row.
-        best = (want_logits and plain and msg.sampling.greedy and (slot.selector is None or slot.selector.sampler.params.greedy)
-                and not msg.verify and not normed and msg.return_topk == 0 and not exits and not lazy)
+        # A greedy step that nothing but the argmax reads (no grammar or penalties, no verify round, Medusa
+        # or verifier top-k): a tensor group sends each member's best token, not its share of the row. (An
+        # early exit reads its own head, and a group takes none.)
+        params = slot.selector.sampler.params if slot.selector is not None else msg.sampling.params
+        best = want_logits and plain and params.greedy and not msg.verify and not normed and msg.return_topk == 0
         item = BatchItem(slot.seq, x, mask, all_logits=msg.verify, head=want_logits, return_normed=normed,
                          attention_tail=max(0, min(int(msg.attention_tail), 64)) if want_logits else 0,
                          exit_threshold=min(max(float(msg.exit_threshold), 0.0), 1.0) if exits else 0.0,
