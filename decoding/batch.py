@@ -36,7 +36,7 @@ class BatchItem:
     exit_threshold: float = 0.0  # a decode step may leave at an exit layer with this top-2 margin (0: never)
     lazy_head: bool = False  # the head's rows are computed when read (decoding.head_rows), not in the pass
     # only the row's best token is read (a greedy step nothing else looks at): a tensor group may gather each
-    # member's best instead of whole rows (decoding.models.llama.stage.best_rows)
+    # member's best instead of whole rows (decoding.tensor_group.best_rows)
     best_only: bool = False
 
     @property

@@ -83,3 +83,27 @@ class _ThreadMember:
     def gather_parts(self, x: np.ndarray) -> list[np.ndarray] | None:
         parts = self._group.exchange(self.rank, x)
         return parts if self.rank == 0 else None
+
+
+def best_rows(parts: list[np.ndarray], vocab: int) -> "torch.Tensor":
+    """Whole rows from each member's (best logit, its token, the member's vocabulary width) in rank order:
+    the best token of all with its logit, -inf elsewhere. The members' rows lie side by side in rank order,
+    so keeping the first of equal maxima picks the lowest token, as argmax does. A member that sent its
+    whole share instead (a meshd before best-only gathers) is read the same way."""
+    import torch  # (the links import this module; only a sampling member gets here)
+
+    rows = parts[0].shape[0]
+    best = np.full(rows, -np.inf, dtype=np.float32)
+    token = np.zeros(rows, dtype=np.int64)
+    start = 0
+    for part in parts:
+        if part.shape[-1] == 3:
+            value, index, width = part[:, 0], part[:, 1].astype(np.int64), int(part[0, 2])
+        else:
+            value, index, width = part.max(axis=-1), part.argmax(axis=-1) + start, part.shape[-1]
+        better = value > best
+        best, token = np.where(better, value, best), np.where(better, index, token)
+        start += width
+    out = torch.full((rows, vocab), float("-inf"))
+    out[torch.arange(rows), torch.from_numpy(token)] = torch.from_numpy(best)
+    return out

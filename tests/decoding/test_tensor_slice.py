@@ -167,7 +167,7 @@ def test_best_rows_pick_the_token_one_devices_argmax_picks_from_each_members_bes
     is read as its best."""
     import numpy as np
 
-    from decoding.models.llama.stage import best_rows
+    from decoding.tensor_group import best_rows
 
     whole = torch.tensor([[0.5, 3.0, 1.0, 3.0, -2.0, 2.0], [9.0, 1.0, 1.0, 2.0, 9.0, 0.0]])
     share = [(0, 2), (2, 5), (5, 6)]

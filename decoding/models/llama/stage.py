@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,29 +36,8 @@ from decoding.head_rows import HeadRows
 from decoding.models.llama.decode_step import DecodeSteps
 from decoding.models.llama.layers import LayerWeights, rms_norm, rotate
 from decoding.quant import row_ops
+from decoding.tensor_group import best_rows
 
-
-
-def best_rows(parts: list[np.ndarray], vocab: int) -> torch.Tensor:
-    """Whole rows from each member's (best logit, its token, the member's vocabulary width) in rank order:
-    the best token of all with its logit, -inf elsewhere. The members' rows lie side by side in rank order,
-    so keeping the first of equal maxima picks the lowest token, as argmax does. A member that sent its
-    whole share instead (a meshd before best-only gathers) is read the same way."""
-    rows = parts[0].shape[0]
-    best = np.full(rows, -np.inf, dtype=np.float32)
-    token = np.zeros(rows, dtype=np.int64)
-    start = 0
-    for part in parts:
-        if part.shape[-1] == 3:
-            value, index, width = part[:, 0], part[:, 1].astype(np.int64), int(part[0, 2])
-        else:
-            value, index, width = part.max(axis=-1), part.argmax(axis=-1) + start, part.shape[-1]
-        better = value > best
-        best, token = np.where(better, value, best), np.where(better, index, token)
-        start += width
-    out = torch.full((rows, vocab), float("-inf"))
-    out[torch.arange(rows), torch.from_numpy(token)] = torch.from_numpy(best)
-    return out
 
 class StageModel:
     def __init__(self, config: ModelConfig, first: int, end: int, layers: list[LayerWeights],
@@ -241,19 +219,19 @@ class StageModel:
         for p, it in zip(plans, items):
             kv.commit(it.seq_id, p.n)
         parts = rejoin(h, items, plans, exited) if exited else h.split([p.n for p in plans])
+        heading = [(part, it) for part, it in zip(parts, items) if it.head and it.seq_id not in exited]
         read = [(part[-it.logit_rows:] if it.logit_rows else part) if it.all_logits else part[-1:]
-                for part, it in zip(parts, items) if it.head and it.seq_id not in exited]
+                for part, it in heading]
         if not self.is_last or not read:
             return list(parts)
         # The LM head only over the rows someone reads: one product for the whole batch, but for the
         # items that read their rows later, and perhaps only a grammar's tokens of them (HeadRows).
         normed = rms_norm(torch.cat(read), self.final_norm, cfg.rms_eps)
         normed_parts = normed.split([r.shape[0] for r in read])
-        lazy = [it.lazy_head and self.selectable_head for it in items if it.head and it.seq_id not in exited]
+        lazy = [it.lazy_head and self.selectable_head for _, it in heading]
         eager = [nm for nm, lz in zip(normed_parts, lazy) if not lz]
         # (a packed head multiplies every row alone: widening a 152k-row head would cost more than it saves)
-        best = all(it.best_only for it, lz in zip((it for it in items if it.head and it.seq_id not in exited), lazy)
-                   if not lz)
+        best = all(it.best_only for (_, it), lz in zip(heading, lazy) if not lz)
         logits = iter(self._head(torch.cat(eager), best).split([e.shape[0] for e in eager]) if eager else ())
         heads = iter(zip(normed_parts, lazy))
         outs: list = []
