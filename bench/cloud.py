@@ -147,7 +147,10 @@ class WanLink:
     def available(self) -> bool:
         return self.link.available
 
-    async def verify(self, req, timeout_s=None):
+    def offers_previews(self) -> bool:
+        return self.link.offers_previews()
+
+    async def verify(self, req, timeout_s=None, on_preview=None):
         from meshd.cloud.link import to_message
         from transport.messages import encode
 
@@ -155,7 +158,11 @@ class WanLink:
 
         up = sum(len(f) for f in encode(to_message(req), call_id=1000))
         await asyncio.sleep(self.rtt_s / 2 + 8 * (up + CURVE_OVERHEAD_B) / self.up_bps)
-        res = await self.link.verify(req, None if timeout_s is None else timeout_s)
+        if on_preview is not None and self.rtt_s:  # a preview crosses the emulated downlink too
+            hint, loop = on_preview, asyncio.get_running_loop()
+            on_preview = lambda p: loop.call_later(self.rtt_s / 2, hint, p)  # noqa: E731
+        res = await self.link.verify(req, None if timeout_s is None else timeout_s,
+                                     **({"on_preview": on_preview} if on_preview is not None else {}))
         down = len(encode(CloudVerdict(req.session, res.accepted, res.token, res.draws), call_id=1000)[0])
         await asyncio.sleep(self.rtt_s / 2 + 8 * (down + CURVE_OVERHEAD_B) / self.down_bps)
         if req.open is None:  # a usual round (a session's first request carries its prompt)

@@ -158,6 +158,15 @@ class Sampler:
                 self.uniform()
         self.draws = max(0, int(skip))
 
+    def fork(self) -> "Sampler":
+        """A sampler that makes this one's next draws without spending them here: a cloud verifier's
+        preview walks the drafts with the uniforms its final verdict will use."""
+        twin = Sampler(self.params)
+        twin.draws = self.draws
+        if self._gen is not None:
+            twin._gen.set_state(self._gen.get_state())
+        return twin
+
     def uniform(self) -> float:
         self.draws += 1
         return torch.rand((), generator=self._gen, dtype=torch.float64, device="cpu").item()

@@ -94,6 +94,8 @@ class Config:
     link: str = DEFAULT_LINK
     cloud_budget: float = 0.2  # share of drafted chunks a paired cloud verifier checks (0..1; 1 = every one)
     cloud_min_timeout_s: float = 1.0  # the shortest wait for a verdict before the chunk is committed locally
+    cloud_previews: int = 0  # pre-drafts a round may start from a verifier's early verdicts (0: off)
+    cloud_preview_threshold: float = 0.6  # the least confidence of an early verdict worth pre-drafting from
     invite_ttl_s: float = 15 * 60
     drain_timeout_s: float = 10.0  # SIGTERM: time in-flight requests get to finish
     api_listen: str | None = None  # also serve the API on loopback TCP, "127.0.0.1:8080"
@@ -151,6 +153,10 @@ class Config:
             raise ConfigError(f"exit_threshold must be between 0 (off) and 1, got {self.exit_threshold}")
         if not 0.0 <= self.cloud_budget <= 1.0:
             raise ConfigError(f"cloud_budget must be between 0 and 1, got {self.cloud_budget}")
+        if not 0 <= self.cloud_previews <= 16:
+            raise ConfigError(f"cloud_previews must be between 0 (off) and 16, got {self.cloud_previews}")
+        if not 0.0 < self.cloud_preview_threshold <= 1.0:
+            raise ConfigError(f"cloud_preview_threshold must be in (0, 1], got {self.cloud_preview_threshold}")
         # Spelling only: whether CUDA is there is asked when the stage starts (torch is not imported here).
         if not _DEVICE_RE.fullmatch(str(self.device).strip().lower()):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import structlog
 import zmq
 
+from decoding.offload.loop import PreviewSettings
 from meshd.cloud.sync import CloudSync
 from meshd.config import Config
 from meshd.engine.draining import DaemonError
@@ -84,7 +85,9 @@ class Daemon:
         self.sharing = None  # meshd.share.service.ShareService: lends model pieces, fetches missing ones
         self.cloud_sync = CloudSync(self.state, config.cloud_budget, config.cloud_min_timeout_s,
                                     home_keys=lambda: self.view.home_keys() if self.view else [],
-                                    on_error=self.local.note_error)
+                                    on_error=self.local.note_error,
+                                    previews=PreviewSettings(config.cloud_preview_threshold, config.cloud_previews)
+                                    if config.cloud_previews else None)
         self.api_runner = None
         self.api_app = None
         self._tasks: list[asyncio.Task] = []

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from partition.ids import CloudSession
 from transport.registry import message
 
-__all__ = ["CloudVerify", "CloudVerdict", "CloudClose", "CloudMembers"]
+__all__ = ["CloudVerify", "CloudVerdict", "CloudClose", "CloudMembers", "CloudHello", "CloudPreview"]
 
 # A home's uplink may be a few Mbit/s with 100 ms of latency: these travel in the
 # compact positional form (``message(compact=True)``), a greedy round in ~40 bytes.
@@ -34,6 +34,9 @@ class CloudVerify:
     ``open`` starts (or restarts after an eviction) the session: its sampling as
     ``SamplingParams.to_dict()`` (temperature, top_k, top_p, seed), ``draws`` already
     spent and ``capacity`` positions.
+    ``previews`` (> 0: only to a verifier whose :class:`CloudHello` offered them): stream a
+    :class:`CloudPreview` for each exit whose confidence reaches this value. A home that
+    predates previews never sends the field, so it never receives one.
     """
 
     session: CloudSession
@@ -42,6 +45,7 @@ class CloudVerify:
     drafts: int
     q: list[bytes] | None = None
     open: dict | None = None
+    previews: float = 0.0
 
 
 @message(compact=True)
@@ -76,3 +80,35 @@ class CloudMembers:
     home). The reply is an ``Ack`` whose detail counts the keys admitted."""
 
     keys: list[str] = field(default_factory=list)
+
+
+@message(compact=True)
+@dataclass(frozen=True)
+class CloudPreview:
+    """An early verdict on a request still being verified: what exit ``layer``'s distribution says.
+
+    Pushed one-way (no reply) before the request's :class:`CloudVerdict`, on the same
+    connection. ``at`` is the request's end (its ``start`` plus its tokens), so a home
+    tells it from a preview of an earlier request. ``confidence``: the least sure of the
+    rows the exit's verdict read (each row's max probability). Only a hint: the home
+    may draft ahead from it, but only the final verdict commits a token.
+    """
+
+    session: CloudSession
+    at: int
+    accepted: int
+    token: int
+    confidence: float
+    layer: int
+
+
+@message(compact=True)
+@dataclass(frozen=True)
+class CloudHello:
+    """A home's first word to a verifier, and the verifier's answer: what this verifier can do.
+
+    The home sends it empty; the verifier answers with the layers after which it can preview
+    its verdicts (``previews_at``, empty: none). A verifier that predates the message answers
+    with an error, which the home reads as "no previews"."""
+
+    previews_at: list[int] = field(default_factory=list)

@@ -257,6 +257,12 @@ class StageServer:
         for r, reply in zip(reqs, replies):
             await self._reply(r, reply)
 
+    async def push(self, identity: bytes, msg: Any) -> None:
+        """Send ``msg`` one-way to the client on connection ``identity`` (a ``Request.identity``): something
+        the client did not ask for by id, such as an early word on a request still being answered. Its
+        ``Peer`` hands it to ``on_message``; a client gone meanwhile loses it (and it is logged)."""
+        await self._send(identity, msg, 0)
+
     def _handler_failed(self, req: Request, e: Exception) -> ErrorReply:
         self.stats["handler_errors"] += 1
         log.warning(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.errors import DrafterError
-from decoding.exits.heads import ExitHeads, exit_logits
+from decoding.exits.heads import ExitHeads, exit_logits, first_exit_layer
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class BoundExits:
                                f"({heads.num_layers} layers, hidden {heads.hidden_size}, vocab {heads.vocab_size})")
         if stage.lm_head is None or stage.final_norm is None:
             raise DrafterError("exits are checked where the LM head is: the last stage")
+        if heads.layers[0] < first_exit_layer(heads.num_layers):
+            raise DrafterError(f"{heads.source}: an exit after layer {heads.layers[0]} lets tokens leave before the "
+                               f"last quarter of the model (after layer {first_exit_layer(heads.num_layers)}), "
+                               "where a token is seldom settled: these are a verifier's preview heads")
         self.heads = heads
         self.dtype, self.eps = stage.dtype, stage.config.rms_eps
         self.final_norm = stage.final_norm.to(stage.dtype)

@@ -32,10 +32,11 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from decoding.exits.previews import Preview
 from decoding.offload.policy import GAMMA, OffloadPolicy, chunk_confidence, chunk_importance
 from decoding.sampling import SamplingParams
 from partition.ids import CloudSession
@@ -88,6 +89,24 @@ class VerifyRequest:
     drafts: int
     q: tuple[tuple[tuple[int, ...], tuple[float, ...]], ...] | None = None  # per draft: (ids, probs)
     open: dict | None = None
+    previews: float = 0.0  # > 0: send early verdicts at least this confident (a verifier that offers them)
+
+
+@dataclass(frozen=True)
+class PreviewSettings:
+    """Pre-drafting from a verifier's early verdicts (the early-exit edge–cloud paper's client).
+
+    ``threshold``: the least confidence of a preview the home drafts from (the verifier
+    sends none below it). ``max_predrafts``: pre-drafts started per round, at most — the
+    home has one drafter, so each new one abandons the last one's drafting (what it drafted
+    is kept)."""
+
+    threshold: float = 0.6
+    max_predrafts: int = 2
+
+    def __post_init__(self):
+        if not 0.0 < self.threshold <= 1.0 or self.max_predrafts < 1:
+            raise ValueError("previews need a threshold in (0, 1] and at least one pre-draft per round")
 
 
 @dataclass(frozen=True)
@@ -109,7 +128,12 @@ class Verifier(Protocol):
     @property
     def available(self) -> bool: ...
 
-    async def verify(self, request: VerifyRequest, timeout_s: float | None = None) -> VerifyResult: ...
+    def offers_previews(self) -> bool:
+        """Whether this verifier is known to send previews (a request asking for them is then answered so)."""
+        ...
+
+    async def verify(self, request: VerifyRequest, timeout_s: float | None = None,
+                     on_preview: Callable[[Preview], None] | None = None) -> VerifyResult: ...
 
     async def close_session(self, session: CloudSession) -> None: ...
 
@@ -129,11 +153,19 @@ class OffloadStats:
     stall_s: float = 0.0  # time spent waiting for a verdict with nothing left to draft
     wait_s: float = 0.0  # time from sending a chunk to its verdict
     llm_tokens: int = 0  # tokens the verifier computed for us (cloud cost)
+    previews: int = 0  # early verdicts received
+    predrafts: int = 0  # pre-drafts started from them (a branch off the drafted path)
+    predraft_rounds: int = 0  # rounds with at least one pre-draft
+    predraft_hits: int = 0  # rounds whose verdict was a pre-draft's: its drafts went out at once
+    predraft_tokens: int = 0  # drafts a hit had ready
+    predraft_saved_s: float = 0.0  # drafting time those ready drafts would have cost (measured per step)
+    preview_lead_s: float = 0.0  # per round with previews: first preview to verdict, summed
     local_only_reason: str | None = None
 
     def to_dict(self) -> dict:
         d = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
         d["accepted_per_chunk"] = round(self.accepted / self.verified, 3) if self.verified else 0.0
+        d["predraft_hit_rate"] = round(self.predraft_hits / self.predraft_rounds, 3) if self.predraft_rounds else 0.0
         return d
 
 
@@ -142,6 +174,21 @@ class _Draft:
     token: int
     step: DraftStep  # the step that proposed it (its distribution)
     attention: tuple[float, ...] | None = None  # its own row (from feeding it)
+
+
+@dataclass
+class _PreDraft:
+    """Drafts after a preview's verdict: the chunk's first ``accepted`` drafts, then ``token``, then ``drafts``."""
+
+    accepted: int
+    token: int
+    arrived: float
+    drafts: list[_Draft] = field(default_factory=list)
+    next: DraftStep | None = None  # the drafter's proposal after the last of them
+
+    @property
+    def path(self) -> list[int]:
+        return [self.token] + [d.token for d in self.drafts]
 
 
 @dataclass
@@ -157,12 +204,17 @@ class OffloadDecoder:
     gamma: int = GAMMA
     ahead: int = AHEAD
     seed: int | None = None
+    previews: PreviewSettings | None = None  # pre-draft from early verdicts (a verifier offering them)
     stats: OffloadStats = field(default_factory=OffloadStats)
 
     def __post_init__(self):
         self._rng = random.Random(self.seed)
         self._aligned_rate = 0.5  # EWMA: verdicts whose token the drafts ahead had already taken
         self._rounds = 0
+        # None: the drafter holds the context and the drafted buffer; else the tokens after the context it
+        # holds (a pre-draft's branch), which the next feed must account for
+        self._held: list[int] | None = None
+        self._step_s = 0.0  # EWMA of one drafting step (what a ready pre-draft saved)
 
     def _worth_drafting_ahead(self) -> bool:
         """Drafting ahead pays when verdicts often align with it (each aligned verdict saves the next
@@ -216,9 +268,28 @@ class OffloadDecoder:
         """Feed the pending proposal: it joins the buffer of drafted, uncommitted tokens."""
         prop = self._next
         at = len(self._ctx) + len(self._buf)
-        step = await self.drafter.feed([prop.token], at)
+        step = await self._timed_feed([prop.token], at)
         self._buf.append(_Draft(prop.token, prop, step.attention))
         self._next = step
+
+    async def _timed_feed(self, tokens: list[int], at: int) -> DraftStep:
+        t = time.monotonic()
+        step = await self.drafter.feed(tokens, at)
+        if len(tokens) == 1:
+            dt = time.monotonic() - t
+            self._step_s = dt if self._step_s == 0.0 else self._step_s + 0.2 * (dt - self._step_s)
+        return step
+
+    async def _hold(self, path: list[int]) -> DraftStep:
+        """Make the drafter hold the context then ``path``; feed only what differs from what it holds.
+        Returns its proposal after ``path``."""
+        held = [d.token for d in self._buf] if self._held is None else self._held
+        same = 0
+        while same < min(len(held), len(path) - 1) and held[same] == path[same]:
+            same += 1
+        step = await self.drafter.feed(path[same:], len(self._ctx) + same)
+        self._held = list(path)
+        return step
 
     def _offload(self, chunk: list[_Draft], max_tokens: int) -> bool:
         if self.verifier is None or not chunk:
@@ -250,6 +321,9 @@ class OffloadDecoder:
                 break
         return out
 
+    def _wants_previews(self) -> bool:
+        return self.previews is not None and self.verifier is not None and self.verifier.offers_previews()
+
     def _request(self, chunk: list[_Draft]) -> VerifyRequest:
         drafts = tuple(d.token for d in chunk)
         q = None
@@ -260,21 +334,51 @@ class OffloadDecoder:
             opened = {**self.sampling.to_dict(), "draws": self._draws,
                       "capacity": len(self._ctx) + (self._max - self._generated) + 2 * self.gamma + 2}
         return VerifyRequest(self.session, self._cloud_has, tuple(self._ctx[self._cloud_has:]) + drafts,
-                             len(drafts), q, opened)
+                             len(drafts), q, opened, self.previews.threshold if self._wants_previews() else 0.0)
 
     async def _verify(self, chunk: list[_Draft]) -> AsyncIterator[int]:
         assert self.verifier is not None
         req = self._request(chunk)
         t0 = time.monotonic()
-        task = asyncio.ensure_future(self.verifier.verify(req))
+        arrived: list[Preview] = []
+        news = asyncio.Event()
+        self._predrafts: list[_PreDraft] = []
+        self._first_preview = 0.0
+
+        def on_preview(p: Preview) -> None:
+            self.stats.previews += 1
+            arrived.append(p)
+            news.set()
+        task = asyncio.ensure_future(self.verifier.verify(req, on_preview=on_preview) if req.previews
+                                     else self.verifier.verify(req))
         try:
-            # Proactive drafting: the SLM works on while the LLM verifies.
+            # Proactive drafting: the SLM works on while the LLM verifies; along a confident preview's
+            # verdict once one comes (pre-drafting), else along its own most likely path.
             self._rounds += 1
             ahead = self.ahead if self._worth_drafting_ahead() else 0
-            while not task.done() and len(self._buf) < len(chunk) + ahead and not self._ends(self._buf):
-                await self._extend()
-                self.stats.ahead_drafted += 1
-            t_idle = time.monotonic()
+            t_idle = None
+            while not task.done():
+                if arrived:
+                    news_now = arrived[:]
+                    arrived.clear()  # (more may come while this one is followed)
+                    await self._follow(news_now, chunk)
+                    continue
+                target = self._predrafts[-1] if self._held is not None else None
+                if target is not None and target.next is not None and len(target.drafts) < self.gamma:
+                    await self._extend_predraft(target)
+                    continue
+                if target is None and len(self._buf) < len(chunk) + ahead and not self._ends(self._buf):
+                    await self._extend()
+                    self.stats.ahead_drafted += 1
+                    continue
+                t_idle = t_idle or time.monotonic()  # nothing left to draft: wait for a verdict or a preview
+                news.clear()
+                waiter = asyncio.ensure_future(news.wait())
+                try:
+                    await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+            t_idle = t_idle or time.monotonic()
             try:
                 res = await task
             finally:
@@ -292,12 +396,56 @@ class OffloadDecoder:
             if not task.done():
                 task.cancel()
         self.stats.wait_s += time.monotonic() - t0
+        if self._first_preview:
+            self.stats.preview_lead_s += time.monotonic() - self._first_preview
         if res is None:  # no verdict: the chunk stands as drafted
+            if self._held is not None:  # a pre-draft moved the drafter off the chunk's path: back onto it
+                self._next = await self._hold([d.token for d in self._buf])
+                self._held = None
             for tok in self._commit(len(chunk), ()):
                 yield tok
             return
         for tok in await self._apply(chunk, req, res):
             yield tok
+
+    async def _follow(self, previews: list[Preview], chunk: list[_Draft]) -> None:
+        """New early verdicts: draft along the last confident one (a deeper exit knows better than the one
+        before it), unless the drafted path already agrees with it or the round's pre-drafts are spent."""
+        self._first_preview = self._first_preview or time.monotonic()
+        p = next((p for p in reversed(previews)
+                  if p.confidence >= self.previews.threshold and 0 <= p.accepted <= len(chunk)), None)
+        if p is None:
+            return
+        a, y = p.accepted, p.token
+        if (self._buf[a].token == y) if len(self._buf) > a else self._next.token == y:
+            if self._held is not None:  # the drafted path is this verdict's: back onto it
+                self._next = await self._hold([d.token for d in self._buf])
+                self._held = None
+            return
+        pre = next((x for x in self._predrafts if (x.accepted, x.token) == (a, y)), None)
+        if pre is not None and pre is self._predrafts[-1] and self._held is not None:
+            return  # already drafting along it
+        if pre is None:
+            if len(self._predrafts) >= self.previews.max_predrafts:
+                return
+            self.stats.predraft_rounds += not self._predrafts
+            self.stats.predrafts += 1
+            pre = _PreDraft(a, y, time.monotonic())
+        else:
+            self._predrafts.remove(pre)
+        self._predrafts.append(pre)
+        if y not in self.eos_ids:  # nothing is drafted after an end
+            pre.next = await self._hold([d.token for d in self._buf[:a]] + pre.path)
+            if pre.drafts and pre.drafts[-1].token in self.eos_ids:
+                pre.next = None
+
+    async def _extend_predraft(self, pre: _PreDraft) -> None:
+        prop = pre.next
+        at = len(self._ctx) + len(self._held)
+        step = await self._timed_feed([prop.token], at)
+        pre.drafts.append(_Draft(prop.token, prop, step.attention))
+        self._held.append(prop.token)
+        pre.next = None if prop.token in self.eos_ids else step
 
     async def _resend(self, req: VerifyRequest) -> VerifyResult | None:
         try:
@@ -326,11 +474,34 @@ class OffloadDecoder:
             self._aligned_rate += 0.25 * ((1.0 if aligned else 0.0) - self._aligned_rate)
         if aligned:  # the SLM drafted the LLM's token: its drafts after it stand
             self.stats.aligned += 1
+            if self._held is not None:  # a pre-draft moved the drafter off them: back onto them
+                self._next = await self._hold([d.token for d in self._buf])
+                self._held = None
             return self._commit(a + 1, ())
         if a < len(chunk):
             self.stats.corrected += 1
+        hit = next((p for p in self._predrafts if (p.accepted, p.token) == (a, y)), None)
+        if hit is not None:  # a preview said so: its drafts are ready, the next chunk goes out at once
+            return await self._take_predraft(hit)
+        if y in self.eos_ids:
+            out = self._commit(a, [y])
+            self._buf, self._held = [], None
+            return out
+        self._next = await self._hold([d.token for d in self._buf[:a]] + [y])
         out = self._commit(a, [y])
-        self._buf = []
-        if y not in self.eos_ids:
-            self._next = await self.drafter.feed([y], len(self._ctx) - 1)
+        self._buf, self._held = [], None
+        return out
+
+    async def _take_predraft(self, pre: _PreDraft) -> list[int]:
+        self.stats.predraft_hits += 1
+        self.stats.predraft_tokens += len(pre.drafts)
+        self.stats.predraft_saved_s += len(pre.drafts) * self._step_s
+        path = [d.token for d in self._buf[:pre.accepted]] + pre.path
+        if pre.token not in self.eos_ids and (self._held != path or pre.next is None):
+            nxt = await self._hold(path)  # the drafter moved on to another pre-draft since (or stopped at an end)
+            pre.next = pre.next or nxt
+        out = self._commit(pre.accepted, [pre.token])
+        self._buf, self._held = list(pre.drafts), None
+        if pre.next is not None:
+            self._next = pre.next
         return out

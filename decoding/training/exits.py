@@ -126,9 +126,10 @@ def evaluate(heads: ExitHeads, data: ExitSet, final_norm: torch.Tensor, rows: to
     """The exit rule replayed on held-out positions: per threshold, the share of tokens that leave at
     each exit and how often the token that left equals the full model's."""
     n = len(data)
-    margins, best = [], []
+    margins, best, per_exit = [], [], {}
     for j in range(len(heads.layers)):
         p = torch.softmax(heads.logits(j, data.hidden[j], final_norm, rows, eps), dim=-1)
+        per_exit[str(heads.layers[j])] = _exit_agreement(heads, p, data.tokens, thresholds)
         top = torch.topk(p, 2, dim=-1)
         other = top.indices[:, 0] == heads.size
         margins.append(torch.where(other, torch.zeros_like(top.values[:, 0]), top.values[:, 0] - top.values[:, 1]))
@@ -137,7 +138,7 @@ def evaluate(heads: ExitHeads, data: ExitSet, final_norm: torch.Tensor, rows: to
     covered = float(data.target[:, :-1].sum(-1).mean())
     in_short = float(torch.isin(data.tokens, heads.shortlist).float().mean())
     out = {"positions": n, "shortlist": heads.size, "shortlist_mass": round(covered, 4),
-           "shortlist_token_share": round(in_short, 4), "thresholds": {}}
+           "shortlist_token_share": round(in_short, 4), "per_exit": per_exit, "thresholds": {}}
     for thr in thresholds:
         left = torch.zeros(n, dtype=torch.bool)
         by_layer, agree = {}, 0
@@ -150,6 +151,22 @@ def evaluate(heads: ExitHeads, data: ExitSet, final_norm: torch.Tensor, rows: to
         out["thresholds"][str(thr)] = {"exit_rate": round(exited / max(1, n), 4), "by_layer": by_layer,
                                        "agreement_of_exits": round(agree / exited, 4) if exited else None,
                                        "token_agreement": round(1 - (exited - agree) / max(1, n), 4)}
+    return out
+
+
+def _exit_agreement(heads: ExitHeads, p: torch.Tensor, tokens: torch.Tensor, thresholds: Sequence[float]) -> dict:
+    """One exit on its own, as a verifier's preview reads it: how often its best token is the full model's,
+    and at each confidence (its max probability, "other" never confident) how often it is that sure
+    and right when it is."""
+    conf, idx = p.max(dim=-1)
+    said = torch.where(idx == heads.size, torch.full_like(idx, -1), heads.shortlist[idx.clamp_max(heads.size - 1)])
+    right = said == tokens
+    out = {"agreement": round(float(right.float().mean()), 4), "at": {}}
+    for thr in thresholds:
+        sure = (conf >= thr) & (said >= 0)
+        out["at"][str(thr)] = {"confident": round(float(sure.float().mean()), 4),
+                               "agreement_when_confident": round(float(right[sure].float().mean()), 4)
+                               if bool(sure.any()) else None}
     return out
 
 

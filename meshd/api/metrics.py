@@ -196,6 +196,7 @@ class MeshCollector:
             yield from _outline_metrics(stage.get("outline"))
             yield from _prefix_metrics(stage.get("prefix_cache"), label)
             yield from _exit_metrics(stage.get("exits"), label)
+            yield from _cloud_metrics(stage.get("cloud"))
         links = s.get("links")
         if isinstance(links, dict) and links:
             links = sorted((str(p), i) for p, i in links.items() if isinstance(i, dict))
@@ -273,6 +274,35 @@ def _exit_metrics(e: Any, label: list[str]):
         g = GaugeMetricFamily("meshd_exit_rate", "Share of those decode steps whose token left early",
                               labels=["layers"])
         g.add_metric(label, float(e["rate"]))
+        yield g
+
+
+def _cloud_metrics(c: Any):
+    """A paired cloud verifier, as this device's answers used it: chunks, verdicts, and the previews of
+    verdicts the home pre-drafted from (how often a pre-draft was the verdict's, what it saved)."""
+    t = c.get("totals") if isinstance(c, dict) else None
+    if not isinstance(t, dict):
+        return
+    for key, name, doc in (
+        ("chunks", "meshd_cloud_chunks", "Drafted chunks of cloud-verified answers"),
+        ("offloaded", "meshd_cloud_offloaded_chunks", "Chunks sent to the cloud verifier"),
+        ("local_fallbacks", "meshd_cloud_local_fallbacks", "Offloaded chunks committed as drafted for want "
+                                                           "of a verdict"),
+        ("previews", "meshd_cloud_previews", "Early verdicts (previews) received from the verifier"),
+        ("predraft_rounds", "meshd_cloud_predraft_rounds", "Verification rounds in which a preview started "
+                                                           "a pre-draft"),
+        ("predraft_hits", "meshd_cloud_predraft_hits", "Rounds whose verdict was a pre-draft's (its drafts "
+                                                       "went out at once)"),
+        ("predraft_saved_s", "meshd_cloud_predraft_saved_seconds", "Drafting time the ready pre-drafts saved"),
+    ):
+        if _number(t.get(key)):
+            m = CounterMetricFamily(name, doc)
+            m.add_metric([], float(t[key]))
+            yield m
+    if _number(t.get("predraft_hit_rate")) and t.get("predraft_rounds"):
+        g = GaugeMetricFamily("meshd_cloud_predraft_hit_rate", "Share of rounds with a pre-draft whose verdict "
+                              "was a pre-draft's")
+        g.add_metric([], float(t["predraft_hit_rate"]))
         yield g
 
 

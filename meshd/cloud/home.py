@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import secrets
 
-from decoding.offload.loop import OffloadDecoder, OffloadStats
+from decoding.offload.loop import OffloadDecoder, OffloadStats, PreviewSettings
 from decoding.offload.policy import OffloadPolicy
 from decoding.sampling import SamplingParams
 from meshd.cloud.link import CloudLink
@@ -31,21 +31,27 @@ def draft_seed(seed: int) -> int:
 
 
 class CloudHome:
-    def __init__(self, link: CloudLink, budget: float = 0.2, model: str = ""):
+    def __init__(self, link: CloudLink, budget: float = 0.2, model: str = "", previews: PreviewSettings | None = None):
         self.link = link
         self.budget = budget
         self.model = model
+        self.previews = previews
         self._policies: dict[float, OffloadPolicy] = {}
         self._sessions = itertools.count(secrets.randbits(30))
         self.totals = {"requests": 0, "chunks": 0, "offloaded": 0, "verified": 0, "accepted": 0, "drafted": 0,
-                       "local_fallbacks": 0, "tokens": 0}
+                       "local_fallbacks": 0, "tokens": 0, "previews": 0, "predrafts": 0, "predraft_rounds": 0,
+                       "predraft_hits": 0, "predraft_saved_s": 0.0}
 
     @classmethod
-    async def connect(cls, node, info: dict, budget: float, min_timeout_s: float | None = None) -> "CloudHome":
+    async def connect(cls, node, info: dict, budget: float, min_timeout_s: float | None = None,
+                      previews: PreviewSettings | None = None) -> "CloudHome":
         peer = await node.connect(info["address"], server_key=info["server_key"])
         log.info("cloud_verifier_paired", address=info["address"], model=info.get("model"), budget=budget)
         kw = {} if min_timeout_s is None else {"min_timeout_s": min_timeout_s}
-        return cls(CloudLink(peer, info["address"], **kw), budget, str(info.get("model", "")))
+        home = cls(CloudLink(peer, info["address"], **kw), budget, str(info.get("model", "")), previews)
+        if previews is not None:
+            home.link.offers_previews()  # ask the verifier now, not at the first answer
+        return home
 
     async def admit(self, keys: list[str], timeout_s: float) -> int:
         """Vouch for the home's member keys at the verifier; returns how many it had not admitted yet."""
@@ -71,18 +77,24 @@ class CloudHome:
     def decoder(self, drafter, sampling: SamplingParams, eos_ids, budget: float | None = None) -> OffloadDecoder:
         self.totals["requests"] += 1
         return OffloadDecoder(drafter, self.link, self.policy(budget), CloudSession(next(self._sessions) % (1 << 31)),
-                              sampling=sampling, eos_ids=frozenset(eos_ids), seed=sampling.seed)
+                              sampling=sampling, eos_ids=frozenset(eos_ids), seed=sampling.seed,
+                              previews=self.previews)
 
     def record(self, stats: OffloadStats, tokens: int) -> None:
         t = self.totals
-        for k in ("chunks", "offloaded", "verified", "accepted", "drafted", "local_fallbacks"):
+        for k in ("chunks", "offloaded", "verified", "accepted", "drafted", "local_fallbacks", "previews", "predrafts",
+                  "predraft_rounds", "predraft_hits", "predraft_saved_s"):
             t[k] += getattr(stats, k)
         t["tokens"] += tokens
 
     def status(self) -> dict:
         t = dict(self.totals)
         t["share_offloaded"] = round(t["offloaded"] / t["chunks"], 3) if t["chunks"] else 0.0
+        t["predraft_hit_rate"] = round(t["predraft_hits"] / t["predraft_rounds"], 3) if t["predraft_rounds"] else 0.0
+        t["predraft_saved_s"] = round(t["predraft_saved_s"], 3)
+        pv = self.previews
         return {"model": self.model, "budget": self.budget, "link": self.link.status(), "totals": t,
+                "previews": {"max_predrafts": pv.max_predrafts, "threshold": pv.threshold} if pv else None,
                 "policies": {str(b): p.to_dict() for b, p in self._policies.items()}}
 
     async def close(self) -> None:

@@ -14,14 +14,18 @@ after the backoff finds out whether it is back. ``status()`` is what
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from decoding.exits.previews import Preview
 from decoding.offload.loop import VerifierEvicted, VerifierUnavailable, VerifyRequest, VerifyResult
 from meshd.log import get_logger
 from partition.ids import CloudSession
-from transport.cloud_messages import CloudClose, CloudVerdict, CloudVerify
+from transport.cloud_messages import CloudClose, CloudHello, CloudPreview, CloudVerdict, CloudVerify
 from transport.errors import RemoteError, TransportError
 from transport.messages import encode
 
@@ -32,6 +36,7 @@ MIN_TIMEOUT_S = 1.0  # never give up on a verdict sooner: load spikes on either 
 PER_TOKEN_S = 0.002  # allowance per uncached token beyond a round's usual size
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
+HELLO_TIMEOUT_S = 10.0
 
 
 def to_message(req: VerifyRequest) -> CloudVerify:
@@ -39,7 +44,12 @@ def to_message(req: VerifyRequest) -> CloudVerify:
     if req.q is not None:
         q = [b"".join(struct.pack("<If", int(i), float(p)) for i, p in zip(ids, probs)) for ids, probs in req.q]
     return CloudVerify(req.session, req.start, struct.pack(f"<{len(req.tokens)}I", *req.tokens), req.drafts,
-                       q, req.open)
+                       q, req.open, req.previews)
+
+
+def request_end(req: VerifyRequest) -> int:
+    """Where a request's tokens end: its previews carry it (``CloudPreview.at``)."""
+    return req.start + len(req.tokens)
 
 
 @dataclass
@@ -55,11 +65,15 @@ class LinkStats:
     connected_since: float = 0.0
     rtt_s: float = 0.0  # EWMA of a verification's round time
     rtt_dev_s: float = 0.0
+    previews: int = 0  # early verdicts received
     up_sizes: list = field(default_factory=list)  # per round, the last 256 (reporting)
     down_sizes: list = field(default_factory=list)
 
 
 class CloudLink:
+    """``peer``: a connected ``transport.peer.Peer`` whose unsolicited messages (previews) this link reads:
+    its ``on_message`` is set here if unset."""
+
     def __init__(self, peer, address: str = "", *, first_timeout_s: float = FIRST_TIMEOUT_S,
                  min_timeout_s: float = MIN_TIMEOUT_S):
         self.peer = peer
@@ -69,10 +83,47 @@ class CloudLink:
         self.stats = LinkStats()
         self._retry_at = 0.0
         self._backoff = BACKOFF_MIN_S
+        self.previews_at: list[int] | None = None  # the verifier's preview exits; None: not asked yet
+        self._hello: asyncio.Task | None = None
+        self._watching: dict[tuple[int, int], Callable[[Preview], None]] = {}
+        if getattr(peer, "on_message", False) is None:
+            peer.on_message = self.receive
 
     @property
     def available(self) -> bool:
         return time.monotonic() >= self._retry_at
+
+    def offers_previews(self) -> bool:
+        """Whether the verifier said it previews its verdicts; the first call asks it (in the background)."""
+        if self.previews_at is None and self._hello is None:
+            self._hello = asyncio.ensure_future(self.hello())
+        return bool(self.previews_at)
+
+    async def hello(self, timeout_s: float = HELLO_TIMEOUT_S) -> list[int]:
+        """Ask the verifier what it offers; a verifier that predates the question offers no previews.
+        An unreachable one is asked again later."""
+        try:
+            reply = await self.peer.request(CloudHello(), timeout=timeout_s)
+            self.previews_at = list(reply.previews_at) if isinstance(reply, CloudHello) else []
+        except RemoteError:
+            self.previews_at = []
+        except (TransportError, OSError):
+            pass
+        finally:
+            self._hello = None
+        if self.previews_at is not None:
+            log.info("cloud_verifier_hello", address=self.address, previews_at=self.previews_at or None)
+        return self.previews_at or []
+
+    def receive(self, env) -> None:
+        """An unsolicited message from the verifier: a preview goes to the request it is about, if still
+        waiting (a late one is dropped)."""
+        msg = env.message
+        if isinstance(msg, CloudPreview):
+            self.stats.previews += 1
+            watch = self._watching.get((int(msg.session), msg.at))
+            if watch is not None:
+                watch(Preview(msg.layer, msg.accepted, msg.token, msg.confidence))
 
     def timeout_for(self, req: VerifyRequest) -> float:
         s = self.stats
@@ -80,10 +131,16 @@ class CloudLink:
             return self.first_timeout_s
         return max(self.min_timeout_s, 4.0 * s.rtt_s + 8.0 * s.rtt_dev_s + PER_TOKEN_S * len(req.tokens))
 
-    async def verify(self, req: VerifyRequest, timeout_s: float | None = None) -> VerifyResult:
+    async def verify(self, req: VerifyRequest, timeout_s: float | None = None,
+                     on_preview: Callable[[Preview], None] | None = None) -> VerifyResult:
+        if req.previews and not self.previews_at:  # only a verifier that offered them is asked for previews
+            req = dataclasses.replace(req, previews=0.0)
         msg = to_message(req)
         timeout = timeout_s if timeout_s is not None else self.timeout_for(req)
         t0 = time.monotonic()
+        key = (int(req.session), request_end(req))
+        if req.previews and on_preview is not None:
+            self._watching[key] = on_preview
         try:
             reply = await self.peer.request(msg, timeout=timeout)
         except RemoteError as exc:
@@ -97,6 +154,8 @@ class CloudLink:
             self.stats.timeouts += 1
             self._failed(str(exc) or type(exc).__name__)
             raise VerifierUnavailable(str(exc)) from None
+        finally:
+            self._watching.pop(key, None)
         if not isinstance(reply, CloudVerdict) or reply.session != req.session:
             self._failed(f"unexpected reply {type(reply).__name__}")
             raise VerifierUnavailable("the verifier answered something else")
@@ -147,6 +206,7 @@ class CloudLink:
         mean = lambda xs: round(sum(xs) / len(xs), 1) if xs else 0.0  # noqa: E731
         return {"address": self.address, "state": state, "rounds": s.rounds, "timeouts": s.timeouts,
                 "refused": s.refused, "evicted": s.evicted, "rtt_ms": round(s.rtt_s * 1000, 1),
+                "previews_at": self.previews_at, "previews": s.previews,
                 "bytes_up": s.bytes_up, "bytes_down": s.bytes_down,
                 "uplink_bytes_per_round": mean(s.up_sizes), "downlink_bytes_per_round": mean(s.down_sizes),
                 "last_error": s.last_error, "retry_in_s": round(max(0.0, self._retry_at - time.monotonic()), 1)}

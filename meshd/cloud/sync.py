@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from decoding.offload.loop import PreviewSettings
 from meshd.mesh import control
 from meshd.cloud.held import held_record, save_record
 from meshd.cloud.record import CloudRecord, heartbeat_key, newer
@@ -30,9 +31,11 @@ MAX_CLOCK_AHEAD_S = 86400.0  # a record stamped further ahead would outrank ever
 
 class CloudSync:
     def __init__(self, state: StateDir, budget: float, min_timeout_s: float | None,
-                 home_keys: Callable[[], list[str]], on_error: Callable[[str], None]):
+                 home_keys: Callable[[], list[str]], on_error: Callable[[str], None],
+                 previews: PreviewSettings | None = None):
         self.state = state
         self.budget = budget
+        self.previews = previews
         self.min_timeout_s = min_timeout_s
         self.home_keys = home_keys
         self.on_error = on_error
@@ -170,7 +173,8 @@ class CloudSync:
                 if want.tokenizer and want.tokenizer != self._tokenizer:
                     raise ValueError(f"the paired verifier's model ({want.model}) does not share this home's "
                                      "tokenizer; run 'meshd cloud unpair' or pair a matching verifier")
-                self.home = await CloudHome.connect(self._node, want.to_json(), self.budget, self.min_timeout_s)
+                self.home = await CloudHome.connect(self._node, want.to_json(), self.budget, self.min_timeout_s,
+                                                    self.previews)
                 self._using = want
                 self._vouched = frozenset()
                 self._error = ""

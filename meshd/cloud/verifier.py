@@ -20,6 +20,13 @@ The position a request starts at is the prefix the home *confirmed*; the
 session rolls back to it before running, so a verdict the home gave up on
 (timeout) never leaves the two sides disagreeing. A newer request for a
 session supersedes an older one still queued.
+
+Previews (the early-exit edge–cloud paper): with exit heads inside the model
+(:class:`~decoding.exits.previews.PreviewExits`), a greedy request that asks for
+them gets each exit's verdict on its drafts as soon as that exit's layer has run
+and the verdict is sure enough — the home drafts the next round from it while
+the last layers run. The final verdict is computed as without them: previews
+never change what is committed.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from decoding.errors import CacheFull
+from decoding.exits.previews import Preview, PreviewExits
 from decoding.models import StageModel
 from decoding.sampling import Sampler
 from meshd.cloud.verify_request import VerifierRefusal, checked, session_open
@@ -50,7 +59,8 @@ class Verifier:
     """Sessions, the queue and the scheduler around one model (all layers, one stage)."""
 
     def __init__(self, stage: StageModel, *, kv_budget_tokens: int = 16384, max_queue: int = MAX_QUEUE,
-                 chunk: int = CHUNK, max_batch_tokens: int = MAX_BATCH_TOKENS, batched: bool = True):
+                 chunk: int = CHUNK, max_batch_tokens: int = MAX_BATCH_TOKENS, batched: bool = True,
+                 previews: PreviewExits | None = None):
         if not (stage.is_first and stage.is_last):
             raise ValueError("the verifier runs the whole model as one stage")
         self.stage = stage
@@ -59,7 +69,8 @@ class Verifier:
         self.max_batch_tokens = max_batch_tokens
         self.batched = batched
         self.stats = VerifierStats()
-        self.worker = Worker(stage, self.kv, self.stats, chunk)
+        self.worker = Worker(stage, self.kv, self.stats, chunk, previews)
+        self.preview_layers = previews.layers if previews is not None else []
         self._sessions: OrderedDict[tuple[str, int], Session] = OrderedDict()  # least recently used first
         self._queue: list[Job] = []
         self._wake = asyncio.Event()
@@ -96,8 +107,10 @@ class Verifier:
                 "kv_budget_tokens": self.kv.max_tokens, **self.stats.to_dict()}
 
     # -- requests (event loop) ----------------------------------------------------------
-    async def submit(self, home: str, msg: CloudVerify) -> CloudVerdict:
-        """Queue a verification and wait for its verdict; raises VerifierRefusal."""
+    async def submit(self, home: str, msg: CloudVerify,
+                     on_preview: Callable[[Preview], None] | None = None) -> CloudVerdict:
+        """Queue a verification and wait for its verdict; raises VerifierRefusal. ``on_preview`` (called on the
+        event loop) receives the early verdicts the request asked for (``msg.previews``), before the verdict."""
         self.stats.requests += 1
         try:
             job = self._admit(home, msg)
@@ -106,6 +119,9 @@ class Verifier:
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
             log.info("verify_refused", code=exc.code, error=str(exc), home=home[:8], session=msg.session)
             raise
+        if on_preview is not None and self.preview_layers:
+            loop = asyncio.get_running_loop()
+            job.on_preview = lambda p: loop.call_soon_threadsafe(on_preview, p)  # from the compute thread
         self._wake.set()
         try:
             return await job.future

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from decoding.batch import BatchItem
 from decoding.errors import CacheFull
+from decoding.exits.previews import Preview, PreviewExits
 from decoding.models import StageModel
 from decoding.sampling import Sampler
 from decoding.speculative.verify import verify_offloaded
 from meshd.cloud.verify_request import Support, VerifierRefusal
+from meshd.log import get_logger
 from transport.cloud_messages import CloudVerdict, CloudVerify
+
+log = get_logger("meshd.cloud.verifier")
 
 Outcome = tuple[CloudVerdict | None, Exception | None]  # (verdict, refusal); (None, None): a piece of a fill
 
@@ -45,6 +50,8 @@ class Job:
     future: asyncio.Future
     done: int = 0  # tokens already run (a chunked fill)
     support: Support | None = None
+    #: Called from the compute thread with each early verdict worth sending (see Worker.run); None: not asked.
+    on_preview: Callable[[Preview], None] | None = None
 
     @property
     def left(self) -> int:
@@ -64,6 +71,8 @@ class VerifierStats:
     drafts: int = 0
     accepted: int = 0
     busy_s: float = 0.0
+    previews: int = 0  # early verdicts sent to homes
+    previews_right: int = 0  # ... that the final verdict then equalled
     batches: dict[int, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -76,11 +85,12 @@ class VerifierStats:
 class Worker:
     """Runs passes over the verifier's KV cache; counts what it computed in ``stats``."""
 
-    def __init__(self, stage: StageModel, kv, stats: VerifierStats, chunk: int):
+    def __init__(self, stage: StageModel, kv, stats: VerifierStats, chunk: int, previews: PreviewExits | None = None):
         self.stage = stage
         self.kv = kv
         self.stats = stats
         self.chunk = chunk
+        self.previews = previews
 
     def piece(self, job: Job) -> int:
         """Tokens of the job to run in this pass: all of it if it is short; else a chunk that leaves
@@ -93,7 +103,7 @@ class Worker:
     def run(self, batch: list[Job]) -> list[Outcome]:
         """One forward for the batch, then each finished job's verdict (compute thread)."""
         items, finals, outs = [], [], [None] * len(batch)
-        live = []
+        live, watched, at = [], [], 0  # watched: (job, its drafts' first row in the pass, previews already sent)
         for i, job in enumerate(batch):
             s = job.session
             try:
@@ -106,12 +116,16 @@ class Worker:
                                        logit_rows=job.msg.drafts + 1 if final else 0))
                 finals.append(final)
                 live.append(i)
+                if final and self._previews_for(job):
+                    watched.append((job, at + n - job.msg.drafts - 1, []))
+                at += n
             except VerifierRefusal as exc:
                 outs[i] = (None, exc)
         if not items:
             return outs
+        taps = {layer: self._tap(layer, watched) for layer in self.previews.layers} if watched else None
         try:
-            results = self.stage.forward_batch(self.kv, items)
+            results = self.stage.forward_batch(self.kv, items, taps=taps)
         except CacheFull as exc:
             for i in live:
                 outs[i] = (None, VerifierRefusal("busy", f"the verifier's cache is full: {exc}"))
@@ -127,7 +141,43 @@ class Worker:
                 outs[i] = (self._verdict(job, out), None)
             except Exception as exc:  # noqa: BLE001 - one job's problem is its own
                 outs[i] = (None, VerifierRefusal("bad_request", f"verification failed: {exc}"))
+        for job, _, sent in watched:
+            verdict = outs[batch.index(job)][0]
+            if verdict is not None:
+                self.stats.previews_right += sum((p.accepted, p.token) == (verdict.accepted, verdict.token)
+                                                 for p in sent)
         return outs
+
+    def _previews_for(self, job: Job) -> bool:
+        """A sampled session's previews borrow its next uniforms (a fork of its stream): only a seeded one's."""
+        params = job.session.sampler.params
+        return (self.previews is not None and job.on_preview is not None and job.msg.previews > 0
+                and (params.greedy or params.seed is not None))
+
+    def _preview(self, job: Job, layer: int, rows: torch.Tensor) -> Preview | None:
+        d, s = job.msg.drafts, job.session
+        if s.sampler.params.greedy:
+            return self.previews.verdict(layer, rows, job.tokens[-d:])
+        return self.previews.sampled_verdict(layer, rows, job.tokens[-d:], job.tokens[-d - 1], s.sampler.params,
+                                             s.sampler.fork().uniform, job.support)
+
+    def _tap(self, layer: int, watched: list) -> Callable[[torch.Tensor], None]:
+        """After ``layer``: each watched job's exit verdict, sent when it is sure enough and says something new
+        (a deeper exit repeating the last preview adds nothing for the home)."""
+        def tap(h: torch.Tensor) -> None:
+            for job, first, sent in watched:
+                try:
+                    p = self._preview(job, layer, h[first:first + job.msg.drafts + 1])
+                except Exception:  # noqa: BLE001 - a preview is a hint: its failure must not fail the pass
+                    log.error("preview_failed", layer=layer, exc_info=True)
+                    continue
+                if p is None or p.confidence < job.msg.previews or (
+                        sent and (sent[-1].accepted, sent[-1].token) == (p.accepted, p.token)):
+                    continue
+                sent.append(p)
+                self.stats.previews += 1
+                job.on_preview(p)
+        return tap
 
     def _rewind(self, job: Job) -> None:
         s, start = job.session, job.msg.start

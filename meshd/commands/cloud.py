@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,6 +49,10 @@ def register(subparsers) -> None:
                    help="KV positions shared by all sessions (least recently used evicted beyond it)")
     s.add_argument("--max-queue", type=int, default=64, help="waiting verifications before 'busy' replies")
     s.add_argument("--no-batching", action="store_true", help="one verification per forward (for comparison)")
+    s.add_argument("--preview-heads", default=None, metavar="PATH|none",
+                   help="exit heads to preview verdicts with (homes pre-draft from them): a file from "
+                        "'meshd heads train-exits --previews', or 'none' (default: the ones meshd ships for "
+                        "the model, if any)")
     s.set_defaults(func=serve)
     i = sub.add_parser("invite", help="print a one-time token a home uses to pair with this verifier")
     i.add_argument("--state-dir", default=None)
@@ -74,13 +79,27 @@ def serve(args) -> int:
 
     source = model_store.open_model(args.model)
     state_dir = _cloud_state_dir(args.state_dir)
+    previews = "shipped"
+    if args.preview_heads == "none":
+        previews = None
+    elif args.preview_heads:
+        from decoding.errors import DrafterError
+        from decoding.exits.heads import ExitHeads
+
+        cfg = source.config
+        try:
+            previews = ExitHeads.load(args.preview_heads, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                                      vocab_size=cfg.vocab_size)
+        except DrafterError as exc:
+            print(f"meshd cloud serve: {exc}", file=sys.stderr)
+            return 2
 
     async def main() -> None:
         svc = VerifierService(source, state_dir, listen=args.listen,
                               port=DEFAULT_PORT if args.port is None else args.port,
                               pairing_port=DEFAULT_PAIRING_PORT if args.pairing_port is None else args.pairing_port,
                               kv_budget_tokens=args.kv_budget, max_queue=args.max_queue,
-                              batched=not args.no_batching)
+                              batched=not args.no_batching, previews=previews)
         print(f"loading {svc.model_id} ...", flush=True)
         await svc.start()
         atomic_write(svc.state.root / "verifier.json", json.dumps(

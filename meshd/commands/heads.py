@@ -48,8 +48,10 @@ def register(sub) -> None:
     _common(x)
     x.add_argument("--out", default=None, help="exit heads file to write (default: ./exit-heads.pt)")
     x.add_argument("--layers", default=None,
-                   help="exit layers, comma-separated layer counts in the model's last quarter (default: three, "
-                        "spread over it)")
+                   help="exit layers, comma-separated layer counts (default: three spread over the model's last "
+                        "quarter, for a home's early exits; with --previews four from its middle on)")
+    x.add_argument("--previews", action="store_true",
+                   help="heads for a cloud verifier's previews of its verdicts (exits from the model's middle on)")
     x.add_argument("--shortlist", type=int, default=2048, help="tokens an exit may emit (the most frequent)")
     x.add_argument("--minutes", type=float, default=15.0, help="time budget for the whole run")
     x.add_argument("--steps", type=int, default=1500)
@@ -187,14 +189,15 @@ def run_train_exits(args) -> int:
     """Answers (or ``--answers``), hidden states at the exit layers, training, held-out evaluation."""
     import torch
 
-    from decoding.exits.heads import ExitHeads, default_exit_layers
+    from decoding.exits.heads import ExitHeads, default_exit_layers, preview_exit_layers
     from decoding.training import exits as ex
     from decoding.training.recipe import GEN_SHARE, answer_order, load_answers, save_answers
     from meshd.log import get_logger
 
     bench = _bench(args)
     cfg = bench.cfg
-    layers = [int(v) for v in args.layers.split(",")] if args.layers else default_exit_layers(cfg.num_layers)
+    layers = [int(v) for v in args.layers.split(",")] if args.layers else (
+        preview_exit_layers if args.previews else default_exit_layers)(cfg.num_layers)
     heldout_p, train_p = _prompts(args)
     budget = args.minutes * 60.0
     answers = Path(args.answers) if args.answers else None

@@ -86,6 +86,10 @@ _FLAGS = [
                                               "0..1 (default 0.2; 1 = every chunk: the big model's output)"),
     ("--cloud-min-timeout", "cloud_min_timeout_s", float, "shortest wait in seconds for a cloud verdict "
                                                          "before a chunk is committed locally (default 1)"),
+    ("--cloud-previews", "cloud_previews", int, "pre-drafts a round may start from a paired verifier's early "
+                                                 "verdicts, when it offers them (default 0: off; lossless)"),
+    ("--cloud-preview-threshold", "cloud_preview_threshold", float, "least confidence of an early verdict worth "
+                                                                   "pre-drafting from, 0..1 (default 0.6)"),
     ("--engine", "engine", str, "engine factory 'module:callable' (advanced)"),
 ]
 

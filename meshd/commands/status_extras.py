@@ -99,6 +99,10 @@ def cloud_line(stage: Any) -> str:
         text += (f"; budget {c.get('budget')}: {t.get('offloaded', 0)} of {t['chunks']} chunks offloaded, "
                  f"{t.get('accepted', 0)} of {t.get('drafted', 0)} drafts accepted, "
                  f"{t.get('local_fallbacks', 0)} committed locally for want of a verdict")
+    if t.get("previews") or c.get("previews"):
+        text += (f"; previews: {t.get('previews', 0)} received, {t.get('predraft_hits', 0)} of "
+                 f"{t.get('predraft_rounds', 0)} pre-drafted rounds hit, "
+                 f"{t.get('predraft_saved_s', 0.0):.1f} s of drafting saved")
     return text
 
 

@@ -48,4 +48,20 @@ def embedded_exits(*, num_layers: int | None = None, hidden_size: int | None = N
     return heads
 
 
-__all__ = ["EXITS_FILE", "EXITS_SHA256", "HEADS_FILE", "HEADS_SHA256", "embedded_exits", "embedded_heads"]
+# Exit heads a cloud verifier previews its verdicts with, pinned (the file's meta names the model trained for).
+# The embedded model's Synera exits serve as its preview exits too (any exit may preview).
+PREVIEW_FILES = {EXITS_FILE.name: EXITS_SHA256}
+
+
+def preview_heads_for(identity: str, *, num_layers: int, hidden_size: int, vocab_size: int) -> ExitHeads | None:
+    """The shipped preview heads trained for the model ``identity`` (a ``ModelSource.identity``), or None."""
+    for name, sha in PREVIEW_FILES.items():
+        heads = ExitHeads.load(Path(__file__).parent.parent / "data" / name, sha256=sha)
+        if (heads.meta.get("model") or {}).get("identity") == identity and (
+                heads.num_layers, heads.hidden_size, heads.vocab_size) == (num_layers, hidden_size, vocab_size):
+            return heads
+    return None
+
+
+__all__ = ["EXITS_FILE", "EXITS_SHA256", "HEADS_FILE", "HEADS_SHA256", "PREVIEW_FILES", "embedded_exits",
+           "embedded_heads", "preview_heads_for"]

@@ -18,11 +18,12 @@ from decoding.speculative.draft_model import tokenizer_fingerprint
 from meshd.cloud.link import CloudLink
 from meshd.cloud.pairing import create_cloud_invite, pair_with_cloud
 from meshd.cloud.service import VerifierService
-from meshd.mesh.pairing import PairingError, Token
+from meshd.mesh.pairing import PairingError
 from meshd.state import StateDir
 from transport.cloud_messages import CloudVerify
 from transport.errors import AuthenticationRefused, RemoteError, TransportTimeout
 from transport.node import TransportNode
+from tests.support.cloud import paired_home, serve_verifier
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
@@ -38,26 +39,6 @@ def drafter_stage(real_stage):
                       s.inv_freq, s.dtype)
 
 
-async def _serve(real_source, real_stage, tmp_path, port=0, **kw) -> VerifierService:
-    svc = VerifierService(real_source, tmp_path / "cloud", listen="127.0.0.1", port=port, pairing_port=0,
-                          stage=real_stage, **kw)
-    return await svc.start()
-
-
-async def _paired_home(svc: VerifierService, real_source, tmp_path, name="home", min_timeout_s=30.0):
-    """A home paired through the real handshake. The verdict timeout's floor is long by default:
-    these tests check exactness, and the suite runs them with both cores busy."""
-    state = StateDir(tmp_path / name).ensure()
-    home = state.create_home(name)
-    token, _ = create_cloud_invite(svc.state, ["127.0.0.1"], svc.pairing_port, 60)
-    info = await pair_with_cloud("127.0.0.1", Token.decode(token.encode()), home.home_id, name,
-                                 [state.keypair().public.decode()], tokenizer_fingerprint(real_source.tokenizer))
-    node = TransportNode(name, keypair=state.keypair(), allowlist=state.allow_list())
-    await node.start()
-    peer = await node.connect(info["address"], server_key=info["server_key"], timeout=5.0)
-    return node, CloudLink(peer, info["address"], min_timeout_s=min_timeout_s), info
-
-
 def test_a_paired_home_gets_the_big_models_greedy_answer_over_curve(real_source, real_stage, drafter_stage,
                                                                     tmp_path):
     tok = real_source.tokenizer
@@ -65,8 +46,8 @@ def test_a_paired_home_gets_the_big_models_greedy_answer_over_curve(real_source,
     want = generate(LocalPipeline([real_stage]), prompt, 24, eos_ids=tok.eos_ids).token_ids
 
     async def main():
-        svc = await _serve(real_source, real_stage, tmp_path)
-        node, link, info = await _paired_home(svc, real_source, tmp_path)
+        svc = await serve_verifier(real_source, real_stage, tmp_path)
+        node, link, info = await paired_home(svc, real_source, tmp_path)
         drafter = LocalDrafter(LocalPipeline([drafter_stage]))
         try:
             dec = OffloadDecoder(drafter, link, OffloadPolicy(1.0), 7, eos_ids=frozenset(tok.eos_ids), seed=0)
@@ -86,7 +67,7 @@ def test_a_paired_home_gets_the_big_models_greedy_answer_over_curve(real_source,
 
 def test_an_unpaired_home_is_refused_at_the_handshake_and_a_token_pairs_once(real_source, real_stage, tmp_path):
     async def main():
-        svc = await _serve(real_source, real_stage, tmp_path)
+        svc = await serve_verifier(real_source, real_stage, tmp_path)
         stranger = StateDir(tmp_path / "stranger").ensure()
         node = TransportNode("stranger", keypair=stranger.keypair(), allowlist=stranger.allow_list())
         await node.start()
@@ -115,8 +96,8 @@ def test_a_paired_member_vouches_for_a_device_that_joined_the_home_later_and_no_
     from transport.keys import Keypair
 
     async def main():
-        svc = await _serve(real_source, real_stage, tmp_path)
-        node, link, info = await _paired_home(svc, real_source, tmp_path)
+        svc = await serve_verifier(real_source, real_stage, tmp_path)
+        node, link, info = await paired_home(svc, real_source, tmp_path)
         newcomer = StateDir(tmp_path / "newcomer").ensure()
         new_key = newcomer.keypair().public.decode()
         nodes = [node]
@@ -157,7 +138,7 @@ def test_a_paired_member_vouches_for_a_device_that_joined_the_home_later_and_no_
                                                                  timeout=5.0))).admit([Keypair.generate().public.decode()], 10)
             refusals.append(err.value.code)
             # Nor can another paired home take this home's keys over (or claim the operator's).
-            other_node, other_link, _ = await _paired_home(svc, real_source, tmp_path, name="other")
+            other_node, other_link, _ = await paired_home(svc, real_source, tmp_path, name="other")
             nodes.append(other_node)
             for victim in (own, outsider.keypair().public.decode()):
                 with pytest.raises(RemoteError) as err:
@@ -178,8 +159,8 @@ def test_a_paired_member_vouches_for_a_device_that_joined_the_home_later_and_no_
 def test_malformed_and_oversized_requests_get_clear_errors_and_others_are_still_served(real_source, real_stage,
                                                                                       tmp_path):
     async def main():
-        svc = await _serve(real_source, real_stage, tmp_path)
-        node, link, _ = await _paired_home(svc, real_source, tmp_path)
+        svc = await serve_verifier(real_source, real_stage, tmp_path)
+        node, link, _ = await paired_home(svc, real_source, tmp_path)
         peer = link.peer
         pk = lambda xs: struct.pack(f"<{len(xs)}I", *xs)  # noqa: E731
         try:
@@ -209,9 +190,9 @@ def test_the_verifier_dying_mid_answer_leaves_a_complete_answer_and_the_link_com
     prompt = tok.apply_chat([{"role": "user", "content": "Describe a quiet morning in a small village."}])
 
     async def main():
-        svc = await _serve(real_source, real_stage, tmp_path)
+        svc = await serve_verifier(real_source, real_stage, tmp_path)
         port = svc.port
-        node, link, _ = await _paired_home(svc, real_source, tmp_path, min_timeout_s=2.0)
+        node, link, _ = await paired_home(svc, real_source, tmp_path, min_timeout_s=2.0)
         drafter = LocalDrafter(LocalPipeline([drafter_stage]))
         dec = OffloadDecoder(drafter, link, OffloadPolicy(1.0), 9, eos_ids=frozenset(), seed=0)
         out = []
@@ -222,7 +203,7 @@ def test_the_verifier_dying_mid_answer_leaves_a_complete_answer_and_the_link_com
                     await svc.close()  # the cloud goes away mid-answer
             down = link.status()
             # It restarts (same state, same port); once the backoff has passed the link finds it again.
-            svc = await _serve(real_source, real_stage, tmp_path, port=port)
+            svc = await serve_verifier(real_source, real_stage, tmp_path, port=port)
             await eventually(lambda: link.available, 60, "the link to retry and find the cloud again")
             dec2 = OffloadDecoder(drafter, link, OffloadPolicy(1.0), 10, eos_ids=frozenset(), seed=0)
             again = [t async for t in dec2.run(prompt, 16)]

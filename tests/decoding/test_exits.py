@@ -13,7 +13,7 @@ import torch
 from decoding.batch import BatchItem
 from decoding.errors import DrafterError
 from decoding.exits.bound import BoundExits, ExitCheck
-from decoding.exits.heads import ExitHeads, default_exit_layers, first_exit_layer
+from decoding.exits.heads import ExitHeads, default_exit_layers, first_exit_layer, preview_exit_layers
 
 
 
@@ -58,10 +58,19 @@ def greedy(stage, prompt, n, threshold=0.0, seq="s"):
 def test_exits_sit_in_the_last_quarter_of_the_model_and_never_after_its_last_layer():
     assert first_exit_layer(30) == 23 and default_exit_layers(30) == [23, 26, 29]
     assert default_exit_layers(24, 2) == [18, 23] and default_exit_layers(28) == [21, 24, 27]
-    with pytest.raises(ValueError, match="last quarter"):
-        ExitHeads([10], 8, torch.arange(4), num_layers=30, vocab_size=16)
-    with pytest.raises(ValueError, match="last quarter"):
+    with pytest.raises(ValueError, match="before the last"):
         ExitHeads([30], 8, torch.arange(4), num_layers=30, vocab_size=16)
+    with pytest.raises(ValueError, match="after a layer"):
+        ExitHeads([0, 3], 8, torch.arange(4), num_layers=30, vocab_size=16)
+
+
+def test_a_verifiers_preview_exits_sit_from_the_middle_on_and_a_home_stage_refuses_them(real_source):
+    assert preview_exit_layers(28) == [11, 15, 20, 24] and preview_exit_layers(30) == [12, 17, 21, 26]
+    cfg = real_source.config
+    early = ExitHeads([12, 20], cfg.hidden_size, torch.arange(8), num_layers=cfg.num_layers,
+                      vocab_size=cfg.vocab_size)
+    with pytest.raises(DrafterError, match="preview heads"):
+        BoundExits(early, real_source.load_stage(0, cfg.num_layers, torch.float32))
 
 
 def test_a_stage_without_an_exit_layer_binds_none(real_source, heads):

@@ -150,6 +150,26 @@ def test_a_verify_rounds_chain_and_a_short_prompt_take_the_step_with_the_per_ope
         assert torch.equal(a, b)
 
 
+def test_taps_between_layers_see_what_a_stage_ending_there_hands_on_and_change_no_bit(smol):
+    """A verifier reads its rows after its exit layers (previews): the kernel then runs in spans."""
+    from decoding.batch import BatchItem
+
+    source, fast, slow = smol
+    front = source.load_stage(0, 20, torch.float32, packed="gguf")
+    prompt, chain = torch.tensor([1, 2, 3, 4, 5, 6, 7]), torch.tensor([9, 10, 11])
+
+    def run(stage, taps=None):
+        kv = stage.new_cache(64)
+        kv.create("s", 64)
+        stage.forward_batch(kv, [BatchItem("s", prompt)])
+        return stage.forward_batch(kv, [BatchItem("s", chain, all_logits=stage.is_last)], taps=taps)[0]
+    for stage in (fast, slow):
+        seen = {}
+        tapped = run(stage, {k: (lambda h, k=k: seen.__setitem__(k, h.clone())) for k in (10, 20, 29)})
+        assert torch.equal(tapped, run(stage)) and set(seen) == {10, 20, 29}
+        assert torch.equal(seen[20], run(front).float())
+
+
 def test_a_chain_on_a_forked_sequence_reads_the_prefix_in_place_with_the_same_bits(smol):
     """A verify round on a request that reuses a cached prompt: its rows read the parent's positions where
     they lie and their own earlier rows, as the per-operation path does."""

@@ -70,6 +70,10 @@ EXAMPLES = [
     C.CloudVerdict(3, 2, 151000, 17),
     C.CloudClose(3),
     C.CloudMembers(["rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7", "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"]),
+    C.CloudVerify(5, 96, struct.pack("<3I", 1, 2, 3), 2, previews=0.6),
+    C.CloudPreview(5, 99, 1, 4207, 0.8125, 15),
+    C.CloudHello(),
+    C.CloudHello([11, 15, 20, 24]),
 ]
 
 
@@ -398,6 +402,11 @@ def test_a_greedy_verification_round_fits_in_fifty_bytes_each_way():
     down = encode(C.CloudVerdict(123, 4, 151005, 0), call_id=70000, seq=70000)
     assert len(up) == 1 and len(up[0]) <= 50
     assert len(down) == 1 and len(down[0]) <= 50
+
+
+def test_a_preview_costs_a_home_about_as_much_downlink_as_a_verdict():
+    preview = encode(C.CloudPreview(123, 4005, 2, 151005, 0.9375, 20), call_id=0, seq=70000)
+    assert len(preview) == 1 and len(preview[0]) <= 50
 
 
 def test_compact_messages_leave_trailing_defaults_out():

@@ -78,10 +78,12 @@ class DecodeSteps:
                    and not (probes is not None and p.probe_tail) for p in plans)
 
     def run(self, kv: KVCache, items: list[BatchItem], plans: list[RowPlan], h: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> torch.Tensor:
-        """``h`` [rows, hidden], each item's ``n`` rows in turn, through every layer; each row's key and value
-        written at its position (reserved from its plan's ``offset``) in its own sequence, before the row
+            sin: torch.Tensor, layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """``h`` [rows, hidden], each item's ``n`` rows in turn, through every layer (or the stage's layers
+        ``[lo, hi)``: a caller that reads the rows between layers runs the step in spans); each row's key and
+        value written at its position (reserved from its plan's ``offset``) in its own sequence, before the row
         attends over its sequence's positions up to itself (a chain's later rows see the earlier ones)."""
+        lo, hi = layers if layers is not None else (0, len(self.specs))
         h = h.to(torch.float32).contiguous().clone()  # updated in place: never the caller's (a message's) buffer
         cos, sin = cos.contiguous(), sin.contiguous()
         rows = h.shape[0]
@@ -90,9 +92,9 @@ class DecodeSteps:
             for i in range(p.n):
                 spans = kv.spans(it.seq_id, p.offset + i + 1)
                 counts.append(len(spans))
-                for k, v, length in spans:
-                    keys.append(k.data_ptr())
-                    values.append(v.data_ptr())
+                for k, v, length in spans:  # the span's layer ``lo`` is where the kernel's first layer starts
+                    keys.append(k.data_ptr() + lo * k.stride(0) * k.element_size())
+                    values.append(v.data_ptr() + lo * v.stride(0) * v.element_size())
                     lengths.append(length)
                     head_strides.append(k.stride(1))
                     steps.append(k.stride(0))
@@ -107,7 +109,7 @@ class DecodeSteps:
         scratch = torch.empty(rows, self.hidden + self.qkv_width + self.nh * self.hd)
         self._failure = None
         failed = self.lib.meshd_decode_layers(
-            len(self.specs), self.specs, self.eps, rows, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            hi - lo, ctypes.addressof(self.specs) + lo * ctypes.sizeof(native.DecodeLayerSpec), self.eps, rows, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             self.nh, self.nkv, self.hd, self.scale, (ctypes.c_int * rows)(*counts), ptrs(*keys), ptrs(*values),
             i64(*lengths), i64(*head_strides), i64(*steps), per_row(*own), per_row(*dst),
             gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), self._reduce_attention,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -156,8 +157,8 @@ class StageModel:
         return self.forward_batch(kv, [BatchItem(seq_id, x, tree_mask, all_logits, head, return_normed)])[0]
 
     @torch.inference_mode()
-    def forward_batch(self, kv: KVCache, items: list[BatchItem], probes: dict[int, torch.Tensor] | None = None
-                      ) -> list:
+    def forward_batch(self, kv: KVCache, items: list[BatchItem], probes: dict[int, torch.Tensor] | None = None,
+                      taps: dict[int, Callable[[torch.Tensor], None]] | None = None) -> list:
         """Run several sequences' new tokens in one pass; returns what :meth:`forward` would, per item.
 
         The weights are read once for all rows (on a CPU, decode is bound by
@@ -176,6 +177,11 @@ class StageModel:
         over heads, that each new row pays to the sequence's last W positions. An
         edge device asks for it to judge how much later tokens lean on a drafted
         chunk (the importance half of deciding what a cloud verifier should see).
+
+        ``taps``: after the model's layer count L (a key inside this stage's layers), ``taps[L](h)``
+        sees the hidden states of every row still running, [rows, hidden] in the items' order,
+        before the next layer (read-only: copy what you keep). A cloud verifier previews its
+        verdicts there, from exit heads, while its last layers still run.
         """
         self.check_positions(kv, items)
         if self.exited:  # a sequence's exited row finishes its layers before its next rows attend to them
@@ -205,11 +211,17 @@ class StageModel:
         exits = self.exits if self.exits is not None and any(it.may_exit for it in items) else None
         everyone, exited = (items, plans), {}
         steps = self.decode_steps if exits is None and DecodeSteps.applies(items, plans, probes) else None
+        tapped = sorted(li - self.first for li in (taps or ()) if self.first < li < self.end)
         if steps is not None:  # the gguf mode's lone rows (decode steps, chains): the layers in one kernel call
-            h = steps.run(kv, items, plans, h, cos, sin)
+            for lo, hi in zip([0, *tapped], [*tapped, len(self.layers)]):  # a span between taps per call
+                h = steps.run(kv, items, plans, h, cos, sin, (lo, hi))
+                if hi in tapped:
+                    taps[self.first + hi](h)
         for li, lw in enumerate(self.layers if steps is None else ()):
             h = self._layer(kv, li, lw, h, cos, sin, items, plans, probes, dense)
             self._work_done += h.shape[0]
+            if li + 1 in tapped:
+                taps[self.first + li + 1](h)
             if exits is not None and li in exits.at:
                 h, (cos, sin, dense), items, plans = self.exited.leave(exits, li, h, (cos, sin, dense), items, plans,
                                                                        exited)
