@@ -75,29 +75,30 @@ def _noisy(stage, rel: float, seed: int = 0):
     return stage
 
 
-def load(which: str, quick: bool):
-    """(source, stage) of the SLM or the LLM."""
+def load(which: str, quick: bool, packed: str = ""):
+    """(source, stage) of the SLM or the LLM; ``packed``: the numeric mode ("" float32, "gguf": the file's
+    own blocks, what a daemon picks on a CPU)."""
     from meshd.model import store as model_store
 
     if quick:
         src = model_store.open_model(None)
-        stage = src.load_stage(0, src.config.num_layers)
-        return src, (_noisy(stage, QUICK_NOISE) if which == "slm" else stage)
+        stage = src.load_stage(0, src.config.num_layers, packed="" if which == "slm" else packed)
+        return src, (_noisy(stage, QUICK_NOISE) if which == "slm" else stage)  # (noise needs float weights)
     name = SLM if which == "slm" else LLM
     if not model_store.is_named_pulled(name):
         raise SystemExit(f"{name} is not pulled: run `.venv/bin/meshd model pull {name}` (or use --quick)")
     src = model_store.open_model(name)
-    return src, src.load_stage(0, src.config.num_layers)
+    return src, src.load_stage(0, src.config.num_layers, packed=packed)
 
 
 # ------------------------------------------------------------------ the verifier process
 
 def verifier_main(quick: bool, state_dir: str, ready: str, batched: bool, core: int | None,
-                  listen: str = "127.0.0.1") -> None:
+                  listen: str = "127.0.0.1", packed: str = "") -> None:
     pin([core] if core is not None else None, 1)
     from meshd.cloud.service import VerifierService
 
-    src, stage = load("llm", quick)
+    src, stage = load("llm", quick, packed)
 
     async def main():
         svc = await VerifierService(src, state_dir, listen=listen, port=0, pairing_port=0,
@@ -225,7 +226,8 @@ def exact(a: list[int], ref: list[int]) -> float:
 
 # ------------------------------------------------------------------ one answer
 
-async def answer(slm_stage, link, prompt, max_tokens, budget, eos, session, ahead=None, policy=None, seed=None):
+async def answer(slm_stage, link, prompt, max_tokens, budget, eos, session, ahead=None, policy=None, seed=None,
+                 previews=None):
     """One answer. ``seed`` (default: the session) draws the offload decisions: give two modes the same
     seed and the same policy state and they offload the same chunks."""
     from decoding.offload.local import LocalDrafter
@@ -236,7 +238,7 @@ async def answer(slm_stage, link, prompt, max_tokens, budget, eos, session, ahea
     drafter = LocalDrafter(LocalPipeline([slm_stage]), capacity=len(prompt) + max_tokens + 32)
     dec = OffloadDecoder(drafter, link, policy or OffloadPolicy(budget), session, eos_ids=frozenset(eos),
                          seed=session if seed is None else seed,
-                         ahead=AHEAD if ahead is None else ahead)
+                         ahead=AHEAD if ahead is None else ahead, previews=previews)
     out, times = [], []
     t0 = time.perf_counter()
     try:

@@ -22,8 +22,14 @@ Reported per threshold, side by side with off in the same run:
   check, timed in the stage's own numeric mode (``--weights``).
 
 ``parity_off`` says the mesh with exits off gives one device's tokens exactly.
-Early previews of verification (the early-exit paper's lossless half) are not built:
-``preview_speedup`` and ``parity_previews`` are null and say so.
+
+The early-exit edge–cloud paper's lossless half, previews of a cloud verifier's verdicts,
+is measured by ``bench/cloud_wan.py`` (home and verifier in the testbed's namespaces, a
+home WAN line): run here as a subprocess with previews off and on (``--previews-wan``,
+default the 20 Mbit/s, 40 ms profile; ``--quick``: the embedded stand-in pair, else the
+Qwen2.5-Coder 0.5B home / 1.5B verifier), its ``preview_speedup``, ``parity_previews``,
+``predraft_hit_rate`` and ``rounds`` are reported here too (null, with the reason, when it
+cannot run: no root for the namespaces, or the pair not pulled).
 """
 
 from __future__ import annotations
@@ -223,6 +229,34 @@ def judge(rows: list[dict], log) -> dict:
     return out
 
 
+PREVIEW_KEYS = ("preview_speedup", "parity_previews", "predraft_hit_rate", "rounds")
+
+
+def cloud_previews(profile: str, quick: bool) -> dict:
+    """bench/cloud_wan.py with previews off and on, in its own processes: its keys, or nulls and why not."""
+    import os
+    import subprocess
+
+    if profile == "none":
+        return {**dict.fromkeys(PREVIEW_KEYS), "previews": "skipped (--previews-wan none)"}
+    if os.geteuid() != 0:
+        return {**dict.fromkeys(PREVIEW_KEYS), "previews": "not measured: the testbed's namespaces need root"}
+    cmd = [sys.executable, str(ROOT / "bench" / "cloud_wan.py"), "--profiles", profile, "--json",
+           "--modes", "stall_free@1.0,previews@1.0", *(["--quick"] if quick else [])]
+    print(f"# previews: {' '.join(cmd[1:])}", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {**dict.fromkeys(PREVIEW_KEYS), "previews": f"bench/cloud_wan.py failed: {why}"}
+    res = json.loads(lines[-1])
+    summary = res["profiles"][profile]["summary"]
+    print(f"# previews over {profile}: " + ", ".join(f"{k} {summary.get(k)}" for k in PREVIEW_KEYS), flush=True)
+    return {**{k: summary.get(k) for k in PREVIEW_KEYS}, "previews": {
+        "by": "bench/cloud_wan.py", "profile": profile, "pair": res["setup"]["slm"] + " -> " + res["setup"]["llm"],
+        "per_round_ms": summary.get("per_round_ms"), "previews_at": summary.get("previews_at")}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4 prompts, 64 tokens (under 5 minutes)")
@@ -234,6 +268,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--exit-heads", default=None, help="exit heads file (default: the shipped heads)")
     ap.add_argument("--out", default=None, help="also write the JSON object here")
+    ap.add_argument("--previews-wan", default="20mbit-40ms",
+                    help="bench/cloud_wan.py profile for the previews of a cloud verifier ('none': skip)")
     args = ap.parse_args()
     import torch
 
@@ -260,6 +296,7 @@ def main() -> int:
     rows, stage_stats = asyncio.run(measure(prompts, tok, ranges, args.weights, max_tokens, args.exit_heads, print,
                                             None if args.device == "cpu" else args.device))
     judged = judge(rows, print) if args.judge else None
+    previews = cloud_previews(args.previews_wan, args.quick)
     per = summarise(rows, judged)
     off_mesh, off_one = [r["mesh"]["0.0"]["tokens"] for r in rows], [r["one"]["0.0"]["tokens"] for r in rows]
     at = per["mesh/0.7"]
@@ -271,8 +308,7 @@ def main() -> int:
         "unigram_f1_threshold_0_7": at["unigram_f1_vs_off"],
         "one_device_speedup_threshold_0_7": per["one/0.7"]["speedup_vs_off"],
         "parity_off": off_mesh == off_one,
-        "preview_speedup": None, "parity_previews": None,
-        "previews": "not built: early previews of verification (the lossless half) are not implemented",
+        **previews,
         "last_stage_exits": stage_stats.get("mesh", {}).get("exits") if isinstance(stage_stats.get("mesh"), dict)
         else None,
         "runs": rows,

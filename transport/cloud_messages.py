@@ -35,8 +35,9 @@ class CloudVerify:
     ``SamplingParams.to_dict()`` (temperature, top_k, top_p, seed), ``draws`` already
     spent and ``capacity`` positions.
     ``previews`` (> 0: only to a verifier whose :class:`CloudHello` offered them): stream a
-    :class:`CloudPreview` for each exit whose confidence reaches this value. A home that
-    predates previews never sends the field, so it never receives one.
+    :class:`CloudPreview` for each exit whose confidence reaches this many percent (an
+    integer: one byte on the uplink). A home that predates previews never sends the field,
+    so it never receives one.
     """
 
     session: CloudSession
@@ -45,7 +46,7 @@ class CloudVerify:
     drafts: int
     q: list[bytes] | None = None
     open: dict | None = None
-    previews: float = 0.0
+    previews: int = 0
 
 
 @message(compact=True)

@@ -159,7 +159,10 @@ class OffloadStats:
     predraft_hits: int = 0  # rounds whose verdict was a pre-draft's: its drafts went out at once
     predraft_tokens: int = 0  # drafts a hit had ready
     predraft_saved_s: float = 0.0  # drafting time those ready drafts would have cost (measured per step)
-    preview_lead_s: float = 0.0  # per round with previews: first preview to verdict, summed
+    preview_rounds: int = 0  # rounds in which a preview came before the verdict
+    preview_lead_s: float = 0.0  # per such round: first preview to verdict, summed
+    draft_steps: int = 0  # one-token drafting steps, and their time (what a round's drafting costs)
+    draft_s: float = 0.0
     local_only_reason: str | None = None
 
     def to_dict(self) -> dict:
@@ -277,6 +280,8 @@ class OffloadDecoder:
         step = await self.drafter.feed(tokens, at)
         if len(tokens) == 1:
             dt = time.monotonic() - t
+            self.stats.draft_steps += 1
+            self.stats.draft_s += dt
             self._step_s = dt if self._step_s == 0.0 else self._step_s + 0.2 * (dt - self._step_s)
         return step
 
@@ -397,6 +402,7 @@ class OffloadDecoder:
                 task.cancel()
         self.stats.wait_s += time.monotonic() - t0
         if self._first_preview:
+            self.stats.preview_rounds += 1
             self.stats.preview_lead_s += time.monotonic() - self._first_preview
         if res is None:  # no verdict: the chunk stands as drafted
             if self._held is not None:  # a pre-draft moved the drafter off the chunk's path: back onto it

@@ -44,7 +44,7 @@ def to_message(req: VerifyRequest) -> CloudVerify:
     if req.q is not None:
         q = [b"".join(struct.pack("<If", int(i), float(p)) for i, p in zip(ids, probs)) for ids, probs in req.q]
     return CloudVerify(req.session, req.start, struct.pack(f"<{len(req.tokens)}I", *req.tokens), req.drafts,
-                       q, req.open, req.previews)
+                       q, req.open, max(1, min(100, round(req.previews * 100))) if req.previews > 0 else 0)
 
 
 def request_end(req: VerifyRequest) -> int:

@@ -48,8 +48,8 @@ def checked(msg: CloudVerify, vocab: int, max_position: int) -> tuple[list[int],
                                              "one committed token")
     if any(t >= vocab for t in tokens):
         raise VerifierRefusal("bad_request", f"token ids must be below the vocabulary size {vocab}")
-    if not 0.0 <= msg.previews <= 1.0:  # NaN fails too
-        raise VerifierRefusal("bad_request", "previews must be a confidence between 0 and 1 (0: none)")
+    if not 0 <= msg.previews <= 100:
+        raise VerifierRefusal("bad_request", "previews must be a confidence in percent, 0 (none) to 100")
     if msg.start < 0 or msg.start + len(tokens) > max_position:
         raise VerifierRefusal("bad_request", f"positions [{msg.start}, {msg.start + len(tokens)}) do not fit "
                                              f"the model's context of {max_position}")

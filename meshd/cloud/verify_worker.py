@@ -171,7 +171,7 @@ class Worker:
                 except Exception:  # noqa: BLE001 - a preview is a hint: its failure must not fail the pass
                     log.error("preview_failed", layer=layer, exc_info=True)
                     continue
-                if p is None or p.confidence < job.msg.previews or (
+                if p is None or p.confidence < job.msg.previews / 100 or (
                         sent and (sent[-1].accepted, sent[-1].token) == (p.accepted, p.token)):
                     continue
                 sent.append(p)

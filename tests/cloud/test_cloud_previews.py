@@ -363,7 +363,7 @@ def test_a_home_that_predates_previews_never_gets_one_and_a_verifier_without_the
             old = await link.peer.request(CloudVerify(1, 0, body, 4, None, {}), timeout=30)
             await asyncio.sleep(0.2)  # sleep-ok: a preview pushed late would arrive by now
             silent = list(pushed)
-            new = await link.peer.request(CloudVerify(2, 0, body, 4, None, {}, 0.01), timeout=30)
+            new = await link.peer.request(CloudVerify(2, 0, body, 4, None, {}, 1), timeout=30)
             return old, silent, new, list(pushed)
         finally:
             await node.close()

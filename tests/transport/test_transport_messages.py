@@ -70,7 +70,7 @@ EXAMPLES = [
     C.CloudVerdict(3, 2, 151000, 17),
     C.CloudClose(3),
     C.CloudMembers(["rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7", "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"]),
-    C.CloudVerify(5, 96, struct.pack("<3I", 1, 2, 3), 2, previews=0.6),
+    C.CloudVerify(5, 96, struct.pack("<3I", 1, 2, 3), 2, previews=60),
     C.CloudPreview(5, 99, 1, 4207, 0.8125, 15),
     C.CloudHello(),
     C.CloudHello([11, 15, 20, 24]),
