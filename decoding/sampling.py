@@ -161,9 +161,10 @@ class Sampler:
     def fork(self) -> "Sampler":
         """A sampler that makes this one's next draws without spending them here: a cloud verifier's
         preview walks the drafts with the uniforms its final verdict will use."""
-        twin = Sampler(self.params)
-        twin.draws = self.draws
+        twin = Sampler(SamplingParams())  # (greedy: makes no generator, so seeds nothing)
+        twin.params, twin.draws = self.params, self.draws
         if self._gen is not None:
+            twin._gen = torch.Generator()
             twin._gen.set_state(self._gen.get_state())
         return twin
 

@@ -30,6 +30,9 @@ class LocalDrafter:
         self.feeds = 0
         pipeline.create(seq_id, capacity)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter")
+        # A feed of several tokens gives each row the bits it would get alone: the gguf mode's block products
+        # and its attention per row do; float matrix products over several rows need not.
+        self.batch_invariant = all(getattr(st, "packing", "") == "gguf" for st in pipeline.stages)
 
     async def feed(self, tokens: Sequence[int], at: int) -> DraftStep:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.feed_sync, list(tokens), at)

@@ -30,6 +30,7 @@ in-process fakes, a real verifier on loopback, or a killed one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -287,12 +288,22 @@ class OffloadDecoder:
 
     async def _hold(self, path: list[int]) -> DraftStep:
         """Make the drafter hold the context then ``path``; feed only what differs from what it holds.
-        Returns its proposal after ``path``."""
+        Returns its proposal after ``path``.
+
+        Why one token a feed unless the drafter says otherwise: with previews off its cache is built
+        by one-token feeds, and a float matrix product over several rows need not give one row's
+        bits; a draft that differed would change a chunk committed locally. A drafter whose rows
+        never see each other's bits (``batch_invariant``, the gguf mode's block products) takes
+        the whole difference in one feed."""
         held = [d.token for d in self._buf] if self._held is None else self._held
         same = 0
         while same < min(len(held), len(path) - 1) and held[same] == path[same]:
             same += 1
-        step = await self.drafter.feed(path[same:], len(self._ctx) + same)
+        if getattr(self.drafter, "batch_invariant", False):
+            step = await self.drafter.feed(path[same:], len(self._ctx) + same)
+        else:
+            for i in range(same, len(path)):
+                step = await self.drafter.feed(path[i:i + 1], len(self._ctx) + i)
         self._held = list(path)
         return step
 
@@ -348,6 +359,7 @@ class OffloadDecoder:
         arrived: list[Preview] = []
         news = asyncio.Event()
         self._predrafts: list[_PreDraft] = []
+        self._target: _PreDraft | None = None  # the pre-draft the drafter is extending (when _held is set)
         self._first_preview = 0.0
 
         def on_preview(p: Preview) -> None:
@@ -361,14 +373,14 @@ class OffloadDecoder:
             # verdict once one comes (pre-drafting), else along its own most likely path.
             self._rounds += 1
             ahead = self.ahead if self._worth_drafting_ahead() else 0
-            t_idle = None
+            idle = 0.0
             while not task.done():
                 if arrived:
                     news_now = arrived[:]
                     arrived.clear()  # (more may come while this one is followed)
                     await self._follow(news_now, chunk)
                     continue
-                target = self._predrafts[-1] if self._held is not None else None
+                target = self._target if self._held is not None else None
                 if target is not None and target.next is not None and len(target.drafts) < self.gamma:
                     await self._extend_predraft(target)
                     continue
@@ -376,22 +388,20 @@ class OffloadDecoder:
                     await self._extend()
                     self.stats.ahead_drafted += 1
                     continue
-                t_idle = t_idle or time.monotonic()  # nothing left to draft: wait for a verdict or a preview
+                t_idle = time.monotonic()  # nothing left to draft: wait for a verdict or a preview
                 news.clear()
                 waiter = asyncio.ensure_future(news.wait())
                 try:
                     await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     waiter.cancel()
-            t_idle = t_idle or time.monotonic()
-            try:
-                res = await task
-            finally:
-                self.stats.stall_s += time.monotonic() - t_idle
+                    idle += time.monotonic() - t_idle
+            self.stats.stall_s += idle
+            res = await task
         except VerifierEvicted:
             self._opened, self._cloud_has = False, 0
             self.stats.resent += 1
-            req = self._request(chunk)
+            req = dataclasses.replace(self._request(chunk), previews=0.0)  # (the resend's previews: no one to hear)
             res = await self._resend(req)
         except VerifierUnavailable as exc:
             self.stats.local_fallbacks += 1
@@ -420,8 +430,8 @@ class OffloadDecoder:
         self._first_preview = self._first_preview or time.monotonic()
         p = next((p for p in reversed(previews)
                   if p.confidence >= self.previews.threshold and 0 <= p.accepted <= len(chunk)), None)
-        if p is None:
-            return
+        if p is None or (p.accepted and chunk[p.accepted - 1].token in self.eos_ids):
+            return  # (nothing follows an accepted end)
         a, y = p.accepted, p.token
         if (self._buf[a].token == y) if len(self._buf) > a else self._next.token == y:
             if self._held is not None:  # the drafted path is this verdict's: back onto it
@@ -429,21 +439,21 @@ class OffloadDecoder:
                 self._held = None
             return
         pre = next((x for x in self._predrafts if (x.accepted, x.token) == (a, y)), None)
-        if pre is not None and pre is self._predrafts[-1] and self._held is not None:
-            return  # already drafting along it
+        if pre is not None and (pre is self._target and self._held is not None or y in self.eos_ids):
+            return  # already drafting along it (or it ends there: nothing to draft)
         if pre is None:
             if len(self._predrafts) >= self.previews.max_predrafts:
                 return
             self.stats.predraft_rounds += not self._predrafts
             self.stats.predrafts += 1
             pre = _PreDraft(a, y, time.monotonic())
-        else:
-            self._predrafts.remove(pre)
-        self._predrafts.append(pre)
-        if y not in self.eos_ids:  # nothing is drafted after an end
-            pre.next = await self._hold([d.token for d in self._buf[:a]] + pre.path)
-            if pre.drafts and pre.drafts[-1].token in self.eos_ids:
-                pre.next = None
+            self._predrafts.append(pre)
+        if y in self.eos_ids:  # a verdict that ends the answer: ready as it is, and the drafter stays where it is
+            return
+        self._target = pre
+        pre.next = await self._hold([d.token for d in self._buf[:a]] + pre.path)
+        if pre.drafts and pre.drafts[-1].token in self.eos_ids:
+            pre.next = None
 
     async def _extend_predraft(self, pre: _PreDraft) -> None:
         prop = pre.next

@@ -168,15 +168,14 @@ class Worker:
             for job, first, sent in watched:
                 try:
                     p = self._preview(job, layer, h[first:first + job.msg.drafts + 1])
+                    if p is None or p.confidence < job.msg.previews / 100 or (
+                            sent and (sent[-1].accepted, sent[-1].token) == (p.accepted, p.token)):
+                        continue
+                    sent.append(p)
+                    self.stats.previews += 1
+                    job.on_preview(p)
                 except Exception:  # noqa: BLE001 - a preview is a hint: its failure must not fail the pass
                     log.error("preview_failed", layer=layer, exc_info=True)
-                    continue
-                if p is None or p.confidence < job.msg.previews / 100 or (
-                        sent and (sent[-1].accepted, sent[-1].token) == (p.accepted, p.token)):
-                    continue
-                sent.append(p)
-                self.stats.previews += 1
-                job.on_preview(p)
         return tap
 
     def _rewind(self, job: Job) -> None:

@@ -228,10 +228,11 @@ def test_a_verifier_gone_after_a_preview_leaves_the_drafter_on_the_drafted_path(
     out, stats, fed = run(main())
     assert out == list(range(11, 23))  # the drafts, committed locally: the preview's 120 nowhere
     assert stats.local_fallbacks >= 1 and stats.predrafts == 1
-    # the pre-draft moved the drafter (120 at position 1); it was put back on the drafted path in one feed
+    # the pre-draft moved the drafter (120 at position 1); it was put back on the drafted path token by token
+    # (a float drafter's rows are fed one at a time, as with previews off), before it drafted on
     moved = fed.index(([120], 1))
-    back = [i for i, (toks, at) in enumerate(fed) if at == 1 and toks[:1] == [11]][-1]
-    assert back > moved and fed[back][0] == list(range(11, 23))
+    back = fed.index(([11], 1), moved)
+    assert fed[back:back + 12] == [([t], t - 10) for t in range(11, 23)]
 
 
 def test_a_sampled_request_asks_a_verifier_without_previews_for_none(pair):
