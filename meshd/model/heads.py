@@ -1,4 +1,5 @@
-"""The Medusa heads and early-exit heads shipped for the embedded model, pinned by sha256.
+"""The Medusa heads and early-exit heads shipped for the embedded model, and a cloud verifier's preview heads,
+pinned by sha256.
 
 They were trained with ``meshd heads train`` (defaults) on the embedded
 SmolLM2-135M-Instruct; the file sits in the package so the quick start drafts
@@ -50,7 +51,11 @@ def embedded_exits(*, num_layers: int | None = None, hidden_size: int | None = N
 
 # Exit heads a cloud verifier previews its verdicts with, pinned (the file's meta names the model trained for).
 # The embedded model's Synera exits serve as its preview exits too (any exit may preview).
-PREVIEW_FILES = {EXITS_FILE.name: EXITS_SHA256}
+# Qwen2.5-Coder-1.5B-Instruct's (the verifier over a 0.5B home): ``meshd heads train-exits --model
+# qwen2.5-coder-1.5b-instruct --previews --shortlist 4096`` on 128 of the shipped prompts' answers (its
+# held-out agreement per exit is in the file's meta and bench/results/issue51/train_exits_1.5b.json).
+PREVIEW_FILES = {EXITS_FILE.name: EXITS_SHA256,
+                 "previews-qwen2.5-coder-1.5b.pt": "cdbe065e065dde2a72ed2337ed729fe8b3ed57eb9330db8301d207dd47bc0b4a"}
 
 
 def preview_heads_for(identity: str, *, num_layers: int, hidden_size: int, vocab_size: int) -> ExitHeads | None:

@@ -10,50 +10,30 @@ import random
 import struct
 
 import pytest
-import torch
 
 from decoding.generate import generate
-from decoding.loader import open_model
 from decoding.offload.local import LocalDrafter
-from decoding.offload.loop import (OffloadDecoder, VerifierUnavailable, draft_step)
+from decoding.offload.loop import VerifierUnavailable, draft_step
 from decoding.offload.policy import OffloadPolicy, chunk_importance, p_conf, p_imp
 from decoding.pipeline_local import LocalPipeline
-from decoding.sampling import SamplingParams, filtered_probs
+from decoding.sampling import SamplingParams
 from meshd.cloud.home import draft_seed
 from meshd.cloud.verifier import Verifier, VerifierRefusal
-from tests.support.models import build_tiny_checkpoint
 from tests.support.stats import chi2_p_value
-from tests.support.cloud import InProcess
+from tests.support.cloud import InProcess, first_two_law, offload_answer, tiny_pair
 from tests.support.waiting import eventually
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A small and a big tiny model sharing a vocabulary (different weights: they disagree often)."""
-    small_dir, big_dir = tmp_path_factory.mktemp("slm"), tmp_path_factory.mktemp("llm")
-    build_tiny_checkpoint(small_dir, "llama", seed=3, num_hidden_layers=2)
-    build_tiny_checkpoint(big_dir, "llama", seed=4)
-    small, big = open_model(small_dir), open_model(big_dir)
-    return (small.load_stage(0, small.config.num_layers), big.load_stage(0, big.config.num_layers))
+    return tiny_pair(tmp_path_factory)
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-async def _answer(small, verifier, prompt, max_tokens, budget=1.0, sampling=SamplingParams(), session=1,
-                  eos=(), drafter=None, **kw):
-    own = drafter is None
-    drafter = drafter or LocalDrafter(LocalPipeline([small]), sampling if sampling.greedy else SamplingParams(
-        sampling.temperature, sampling.top_k, sampling.top_p, draft_seed(sampling.seed or 0)))
-    dec = OffloadDecoder(drafter, verifier, OffloadPolicy(budget), session, sampling=sampling,
-                         eos_ids=frozenset(eos), seed=0, **kw)
-    try:
-        out = [t async for t in dec.run(prompt, max_tokens)]
-    finally:
-        if own:
-            drafter.close()
-    return out, dec.stats
+_answer = offload_answer
 
 
 # ------------------------------------------------------------------ the policy
@@ -161,19 +141,7 @@ def _first_two(small, big, sampling, n):
     return counts
 
 
-def _target_two(big, sampling):
-    """The big model's exact law of the first two tokens under ``sampling``."""
-    pipe = LocalPipeline([big])
-    pipe.create("t", 16)
-    logits = pipe.forward("t", torch.tensor([5, 6, 7]))
-    p1 = filtered_probs(logits[-1], sampling)
-    law = {}
-    for a in torch.nonzero(p1).flatten().tolist():
-        pipe.truncate("t", 3)
-        p2 = filtered_probs(pipe.forward("t", torch.tensor([a]))[-1], sampling)
-        for b in torch.nonzero(p2).flatten().tolist():
-            law[(a, b)] = float(p1[a] * p2[b])
-    return law
+_target_two = first_two_law
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0, top_k=5),  # q sent on its support

@@ -14,16 +14,15 @@ import torch
 from decoding.exits.heads import ExitHeads
 from decoding.exits.previews import Preview, PreviewExits
 from decoding.generate import generate
-from decoding.loader import open_model
 from decoding.offload.local import LocalDrafter
 from decoding.offload.loop import OffloadDecoder, PreviewSettings, VerifierUnavailable, VerifyResult, draft_step
 from decoding.offload.policy import OffloadPolicy
 from decoding.pipeline_local import LocalPipeline
-from decoding.sampling import SamplingParams, filtered_probs
+from decoding.sampling import SamplingParams
 from meshd.cloud.home import draft_seed
 from meshd.cloud.verifier import Verifier
-from tests.support.cloud import InProcess, paired_home, serve_verifier
-from tests.support.models import build_tiny_checkpoint
+from tests.support.cloud import (InProcess, cut_home_model, first_two_law, offload_answer, paired_home,
+                                 serve_verifier, tiny_pair)
 from tests.support.stats import chi2_p_value
 
 LOW = PreviewSettings(threshold=0.01, max_predrafts=2)  # a tiny model is never sure: take every preview
@@ -31,34 +30,19 @@ LOW = PreviewSettings(threshold=0.01, max_predrafts=2)  # a tiny model is never 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A small and a big tiny model sharing a vocabulary, and preview exits inside the big one."""
-    small_dir, big_dir = tmp_path_factory.mktemp("slm"), tmp_path_factory.mktemp("llm")
-    build_tiny_checkpoint(small_dir, "llama", seed=3, num_hidden_layers=2)
-    build_tiny_checkpoint(big_dir, "llama", seed=4)
-    small, big = open_model(small_dir), open_model(big_dir)
-    big_stage = big.load_stage(0, big.config.num_layers)
+    """The tiny pair, and preview exits inside the big model."""
+    small, big = tiny_pair(tmp_path_factory)
     cfg = big.config
     heads = ExitHeads([2, 4, 5], cfg.hidden_size, torch.arange(cfg.vocab_size - 11), num_layers=cfg.num_layers,
                       vocab_size=cfg.vocab_size)  # untrained: the logit lens, right now and then
-    return small.load_stage(0, small.config.num_layers), big_stage, PreviewExits(heads, big_stage)
+    return small, big, PreviewExits(heads, big)
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-async def _answer(small, verifier, prompt, max_tokens, budget=1.0, sampling=SamplingParams(), session=1,
-                  drafter=None, **kw):
-    own = drafter is None
-    drafter = drafter or LocalDrafter(LocalPipeline([small]), sampling if sampling.greedy else SamplingParams(
-        sampling.temperature, sampling.top_k, sampling.top_p, draft_seed(sampling.seed or 0)))
-    dec = OffloadDecoder(drafter, verifier, OffloadPolicy(budget), session, sampling=sampling, seed=0, **kw)
-    try:
-        out = [t async for t in dec.run(prompt, max_tokens)]
-    finally:
-        if own:
-            drafter.close()
-    return out, dec.stats
+_answer = offload_answer
 
 
 # ------------------------------------------------------------------ the exit's verdict
@@ -118,16 +102,7 @@ def test_previews_on_give_every_prompt_the_tokens_of_previews_off_and_pre_drafts
 
 def test_budget_one_sampling_with_previews_keeps_the_big_models_distribution(pair):
     small, big, exits = pair
-    sampling = SamplingParams(temperature=1.0, top_k=5)
-    pipe = LocalPipeline([big])
-    pipe.create("t", 16)
-    p1 = filtered_probs(pipe.forward("t", torch.tensor([5, 6, 7]))[-1], sampling)
-    law = {}
-    for a in torch.nonzero(p1).flatten().tolist():
-        pipe.truncate("t", 3)
-        p2 = filtered_probs(pipe.forward("t", torch.tensor([a]))[-1], sampling)
-        for b in torch.nonzero(p2).flatten().tolist():
-            law[(a, b)] = float(p1[a] * p2[b])
+    law = first_two_law(big, SamplingParams(temperature=1.0, top_k=5))
     counts: dict = {}
 
     async def main():
@@ -277,12 +252,7 @@ def test_a_greedy_answer_with_previews_equals_the_big_models_own(pair):
 
 @pytest.fixture(scope="module")
 def drafter_stage(real_stage):
-    """The home's model: the embedded one cut to its first 20 layers (same tokenizer, weaker)."""
-    from decoding.models.llama import StageModel
-
-    s = real_stage
-    return StageModel(s.config, 0, s.config.num_layers, s.layers[:20], s.embed, s.final_norm, s.lm_head,
-                      s.inv_freq, s.dtype)
+    return cut_home_model(real_stage)
 
 
 class Recorded:
@@ -327,17 +297,23 @@ def test_a_home_pre_drafts_from_a_real_verifiers_previews_and_answers_with_the_b
         drafter = LocalDrafter(LocalPipeline([drafter_stage]))
         try:
             assert await link.hello() == [23, 26, 29]  # the shipped exits of the embedded model
+            off = OffloadDecoder(drafter, link, OffloadPolicy(0.5), 6, eos_ids=frozenset(tok.eos_ids), seed=0)
+            half_off = [t async for t in off.run(prompt, 32)]
+            half = OffloadDecoder(drafter, link, OffloadPolicy(0.5), 8, eos_ids=frozenset(tok.eos_ids), seed=0,
+                                  previews=PreviewSettings(0.3, 2))
+            half_on = [t async for t in half.run(prompt, 32)]
             dec = OffloadDecoder(drafter, link, OffloadPolicy(1.0), 7, eos_ids=frozenset(tok.eos_ids), seed=0,
                                  previews=PreviewSettings(0.3, 2))
             got = [t async for t in dec.run(prompt, 32)]
-            return got, dec.stats, link.status(), svc.status()
+            return got, dec.stats, link.status(), svc.status(), half_off, half_on
         finally:
             drafter.close()
             await node.close()
             await svc.close()
-    got, stats, link, server = run(main())
-    assert got == want
-    assert stats.previews > 0 and stats.previews == link["previews"] and server["previews"] >= stats.previews
+    got, stats, link, server, half_off, half_on = run(main())
+    assert got == want  # every chunk verified: the big model's own answer, as with previews off
+    assert half_on == half_off  # half the chunks verified: previews on or off, the same tokens
+    assert stats.previews > 0 and server["previews"] >= link["previews"] >= stats.previews
     assert stats.predraft_rounds > 0 and stats.to_dict()["predraft_hit_rate"] >= 0.0
     assert link["previews_at"] == [23, 26, 29]
 
@@ -431,3 +407,28 @@ def test_a_verifier_that_dies_after_a_preview_leaves_the_home_drafting_normally(
     done = (after or len(prompt)) - len(prompt)
     rest = generate(LocalPipeline([drafter_stage]), prompt + out[:done], 40 - done).token_ids
     assert out[done:] == rest
+
+
+# ------------------------------------------------------------------ visible
+
+def test_meshd_status_and_metrics_show_what_previews_did():
+    from meshd.commands.status_extras import cloud_line
+    from tests.support.api import STATUS, FakeEngine, ServerThread
+    from tests.support.clients import metrics
+
+    cloud = {"model": "qwen2.5-coder-1.5b-instruct", "budget": 1.0,
+             "previews": {"max_predrafts": 2, "threshold": 0.6},
+             "link": {"address": "tcp://10.0.0.9:5730", "state": "connected", "rounds": 40, "rtt_ms": 212.0,
+                      "previews_at": [11, 15, 20, 24], "previews": 57},
+             "totals": {"chunks": 40, "offloaded": 40, "accepted": 101, "drafted": 160, "local_fallbacks": 0,
+                        "previews": 57, "predrafts": 22, "predraft_rounds": 20, "predraft_hits": 13,
+                        "predraft_saved_s": 1.25, "predraft_hit_rate": 0.65}}
+    line = cloud_line({"cloud": cloud})
+    assert line.endswith("; previews: 57 received, 13 of 20 pre-drafted rounds hit, 1.2 s of drafting saved"), line
+    with ServerThread(FakeEngine(), status={**STATUS, "stage": {"layers": [0, 28], "cloud": cloud}}) as srv:
+        m = metrics(srv)
+    assert m["meshd_cloud_previews_total"] == {(): 57.0}
+    assert m["meshd_cloud_predraft_hits_total"] == {(): 13.0}
+    assert m["meshd_cloud_predraft_rounds_total"] == {(): 20.0}
+    assert m["meshd_cloud_predraft_hit_rate"] == {(): 0.65}
+    assert m["meshd_cloud_predraft_saved_seconds_total"] == {(): 1.25}

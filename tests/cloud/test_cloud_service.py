@@ -17,13 +17,12 @@ from decoding.pipeline_local import LocalPipeline
 from decoding.speculative.draft_model import tokenizer_fingerprint
 from meshd.cloud.link import CloudLink
 from meshd.cloud.pairing import create_cloud_invite, pair_with_cloud
-from meshd.cloud.service import VerifierService
 from meshd.mesh.pairing import PairingError
 from meshd.state import StateDir
 from transport.cloud_messages import CloudVerify
 from transport.errors import AuthenticationRefused, RemoteError, TransportTimeout
 from transport.node import TransportNode
-from tests.support.cloud import paired_home, serve_verifier
+from tests.support.cloud import cut_home_model, paired_home, serve_verifier
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
@@ -31,12 +30,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def drafter_stage(real_stage):
-    """The home's model: the embedded one cut to its first 20 layers (same tokenizer, weaker)."""
-    from decoding.models.llama import StageModel
-
-    s = real_stage
-    return StageModel(s.config, 0, s.config.num_layers, s.layers[:20], s.embed, s.final_norm, s.lm_head,
-                      s.inv_freq, s.dtype)
+    return cut_home_model(real_stage)
 
 
 def test_a_paired_home_gets_the_big_models_greedy_answer_over_curve(real_source, real_stage, drafter_stage,
