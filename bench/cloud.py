@@ -94,7 +94,7 @@ def load(which: str, quick: bool, packed: str = ""):
 # ------------------------------------------------------------------ the verifier process
 
 def verifier_main(quick: bool, state_dir: str, ready: str, batched: bool, core: int | None,
-                  listen: str = "127.0.0.1", packed: str = "") -> None:
+                  listen: str = "127.0.0.1", packed: str = "", preview_layers: list[int] | None = None) -> None:
     pin([core] if core is not None else None, 1)
     from meshd.cloud.service import VerifierService
 
@@ -102,7 +102,8 @@ def verifier_main(quick: bool, state_dir: str, ready: str, batched: bool, core: 
 
     async def main():
         svc = await VerifierService(src, state_dir, listen=listen, port=0, pairing_port=0,
-                                    stage=stage, batched=batched, kv_budget_tokens=65536, max_queue=256).start()
+                                    stage=stage, batched=batched, kv_budget_tokens=65536, max_queue=256,
+                                    preview_layers=preview_layers).start()
         Path(ready).write_text(json.dumps({"address": svc.address, "key": svc.state.keypair().public.decode()}))
         while True:
             await asyncio.sleep(3600)

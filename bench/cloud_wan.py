@@ -63,7 +63,8 @@ def log(msg: str) -> None:
 def verifier_role(args) -> None:
     from bench.cloud import verifier_main
 
-    verifier_main(args.quick, args.state, args.ready, True, 1, listen="0.0.0.0", packed=_packed(args))
+    verifier_main(args.quick, args.state, args.ready, True, 1, listen="0.0.0.0", packed=_packed(args),
+                  preview_layers=[int(x) for x in args.preview_layers.split(",")] if args.preview_layers else None)
 
 
 def _packed(args) -> str:
@@ -110,7 +111,8 @@ def home_role(args) -> None:
             tot = {k: sum(r["stats"][k] for r in per) for k in (
                 "verified", "wait_s", "draft_steps", "draft_s", "previews", "predrafts", "predraft_rounds",
                 "predraft_hits", "predraft_tokens", "predraft_saved_s", "preview_rounds", "preview_lead_s",
-                "stall_s", "aligned", "corrected", "accepted", "drafted")}
+                "stall_s", "aligned", "corrected", "accepted", "drafted", "openings", "opening_wait_s")}
+            usual = tot["verified"] - tot["openings"]  # (a session's opening round carries its prompt)
             out[name] = {
                 "share_offloaded": policy.share,
                 "tbt_ms": 1000 * statistics.mean(r["tbt_s"] for r in per),
@@ -124,9 +126,11 @@ def home_role(args) -> None:
                 "downlink_bytes_per_round": statistics.mean(d for _, d in meter.rounds) if meter.rounds else 0.0,
                 "answers": [r["tokens"] for r in per],
                 "rounds": tot["verified"],
-                "round_ms": 1000 * tot["wait_s"] / tot["verified"] if tot["verified"] else 0.0,
+                "round_ms": 1000 * (tot["wait_s"] - tot["opening_wait_s"]) / usual if usual > 0 else 0.0,
+                "time_per_round_ms": 1000 * sum(r["tbt_s"] * (len(r["tokens"]) - 1) for r in per) / usual
+                if usual > 0 else 0.0,
                 "draft_step_ms": 1000 * tot["draft_s"] / tot["draft_steps"] if tot["draft_steps"] else 0.0,
-                "stall_ms_per_round": 1000 * tot["stall_s"] / tot["verified"] if tot["verified"] else 0.0,
+                "stall_ms_per_round": 1000 * tot["stall_s"] / usual if usual > 0 else 0.0,
                 "accepted_per_round": tot["accepted"] / tot["verified"] if tot["verified"] else 0.0,
                 "aligned_rounds": tot["aligned"],
                 "previews": tot["previews"], "predrafts": tot["predrafts"], "predraft_rounds": tot["predraft_rounds"],
@@ -155,7 +159,9 @@ def run_profile(name: str, args) -> dict:
     quick = ["--quick"] if args.quick else []
     with Testbed(2, name_prefix=f"meshd-cw{os.getpid()}", host_links={0: home_link}) as tb:
         v = tb.host(1).popen([sys.executable, script, "--role", "verifier", "--state", str(tmp / "state"),
-                              "--ready", str(tmp / "ready.json"), "--weights", args.weights, *quick], cores=[1])
+                              "--ready", str(tmp / "ready.json"), "--weights", args.weights,
+                              *(["--preview-layers", args.preview_layers] if args.preview_layers else []), *quick],
+                             cores=[1])
         t0 = time.monotonic()
         while not (tmp / "ready.json").exists():
             if v.poll() is not None or time.monotonic() - t0 > 900:
@@ -209,7 +215,8 @@ def summarize(res: dict, name: str) -> dict:
             "predraft_hit_rate": on["predraft_hit_rate"],
             "rounds": on["rounds"],
             "previews_at": res.get("previews_at"),
-            "per_round_ms": {mode: {"draft_step": x["draft_step_ms"], "round": x["round_ms"],
+            "per_round_ms": {mode: {"draft_step": x["draft_step_ms"], "whole_round": x["time_per_round_ms"],
+                                    "round": x["round_ms"],
                                     "verify": max(0.0, x["round_ms"] - rtt_ms), "link_rtt": rtt_ms,
                                     "stall": x["stall_ms_per_round"], "preview_lead": x["preview_lead_ms"],
                                     "predraft_saved": x["predraft_saved_ms_per_round"]}
@@ -238,6 +245,7 @@ def main() -> None:
                     help="both models' numeric mode (gguf: the file's own blocks, what a daemon picks on a CPU)")
     ap.add_argument("--preview-threshold", type=float, default=0.6)
     ap.add_argument("--predrafts", type=int, default=2, help="pre-drafts a round may start (previews@1.0)")
+    ap.add_argument("--preview-layers", default=None, help="the verifier previews at these exits only (default all)")
     ap.add_argument("--role", choices=["verifier", "home"], default=None, help=argparse.SUPPRESS)
     for hidden in ("--state", "--ready", "--address", "--key", "--verifier-state"):
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
@@ -258,7 +266,8 @@ def main() -> None:
              "home": {"host": 0, "cores": [0], "threads": 1}, "verifier": {"host": 1, "cores": [1], "threads": 1},
              "prompts": args.prompts, "max_tokens": args.max_tokens, "sampling": "greedy", "gamma": 4,
              "weights": args.weights, "modes": args.modes or ",".join(m[0] for m in MODES),
-             "previews": {"threshold": args.preview_threshold, "max_predrafts": args.predrafts}}
+             "previews": {"threshold": args.preview_threshold, "max_predrafts": args.predrafts,
+                          "layers": args.preview_layers or "all the heads' exits"}}
     log(f"setup: {json.dumps(setup)}")
     t = time.perf_counter()
     result = {"setup": setup, "profiles": {}}

@@ -45,7 +45,8 @@ class Preview:
 class PreviewExits:
     """Exit heads bound to a verifier's whole-model stage, in float32 on its device (taken once at load)."""
 
-    def __init__(self, heads: ExitHeads, stage):
+    def __init__(self, heads: ExitHeads, stage, layers: Sequence[int] | None = None):
+        """``layers``: the heads' exits to preview at (default all): each costs the verifier a check a round."""
         cfg = stage.config
         if (heads.num_layers, heads.hidden_size, heads.vocab_size) != (cfg.num_layers, cfg.hidden_size,
                                                                         cfg.vocab_size):
@@ -53,14 +54,18 @@ class PreviewExits:
                                f"({heads.num_layers} layers, hidden {heads.hidden_size}, vocab {heads.vocab_size})")
         if not (stage.is_first and stage.is_last):
             raise DrafterError("previews are computed by a verifier holding the whole model")
+        if layers is not None and not set(layers) <= set(heads.layers):
+            raise DrafterError(f"{heads.source}: no exit after layer(s) {sorted(set(layers) - set(heads.layers))} "
+                               f"(it has {heads.layers})")
         self.heads = heads
+        self._layers = sorted(set(layers)) if layers is not None else list(heads.layers)
         self.eps = cfg.rms_eps
         dev = stage.device
         self.final_norm = stage.final_norm.to(dev, torch.float32)
         self.rows = heads.head_rows(stage.lm_head, torch.float32).to(dev)
         self._weights = {layer: (heads.w[j].detach().to(dev, torch.float32), heads.b[j].detach().to(dev, torch.float32),
                                  heads.other_w[j].detach().to(dev), heads.other_b[j].detach().to(dev))
-                         for j, layer in enumerate(heads.layers)}
+                         for j, layer in enumerate(heads.layers) if layer in self._layers}
         self.shortlist = heads.shortlist.tolist()
         self._shortlist = heads.shortlist.to(dev)
         self.other = heads.size
@@ -68,7 +73,7 @@ class PreviewExits:
 
     @property
     def layers(self) -> list[int]:
-        return list(self.heads.layers)
+        return list(self._layers)
 
     @torch.inference_mode()
     def verdict(self, layer: int, hidden: torch.Tensor, drafts: Sequence[int]) -> Preview | None:

@@ -153,6 +153,8 @@ class OffloadStats:
     ahead_drafted: int = 0  # tokens drafted while a verification was in flight
     stall_s: float = 0.0  # time spent waiting for a verdict with nothing left to draft
     wait_s: float = 0.0  # time from sending a chunk to its verdict
+    opening_wait_s: float = 0.0  # ... of the rounds that opened a session (they carry the prompt)
+    openings: int = 0
     llm_tokens: int = 0  # tokens the verifier computed for us (cloud cost)
     previews: int = 0  # early verdicts received
     predrafts: int = 0  # pre-drafts started from them (a branch off the drafted path)
@@ -411,6 +413,9 @@ class OffloadDecoder:
             if not task.done():
                 task.cancel()
         self.stats.wait_s += time.monotonic() - t0
+        if req.open is not None:
+            self.stats.openings += 1
+            self.stats.opening_wait_s += time.monotonic() - t0
         if self._first_preview:
             self.stats.preview_rounds += 1
             self.stats.preview_lead_s += time.monotonic() - self._first_preview

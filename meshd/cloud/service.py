@@ -41,7 +41,7 @@ class VerifierService:
     def __init__(self, source, state_dir: str | Path, *, listen: str = "0.0.0.0", port: int = DEFAULT_PORT,
                  pairing_port: int = DEFAULT_PAIRING_PORT, kv_budget_tokens: int = 16384,
                  max_queue: int = MAX_QUEUE, batched: bool = True, stage=None,
-                 previews: ExitHeads | None | str = "shipped"):
+                 previews: ExitHeads | None | str = "shipped", preview_layers: list[int] | None = None):
         self.source = source
         self.state = StateDir(Path(state_dir)).ensure()
         self.listen, self.port, self.pairing_port = listen, port, pairing_port
@@ -50,6 +50,7 @@ class VerifierService:
         self.batched = batched
         self._stage = stage
         self._previews = previews  # exit heads, None (no previews) or "shipped" (the model's, if meshd ships them)
+        self._preview_layers = preview_layers  # which of their exits (default all)
         self.server = None
         self.verifier: Verifier | None = None
         self.node: TransportNode | None = None
@@ -127,7 +128,7 @@ class VerifierService:
             cfg = self.source.config
             heads = preview_heads_for(self.source.identity, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                                       vocab_size=cfg.vocab_size)
-        return None if heads is None else PreviewExits(heads, self._stage)
+        return None if heads is None else PreviewExits(heads, self._stage, self._preview_layers)
 
     def status(self) -> dict:
         return {"address": self.address, "pairing_port": self.pairing_port, "model": self.model_id,

@@ -53,6 +53,8 @@ def register(subparsers) -> None:
                    help="exit heads to preview verdicts with (homes pre-draft from them): a file from "
                         "'meshd heads train-exits --previews', or 'none' (default: the ones meshd ships for "
                         "the model, if any)")
+    s.add_argument("--preview-layers", default=None, metavar="L,L",
+                   help="preview at these of the heads' exits only (each costs every verify round a check)")
     s.set_defaults(func=serve)
     i = sub.add_parser("invite", help="print a one-time token a home uses to pair with this verifier")
     i.add_argument("--state-dir", default=None)
@@ -99,7 +101,9 @@ def serve(args) -> int:
                               port=DEFAULT_PORT if args.port is None else args.port,
                               pairing_port=DEFAULT_PAIRING_PORT if args.pairing_port is None else args.pairing_port,
                               kv_budget_tokens=args.kv_budget, max_queue=args.max_queue,
-                              batched=not args.no_batching, previews=previews)
+                              batched=not args.no_batching, previews=previews,
+                              preview_layers=[int(x) for x in args.preview_layers.split(",")]
+                              if args.preview_layers else None)
         print(f"loading {svc.model_id} ...", flush=True)
         await svc.start()
         atomic_write(svc.state.root / "verifier.json", json.dumps(
