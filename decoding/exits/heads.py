@@ -193,11 +193,12 @@ class ExitHeads(torch.nn.Module):
 
 def exit_logits(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, other_w: torch.Tensor, other_b: torch.Tensor,
                 final_norm: torch.Tensor, rows: torch.Tensor, eps: float) -> torch.Tensor:
-    """One exit: the residual block, the model's final RMSNorm, the shortlisted head rows and "other"."""
+    """One exit: the residual block, the model's final RMSNorm, the shortlisted head rows and "other".
+    ``rows``: the rows [S, d], or a callable multiplying by them (a gguf head's own blocks of those rows)."""
     h = hidden + F.silu(F.linear(hidden, w, b))
     var = h.float().pow(2).mean(-1, keepdim=True)
     n = (h.float() * torch.rsqrt(var + eps)).to(hidden.dtype) * final_norm
-    short = F.linear(n, rows).float()
+    short = (F.linear(n, rows) if isinstance(rows, torch.Tensor) else rows(n)).float()
     other = (n.float() @ other_w.float() + other_b.float()).unsqueeze(-1)
     return torch.cat([short, other], dim=-1)
 

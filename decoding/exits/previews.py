@@ -62,7 +62,10 @@ class PreviewExits:
         self.eps = cfg.rms_eps
         dev = stage.device
         self.final_norm = stage.final_norm.to(dev, torch.float32)
-        self.rows = heads.head_rows(stage.lm_head, torch.float32).to(dev)
+        # A gguf head multiplies by its own blocks of the shortlisted rows: ~0.8 byte a weight read per check
+        # instead of 4 (the check reads them every round, for every exit).
+        self.rows = stage.lm_head.only(heads.shortlist) if hasattr(stage.lm_head, "only") and dev.type == "cpu" \
+            else heads.head_rows(stage.lm_head, torch.float32).to(dev)
         self._weights = {layer: (heads.w[j].detach().to(dev, torch.float32), heads.b[j].detach().to(dev, torch.float32),
                                  heads.other_w[j].detach().to(dev), heads.other_b[j].detach().to(dev))
                          for j, layer in enumerate(heads.layers) if layer in self._layers}

@@ -516,7 +516,8 @@ class OffloadDecoder:
     async def _take_predraft(self, pre: _PreDraft) -> list[int]:
         self.stats.predraft_hits += 1
         self.stats.predraft_tokens += len(pre.drafts)
-        self.stats.predraft_saved_s += len(pre.drafts) * self._step_s
+        # its drafts, and the feed of its token that proposed the first of them (done once pre.next is known)
+        self.stats.predraft_saved_s += (len(pre.drafts) + (pre.next is not None or bool(pre.drafts))) * self._step_s
         path = [d.token for d in self._buf[:pre.accepted]] + pre.path
         if pre.token not in self.eos_ids and (self._held != path or pre.next is None):
             nxt = await self._hold(path)  # the drafter moved on to another pre-draft since (or stopped at an end)

@@ -432,3 +432,25 @@ def test_meshd_status_and_metrics_show_what_previews_did():
     assert m["meshd_cloud_predraft_rounds_total"] == {(): 20.0}
     assert m["meshd_cloud_predraft_hit_rate"] == {(): 0.65}
     assert m["meshd_cloud_predraft_saved_seconds_total"] == {(): 1.25}
+
+
+@pytest.mark.slow
+def test_a_gguf_verifier_checks_its_exits_on_the_heads_own_blocks_of_the_shortlist(real_source):
+    """The check reads the shortlisted head rows in their quantized blocks (a fifth of the bytes), and gives
+    the float rows' verdicts."""
+    from decoding.exits.heads import exit_logits
+    from meshd.model.heads import embedded_exits
+
+    cfg = real_source.config
+    stage = real_source.load_stage(0, cfg.num_layers, torch.float32, packed="gguf")
+    heads = embedded_exits(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size)
+    exits = PreviewExits(heads, stage)
+    assert not isinstance(exits.rows, torch.Tensor)  # the head's blocks, not widened rows
+    hidden = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1)) * 4
+    j = heads.layers.index(26)
+    with torch.no_grad():
+        args = (hidden, heads.w[j], heads.b[j], heads.other_w[j], heads.other_b[j], exits.final_norm)
+        blocks = exit_logits(*args, exits.rows, exits.eps)
+        floats = exit_logits(*args, heads.head_rows(stage.lm_head, torch.float32), exits.eps)
+    assert torch.allclose(blocks, floats, atol=0.05 * float(floats.abs().max()))
+    assert torch.equal(blocks.argmax(-1), floats.argmax(-1))
