@@ -78,14 +78,19 @@ class PreviewExits:
     def layers(self) -> list[int]:
         return list(self._layers)
 
+    def _exit(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Exit ``layer``'s logits over the shortlist and "other", and each row's confidence and best class."""
+        z = exit_logits(hidden.to(torch.float32), *self._weights[layer], self.final_norm, self.rows, self.eps)
+        conf, best = torch.softmax(z, dim=-1).max(dim=-1)
+        return z, conf, best
+
     @torch.inference_mode()
     def verdict(self, layer: int, hidden: torch.Tensor, drafts: Sequence[int]) -> Preview | None:
         """Exit ``layer``'s greedy verdict from the rows of the root and the drafts (``hidden`` [d + 1, hidden],
         the root's row first), or None when a row it reads points off the shortlist."""
         if hidden.shape[0] != len(drafts) + 1:
             raise ValueError(f"{hidden.shape[0]} rows for {len(drafts)} drafts (the root's row comes first)")
-        z = exit_logits(hidden.to(torch.float32), *self._weights[layer], self.final_norm, self.rows, self.eps)
-        conf, best = torch.softmax(z, dim=-1).max(dim=-1)
+        _, conf, best = self._exit(layer, hidden)
         conf, best = conf.tolist(), best.tolist()
         sure = 1.0
         for i, b in enumerate(best):
@@ -104,8 +109,7 @@ class PreviewExits:
         candidates sampled) over the exit's distribution on the shortlist, with the uniforms the final
         verdict will draw (``uniform``: a fork of the session's stream). None when a row it reads is
         most likely "other"."""
-        z = exit_logits(hidden.to(torch.float32), *self._weights[layer], self.final_norm, self.rows, self.eps)
-        conf, best = torch.softmax(z, dim=-1).max(dim=-1)
+        z, conf, best = self._exit(layer, hidden)
         full = torch.full((z.shape[0], self.vocab), float("-inf"), device=z.device)
         full[:, self._shortlist] = z[:, :self.other]
         v = verify_offloaded(list(drafts), root, full, params, uniform, support)

@@ -188,7 +188,6 @@ class _PreDraft:
 
     accepted: int
     token: int
-    arrived: float
     drafts: list[_Draft] = field(default_factory=list)
     next: DraftStep | None = None  # the drafter's proposal after the last of them
 
@@ -309,6 +308,12 @@ class OffloadDecoder:
         self._held = list(path)
         return step
 
+    async def _back_on_buffer(self) -> None:
+        """The drafter back on the drafted buffer, if a pre-draft moved it off."""
+        if self._held is not None:
+            self._next = await self._hold([d.token for d in self._buf])
+            self._held = None
+
     def _offload(self, chunk: list[_Draft], max_tokens: int) -> bool:
         if self.verifier is None or not chunk:
             return False
@@ -420,9 +425,7 @@ class OffloadDecoder:
             self.stats.preview_rounds += 1
             self.stats.preview_lead_s += time.monotonic() - self._first_preview
         if res is None:  # no verdict: the chunk stands as drafted
-            if self._held is not None:  # a pre-draft moved the drafter off the chunk's path: back onto it
-                self._next = await self._hold([d.token for d in self._buf])
-                self._held = None
+            await self._back_on_buffer()  # (a pre-draft may have moved the drafter off the chunk's path)
             for tok in self._commit(len(chunk), ()):
                 yield tok
             return
@@ -439,9 +442,7 @@ class OffloadDecoder:
             return  # (nothing follows an accepted end)
         a, y = p.accepted, p.token
         if (self._buf[a].token == y) if len(self._buf) > a else self._next.token == y:
-            if self._held is not None:  # the drafted path is this verdict's: back onto it
-                self._next = await self._hold([d.token for d in self._buf])
-                self._held = None
+            await self._back_on_buffer()  # the drafted path is this verdict's: back onto it
             return
         pre = next((x for x in self._predrafts if (x.accepted, x.token) == (a, y)), None)
         if pre is not None and (pre is self._target and self._held is not None or y in self.eos_ids):
@@ -451,7 +452,7 @@ class OffloadDecoder:
                 return
             self.stats.predraft_rounds += not self._predrafts
             self.stats.predrafts += 1
-            pre = _PreDraft(a, y, time.monotonic())
+            pre = _PreDraft(a, y)
             self._predrafts.append(pre)
         if y in self.eos_ids:  # a verdict that ends the answer: ready as it is, and the drafter stays where it is
             return
@@ -495,20 +496,15 @@ class OffloadDecoder:
             self._aligned_rate += 0.25 * ((1.0 if aligned else 0.0) - self._aligned_rate)
         if aligned:  # the SLM drafted the LLM's token: its drafts after it stand
             self.stats.aligned += 1
-            if self._held is not None:  # a pre-draft moved the drafter off them: back onto them
-                self._next = await self._hold([d.token for d in self._buf])
-                self._held = None
+            await self._back_on_buffer()  # (a pre-draft may have moved the drafter off them)
             return self._commit(a + 1, ())
         if a < len(chunk):
             self.stats.corrected += 1
         hit = next((p for p in self._predrafts if (p.accepted, p.token) == (a, y)), None)
         if hit is not None:  # a preview said so: its drafts are ready, the next chunk goes out at once
             return await self._take_predraft(hit)
-        if y in self.eos_ids:
-            out = self._commit(a, [y])
-            self._buf, self._held = [], None
-            return out
-        self._next = await self._hold([d.token for d in self._buf[:a]] + [y])
+        if y not in self.eos_ids:
+            self._next = await self._hold([d.token for d in self._buf[:a]] + [y])
         out = self._commit(a, [y])
         self._buf, self._held = [], None
         return out

@@ -49,23 +49,31 @@ def embedded_exits(*, num_layers: int | None = None, hidden_size: int | None = N
     return heads
 
 
-# Exit heads a cloud verifier previews its verdicts with, pinned (the file's meta names the model trained for).
-# The embedded model's Synera exits serve as its preview exits too (any exit may preview).
-# Qwen2.5-Coder-1.5B-Instruct's (the verifier over a 0.5B home): ``meshd heads train-exits --model
-# qwen2.5-coder-1.5b-instruct --previews --shortlist 4096`` on 128 of the shipped prompts' answers (its
-# held-out agreement per exit is in the file's meta and bench/results/issue51/train_exits_1.5b.json).
-PREVIEW_FILES = {EXITS_FILE.name: EXITS_SHA256,
-                 "previews-qwen2.5-coder-1.5b.pt": "cdbe065e065dde2a72ed2337ed729fe8b3ed57eb9330db8301d207dd47bc0b4a"}
+# Exit heads a cloud verifier previews its verdicts with, by the model they were trained for (its
+# ``ModelSource.identity``; the file's meta names it too), pinned. The embedded model's Synera exits serve as
+# its preview exits too (any exit may preview). Qwen2.5-Coder-1.5B-Instruct's (the verifier over a 0.5B home):
+# ``meshd heads train-exits --model qwen2.5-coder-1.5b-instruct --previews --shortlist 4096`` on 128 of the
+# shipped prompts' answers (its held-out agreement per exit is in the file's meta and
+# bench/results/issue51/train_exits_1.5b.json).
+PREVIEW_FILES = {
+    "SmolLM2-135M-Instruct.Q4_1.gguf@b179c9523d0e6a0f": (EXITS_FILE.name, EXITS_SHA256),
+    "qwen2.5-coder-1.5b-instruct.gguf@cc324af070c2ecbf": (
+        "previews-qwen2.5-coder-1.5b.pt", "cdbe065e065dde2a72ed2337ed729fe8b3ed57eb9330db8301d207dd47bc0b4a"),
+}
 
 
 def preview_heads_for(identity: str, *, num_layers: int, hidden_size: int, vocab_size: int) -> ExitHeads | None:
-    """The shipped preview heads trained for the model ``identity`` (a ``ModelSource.identity``), or None."""
-    for name, sha in PREVIEW_FILES.items():
-        heads = ExitHeads.load(Path(__file__).parent.parent / "data" / name, sha256=sha)
-        if (heads.meta.get("model") or {}).get("identity") == identity and (
-                heads.num_layers, heads.hidden_size, heads.vocab_size) == (num_layers, hidden_size, vocab_size):
-            return heads
-    return None
+    """The shipped preview heads trained for the model ``identity`` (a ``ModelSource.identity``), or None.
+    Only that model's file is read (a verifier starts without reading the others')."""
+    if identity not in PREVIEW_FILES:
+        return None
+    name, sha = PREVIEW_FILES[identity]
+    heads = ExitHeads.load(Path(__file__).parent.parent / "data" / name, sha256=sha, num_layers=num_layers,
+                           hidden_size=hidden_size, vocab_size=vocab_size)
+    trained_for = (heads.meta.get("model") or {}).get("identity")
+    if trained_for != identity:
+        raise DrafterError(f"{name} was trained for {trained_for}, not {identity}")
+    return heads
 
 
 __all__ = ["EXITS_FILE", "EXITS_SHA256", "HEADS_FILE", "HEADS_SHA256", "PREVIEW_FILES", "embedded_exits",
