@@ -358,6 +358,8 @@ def main() -> int:
                 whole = run_config(path, 2, args.tokens, args.prompt_len, args.repeats, tb, batch=1,
                                    attention="whole")
                 pipe = None if args.no_pipeline else pipeline2(path, args.tokens, args.prompt_len, args.repeats, tb)
+                # the path's own round trip, part of the link's RTT (the proxies add the rest)
+                path_rtt = tb.describe()["path_rtt_ms"] if tb is not None else None
             finally:
                 if tb is not None:
                     tb.close()
@@ -370,7 +372,7 @@ def main() -> int:
             measured = {"replicas": one_tok, "tensor:split": two_tok, "tensor:whole": whole_tok, "pipeline": pipe or 0.0}
             best = max(measured.values())
             picked = f"tensor:{choice.get('attention')}" if choice["kind"] == "tensor" else choice["kind"]
-            row = {"model": name, "link": link, "one_device_tok_s": round(one_tok, 2),
+            row = {"model": name, "link": link, "link_path_rtt_ms": path_rtt, "one_device_tok_s": round(one_tok, 2),
                    "tensor2_tok_s": round(two_tok, 2), "speedup": round(two_tok / one_tok, 3),
                    # the group holding the attention whole on both members (one exchange a layer)
                    "tensor2_whole_attention_tok_s": round(whole_tok, 2),
