@@ -33,6 +33,14 @@ class PartialSums(Protocol):
         """On the first member, every member's ``x`` in rank order, each as it came (widths may differ);
         None on the others."""
 
+    def native_sum(self) -> tuple[object, int] | None:
+        """For one kernel call: (a ``decoding.quant.native.REDUCE_FN`` that sums in C, its ctx address), or
+        None (sum through :meth:`sum_`). A caller that gets one calls :meth:`native_done` after the call."""
+
+    def native_done(self, failed: bool) -> None:
+        """The kernel call that used :meth:`native_sum` returned: its exchanges count as this member's;
+        ``failed``: raise :class:`GroupLost` with the reason."""
+
 
 def add_in_rank_order(parts: list[np.ndarray], out: np.ndarray) -> None:
     """``out`` = parts[0] + parts[1] + ... left to right: the one order every member and the reference use."""
@@ -83,6 +91,12 @@ class _ThreadMember:
     def gather_parts(self, x: np.ndarray) -> list[np.ndarray] | None:
         parts = self._group.exchange(self.rank, x)
         return parts if self.rank == 0 else None
+
+    def native_sum(self) -> None:
+        return None  # threads of one process: the callback is the reference path
+
+    def native_done(self, failed: bool) -> None:
+        raise AssertionError("an in-process group never hands out a native sum")
 
 
 def best_rows(parts: list[np.ndarray], vocab: int) -> "torch.Tensor":

@@ -42,6 +42,20 @@ MAX_FRAME = 1 << 30
 _FIRST_FRAME_MAX = 256
 
 
+def sodium_stream_functions() -> tuple[int, int]:
+    """The addresses of libsodium's secretstream push and pull, as PyNaCl's libsodium has them."""
+    from nacl._sodium import ffi, lib
+
+    return tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, f"crypto_secretstream_xchacha20poly1305_{name}")))
+                 for name in ("push", "pull"))  # type: ignore[return-value]
+
+
+def _state_address(state) -> int:
+    from nacl._sodium import ffi
+
+    return int(ffi.cast("uintptr_t", state.statebuf))
+
+
 def kx_keypair() -> tuple[bytes, bytes]:
     """A fresh ephemeral key pair for one group's streams (public, secret)."""
     return sodium.crypto_kx_keypair()
@@ -115,6 +129,15 @@ class SealedStream:
             raise GroupLost(f"a frame from group member {self.peer} failed authentication") from exc
         kind, number_pass, number = HEADER.unpack_from(message)
         return kind, number_pass, number, memoryview(message)[HEADER.size:]
+
+    def native_handles(self) -> tuple[int, int, int] | None:
+        """(socket, push state address, pull state address) for C code that seals and opens this stream's
+        frames itself (``decoding/quant/native/group_sum.cpp``), or None while bytes wait here in either
+        direction (they must go, or be read, in order first). The states are the very memory PyNaCl uses, so
+        frames sealed on either side continue one nonce sequence."""
+        if self._out or self._in:
+            return None
+        return self.sock.fileno(), _state_address(self._push), _state_address(self._pull)
 
     def close(self) -> None:
         try:

@@ -29,8 +29,8 @@ PROMPT = ("The lighthouse keeper climbed the stairs at dusk, counted the steps a
 class Members:
     """``size`` member processes joined into one group; stdout lines of each as JSON."""
 
-    def __init__(self, size: int, steps: int, logits_out: Path | None = None):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    def __init__(self, size: int, steps: int, logits_out: Path | None = None, exchange: str = "native"):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MESHD_GROUP_EXCHANGE=exchange)
         self.procs = []
         for rank in range(size):
             cmd = [sys.executable, "-m", "tests.support.tensor_member", "--rank", str(rank), "--size", str(size),
@@ -60,17 +60,21 @@ class Members:
             p.wait()
 
 
-def test_two_member_processes_equal_the_in_process_group_bit_for_bit(real_source, tmp_path):
+@pytest.mark.parametrize("exchange", ["native", "python"])
+def test_two_member_processes_equal_the_in_process_group_bit_for_bit(real_source, tmp_path, exchange):
+    """Whether the decode kernel exchanges the partial sums itself (native) or hands each to Python."""
     whole = real_source.load_stage(0, real_source.config.num_layers, torch.float32, packed="gguf")
     prompt = torch.tensor(real_source.tokenizer.encode(PROMPT))
     assert len(prompt) * real_source.config.hidden_size * 4 > 1 << 16
     want_logits, want_tokens = run_group(whole, 2, prompt, 10)[0]
-    members = Members(2, 10, tmp_path / "logits.pt")
+    members = Members(2, 10, tmp_path / "logits.pt", exchange)
     try:
         got = {}
         while "tokens" not in got:
             got = members.line(0)
         assert got["tokens"] == want_tokens
+        # the decode steps' exchanges went the way asked (the prompt's whole blocks take the per-operation path)
+        assert (got["native_exchanges"] > 0) == (exchange == "native")
         assert torch.equal(torch.load(tmp_path / "logits.pt"), want_logits)
         assert members.procs[1].wait(timeout=60) == 0  # the leader's stop reached it
         # and the group's tokens are one device's on this text

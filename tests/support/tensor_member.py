@@ -61,7 +61,7 @@ def main() -> int:
         grouped.close()
         if args.logits_out:
             torch.save(torch.stack(logits), args.logits_out)
-        say({"tokens": tokens})
+        say({"tokens": tokens, "native_exchanges": link.native_exchanges})
     except GroupLost as exc:
         say({"lost": str(exc)})
     finally:

@@ -52,8 +52,6 @@ class DecodeSteps:
         # a tensor-parallel member hands its two partial sums a layer to its group from inside the step
         self._failure: BaseException | None = None
         self._reduce = native.REDUCE_FN(self._sum_over_group) if stage.group is not None else native.REDUCE_FN()
-        # a member computing every head has the attention output whole: nothing to add up there
-        self._reduce_attention = self._reduce if stage.attention_split else native.REDUCE_FN()
 
     @staticmethod
     def serves(stage) -> bool:
@@ -108,17 +106,25 @@ class DecodeSteps:
         act = torch.empty(rows, self.inter)
         scratch = torch.empty(rows, self.hidden + self.qkv_width + self.nh * self.hd)
         self._failure = None
+        group = self.stage.group
+        # a group whose links let the kernel exchange the partial sums itself: no trip through Python for each
+        handle = group.native_sum() if group is not None else None
+        reduce, ctx = handle if handle is not None else (self._reduce, None)
+        # a member computing every head has the attention output whole: nothing to add up there
+        reduce_attention, attention_ctx = (reduce, ctx) if self.stage.attention_split else (native.REDUCE_FN(), None)
         failed = self.lib.meshd_decode_layers(
             hi - lo, ctypes.addressof(self.specs) + lo * ctypes.sizeof(native.DecodeLayerSpec), self.eps, rows, h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             self.nh, self.nkv, self.hd, self.scale, (ctypes.c_int * rows)(*counts), ptrs(*keys), ptrs(*values),
             i64(*lengths), i64(*head_strides), i64(*steps), per_row(*own), per_row(*dst),
-            gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), self._reduce_attention,
-            self._reduce, ctypes.byref(self.stage.kernel_done))
+            gate_up.data_ptr(), act.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), reduce_attention,
+            attention_ctx, reduce, ctx, ctypes.byref(self.stage.kernel_done))
+        if handle is not None:
+            group.native_done(bool(failed))  # the group's count of exchanges; GroupLost when it failed
         if failed:
             raise self._failure or RuntimeError("the group's reduction failed")
         return h
 
-    def _sum_over_group(self, ptr: int, n: int) -> int:
+    def _sum_over_group(self, ctx, ptr: int, n: int) -> int:
         """The kernel's callback at each split product: the partial sum summed over the group, in place.
         An exception cannot cross the C frames: it is kept, the kernel stops, and :meth:`run` raises it."""
         try:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_dot.cpp", "small_dot.cpp", "row_ops.cpp", "decode_step.cpp"))
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("gguf_dot.cpp", "small_dot.cpp", "row_ops.cpp", "decode_step.cpp",
+                                                     "group_sum.cpp"))
 HEADERS = (Path(__file__).with_name("gguf_blocks.h"),)  # part of the build's key, not compiled on their own
 PACKAGE_BUILD = Path(__file__).with_name("build")
 COMMON_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
@@ -115,9 +116,10 @@ def _home_dir() -> Path:
     return (Path(env).expanduser() if env else Path.home() / ".cache" / "meshd") / "kernels"
 
 
-#: decode_step.cpp's ``ReduceFn``: a tensor-parallel member's partial sum (float*, n) summed over its group in
-#: place; returns non-zero when the group failed.
-REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
+#: decode_step.cpp's ``ReduceFn``: a tensor-parallel member's partial sum (ctx, float*, n) summed over its group
+#: in place; returns non-zero when the group failed. ``group_sum.cpp``'s ``meshd_group_sum`` is one (its ctx a
+#: :class:`GroupSum`); a Python callback is the other (ctx null).
+REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 _LIB: ctypes.CDLL | None = None
 _ERROR: str = ""
@@ -150,9 +152,11 @@ def library() -> ctypes.CDLL:
                 lib.meshd_swiglu.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64]
                 lib.meshd_decode_layers.argtypes = [
                     ctypes.c_int, _ptr, ctypes.c_float, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float,
-                    _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, REDUCE_FN,
-                    REDUCE_FN, _ptr]
+                    _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, REDUCE_FN, _ptr,
+                    REDUCE_FN, _ptr, _ptr]
                 lib.meshd_decode_layers.restype = ctypes.c_int
+                lib.meshd_group_sum.argtypes = [_ptr, _ptr, _i64]
+                lib.meshd_group_sum.restype = ctypes.c_int
                 for f in ("meshd_rms_norm", "meshd_rope", "meshd_row_attention", "meshd_linear_threads",
                           "meshd_swiglu"):
                     getattr(lib, f).restype = None
@@ -251,6 +255,35 @@ class DecodeLayerSpec(ctypes.Structure):
 
     _fields_ = [("qkv", _ptr), ("qkv_bias", _ptr), ("o", _ptr), ("gate_up", _ptr), ("down", _ptr),
                 ("attn_norm", _ptr), ("mlp_norm", _ptr)]
+
+
+#: the most members a native group sum serves (group_sum.cpp's MAX_PEERS + 1)
+GROUP_SUM_MAX_MEMBERS = 16
+
+
+class GroupSumPeer(ctypes.Structure):
+    """group_sum.cpp's ``PeerStream``: one other member's stream (its socket, the two secretstream states)."""
+
+    _fields_ = [("rank", ctypes.c_int32), ("fd", ctypes.c_int32), ("push_state", _ptr), ("pull_state", _ptr)]
+
+
+class GroupSum(ctypes.Structure):
+    """group_sum.cpp's ``GroupSum``: what ``meshd_group_sum`` needs to sum a partial over the group itself."""
+
+    _fields_ = [("spin_s", ctypes.c_double), ("last_wait_s", ctypes.c_double), ("slice_ms", ctypes.c_int32),
+                ("rank", ctypes.c_int32), ("size", ctypes.c_int32), ("npeers", ctypes.c_int32),
+                ("abort", ctypes.c_int32), ("pass_", ctypes.c_uint32), ("exchange", ctypes.c_uint32),
+                ("seal", _ptr), ("open", _ptr), ("check", _ptr),
+                ("peers", GroupSumPeer * (GROUP_SUM_MAX_MEMBERS - 1)), ("error", ctypes.c_char * 256)]
+
+
+#: group_sum.cpp's ``CheckFn``: non-zero when the group is lost (asked while a wait is blocked)
+GROUP_CHECK_FN = ctypes.CFUNCTYPE(ctypes.c_int)
+
+
+def group_sum_reducer() -> "REDUCE_FN":
+    """``meshd_group_sum`` as the decode kernel's reducer (its ctx a :class:`GroupSum`)."""
+    return REDUCE_FN(ctypes.cast(library().meshd_group_sum, ctypes.c_void_p).value)
 
 
 class FusedMatrices:

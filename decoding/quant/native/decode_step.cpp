@@ -264,7 +264,14 @@ struct DecodeLayer {
 
 // A tensor-parallel member's partial sum (o's and down's outputs, every row of the step) handed to its group,
 // which replaces it in place with the sum over the members; non-zero: the group failed and the step stops.
-typedef int (*ReduceFn)(float* x, int64_t n);
+// ctx: the reducer's own (group_sum.cpp's GroupSum, or null for a Python callback).
+typedef int (*ReduceFn)(void* ctx, float* x, int64_t n);
+
+struct Reducer {
+    ReduceFn fn;
+    void* ctx;
+    bool operator()(float* x, int64_t n) const { return fn && fn(ctx, x, n); }  // true: the group failed
+};
 
 // Where one row's sequence keeps its keys and values (see meshd_decode_layers).
 struct RowCache {
@@ -286,7 +293,7 @@ struct RowCache {
 // is row by row, as the per-operation path does it.
 bool decode_attention(const DecodeLayer& L, int li, float eps, int64_t R, float* h, const float* cos,
                       const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, const RowCache* rows,
-                      float* out_gate_up, float* scratch, int threads, ReduceFn reduce,
+                      float* out_gate_up, float* scratch, int threads, Reducer reduce,
                       std::vector<const float*>& keys, std::vector<const float*>& values) {
     const int64_t hidden = L.o->n_out, width = L.qkv->n_out;
     float* x = scratch;
@@ -321,7 +328,7 @@ bool decode_attention(const DecodeLayer& L, int li, float eps, int64_t R, float*
         attention(q, nh, nkv, hd, scale, s, attn + r * nh * hd, threads);
     }
     linear_rows(*L.o, attn, R, nh * hd, x, hidden, threads);
-    if (reduce && reduce(x, R * hidden)) return false;
+    if (reduce(x, R * hidden)) return false;
     for (int64_t i = 0; i < R * hidden; i++) h[i] = h[i] + x[i];
     meshd_rms_norm(h, hidden, L.mlp_norm, x, hidden, R, hidden, eps);
     linear_rows(*L.gate_up, x, R, hidden, out_gate_up, L.gate_up->n_out, threads);
@@ -330,9 +337,9 @@ bool decode_attention(const DecodeLayer& L, int li, float eps, int64_t R, float*
 
 // The MLP's last product and the residual for R rows: h += act @ down.T. scratch: R * hidden floats.
 bool decode_down(const Matrix& down, int64_t R, const float* act, float* h, float* scratch, int threads,
-                 ReduceFn reduce) {
+                 Reducer reduce) {
     linear_rows(down, act, R, down.k, scratch, down.n_out, threads);
-    if (reduce && reduce(scratch, R * down.n_out)) return false;
+    if (reduce(scratch, R * down.n_out)) return false;
     for (int64_t i = 0; i < R * down.n_out; i++) h[i] = h[i] + scratch[i];
     return true;
 }
@@ -348,16 +355,18 @@ extern "C" {
 // positions (the last one's count includes the new row) with head stride head_strides[j]; the new row's
 // key and value go own[r] floats into its last segment's layer, head stride dst_head_stride[r].
 // gate_up: R * 2 * intermediate floats; act: R * intermediate; scratch: R * (hidden + q/k/v width +
-// nh * hd). reduce (null on one device): a group member's partial sums summed over its group;
-// reduce_attention the same for the attention output (null also for a member that computes every head:
-// its output is whole). *done grows by R after each layer (another thread may read it: a long pass shows
+// nh * hd). reduce (null on one device): a group member's partial sums summed over its group, called with
+// reduce_ctx; reduce_attention the same for the attention output (null also for a member that computes every
+// head: its output is whole). *done grows by R after each layer (another thread may read it: a long pass shows
 // its progress). Returns 0, or 1 when the group failed (h is then unusable).
 int meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, int64_t R, float* h, const float* cos,
                          const float* sin, int64_t nh, int64_t nkv, int64_t hd, float scale, const int* nseg,
                          float* const* key_base, float* const* value_base, const int64_t* lengths,
                          const int64_t* head_strides, const int64_t* layer_step, const int64_t* own,
                          const int64_t* dst_head_stride, float* gate_up, float* act, float* scratch, int threads,
-                         ReduceFn reduce_attention, ReduceFn reduce, int64_t* done) {
+                         ReduceFn reduce_attention, void* reduce_attention_ctx, ReduceFn reduce, void* reduce_ctx,
+                         int64_t* done) {
+    const Reducer by_attention{reduce_attention, reduce_attention_ctx}, by_mlp{reduce, reduce_ctx};
     std::vector<RowCache> rows(R);
     for (int64_t r = 0, at = 0; r < R; at += nseg[r], r++)
         rows[r] = RowCache{nseg[r], key_base + at, value_base + at, lengths + at, head_strides + at, layer_step + at,
@@ -366,11 +375,11 @@ int meshd_decode_layers(int n_layers, const DecodeLayer* layers, float eps, int6
     for (int li = 0; li < n_layers; li++) {
         const DecodeLayer& L = layers[li];
         if (!decode_attention(L, li, eps, R, h, cos, sin, nh, nkv, hd, scale, rows.data(), gate_up, scratch, threads,
-                              reduce_attention, keys, values))
+                              by_attention, keys, values))
             return 1;
         const int64_t inter = L.down->k;
         meshd_swiglu(gate_up, 2 * inter, R, inter, act, inter);
-        if (!decode_down(*L.down, R, act, h, scratch, threads, reduce)) return 1;
+        if (!decode_down(*L.down, R, act, h, scratch, threads, by_mlp)) return 1;
         __atomic_add_fetch(done, R, __ATOMIC_RELAXED);
     }
     return 0;
