@@ -21,10 +21,11 @@ from partition.tensor_split import ATTENTIONS, LayerShape, SplitError, split_lay
 #: what an in-process group adds; decoding.tensor_group)
 TENSOR_ACTIVATION_BYTES = 4
 #: what one exchange of partial sums costs beyond the link's round trip: the sockets, the encryption and
-#: the members' skew. Measured (bench/tensor_parallel.py, two pinned processes on loopback, AMD EPYC VM):
-#: 40 us an exchange alone, 0.1-0.14 ms each inside a decode step with the token's coordination spread
-#: over them; a group that measures its own replaces it.
-TENSOR_EXCHANGE_OVERHEAD_S = 100e-6
+#: the members' skew. Measured (bench/tensor_parallel.py, two pinned processes on loopback, AMD EPYC VM,
+#: the decode kernel exchanging the sums itself): 30 us (SmolLM2-135M), 50 us (Qwen2.5-Coder-0.5B) and
+#: 74 us (1.5B) each inside a decode step, the token's coordination spread over them; 0.1-0.14 ms when
+#: every exchange went through Python. A group that measures its own replaces it.
+TENSOR_EXCHANGE_OVERHEAD_S = 50e-6
 
 
 def tensor_fits(members: list[DeviceProfile], max_seq: int, attention: str = "split") -> bool:
