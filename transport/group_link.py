@@ -18,9 +18,10 @@ Every member sends its partial to every other member and adds all of them in ran
 (``decoding.tensor_group.add_in_rank_order``): one exchange per reduction, and every member ends up
 with the same bits. Inside the decode kernel the same frames are sealed, sent, read and added by C
 (:meth:`GroupLink.native_sum`, ``decoding/quant/native/group_sum.cpp``) on these very streams and keys:
-no trip through Python for each reduction (measured over the testbed's 0.3 ms link: ~35 us a side). Activations travel as float32 (exact: the group computes what an in-process group
-computes). A peer whose connection drops ends the wait at once (:class:`GroupLost`); a peer that is
-merely slow is waited for as long as its link stays up.
+no trip through Python for each reduction (measured over the testbed's 0.3 ms link: ~35 us a side).
+Activations travel as float32 (exact: the group computes what an in-process group computes). A peer
+whose connection drops ends the wait at once (:class:`GroupLost`); a peer that is merely slow is waited
+for as long as its link stays up.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class GroupLink:
         partial sums itself (default: yes, unless ``MESHD_GROUP_EXCHANGE=python``)."""
         self.rank, self.size, self.epoch = rank, size, epoch
         self._native_wanted = (os.environ.get(EXCHANGE_ENV, "native") != "python") if native is None else native
-        self._native: kernels.GroupSum | None = None
+        self._native: kernels.GroupSum | None = None  # the kernel's exchange state, made at its first use
+        self._reducer = None
         self._native_check = kernels.GROUP_CHECK_FN(self._native_links_ok)
         self.native_exchanges = 0  # how many of this member's exchanges the kernel made itself
         self._native_interrupt: BaseException | None = None
