@@ -413,12 +413,8 @@ def link_rate(tb) -> float | None:
     """Measured TCP bulk rate host 0 -> host 2 (bits/s), the 'transfer alone' yardstick."""
     if tb is None or tb.mode != "netns" or not tb.link.rate_bps:
         return None
-    from bench.testbed.selftest import _probe, _read_ready
-
-    server = tb.host(2).popen([sys.executable, "-m", "bench.testbed.probe", "serve", "--listen",
-                               f"{tb.host(2).ip}:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, port = _read_ready(server, timeout=15, what="probe server")
-    res = _probe(tb, 0, "bulk", (tb.host(2).ip, port), bytes=int(tb.link.rate_bps / 8 * 3), max_seconds=4)
+    server, port = tb.probe_server(2)
+    res = tb.probe(0, "bulk", (tb.host(2).ip, port), bytes=int(tb.link.rate_bps / 8 * 3), max_seconds=4)
     tb._kill(server)
     return res["mbit_s"] * 1e6
 

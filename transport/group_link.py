@@ -253,25 +253,24 @@ class GroupLink:
         self._open_streams()
         if any(key[1] >= self._pass for key in self._early):
             return None
-        others = [r for r in range(self.size) if r != self.rank]
-        handles = [self._streams[r].native_handles() for r in others]
-        if any(h is None for h in handles):
+        if not all(stream.idle() for stream in self._streams.values()):
             return None
         if self._native is None:
+            others = [r for r in range(self.size) if r != self.rank]
             try:
                 self._reducer = kernels.group_sum_reducer()
                 push, pull = group_stream.sodium_stream_functions()
+                # (the streams, open now, stay these until the links close)
+                peers = [kernels.GroupSumPeer(r, *self._streams[r].native_handles()) for r in others]
             except (kernels.KernelUnavailable, ImportError, AttributeError) as exc:
                 log.warning("group_native_sum_unavailable", why=str(exc))
                 self._native_wanted = False
                 return None
-            g = kernels.GroupSum(spin_s=_SPIN_S, slice_ms=_SLICE_MS, rank=self.rank, size=self.size,
-                                 npeers=len(others), seal=push, open=pull,
-                                 check=ctypes.cast(self._native_check, ctypes.c_void_p).value)
-            self._native = g
+            self._native = kernels.GroupSum(spin_s=_SPIN_S, slice_ms=_SLICE_MS, rank=self.rank, size=self.size,
+                                            npeers=len(others), seal=push, open=pull,
+                                            check=ctypes.cast(self._native_check, ctypes.c_void_p).value)
+            self._native.peers[:len(peers)] = peers
         g = self._native
-        for i, (r, (fd, push_state, pull_state)) in enumerate(zip(others, handles)):
-            g.peers[i] = kernels.GroupSumPeer(r, fd, push_state, pull_state)
         # (g.abort is abort()'s alone: set once, the links stay lost and nothing comes here again)
         g.pass_, g.exchange, g.last_wait_s = self._pass, self._exchange, self._last_wait_s
         return self._reducer, ctypes.addressof(g)

@@ -130,14 +130,15 @@ class SealedStream:
         kind, number_pass, number = HEADER.unpack_from(message)
         return kind, number_pass, number, memoryview(message)[HEADER.size:]
 
-    def native_handles(self) -> tuple[int, int, int] | None:
+    def native_handles(self) -> tuple[int, int, int]:
         """(socket, push state address, pull state address) for C code that seals and opens this stream's
-        frames itself (``decoding/quant/native/group_sum.cpp``), or None while bytes wait here in either
-        direction (they must go, or be read, in order first). The states are the very memory PyNaCl uses, so
-        frames sealed on either side continue one nonce sequence."""
-        if self._out or self._in:
-            return None
+        frames itself (``decoding/quant/native/group_sum.cpp``) while :meth:`idle`. The states are the very
+        memory PyNaCl uses, so frames sealed on either side continue one nonce sequence."""
         return self.sock.fileno(), _state_address(self._push), _state_address(self._pull)
+
+    def idle(self) -> bool:
+        """No bytes wait here in either direction (else they must go, or be read, in order first)."""
+        return not self._out and not self._in
 
     def close(self) -> None:
         try:

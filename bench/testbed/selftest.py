@@ -16,14 +16,12 @@ reachability).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
 
 from bench.testbed.linkspec import LinkSpec
-from bench.testbed.netns import TestbedError
 from bench.testbed.testbed import Testbed, _read_ready
 
 _MCAST_RECV = """
@@ -64,16 +62,6 @@ def multicast_ok(tb: Testbed, src: int = 0, dst: int = 1) -> bool:
     return f"GOT {tb.host(src).ip} meshd-testbed-mdns" in out
 
 
-def _probe(tb: Testbed, host: int, mode: str, addr: tuple[str, int], **opts) -> dict:
-    argv = [sys.executable, "-m", "bench.testbed.probe", mode, "--connect", f"{addr[0]}:{addr[1]}"]
-    for k, v in opts.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
-    res = tb.host(host).run(argv, timeout=40)
-    if res.returncode != 0:
-        raise TestbedError(f"testbed: probe {mode} failed: {res.stderr.strip()[-400:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
 def selftest(link: LinkSpec, prefix: str = "meshd-tb-selftest", mode: str = "auto",
              bulk_bytes: int = 64 << 20, bulk_seconds: float = 6.0, pings: int = 300) -> dict:
     t0 = time.monotonic()
@@ -85,10 +73,7 @@ def selftest(link: LinkSpec, prefix: str = "meshd-tb-selftest", mode: str = "aut
         print(f"  link {link} ({link.describe()}); rate shaping: "
               f"{('tc ' + setup['tbf'] + ' on both veth ends') if tb.shaped else 'off'}; "
               f"delay: {setup['delay']}")
-        server = tb.host(1).popen(
-            [sys.executable, "-m", "bench.testbed.probe", "serve", "--listen", f"{tb.host(1).ip}:0"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _, port = _read_ready(server, timeout=15, what="probe server")
+        _, port = tb.probe_server(1)
         paths = {"direct": (tb.host(1).ip, port),
                  "proxy0": tb.delayed_address(1, port, rtt_s=0.0, proxy=True)}
         if link.delayed:
@@ -99,8 +84,8 @@ def selftest(link: LinkSpec, prefix: str = "meshd-tb-selftest", mode: str = "aut
             bulk_bytes = max(bulk_bytes, 1 << 30)
         results: dict[str, dict] = {}
         for name, addr in paths.items():
-            ping = _probe(tb, 0, "ping", addr, count=pings, max_seconds=4)
-            bulk = _probe(tb, 0, "bulk", addr, bytes=bulk_bytes, max_seconds=bulk_seconds)
+            ping = tb.probe(0, "ping", addr, count=pings, max_seconds=4)
+            bulk = tb.probe(0, "bulk", addr, bytes=bulk_bytes, max_seconds=bulk_seconds)
             results[name] = {"rtt_ms": ping["rtt_median_ms"], "rtt_p90_ms": ping["rtt_p90_ms"],
                              "mbit_s": bulk["mbit_s"], "bulk_bytes": bulk["bytes"]}
             print(f"  {name:8s} {addr[0]}:{addr[1]:<6d} rtt median {ping['rtt_median_ms']:7.3f} ms "

@@ -284,19 +284,32 @@ class Testbed:
 
     def _measure_path_rtt(self) -> float:
         far = self.hosts[-1]
-        server = self._spawn(far.command([sys.executable, "-m", "bench.testbed.probe", "serve", "--listen",
-                                          f"{far.ip}:0"]), None, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+        server, port = self.probe_server(far.index)
         try:
-            _, port = _read_ready(server, timeout=15.0, what="path probe server")
             addr = self.delayed_address(far.index, port, rtt_s=0.0, proxy=True)
-            res = self.host(0).run([sys.executable, "-m", "bench.testbed.probe", "ping", "--connect",
-                                    f"{addr[0]}:{addr[1]}", "--count", "300", "--max-seconds", "3"], timeout=40)
-            if res.returncode != 0:
-                raise TestbedError(f"testbed: measuring the path's round trip failed: {res.stderr.strip()[-400:]}")
-            return json.loads(res.stdout.strip().splitlines()[-1])["rtt_median_ms"] / 1000
+            return self.probe(0, "ping", addr, count=300, max_seconds=3)["rtt_median_ms"] / 1000
         finally:
             self._kill(server)
+
+    # ---- probes (bench.testbed.probe) ------------------------------------
+
+    def probe_server(self, host_index: int) -> tuple[subprocess.Popen, int]:
+        """A ping/bulk probe server in host ``host_index`` (on its ip) and its port; kill it when done."""
+        host = self.hosts[host_index]
+        server = host.popen([sys.executable, "-m", "bench.testbed.probe", "serve", "--listen", f"{host.ip}:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _, port = _read_ready(server, timeout=15.0, what="probe server")
+        return server, port
+
+    def probe(self, host_index: int, mode: str, addr: tuple[str, int], **opts) -> dict:
+        """Run the probe client ``mode`` (ping, bulk) in host ``host_index`` against ``addr``: its JSON result."""
+        argv = [sys.executable, "-m", "bench.testbed.probe", mode, "--connect", f"{addr[0]}:{addr[1]}"]
+        for k, v in opts.items():
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+        res = self.host(host_index).run(argv, timeout=40)
+        if res.returncode != 0:
+            raise TestbedError(f"testbed: probe {mode} failed: {res.stderr.strip()[-400:]}")
+        return json.loads(res.stdout.strip().splitlines()[-1])
 
     # ---- processes -------------------------------------------------------
 

@@ -174,13 +174,11 @@ int meshd_group_sum(void* ctx, float* x, int64_t n) {
     out.resize(np);
     in.resize(np);
     g->exchange++;
-    unsigned char header[HEADER];
-    header[0] = PARTIAL;
-    std::memcpy(header + 1, &g->pass, 4);
-    std::memcpy(header + 5, &g->exchange, 4);
-    thread_local std::vector<unsigned char> message;
+    thread_local std::vector<unsigned char> message;  // kind, pass, exchange, the partial
     fit(message, HEADER + bytes);
-    std::memcpy(message.data(), header, HEADER);
+    message[0] = PARTIAL;
+    std::memcpy(message.data() + 1, &g->pass, 4);
+    std::memcpy(message.data() + 5, &g->exchange, 4);
     std::memcpy(message.data() + HEADER, x, bytes);
     for (int i = 0; i < np; i++) {
         Outgoing& o = out[i];
